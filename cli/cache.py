@@ -1,0 +1,151 @@
+"""`dflash-cache`: build, inspect and verify teacher caches."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from cli.common import BarProgress, run, split_ints
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
+
+
+def _build_config(**o):
+    from dflash_cache.build import BuildConfig
+    from dflash_cache.corpus import CorpusConfig
+    from dflash_cache.teacher import TeacherConfig
+    from dflash_cache.writer import StorageConfig, parse_size
+
+    return BuildConfig(
+        out=o["out"],
+        corpus=CorpusConfig(data=o["data"], max_length=o["max_length"], overlong=o["overlong"],
+                            min_length=o["min_length"], on_bad_row=o["on_bad_row"]),
+        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=o["device"],
+                              layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
+                              top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"]),
+        storage=StorageConfig(shard_bytes=parse_size(o["shard_size"]), chunk_bytes=parse_size(o["chunk_size"]),
+                              compression=o["compression"]),
+        overwrite=o["overwrite"],
+        storage_options=json.loads(o["storage_options"]) if o["storage_options"] else None,
+    )
+
+
+@app.command()
+def build(
+    teacher: str = typer.Option(..., help="Teacher: a local folder or hub name of a transformers causal LM."),
+    data: str = typer.Option(..., help="Corpus: JSONL/Parquet/Arrow file, folder or glob, or a datasets save_to_disk folder."),
+    out: str = typer.Option(..., help="Cache URL: local folder, s3://bucket/path, gs://..."),
+    layers: Optional[str] = typer.Option(None, help="Teacher decoder layers to tap, 0-based, e.g. 1,16,31,46,61. Default: spread for --drafter-layers."),
+    drafter_layers: int = typer.Option(5, help="Number of tapped layers for the default --layers."),
+    top_k: int = typer.Option(64, help="How many top next-token log-probs to keep per position."),
+    max_length: int = typer.Option(4096, help="Longest sequence in tokens."),
+    overlong: str = typer.Option("truncate", help="Sequences over --max-length: truncate or drop."),
+    min_length: int = typer.Option(2, help="Drop sequences shorter than this many tokens."),
+    dtype: str = typer.Option("bfloat16", help="Teacher compute and hidden-state storage dtype: bfloat16 or float32."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
+    batch_tokens: int = typer.Option(8192, help="Padded tokens per teacher forward (sequences are bucketed by length)."),
+    logits_chunk: int = typer.Option(2048, help="Positions per LM-head chunk (bounds fp32 logits memory)."),
+    shard_size: str = typer.Option("512MB", help="Hidden-state bytes per shard, e.g. 512MB, 2GiB."),
+    chunk_size: str = typer.Option("4MiB", help="Bytes per Zarr chunk of hidden states."),
+    compression: str = typer.Option("none", help="Hidden-state compression: none or zstd."),
+    on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
+    overwrite: bool = typer.Option(False, help="Replace an existing cache built with other settings."),
+    dry_run: bool = typer.Option(False, help="Tokenize only and estimate sequences, tokens, bytes and shards."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Run the teacher over the corpus and write (or resume) a sharded cache."""
+    options = dict(locals())
+    progress = BarProgress(enabled=not quiet)
+
+    def action():
+        from dflash_cache.build import build_cache, estimate
+
+        cfg = _build_config(**options)
+        if dry_run:
+            e = estimate(cfg, progress)
+            typer.echo(
+                f"rows {e.rows:,}  sequences {e.sequences:,}  tokens {e.tokens:,} ({e.loss_tokens:,} in the loss mask)\n"
+                f"bytes {e.bytes / 1e9:,.3f} GB ({e.bytes_per_token:,} B/token)  shards {e.shards:,}"
+                + (f"\nskipped {e.skipped}" if e.skipped else "")
+            )
+            return
+        build_cache(cfg, progress)
+        typer.echo(f"cache ready at {cfg.out}")
+
+    run(action, debug)
+
+
+@app.command()
+def info(
+    url: str = typer.Argument(..., help="Cache URL."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole manifest as JSON."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Describe a cache: teacher, layers, k, sizes, shards, skipped rows."""
+
+    def action():
+        from dflash_cache import open_cache
+
+        cache = open_cache(url, json.loads(storage_options) if storage_options else None)
+        m = cache.manifest
+        if as_json:
+            typer.echo(json.dumps(m, indent=1))
+            return
+        t, teacher = m.get("totals", {}), m["teacher"]
+        tokens = max(t.get("tokens", 0), 1)
+        lines = [
+            f"cache        {url} ({'complete' if cache.complete else 'INCOMPLETE: rerun the build to finish it'})",
+            f"format       {m['format']} v{m['format_version']}",
+            f"teacher      {teacher['name']} ({teacher['model_type']}, {teacher['num_hidden_layers']} layers, hidden {teacher['hidden_size']}, vocab {teacher['vocab_size']:,}; weights {teacher['weights_hash']})",
+            f"layers       {','.join(map(str, cache.layer_ids))}   dtype {cache.hidden_dtype}   top-k {cache.top_k}",
+            f"sequences    {t.get('sequences', 0):,}   tokens {t.get('tokens', 0):,} ({t.get('loss_tokens', 0):,} in the loss mask)",
+            f"storage      {t.get('bytes', 0) / 1e6:,.1f} MB in {t.get('shards', 0)} shard(s), {t.get('bytes', 0) / tokens:,.0f} B/token",
+        ]
+        if t.get("skipped"):
+            lines.append(f"skipped      {', '.join(f'{k}: {v}' for k, v in sorted(t['skipped'].items()))}")
+        typer.echo("\n".join(lines))
+
+    run(action, debug)
+
+
+@app.command()
+def verify(
+    url: str = typer.Argument(..., help="Cache URL."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Check every shard's checksums, shapes, dtypes and finiteness; exit 1 naming each bad shard."""
+
+    def action():
+        from dflash_cache import open_cache
+        from dflash_cache.verify import verify_cache
+
+        cache = open_cache(url, json.loads(storage_options) if storage_options else None)
+        report = verify_cache(cache, BarProgress(enabled=not quiet))
+        for name in report.uncommitted:
+            typer.echo(f"note: {name} is not committed (left by an interrupted build; the next build run removes it)", err=True)
+        for name, problems in report.bad_shards.items():
+            typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
+        if not report.ok:
+            typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
+            raise typer.Exit(1)
+        state = "complete" if cache.complete else "incomplete (build not finished)"
+        typer.echo(f"ok: {report.shards_checked} shard(s), {len(cache):,} sequences verified; cache {state}")
+
+    run(action, debug)
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+"""Stage 1: corpus -> tokens -> teacher forward -> committed shards -> manifest.
+
+The corpus is cut into shards by a deterministic rule (consecutive rows until the shard's token
+budget is reached), so a build that is interrupted anywhere and rerun produces exactly the cache
+an uninterrupted build would: committed shards are kept, everything else is redone.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dflash_cache import format as fmt
+from dflash_cache.corpus import (
+    CorpusConfig,
+    corpus_fingerprint,
+    count_rows,
+    iter_rows,
+    list_corpus_files,
+    tokenize_row,
+)
+from dflash_cache.errors import BadRowError, CacheError, ConfigError
+from dflash_cache.progress import Progress
+from dflash_cache.teacher import (
+    Teacher,
+    TeacherConfig,
+    load_config,
+    load_teacher,
+    load_tokenizer,
+    padding_fraction,
+    plan_batches,
+    resolve_layers,
+    tokenizer_hashes,
+)
+from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
+
+# Manifest fields that must match for a rerun to resume into an existing cache.
+RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "corpus", "content_options")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything `dflash-cache build` needs; saved in the manifest."""
+
+    out: str
+    """Cache URL: a local folder, file://, s3://bucket/path, gs://..."""
+
+    corpus: CorpusConfig
+    """What to read and how to tokenize it."""
+
+    teacher: TeacherConfig
+    """Which teacher to run, on which layers, with which k."""
+
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Shard and chunk sizes, compression."""
+
+    overwrite: bool = False
+    """Replace an existing cache built with other settings instead of refusing."""
+
+    storage_options: dict[str, Any] | None = None
+    """fsspec options for the cache URL (credentials, endpoint)."""
+
+    rank: int = 0
+    """This process's rank in a multi-process build (names its shards)."""
+
+    def __post_init__(self):
+        if not self.out:
+            raise ConfigError("--out is empty; give the cache a folder or URL")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("storage_options")  # may hold credentials
+        return out
+
+
+@dataclass
+class DryRunEstimate:
+    """What a build would write, from tokenizing the corpus without running the teacher."""
+
+    rows: int
+    sequences: int
+    tokens: int
+    loss_tokens: int
+    skipped: dict[str, int]
+    bytes_per_token: int
+    bytes: int
+    shards: int
+
+
+def _content_options(cfg: BuildConfig) -> dict:
+    c = cfg.corpus
+    return {"max_length": c.max_length, "overlong": c.overlong, "min_length": c.min_length,
+            "shard_bytes": cfg.storage.shard_bytes}
+
+
+def _sequence_or_skip(row, tokenizer, cfg: CorpusConfig, seen: dict[str, int]):
+    """A TokenizedSequence, or a skip reason; raises BadRowError for bad rows in fail mode."""
+    try:
+        if row.problem is not None:
+            raise BadRowError(row.path, row.row, row.problem)
+        result = tokenize_row(row, tokenizer, cfg)
+        if not isinstance(result, str):
+            first = seen.get(result.id)
+            if first is not None:
+                raise BadRowError(row.path, row.row, f"duplicate id {result.id!r} (first at corpus row {first + 1})")
+            seen[result.id] = row.index
+        return result
+    except BadRowError:
+        if cfg.on_bad_row == "fail":
+            raise
+        return "bad_row"
+
+
+def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstimate:
+    """Tokenize the whole corpus and size the cache, before any teacher work."""
+    progress = progress or Progress()
+    files = list_corpus_files(cfg.corpus.data)
+    tokenizer = load_tokenizer(cfg.teacher)
+    teacher_config = load_config(cfg.teacher)
+    layers = resolve_layers(cfg.teacher, int(teacher_config.num_hidden_layers))
+    per_token_hidden = fmt.hidden_bytes_per_token(len(layers), int(teacher_config.hidden_size), cfg.teacher.dtype)
+    per_token = per_token_hidden + fmt.token_bytes_per_token(cfg.teacher.top_k)
+    skipped: Counter = Counter()
+    rows = sequences = tokens = loss_tokens = 0
+    seen: dict[str, int] = {}
+    progress.start(count_rows(files), "tokenizing", "rows")
+    for row in iter_rows(cfg.corpus):
+        rows += 1
+        result = _sequence_or_skip(row, tokenizer, cfg.corpus, seen)
+        if isinstance(result, str):
+            skipped[result] += 1
+        else:
+            sequences += 1
+            tokens += len(result.input_ids)
+            loss_tokens += int(result.loss_mask.sum())
+        progress.advance(1)
+    progress.close()
+    shard_tokens = max(1, cfg.storage.shard_bytes // per_token_hidden)
+    return DryRunEstimate(
+        rows=rows, sequences=sequences, tokens=tokens, loss_tokens=loss_tokens, skipped=dict(skipped),
+        bytes_per_token=per_token, bytes=tokens * per_token, shards=max(1, math.ceil(tokens / shard_tokens)),
+    )
+
+
+def _header(cfg: BuildConfig, teacher: Teacher, files: list[str]) -> dict:
+    return {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "complete": False,
+        "teacher": teacher.identity,
+        "tokenizer": tokenizer_hashes(teacher.tokenizer),
+        "layer_ids": teacher.layer_ids,
+        "hidden_size": teacher.hidden_size,
+        "hidden_dtype": cfg.teacher.dtype,
+        "hidden_storage": fmt.HIDDEN_STORAGE[cfg.teacher.dtype].name,
+        "top_k": cfg.teacher.top_k,
+        "topk_ids_dtype": "int32",
+        "topk_logprobs_dtype": "float32",
+        "corpus": {"fingerprint": corpus_fingerprint(files), "files": len(files)},
+        "content_options": _content_options(cfg),
+        "build": cfg.to_dict(),
+    }
+
+
+def _mismatch(existing: dict, header: dict) -> str | None:
+    for key in RESUME_KEYS:
+        if existing.get(key) != header.get(key):
+            return f"{key} differs (cache: {existing.get(key)}, this build: {header.get(key)})"
+    return None
+
+
+def committed_records(fs, root: str, rank: int) -> list[dict]:
+    """Commit records of this rank's shards, in order; the source of truth on resume."""
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    if not fs.exists(shards_dir):
+        return []
+    prefix = fmt.shard_name(rank, 0)[:-6]
+    records = []
+    for path in sorted(fs.glob(fmt.join(shards_dir, f"{prefix}*.json"))):
+        records.append(fmt.read_json(fs, path))
+    records.sort(key=lambda r: r["index"])
+    # The writer commits in order, so committed shards are a prefix 0..n-1.
+    for expected, record in enumerate(records):
+        if record["index"] != expected:
+            raise CacheError(f"shard records of rank {rank} have a gap at index {expected}; run `dflash-cache verify` and rebuild with --overwrite")
+    return records
+
+
+def _remove_uncommitted(fs, root: str, committed: set[str]) -> int:
+    """Delete shard folders without a commit record (a crash mid-write left them)."""
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    if not fs.exists(shards_dir):
+        return 0
+    removed = 0
+    for path in fs.ls(shards_dir, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if name.endswith(".json") or name in committed:
+            continue
+        if ".tmp-" in name or name.startswith("shard-"):
+            fs.rm(path, recursive=True)
+            removed += 1
+    return removed
+
+
+def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
+    manifest_path = fmt.join(root, fmt.MANIFEST)
+    if fs.exists(manifest_path):
+        existing = fmt.read_json(fs, manifest_path)
+        problem = _mismatch(existing, header) if existing.get("format_version") == fmt.FORMAT_VERSION else "format version differs"
+        if problem and not overwrite:
+            raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
+        if problem:
+            for sub in (fmt.SHARDS_DIR, fmt.TEACHER_DIR):
+                if fs.exists(fmt.join(root, sub)):
+                    fs.rm(fmt.join(root, sub), recursive=True)
+            fs.rm(manifest_path)
+    elif fs.exists(root) and fs.ls(root, detail=False):
+        raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
+    fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
+
+
+class _ManifestKeeper:
+    """Rewrites manifest.json (atomically) after each committed shard."""
+
+    def __init__(self, fs, root: str, header: dict, records: list[dict]):
+        self.fs, self.root, self.header = fs, root, header
+        self.records = list(records)
+        self.lock = threading.Lock()
+        self.write(complete=False)
+
+    def commit(self, record: dict) -> None:
+        with self.lock:
+            self.records.append(record)
+            self.write(complete=False)
+
+    def write(self, complete: bool, **extra) -> dict:
+        manifest = dict(self.header, complete=complete, totals=fmt.totals(self.records), shards=self.records, **extra)
+        fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest)
+        return manifest
+
+
+def _committed_ids(fs, root: str, records: list[dict]) -> dict[str, int]:
+    import pyarrow as pa
+
+    seen: dict[str, int] = {}
+    for record in records:
+        path = fmt.join(root, fmt.SHARDS_DIR, record["name"], fmt.SEQUENCES)
+        table = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all()
+        for seq_id, row in zip(table.column("id").to_pylist(), table.column("row").to_pylist()):
+            seen[seq_id] = row
+    return seen
+
+
+def run_teacher(teacher: Teacher, sequences: list, rows: list[int], rank: int, index: int,
+                row_span: tuple[int, int], skipped: dict[str, int], stats: dict) -> ShardData:
+    """Run the teacher over one shard's sequences (bucketed batches) and pack the results."""
+    lengths = np.array([len(s.input_ids) for s in sequences], dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    n_tokens, n_layers, k = int(offsets[-1]), len(teacher.layer_ids), teacher.cfg.top_k
+    hidden = np.empty((n_tokens, n_layers, teacher.hidden_size), dtype=fmt.HIDDEN_STORAGE[teacher.cfg.dtype])
+    topk_ids = np.empty((n_tokens, k), dtype=np.int32)
+    topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
+    finite = np.ones(len(sequences), dtype=bool)
+    batches = plan_batches(lengths, teacher.cfg.batch_tokens) if len(sequences) else []
+    for batch in batches:
+        out = teacher.forward([sequences[i].input_ids for i in batch])
+        pos = 0
+        for i in batch:
+            lo, hi, n = offsets[i], offsets[i + 1], lengths[i]
+            hidden[lo:hi] = out.hidden[pos:pos + n]
+            topk_ids[lo:hi] = out.topk_ids[pos:pos + n]
+            topk_logprobs[lo:hi] = out.topk_logprobs[pos:pos + n]
+            pos += n
+        finite[batch] = out.finite
+        stats["tokens"] += int(lengths[batch].sum())
+        stats["padded"] += int(lengths[batch].max()) * len(batch)
+        stats["progress"].advance(len(batch), **stats["show"]())
+    shard = ShardData(
+        rank=rank, index=index, row_start=row_span[0], row_end=row_span[1],
+        ids=[s.id for s in sequences], rows=np.array(rows, dtype=np.int64), lengths=lengths,
+        truncated=np.array([s.truncated for s in sequences], dtype=bool),
+        input_ids=np.concatenate([s.input_ids for s in sequences]) if sequences else np.zeros(0, np.int32),
+        loss_mask=np.concatenate([s.loss_mask for s in sequences]) if sequences else np.zeros(0, np.uint8),
+        hidden=hidden, topk_ids=topk_ids, topk_logprobs=topk_logprobs, skipped=dict(skipped),
+    )
+    if not finite.all():
+        shard = shard.drop(finite)
+        shard.skipped["nonfinite"] = shard.skipped.get("nonfinite", 0) + int((~finite).sum())
+        stats["progress"].message(f"teacher outputs were NaN/Inf for {int((~finite).sum())} sequence(s) in shard {shard.name}; not written (ids: {[s.id for s, f in zip(sequences, finite) if not f][:5]})")
+    return shard
+
+
+def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
+    """Build (or resume) the cache; returns the final manifest."""
+    progress = progress or Progress()
+    files = list_corpus_files(cfg.corpus.data)
+    total_rows = count_rows(files)
+    if total_rows == 0:
+        raise ConfigError(f"the corpus {cfg.corpus.data!r} has no rows; point --data at a non-empty file")
+    fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
+    teacher = load_teacher(cfg.teacher)
+    header = _header(cfg, teacher, files)
+    _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
+
+    records = committed_records(fs, root, cfg.rank)
+    removed = _remove_uncommitted(fs, root, {r["name"] for r in records})
+    if not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
+        write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
+    keeper = _ManifestKeeper(fs, root, header, records)
+    start_row = records[-1]["rows"][1] if records else 0
+    if records:
+        progress.message(f"resuming: {len(records)} committed shard(s) kept, continuing at corpus row {start_row}"
+                         + (f", {removed} uncommitted shard(s) removed" if removed else ""))
+
+    per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype)
+    shard_tokens = max(1, cfg.storage.shard_bytes // per_token_hidden)
+    seen = _committed_ids(fs, root, records)
+    started = time.perf_counter()
+    stats = {"tokens": 0, "padded": 0, "progress": progress}
+    stats["show"] = lambda: {
+        "tok/s": f"{stats['tokens'] / max(time.perf_counter() - started, 1e-9):,.0f}",
+        "written": f"{sum(r['bytes'] for r in keeper.records) / 1e6:,.1f}MB",
+    }
+    writer = BackgroundWriter(lambda shard: write_shard(fs, root, shard, cfg.storage, cfg.teacher.dtype), keeper.commit)
+    progress.start(max(total_rows - start_row, 0), "sequences", "seq")
+
+    pending, pending_rows, pending_tokens, skipped = [], [], 0, Counter()
+    span_start, index = start_row, len(records)
+
+    def flush(row_end: int):
+        nonlocal pending, pending_rows, pending_tokens, skipped, span_start, index
+        shard = run_teacher(teacher, pending, pending_rows, cfg.rank, index, (span_start, row_end), skipped, stats)
+        writer.submit(shard)
+        pending, pending_rows, pending_tokens, skipped = [], [], 0, Counter()
+        span_start, index = row_end, index + 1
+
+    next_row = start_row
+    try:
+        for row in iter_rows(cfg.corpus, start_row=start_row):
+            next_row = row.index + 1
+            result = _sequence_or_skip(row, teacher.tokenizer, cfg.corpus, seen)
+            if isinstance(result, str):
+                skipped[result] += 1
+                progress.advance(1)
+            else:
+                pending.append(result)
+                pending_rows.append(row.index)
+                pending_tokens += len(result.input_ids)
+            if pending_tokens >= shard_tokens:
+                flush(next_row)
+        if pending or skipped:
+            flush(next_row)
+    except BaseException:
+        try:  # shards already queued are valid work: let them commit, but report the first error
+            writer.close()
+        except Exception:
+            pass
+        raise
+    else:
+        writer.close()
+    finally:
+        progress.close()
+
+    elapsed = time.perf_counter() - started
+    manifest = keeper.write(
+        complete=True,
+        last_run={
+            "seconds": round(elapsed, 3),
+            "tokens": stats["tokens"],
+            "padding_fraction": round(1 - stats["tokens"] / stats["padded"], 4) if stats["padded"] else 0.0,
+        },
+    )
+    t = manifest["totals"]
+    progress.message(
+        f"committed {t['shards']} shard(s): {t['sequences']:,} sequences, {t['tokens']:,} tokens, "
+        f"{t['bytes'] / 1e6:,.1f} MB; padding {manifest['last_run']['padding_fraction']:.1%}"
+        + (f"; skipped {t['skipped']}" if t["skipped"] else "")
+    )
+    return manifest

@@ -1,0 +1,205 @@
+"""The cache format: names, schemas, dtypes and the manifest. This module is its single owner.
+
+Layout of a cache at URL ``root`` (see docs/cache-format.md):
+
+    manifest.json                   everything about the cache; lists committed shards
+    teacher/                        frozen teacher pieces for stage 2 (head, config, tokenizer)
+    shards/shard-r00000-000000/     one committed shard: hidden.zarr, tokens.arrow, sequences.arrow
+    shards/shard-r00000-000000.json the shard's commit record, written last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import fsspec
+import ml_dtypes
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from dflash_cache.errors import CacheError
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+SHARDS_DIR = "shards"
+TEACHER_DIR = "teacher"
+TEACHER_HEAD = "head.safetensors"
+HIDDEN = "hidden.zarr"
+TOKENS = "tokens.arrow"
+SEQUENCES = "sequences.arrow"
+
+# Stored dtype of the hidden states, keyed by the true dtype recorded in the manifest. Zarr 3 has
+# no bfloat16, so bf16 is stored as its 16-bit pattern and viewed back on read (lossless).
+HIDDEN_STORAGE = {
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+}
+HIDDEN_NUMPY = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+
+
+def default_layer_ids(num_teacher_layers: int, num_drafter_layers: int = 5) -> list[int]:
+    """DESIGN.md's default tapped layers: spread over 1..L-3, or the middle layer for one.
+
+    Teachers too shallow for that spread (tiny test models) get distinct layers spread over all
+    of their layers instead, at most one per layer.
+    """
+    if num_drafter_layers == 1:
+        return [num_teacher_layers // 2]
+    step = (num_teacher_layers - 4) / (num_drafter_layers - 1)
+    layers = [round(1 + i * step) for i in range(num_drafter_layers)]
+    if len(set(layers)) == len(layers):
+        return layers
+    n = min(num_drafter_layers, num_teacher_layers)
+    return sorted({round(i * (num_teacher_layers - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard-r{rank:05d}-{index:06d}"
+
+
+def sequences_schema() -> pa.Schema:
+    """One row per sequence; its tokens are rows offset..offset+length of the token table."""
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("offset", pa.int64()),
+            ("length", pa.int32()),
+            ("row", pa.int64()),
+            ("truncated", pa.bool_()),
+        ]
+    )
+
+
+def tokens_schema(top_k: int) -> pa.Schema:
+    """One row per token, sequences packed back to back in shard order."""
+    return pa.schema(
+        [
+            ("input_ids", pa.int32()),
+            ("loss_mask", pa.uint8()),
+            ("topk_ids", pa.list_(pa.int32(), top_k)),
+            ("topk_logprobs", pa.list_(pa.float32(), top_k)),
+        ]
+    )
+
+
+def hidden_bytes_per_token(num_layers: int, hidden_size: int, hidden_dtype: str) -> int:
+    return num_layers * hidden_size * HIDDEN_STORAGE[hidden_dtype].itemsize
+
+
+def token_bytes_per_token(top_k: int) -> int:
+    """Arrow payload per token: input id, mask, k ids and k log-probs."""
+    return 4 + 1 + top_k * (4 + 4)
+
+
+def to_storage(hidden: np.ndarray, hidden_dtype: str) -> np.ndarray:
+    """Reinterpret hidden states of the true dtype as the stored dtype, without copying."""
+    return hidden.view(HIDDEN_STORAGE[hidden_dtype])
+
+
+def from_storage(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
+    """Reinterpret stored hidden states as their true dtype, without copying."""
+    return stored.view(HIDDEN_NUMPY[hidden_dtype])
+
+
+def checksum(data: bytes | memoryview | np.ndarray) -> str:
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    return xxhash.xxh64(data).hexdigest()
+
+
+# --- file system helpers -------------------------------------------------------------------
+
+
+def url_to_fs(url: str, storage_options: dict[str, Any] | None = None):
+    """(filesystem, root path) for a cache URL: a local path, file://, s3://, gs://, ..."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, root.rstrip("/")
+
+
+def is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts if p)
+
+
+def write_bytes_atomic(fs, path: str, data: bytes) -> None:
+    """Readers see the old content or the new, never a torn file.
+
+    On a local file system: a temporary file in the same folder, then rename. On object stores
+    a single PUT is already atomic.
+    """
+    if is_local(fs):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        fs.mv(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_json_atomic(fs, path: str, obj: Any) -> None:
+    write_bytes_atomic(fs, path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def read_json(fs, path: str) -> Any:
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+# --- manifest --------------------------------------------------------------------------------
+
+
+def check_manifest(manifest: dict, url: str) -> dict:
+    """Refuse manifests this code cannot read, naming the fix."""
+    if manifest.get("format") != FORMAT_NAME:
+        raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={manifest.get('format')!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CacheError(
+            f"{url}: cache format version {version} is not supported by this dflash "
+            f"(reads version {FORMAT_VERSION}); rebuild the cache or install a matching dflash"
+        )
+    for key in ("layer_ids", "hidden_size", "hidden_dtype", "top_k", "shards"):
+        if key not in manifest:
+            raise CacheError(f"{url}: manifest.json lacks the field {key!r}; the cache is damaged, rebuild it")
+    if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
+        raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
+    return manifest
+
+
+def read_manifest(fs, root: str, url: str | None = None) -> dict:
+    path = join(root, MANIFEST)
+    if not fs.exists(path):
+        raise CacheError(f"{url or root}: no manifest.json; not a dflash cache (build one with `dflash-cache build`)")
+    try:
+        manifest = read_json(fs, path)
+    except json.JSONDecodeError as err:
+        raise CacheError(f"{url or root}: manifest.json is not valid JSON ({err}); rebuild the cache") from None
+    return check_manifest(manifest, url or root)
+
+
+def totals(shards: list[dict]) -> dict[str, int]:
+    """Sum of the per-shard counters."""
+    keys = ("sequences", "tokens", "loss_tokens", "bytes")
+    out = {k: sum(int(s[k]) for s in shards) for k in keys}
+    skipped: dict[str, int] = {}
+    for s in shards:
+        for reason, n in s.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + int(n)
+    out["skipped"] = skipped
+    out["shards"] = len(shards)
+    return out

@@ -1,0 +1,282 @@
+"""The teacher forward: tapped-layer hidden states and top-k next-token log-probs per position.
+
+Only the tapped layers are captured (forward hooks), never all hidden states, and the LM head runs
+over chunks of positions so ``[tokens, vocab]`` fp32 logits for a whole batch never exist.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from dflash_cache import format as fmt
+from dflash_cache.errors import ConfigError, TeacherError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """Which teacher to run and how."""
+
+    name_or_path: str
+    """A local folder or a Hugging Face hub name of a transformers causal LM."""
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when name_or_path is a hub name."""
+
+    dtype: str = "bfloat16"
+    """Compute and storage dtype of the hidden states: 'bfloat16' or 'float32'."""
+
+    device: str = "auto"
+    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+
+    layers: tuple[int, ...] | None = None
+    """0-based decoder layers to tap; None picks DESIGN.md's default for num_drafter_layers."""
+
+    num_drafter_layers: int = 5
+    """How many layers the default layer choice is spread for."""
+
+    top_k: int = 64
+    """How many of the teacher's most likely next tokens to keep per position."""
+
+    batch_tokens: int = 8192
+    """Padded tokens per teacher forward (batch size x longest sequence in the batch)."""
+
+    logits_chunk: int = 2048
+    """Positions per LM-head chunk: bounds the fp32 logits to logits_chunk x vocab."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use bfloat16 or float32")
+        if self.top_k < 1:
+            raise ConfigError(f"--top-k must be at least 1, got {self.top_k}")
+        if self.batch_tokens < 1 or self.logits_chunk < 1:
+            raise ConfigError(f"batch tokens and logits chunk must be positive, got {self.batch_tokens}, {self.logits_chunk}")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise ConfigError(f"--layers must list 0-based decoder layer ids, got {self.layers}")
+        if self.num_drafter_layers < 1:
+            raise ConfigError(f"number of drafter layers must be at least 1, got {self.num_drafter_layers}")
+
+
+def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
+    """Group sequence indices into batches of similar length within a padded-token budget.
+
+    Longest first, so each batch's first sequence sets its padded length; a sequence longer
+    than the budget runs alone. Deterministic for given lengths.
+    """
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    batches, current, width = [], [], 0
+    for i in order:
+        length = int(lengths[i])
+        if current and width * (len(current) + 1) > batch_tokens:
+            batches.append(np.array(current))
+            current = []
+        if not current:
+            width = length
+        current.append(int(i))
+    if current:
+        batches.append(np.array(current))
+    return batches
+
+
+def padding_fraction(lengths: np.ndarray, batches: list[np.ndarray]) -> float:
+    padded = sum(int(lengths[b].max()) * len(b) for b in batches)
+    return 1.0 - float(np.sum(lengths)) / padded if padded else 0.0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.base_model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return layers
+    n = model.config.get_text_config().num_hidden_layers
+    for module in base.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise TeacherError(f"cannot find the decoder layers of {type(model).__name__}; the model type is not supported")
+
+
+def tokenizer_hashes(tokenizer) -> dict:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return {
+        "hash": xxhash.xxh64(text.encode()).hexdigest(),
+        "chat_template_hash": xxhash.xxh64((tokenizer.chat_template or "").encode()).hexdigest(),
+        "size": len(tokenizer),
+    }
+
+
+def teacher_identity(model, name_or_path: str, revision: str | None) -> dict:
+    """Name, revision and hashes of the config and weights (a strided sample of every tensor,
+    so hashing a 27B model takes seconds, not minutes)."""
+    config = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_commit_hash"):
+        config.pop(volatile, None)
+    config_hash = xxhash.xxh64(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    weights = xxhash.xxh64()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().numpy()
+        weights.update(f"{name}:{tuple(tensor.shape)}".encode())
+        weights.update(sample.tobytes())
+    text_config = model.config.get_text_config()
+    return {
+        "name": name_or_path,
+        "revision": revision or getattr(model.config, "_commit_hash", None),
+        "model_type": getattr(text_config, "model_type", model.config.model_type),
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "hidden_size": int(text_config.hidden_size),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "config_hash": config_hash,
+        "weights_hash": weights.hexdigest(),
+    }
+
+
+def load_tokenizer(cfg: TeacherConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision)
+    except (OSError, ValueError) as err:
+        raise TeacherError(f"cannot load the tokenizer of {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+
+
+def load_config(cfg: TeacherConfig):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision).get_text_config()
+    except (OSError, ValueError) as err:
+        raise TeacherError(f"cannot load the teacher config of {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+
+
+def resolve_layers(cfg: TeacherConfig, num_layers: int) -> list[int]:
+    layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_drafter_layers)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"--layers {','.join(map(str, layers))}: layers {bad} do not exist in a {num_layers}-layer teacher (use 0..{num_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"--layers lists a layer twice: {layers}")
+    return layers
+
+
+@dataclass
+class TeacherOutput:
+    """Results for a list of sequences, packed back to back in the order given."""
+
+    hidden: np.ndarray  # stored dtype [N_tokens, L, H]
+    topk_ids: np.ndarray  # int32 [N_tokens, k]
+    topk_logprobs: np.ndarray  # float32 [N_tokens, k]
+    finite: np.ndarray  # bool [n_sequences]
+
+
+@dataclass
+class Teacher:
+    """A loaded teacher ready to run; build it with ``load_teacher``."""
+
+    cfg: TeacherConfig
+    model: torch.nn.Module
+    tokenizer: object
+    layer_ids: list[int]
+    device: torch.device
+    identity: dict = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.get_text_config().hidden_size)
+
+    @torch.inference_mode()
+    def forward(self, sequences: list[np.ndarray]) -> TeacherOutput:
+        """Run one padded batch (right padding, so real positions are unaffected)."""
+        lengths = torch.tensor([len(s) for s in sequences])
+        width = int(lengths.max())
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            input_ids[row, : len(seq)] = torch.from_numpy(np.asarray(seq, dtype=np.int64))
+        attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        real = attention_mask.bool().to(self.device)
+
+        captured: dict[int, torch.Tensor] = {}
+        layers = _decoder_layers(self.model)
+
+        def hook(layer_id):
+            def save(_module, _inputs, output):
+                captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[real]
+            return save
+
+        handles = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        try:
+            out = self.model.base_model(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        last = out.last_hidden_state[real]  # [N, H]
+        hidden = torch.stack([captured[i] for i in self.layer_ids], dim=1)  # [N, L, H]
+        topk_ids, topk_logprobs = self._topk(last)
+
+        token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths).to(token_finite.device)
+        finite = torch.ones(len(sequences), dtype=torch.bool, device=token_finite.device)
+        finite.scatter_reduce_(0, seq_of_token, token_finite, reduce="amin")
+
+        hidden = hidden.cpu()
+        if hidden.dtype == torch.bfloat16:
+            hidden_np = hidden.view(torch.int16).numpy().view(np.uint16)
+        else:
+            hidden_np = hidden.float().numpy()
+        return TeacherOutput(
+            hidden=hidden_np,
+            topk_ids=topk_ids.cpu().to(torch.int32).numpy(),
+            topk_logprobs=topk_logprobs.cpu().numpy(),
+            finite=finite.cpu().numpy(),
+        )
+
+    def _topk(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        ids, logprobs = [], []
+        for start in range(0, last.shape[0], self.cfg.logits_chunk):
+            logits = head(last[start:start + self.cfg.logits_chunk]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            values, indices = torch.log_softmax(logits, dim=-1).topk(self.cfg.top_k, dim=-1, sorted=True)
+            ids.append(indices)
+            logprobs.append(values)
+        return torch.cat(ids), torch.cat(logprobs)
+
+
+def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(cfg.device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, dtype=DTYPES[cfg.dtype])
+    except (OSError, ValueError) as err:
+        raise TeacherError(f"cannot load the teacher {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+    model.to(device).eval()
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    num_layers = int(model.config.get_text_config().num_hidden_layers)
+    if cfg.top_k > model.get_output_embeddings().weight.shape[0]:
+        raise ConfigError(f"--top-k {cfg.top_k} exceeds the teacher's vocabulary; use a smaller k")
+    return Teacher(
+        cfg=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        layer_ids=resolve_layers(cfg, num_layers),
+        device=device,
+        identity=teacher_identity(model, cfg.name_or_path, cfg.revision),
+    )

@@ -1,0 +1,663 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a block of tokens from teacher features.
+
+Contract (see DESIGN.md, "The drafter"): context features `c = hidden_norm(fc(concat of the tapped
+layers' hidden states))`; every layer attends from the block states to keys/values
+`[proj(c) ; proj(block)]`; a block anchored at `a` is `[x_a, MASK, ..., MASK]`, sits at rotary
+positions `a..a+B-1`, sees context positions `< a` and its own block (bidirectionally).
+
+Parameter names are exactly the export names, so `state_dict()` is the exported tensor set; the
+teacher's embedding and LM head are non-persistent buffers and never part of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_cache.errors import ConfigError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+MASK_TOKEN = "<|MASK|>"
+ATTENTION_BACKENDS = ("sdpa", "flex")
+
+# HF-style initialisation, the same the reference drafters start from.
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape and wiring of a DFlash drafter; `to_hf_config()` is its export config.json."""
+
+    hidden_size: int
+    """Width of the residual stream; equal to the teacher's hidden size."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (grouped-query attention); divides num_attention_heads."""
+    head_dim: int
+    """Width of one attention head; even, because rotary embeddings rotate pairs."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    vocab_size: int
+    """Rows of the teacher's embedding / LM head."""
+    mask_token_id: int
+    """Token id that fills the not-yet-known positions of a block."""
+    target_layer_ids: tuple[int, ...]
+    """0-based teacher decoder layers whose outputs are concatenated into the context features."""
+    num_target_layers: int
+    """Number of decoder layers of the teacher."""
+    num_hidden_layers: int = 5
+    """Number of drafter decoder layers."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor token plus block_size - 1 predictions."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary embedding frequencies."""
+    max_position_embeddings: int = 40960
+    """Longest position the drafter is meant to serve (recorded for inference engines)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, "full_attention" or "sliding_attention"; None means all full attention."""
+    sliding_window: int | None = None
+    """Key window of sliding layers: a key at position p is seen by a query at q when p > q - window."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers",
+                     "max_position_embeddings"):
+            _require_positive_int(name, getattr(self, name))
+        _require_positive_int("block_size", self.block_size)
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size} drafts nothing; use 2 or more (16 is typical)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; pick a divisor")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd; rotary embeddings need an even head_dim")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
+        _require_int("mask_token_id", self.mask_token_id)
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "pass an id the teacher's embedding has a row for")
+
+        layer_ids = tuple(self.target_layer_ids)
+        if not layer_ids:
+            raise ConfigError("target_layer_ids is empty; list the teacher layers to tap, e.g. 1,16,31,46,61")
+        for layer_id in layer_ids:
+            _require_int("target_layer_ids entry", layer_id)
+            if not 0 <= layer_id < self.num_target_layers:
+                raise ConfigError(
+                    f"target layer id {layer_id} is outside the teacher's {self.num_target_layers} layers; "
+                    f"use ids in [0, {self.num_target_layers})")
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ConfigError(f"target_layer_ids={list(layer_ids)} repeats a layer; list each layer once")
+        object.__setattr__(self, "target_layer_ids", layer_ids)
+
+        types = (FULL_ATTENTION,) * self.num_hidden_layers if self.layer_types is None else tuple(self.layer_types)
+        if len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}; "
+                "give one per layer")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
+        object.__setattr__(self, "layer_types", types)
+
+        if self.any_sliding:
+            if self.sliding_window is None:
+                raise ConfigError("a layer is sliding_attention but sliding_window is None; set a window")
+            _require_positive_int("sliding_window", self.sliding_window)
+        elif self.sliding_window is not None:
+            raise ConfigError(
+                f"sliding_window={self.sliding_window} is set but no layer is sliding_attention; "
+                "choose sliding layers or drop the window")
+
+    @property
+    def any_sliding(self) -> bool:
+        """Whether at least one layer uses sliding-window attention."""
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def num_context_layers(self) -> int:
+        """How many teacher layers are concatenated per position."""
+        return len(self.target_layer_ids)
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The sliding window of one layer, None for full attention."""
+        return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
+
+    @classmethod
+    def from_teacher(
+        cls,
+        teacher_config: Mapping[str, Any],
+        target_layer_ids: Sequence[int],
+        mask_token_id: int,
+        block_size: int = 16,
+        num_hidden_layers: int = 5,
+        sliding_window: int | None = None,
+        sliding_layers: Sequence[int] = (),
+        **overrides: Any,
+    ) -> "DrafterConfig":
+        """Derive a drafter config from a teacher's HF config dict (Qwen3, Llama, qwen3_5, ...).
+
+        Dimensions default to the teacher's; `overrides` replaces any field by name.
+        """
+        text = _text_config(teacher_config)
+        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+            if text.get(key) is None:
+                raise ConfigError(f"teacher config has no {key!r}; pass a transformers config dict of a decoder LM")
+        hidden_size = int(text["hidden_size"])
+        num_heads = int(text["num_attention_heads"])
+        sliding_layers = tuple(sliding_layers)
+        for index in sliding_layers:
+            if not 0 <= index < num_hidden_layers:
+                raise ConfigError(
+                    f"sliding layer {index} is outside the drafter's {num_hidden_layers} layers; "
+                    f"use indices in [0, {num_hidden_layers})")
+        if sliding_layers and sliding_window is None:
+            raise ConfigError(f"sliding_layers={list(sliding_layers)} given without sliding_window; set a window")
+        if sliding_window is not None and not sliding_layers:
+            raise ConfigError(f"sliding_window={sliding_window} given without sliding_layers; name the sliding layers")
+
+        fields: dict[str, Any] = dict(
+            hidden_size=hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or num_heads),
+            head_dim=int(text.get("head_dim") or hidden_size // num_heads),
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(target_layer_ids),
+            num_target_layers=int(text["num_hidden_layers"]),
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
+            rope_theta=_rope_theta(text),
+            max_position_embeddings=int(text.get("max_position_embeddings") or 40960),
+            layer_types=tuple(SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION
+                              for i in range(num_hidden_layers)),
+            sliding_window=sliding_window,
+        )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown drafter config field {unknown[0]!r}; use one of {sorted(known)}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The export config.json: a Qwen3 config plus the DFlash fields."""
+        config: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            # Older readers look for rope_theta, transformers 5 for rope_parameters: write both.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            # Some engines read block_size from dflash_config instead of the top level.
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+            "layer_types": list(self.layer_types),
+            # transformers 4.x drops sliding_window unless use_sliding_window is true.
+            "use_sliding_window": self.any_sliding,
+        }
+        if self.any_sliding:
+            config["sliding_window"] = self.sliding_window
+        return config
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "DrafterConfig":
+        """Read an export config.json back (the inverse of `to_hf_config`)."""
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                    "vocab_size", "num_target_layers", "dflash_config"):
+            if config.get(key) is None:
+                raise ConfigError(f"drafter config has no {key!r}; export the drafter again with export_drafter")
+        dflash = config["dflash_config"]
+        if not isinstance(dflash, Mapping):
+            raise ConfigError(f"drafter config dflash_config is {type(dflash).__name__}, not an object; re-export it")
+        for key in ("mask_token_id", "target_layer_ids"):
+            if dflash.get(key) is None:
+                raise ConfigError(f"drafter config dflash_config has no {key!r}; re-export the drafter")
+        block_size = config.get("block_size", dflash.get("block_size"))
+        if block_size is None:
+            raise ConfigError("drafter config has no 'block_size'; re-export the drafter")
+        num_layers = int(config["num_hidden_layers"])
+        layer_types = tuple(config.get("layer_types") or (FULL_ATTENTION,) * num_layers)
+        sliding = SLIDING_ATTENTION in layer_types
+        hidden_size = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        return cls(
+            hidden_size=hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+            num_target_layers=int(config["num_target_layers"]),
+            num_hidden_layers=num_layers,
+            block_size=int(block_size),
+            rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+            rope_theta=_rope_theta(config),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+            layer_types=layer_types,
+            # A Qwen3 config may carry an unused window; it only matters when a layer slides.
+            sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
+        )
+
+
+def _require_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r} is not an integer; pass a whole number")
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    _require_int(name, value)
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be >= 1")
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language-model part of a config; multimodal wrappers (qwen3_5) nest it in text_config."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    """Rotary base from the top level (transformers 4) or rope_parameters (transformers 5)."""
+    if config.get("rope_theta") is not None:
+        return float(config["rope_theta"])
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+            return float(params["rope_theta"])
+    # transformers' default base when a config names none.
+    return 10000.0
+
+
+def resolve_mask_token_id(tokenizer: Any, num_embedding_rows: int, override: int | None = None) -> int:
+    """Pick the MASK token: the override, the tokenizer's `<|MASK|>`, or the first unused embedding row.
+
+    `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`.
+    """
+    if override is not None:
+        _require_int("mask token id", override)
+        if not 0 <= override < num_embedding_rows:
+            raise ConfigError(
+                f"--mask-token-id {override} is outside the teacher's {num_embedding_rows} embedding rows; "
+                f"pass an id in [0, {num_embedding_rows})")
+        return override
+    vocab = tokenizer.get_vocab()
+    mask_id = vocab.get(MASK_TOKEN)
+    if mask_id is not None and mask_id < num_embedding_rows:
+        return int(mask_id)
+    used = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size(with_added_tokens=True)
+    # Ids need not be contiguous; the first free row is beyond the largest one in use.
+    first_free = max(used, max(vocab.values(), default=-1) + 1)
+    if first_free < num_embedding_rows:
+        return first_free
+    raise ConfigError(
+        f"the tokenizer has no {MASK_TOKEN} token and uses all {num_embedding_rows} embedding rows; "
+        "pass --mask-token-id with a rarely used token id")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention masks
+
+
+def _visible(query_anchor: Tensor, q_idx: Tensor, kv_idx: Tensor, seq_len: int, block_size: int,
+             sliding_window: int | None) -> Tensor:
+    """Whether block query `q_idx` may attend to key `kv_idx` (broadcasting elementwise predicate).
+
+    Keys are [seq_len context positions ; the blocks' positions]; `query_anchor` is the anchor of
+    the query's block (-1 for an unused slot, which then sees only its own block). Shared by the
+    dense mask and the flex_attention mask_mod so both paths agree by construction.
+    """
+    in_context = kv_idx < seq_len
+    block_offset = kv_idx - seq_len
+    same_block = torch.div(block_offset, block_size, rounding_mode="floor") == torch.div(
+        q_idx, block_size, rounding_mode="floor")
+    visible = (in_context & (kv_idx < query_anchor)) | (~in_context & same_block)
+    if sliding_window is not None:
+        query_pos = query_anchor + q_idx % block_size
+        key_pos = torch.where(in_context, kv_idx, query_anchor + block_offset % block_size)
+        visible = visible & (key_pos > query_pos - sliding_window)
+    return visible
+
+
+def block_attention_mask(anchors: Tensor, seq_len: int, block_size: int,
+                         sliding_window: int | None = None) -> Tensor:
+    """Boolean attention mask [N, A*B, T + A*B] (True = may attend) for many blocks per sequence.
+
+    anchors: [N, A] long, -1 for unused slots. Block j's queries see context positions t < a_j and
+    all of block j; sliding layers also require key position > query position - sliding_window.
+    """
+    num_anchors = anchors.shape[1]
+    num_queries = num_anchors * block_size
+    device = anchors.device
+    q_idx = torch.arange(num_queries, device=device).view(1, num_queries, 1)
+    kv_idx = torch.arange(seq_len + num_queries, device=device).view(1, 1, -1)
+    query_anchor = anchors.repeat_interleave(block_size, dim=1).unsqueeze(-1)
+    return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window)
+
+
+def _single_block_mask(context_len: int, block_size: int, sliding_window: int, device: torch.device) -> Tensor:
+    """Mask [B, a + B] of one block anchored right after its context, for a sliding layer."""
+    anchor = torch.tensor([[context_len]], device=device)
+    mask = block_attention_mask(anchor, context_len, block_size, sliding_window)
+    return mask[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [..., S, head_dim] in fp32 for integer positions [..., S] (half-split layout)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [N, heads, S, D] by cos/sin [N, S, D] (computed in fp32, applied in x's dtype)."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (Qwen3 numerics), scaled by a learned weight."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """The Qwen3 MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class DrafterAttention(nn.Module):
+    """Queries from the block; keys/values from [context features ; block]; per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x: Tensor, num_heads: int) -> Tensor:
+        return x.view(*x.shape[:-1], num_heads, self.head_dim).transpose(1, 2)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated, normed keys and values [N, kv_heads, S, D] of states x [N, S, H]."""
+        keys = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        values = self._heads(self.v_proj(x), self.num_kv_heads)
+        return keys, values
+
+    def forward(self, x: Tensor, context_kv: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
+                attend: AttendFn) -> Tensor:
+        queries = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        block_keys, block_values = self.keys_values(x, cos, sin)
+        keys = torch.cat((context_kv[0], block_keys), dim=2)
+        values = torch.cat((context_kv[1], block_values), dim=2)
+        out = attend(queries, keys, values)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], self.num_heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm residual block: attention, then SwiGLU MLP."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, context_kv: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
+                attend: AttendFn) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _sdpa_attend(mask: Tensor | None, kv_groups: int) -> AttendFn:
+    """SDPA with an explicit boolean mask [N, Q, K] (or none)."""
+    attn_mask = None if mask is None else mask.unsqueeze(1)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if kv_groups > 1:
+            # Repeating keeps SDPA on its memory-efficient masked kernel; enable_gqa would not.
+            k = k.repeat_interleave(kv_groups, dim=1)
+            v = v.repeat_interleave(kv_groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+    return attend
+
+
+_compiled_flex_attention: Callable[..., Tensor] | None = None
+
+
+def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window: int | None) -> AttendFn:
+    """flex_attention with a BlockMask built from the same predicate as `block_attention_mask`.
+
+    Compiled on CUDA (where it skips fully masked tiles); eager elsewhere, which is only for tests.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex_attention
+    num_queries = anchors.shape[1] * block_size
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        query_anchor = anchors[b, torch.div(q_idx, block_size, rounding_mode="floor")]
+        return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window)
+
+    block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
+                                   device=anchors.device)
+    if anchors.is_cuda:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention)
+        kernel = _compiled_flex_attention
+    else:
+        kernel = flex_attention
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    return attend
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter; trainable weights are named exactly as in the export."""
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: Tensor, lm_head_weight: Tensor,
+                 attention_backend: str = "sdpa"):
+        super().__init__()
+        expected = (cfg.vocab_size, cfg.hidden_size)
+        for name, weight in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(weight.shape) != expected:
+                raise ConfigError(
+                    f"{name} has shape {tuple(weight.shape)}, the drafter config expects {expected} "
+                    "(vocab_size, hidden_size); use the teacher the config was derived from")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend={attention_backend!r} is unknown; use one of {ATTENTION_BACKENDS}")
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Frozen teacher pieces: buffers follow .to() but stay out of state_dict and the optimizer.
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Linear weights ~ N(0, 0.02), norm weights 1 (the HF Qwen3 initialisation)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context_features(self, context_hidden: Tensor) -> Tensor:
+        """hidden_norm(fc(concat of tapped layers)): [N, T, n_layers, H] -> [N, T, H]."""
+        n, t, layers, hidden = context_hidden.shape
+        if (layers, hidden) != (self.cfg.num_context_layers, self.cfg.hidden_size):
+            raise ConfigError(
+                f"context hidden states have {layers} layers of width {hidden}, the drafter expects "
+                f"{self.cfg.num_context_layers} of width {self.cfg.hidden_size}; use a cache built with "
+                f"layer ids {list(self.cfg.target_layer_ids)}")
+        flat = context_hidden.to(self.dtype).reshape(n, t, layers * hidden)
+        return self.hidden_norm(self.fc(flat))
+
+    def context_kv(self, context_hidden: Tensor, start: int = 0) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context keys/values [N, kv_heads, T, D] at positions start..start+T-1.
+
+        A decoder may cache these and append the keys/values of newly accepted positions
+        (computed with `start` = their first position) along dim 2.
+        """
+        features = self.context_features(context_hidden)
+        positions = torch.arange(start, start + features.shape[1], device=features.device)
+        cos, sin = rotary_cos_sin(positions.unsqueeze(0), self.cfg.head_dim, self.cfg.rope_theta)
+        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """Teacher input embeddings of token ids, in the model dtype."""
+        return F.embedding(token_ids, self.embed_weight).to(self.dtype)
+
+    def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
+        """Final-normed block states [N, A, B, H] for many anchors per sequence in one pass.
+
+        context_hidden [N, T, n_layers, H]; input_ids [N, T] (padded); anchors [N, A] long, -1 for
+        unused slots (their outputs are finite but meaningless).
+        """
+        n, seq_len = input_ids.shape
+        if context_hidden.shape[:2] != (n, seq_len):
+            raise ConfigError(
+                f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
+                f"{(n, seq_len)}; pass the same sequences to both")
+        block_size = self.cfg.block_size
+        num_anchors = anchors.shape[1]
+        context = self.context_kv(context_hidden)
+
+        safe_anchors = anchors.clamp(min=0)
+        block_ids = torch.full((n, num_anchors, block_size), self.cfg.mask_token_id,
+                               dtype=input_ids.dtype, device=input_ids.device)
+        block_ids[:, :, 0] = torch.gather(input_ids, 1, safe_anchors)
+        x = self.embed(block_ids.view(n, num_anchors * block_size))
+
+        offsets = torch.arange(block_size, device=anchors.device)
+        positions = (safe_anchors.unsqueeze(-1) + offsets).view(n, num_anchors * block_size)
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+        attend_by_window = {
+            window: self._many_block_attend(anchors, seq_len, window)
+            for window in {self.cfg.layer_window(i) for i in range(self.cfg.num_hidden_layers)}
+        }
+        for index, layer in enumerate(self.layers):
+            x = layer(x, context[index], cos, sin, attend_by_window[self.cfg.layer_window(index)])
+        return self.norm(x).view(n, num_anchors, block_size, -1)
+
+    def _many_block_attend(self, anchors: Tensor, seq_len: int, window: int | None) -> AttendFn:
+        if self.attention_backend == "flex":
+            return _flex_attend(anchors, seq_len, self.cfg.block_size, window)
+        mask = block_attention_mask(anchors, seq_len, self.cfg.block_size, window)
+        return _sdpa_attend(mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
+
+    def forward_block(self, context_hidden: Tensor | None, block_ids: Tensor,
+                      context_kv: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+        """Final-normed states [N, B, H] of one block anchored right after its context.
+
+        context_hidden [N, a, n_layers, H] holds positions 0..a-1; block_ids [N, B] is
+        `[x_a, MASK, ...]` at positions a..a+B-1. Pass `context_kv` (from `context_kv()`, possibly
+        cached and extended) instead of context_hidden to skip recomputing the context.
+        """
+        if context_kv is None:
+            if context_hidden is None:
+                raise ConfigError("forward_block needs context_hidden or context_kv; pass one of them")
+            context_kv = self.context_kv(context_hidden)
+        context_len = context_kv[0][0].shape[2]
+        block_size = block_ids.shape[1]
+        positions = torch.arange(context_len, context_len + block_size, device=block_ids.device)
+        cos, sin = rotary_cos_sin(positions.unsqueeze(0), self.cfg.head_dim, self.cfg.rope_theta)
+        kv_groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        x = self.embed(block_ids)
+        for index, layer in enumerate(self.layers):
+            window = self.cfg.layer_window(index)
+            mask = None if window is None else _single_block_mask(
+                context_len, block_size, window, block_ids.device).unsqueeze(0)
+            x = layer(x, context_kv[index], cos, sin, _sdpa_attend(mask, kv_groups))
+        return self.norm(x)
+
+    def logits(self, states: Tensor) -> Tensor:
+        """Teacher LM head over drafter states [..., H] -> [..., V]; callers chunk large inputs."""
+        return states.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T

@@ -1,0 +1,320 @@
+"""Stage 1 end to end: the cache equals the teacher, survives SIGKILL, refuses mismatches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import english_like_sentences, write_jsonl
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from cli.cache import app
+from dflash_cache import open_cache
+from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.corpus import CorpusConfig
+from dflash_cache.errors import CacheError
+from dflash_cache.teacher import TeacherConfig, padding_fraction, plan_batches
+from dflash_cache.writer import StorageConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    sentences = english_like_sentences(4 * n, seed=seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": sentences[4 * i]},
+                    {"role": "assistant", "content": " ".join(sentences[4 * i + 1: 4 * i + 1 + 1 + i % 3])}]
+        if i % 4 == 0:
+            messages = [{"role": "system", "content": "Be brief."}] + messages
+        rows.append({"id": f"chat-{i:04d}", "messages": messages})
+    return rows
+
+
+def make_config(data, out, teacher, dtype="float32", layers=(0, 2, 3), top_k=8, batch_tokens=256,
+                shard_bytes=40_000, **kw) -> BuildConfig:
+    return BuildConfig(
+        out=str(out), corpus=CorpusConfig(data=str(data)),
+        teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=layers, top_k=top_k, batch_tokens=batch_tokens),
+        storage=StorageConfig(shard_bytes=shard_bytes), **kw,
+    )
+
+
+def cache_content(url) -> dict:
+    cache = open_cache(str(url))
+    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden, np.float32).copy(),
+                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
+
+
+def assert_same_content(a: dict, b: dict):
+    assert list(a) == list(b)
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "llama"])
+def test_cache_equals_direct_teacher_forward_fp32(tmp_path, teacher_dir, arch):
+    teacher = teacher_dir(arch)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    build_cache(make_config(data, tmp_path / "cache", teacher))
+    cache = open_cache(str(tmp_path / "cache"))
+    assert cache.complete and len(cache) == 12 and cache.layer_ids == [0, 2, 3]
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    for seq_id in ["chat-0000", "chat-0005", "chat-0011"]:
+        record = cache[seq_id]
+        with torch.no_grad():
+            out = model(input_ids=torch.from_numpy(record.input_ids.astype(np.int64))[None], output_hidden_states=True)
+        for i, layer in enumerate(cache.layer_ids[:-1]):  # the last entry of hidden_states is normed
+            np.testing.assert_allclose(record.hidden[:, i], out.hidden_states[layer + 1][0].numpy(), rtol=1e-5, atol=1e-5)
+        logprobs = torch.log_softmax(out.logits[0].float(), -1)
+        values, ids = logprobs.topk(8, -1)
+        np.testing.assert_allclose(record.topk_logprobs, values.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(record.topk_ids, ids.numpy())
+
+
+def test_last_tapped_layer_is_the_decoder_layer_output(tmp_path, teacher_dir):
+    """A hook on the final decoder layer sees its output before the model's final norm."""
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    build_cache(make_config(data, tmp_path / "cache", teacher, layers=(3,)))
+    record = open_cache(str(tmp_path / "cache"))["chat-0001"]
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    captured = {}
+    model.model.layers[3].register_forward_hook(lambda m, i, o: captured.update(h=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        model(input_ids=torch.from_numpy(record.input_ids.astype(np.int64))[None])
+    np.testing.assert_allclose(record.hidden[:, 0], captured["h"][0].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_cache_within_rounding_and_lossless_storage(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3", torch.bfloat16)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    build_cache(make_config(data, tmp_path / "cache", teacher, dtype="bfloat16"))
+    cache = open_cache(str(tmp_path / "cache"))
+    assert cache.hidden_dtype == "bfloat16" and str(cache["chat-0002"].hidden.dtype) == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16).eval()
+    record = cache["chat-0002"]
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(record.input_ids.astype(np.int64))[None], output_hidden_states=True)
+    direct = out.hidden_states[1][0].float().numpy()
+    stored = np.asarray(record.hidden[:, 0], np.float32)
+    # bf16 keeps 8 bits of mantissa: values agree within a few units of bf16 rounding
+    np.testing.assert_allclose(stored, direct, rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_bfloat16_storage_is_lossless(tmp_path):
+    """Every bf16 bit pattern written is read back unchanged."""
+    from dflash_cache import format as fmt
+    from dflash_cache.writer import ShardData, write_shard
+
+    rng = np.random.default_rng(0)
+    values = torch.from_numpy(rng.standard_normal((37, 2, 16)).astype(np.float32) * 100).to(torch.bfloat16)
+    bits = values.view(torch.int16).numpy().view(np.uint16)
+    shard = ShardData(rank=0, index=0, row_start=0, row_end=2, ids=["a", "b"], rows=np.array([0, 1]),
+                      lengths=np.array([30, 7], np.int32), truncated=np.zeros(2, bool),
+                      input_ids=np.arange(37, dtype=np.int32), loss_mask=np.ones(37, np.uint8), hidden=bits,
+                      topk_ids=np.zeros((37, 3), np.int32), topk_logprobs=np.zeros((37, 3), np.float32))
+    fs, root = fmt.url_to_fs(str(tmp_path))
+    record = write_shard(fs, root, shard, StorageConfig(chunk_bytes=256), "bfloat16")
+    manifest = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "layer_ids": [0, 1],
+                "hidden_size": 16, "hidden_dtype": "bfloat16", "top_k": 3, "shards": [record]}
+    fmt.write_json_atomic(fs, fmt.join(root, fmt.MANIFEST), manifest)
+    cache = open_cache(str(tmp_path))
+    read = np.concatenate([np.asarray(cache[i].hidden) for i in ("a", "b")])
+    assert read.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(read.view(np.uint16), bits)
+    assert record["chunk_tokens"] == 4  # 256-byte chunks of 2 x 16 bf16 values
+
+
+def test_bucketing_and_padding_change_nothing(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(10))
+    build_cache(make_config(data, tmp_path / "one_at_a_time", teacher, batch_tokens=1))
+    build_cache(make_config(data, tmp_path / "padded", teacher, batch_tokens=100_000))
+    a, b = cache_content(tmp_path / "one_at_a_time"), cache_content(tmp_path / "padded")
+    assert list(a) == list(b)
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    manifest = open_cache(str(tmp_path / "padded")).manifest
+    assert manifest["last_run"]["padding_fraction"] > 0
+
+
+def test_plan_batches_respects_budget_and_covers_all():
+    lengths = np.array([5, 50, 7, 48, 3, 3, 100, 20])
+    batches = plan_batches(lengths, 100)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(8))
+    for b in batches:
+        assert len(b) == 1 or lengths[b].max() * len(b) <= 100
+    assert padding_fraction(lengths, batches) < padding_fraction(lengths, [np.arange(8)])
+
+
+def test_shards_are_cut_by_size_and_listed_with_checksums(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(20))
+    manifest = build_cache(make_config(data, tmp_path / "cache", teacher, shard_bytes=30_000))
+    assert manifest["complete"] and len(manifest["shards"]) > 2
+    assert [s["name"] for s in manifest["shards"]] == [f"shard-r00000-{i:06d}" for i in range(len(manifest["shards"]))]
+    assert manifest["shards"][0]["rows"][0] == 0 and manifest["shards"][-1]["rows"][1] == 20
+    for s in manifest["shards"]:
+        assert set(s["checksums"]) == {"hidden", "tokens.arrow", "sequences.arrow"} and s["bytes"] > 0
+    for key in ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "corpus", "build"):
+        assert key in manifest
+    assert manifest["teacher"]["weights_hash"] and manifest["tokenizer"]["chat_template_hash"]
+    teacher_files = os.listdir(tmp_path / "cache" / "teacher")
+    assert "head.safetensors" in teacher_files and "config.json" in teacher_files
+    head = open_cache(str(tmp_path / "cache")).load_teacher_head()
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    assert torch.equal(head["lm_head.weight"], model.lm_head.weight)
+    assert torch.equal(head["embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert len(open_cache(str(tmp_path / "cache")).load_tokenizer()) == len(AutoTokenizer.from_pretrained(teacher))
+
+
+def test_rerun_resumes_and_mismatch_is_refused(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    out = tmp_path / "cache"
+    build_cache(make_config(data, out, teacher))
+    before = cache_content(out)
+    build_cache(make_config(data, out, teacher))  # nothing left to do
+    assert_same_content(before, cache_content(out))
+    with pytest.raises(CacheError, match="top_k differs.*--overwrite"):
+        build_cache(make_config(data, out, teacher, top_k=4))
+    with pytest.raises(CacheError, match="layer_ids differs"):
+        build_cache(make_config(data, out, teacher, layers=(1, 2)))
+    build_cache(make_config(data, out, teacher, top_k=4, overwrite=True))
+    assert open_cache(str(out)).top_k == 4
+
+
+def test_nonfinite_teacher_outputs_are_not_written(tmp_path, teacher_dir):
+    """A real teacher whose embedding row for one token is NaN poisons every sequence using it."""
+    src = teacher_dir("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    rows = chat_rows(6)
+    used = {i for r in rows for i in tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"]}
+    # a vocabulary entry no other row uses, that tokenizes back to itself when appended
+    poison, word = next((i, tokenizer.decode([i])) for i in range(len(tokenizer) - 1, 0, -1)
+                        if i not in used and tokenizer(tokenizer.decode([i]))["input_ids"] == [i])
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    bad_teacher = tmp_path / "nan_teacher"
+    model.save_pretrained(bad_teacher)
+    tokenizer.save_pretrained(bad_teacher)
+    rows[2]["messages"][-1]["content"] += word
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    manifest = build_cache(make_config(data, tmp_path / "cache", str(bad_teacher)))
+    cache = open_cache(str(tmp_path / "cache"))
+    assert "chat-0002" not in cache and len(cache) == 5
+    assert manifest["totals"]["skipped"] == {"nonfinite": 1}
+
+
+def _records(out: Path) -> list[Path]:
+    return sorted((out / "shards").glob("shard-*.json"))
+
+
+def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(120, seed=3))
+    args = ["build", "--teacher", teacher, "--data", data, "--dtype", "float32", "--layers", "0,2,3",
+            "--top-k", "8", "--batch-tokens", "64", "--shard-size", "12kB", "--quiet"]
+    clean = tmp_path / "clean"
+    assert CliRunner().invoke(app, args + ["--out", str(clean)]).exit_code == 0
+    total_shards = len(_records(clean))
+    assert total_shards >= 8
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.cache", *args, "--out", str(killed)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(_records(killed)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    committed = len(_records(killed))
+    assert 3 <= committed < total_shards, "the kill must land mid-build"
+
+    # a partial cache is readable and shows only committed shards, all intact
+    partial = open_cache(str(killed))
+    assert not partial.complete and len(partial.shards) <= committed
+    assert CliRunner().invoke(app, ["verify", str(killed), "--quiet"]).exit_code == 0
+
+    result = CliRunner().invoke(app, args + ["--out", str(killed)])
+    assert result.exit_code == 0, result.output
+    assert open_cache(str(killed)).complete
+    assert_same_content(cache_content(clean), cache_content(killed))
+    assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
+
+
+def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    out = tmp_path / "cache"
+    runner = CliRunner()
+    base = ["build", "--teacher", teacher, "--data", data, "--out", str(out), "--dtype", "float32",
+            "--layers", "0,3", "--top-k", "4", "--shard-size", "20kB", "--quiet"]
+    dry = runner.invoke(app, base + ["--dry-run"])
+    assert dry.exit_code == 0 and "sequences 30" in dry.output and not out.exists()
+    assert runner.invoke(app, base).exit_code == 0
+    info = runner.invoke(app, ["info", str(out)])
+    assert info.exit_code == 0 and "sequences    30" in info.output and "layers       0,3" in info.output
+    tokens = open_cache(str(out)).num_tokens
+    assert f"tokens {tokens:,}" in dry.output
+    assert runner.invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
+
+    shards = sorted(p for p in (out / "shards").iterdir() if p.is_dir())
+    assert len(shards) >= 3
+    with open(shards[0] / "tokens.arrow", "r+b") as f:  # truncate
+        f.truncate(100)
+    chunk = next(p for p in (shards[1] / "hidden.zarr").rglob("*") if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # flip a byte
+    chunk.write_bytes(bytes(raw))
+    import shutil
+
+    shutil.rmtree(shards[2])  # delete a shard folder
+    result = runner.invoke(app, ["verify", str(out), "--quiet"])
+    assert result.exit_code == 1
+    for shard, problem in [(shards[0], "tokens.arrow is 100 bytes"), (shards[1], "checksum mismatch"),
+                           (shards[2], "shard folder missing")]:
+        assert f"BAD {shard.name}: " in result.output and problem in result.output
+
+
+def test_console_scripts_installed():
+    import shutil
+
+    assert shutil.which("dflash-cache") or Path(sys.executable).with_name("dflash-cache").exists()
+    out = subprocess.run([str(Path(sys.executable).with_name("dflash-cache")), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "build" in out.stdout
+
+
+def test_bad_rows_fail_with_one_line_or_are_skipped_and_counted(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    good = chat_rows(4)
+    lines = [json.dumps(good[0]), "{not json", json.dumps({"id": "x1", "messages": []}),
+             json.dumps({"id": "x2", "messages": [{"role": "wizard", "content": "hi"}]}),
+             json.dumps(good[1]), json.dumps({"id": "x3"}), json.dumps(good[2])]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "caf\xe9"}\n' + json.dumps(good[3]).encode() + b"\n")
+    runner = CliRunner()
+    args = ["build", "--teacher", teacher, "--data", str(path), "--dtype", "float32", "--layers", "0,3",
+            "--top-k", "4", "--quiet"]
+    failed = runner.invoke(app, args + ["--out", str(tmp_path / "fail")])
+    assert failed.exit_code == 1
+    message = failed.output.strip()
+    assert "\n" not in message and "bad.jsonl row 2" in message and "invalid JSON" in message and "--on-bad-row skip" in message
+    assert "Traceback" not in failed.output
+    skipped = runner.invoke(app, args + ["--out", str(tmp_path / "skip"), "--on-bad-row", "skip"])
+    assert skipped.exit_code == 0, skipped.output
+    cache = open_cache(str(tmp_path / "skip"))
+    assert len(cache) == 4 and cache.manifest["totals"]["skipped"] == {"bad_row": 5}

@@ -1,0 +1,409 @@
+"""Tests for dflash_train.loss: hand-computed cases, a float64 brute force, chunking and memory."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflash_cache.errors import ConfigError
+from dflash_train.loss import (
+    LossConfig,
+    LossOutput,
+    block_loss,
+    decay_weights,
+    default_gamma,
+    position_weights,
+    streak_weights,
+    tau_from_alpha,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Hand case: vocab 6, identity LM head (logits == states), teacher top-2 = ids (2, 4) with
+# probabilities (0.5, 0.3) and tail 0.2.
+
+
+def hand_case(drafter_probs, target=4):
+    """One block of size 2 (one position) whose drafter softmax is exactly drafter_probs."""
+    states = torch.tensor(drafter_probs, dtype=torch.float32).log().view(1, 1, 6).requires_grad_()
+    lm_head = torch.eye(6)
+    targets = torch.tensor([[target]])
+    ids = torch.tensor([[[2, 4]]])
+    logprobs = torch.tensor([[[0.5, 0.3]]]).log()
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    return states, lm_head, targets, ids, logprobs, valid
+
+
+# Drafter with the teacher's exact buckets (tail 0.2 spread over the 4 other ids).
+MATCHING = [0.05, 0.05, 0.5, 0.05, 0.3, 0.05]
+# Drafter whose top-k, renormalised, equals the teacher's (0.625, 0.375) but whose tail is 0.04.
+SHIFTED = [0.01, 0.01, 0.6, 0.01, 0.36, 0.01]
+SHIFTED_KL = 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.36) + 0.2 * math.log(0.2 / 0.04)
+SHIFTED_CE = -math.log(0.36)
+
+
+def run(case, **cfg):
+    return block_loss(*case, LossConfig(weighting="none", **cfg), block_size=2)
+
+
+def test_kl_is_zero_when_drafter_buckets_equal_teacher_buckets():
+    out = run(hand_case(MATCHING))
+    assert abs(out.loss.item()) < 1e-6
+    assert out.alpha_sum.item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_kl_counts_the_tail_instead_of_renormalising_the_topk():
+    out = run(hand_case(SHIFTED))
+    assert SHIFTED_KL == pytest.approx(0.1760312, abs=1e-6)
+    assert out.loss.item() == pytest.approx(SHIFTED_KL, rel=1e-5)
+
+
+def test_ce_is_negative_log_prob_of_target():
+    assert run(hand_case(SHIFTED), kind="ce").loss.item() == pytest.approx(SHIFTED_CE, rel=1e-5)
+    # -log 0.6 for the drafter's argmax as target.
+    assert run(hand_case(SHIFTED, target=2), kind="ce").loss.item() == pytest.approx(0.5108256, rel=1e-5)
+
+
+def test_mix_weights_kl_by_lambda():
+    out = run(hand_case(SHIFTED), kind="mix", mix_lambda=0.25)
+    assert out.loss.item() == pytest.approx(0.25 * SHIFTED_KL + 0.75 * SHIFTED_CE, rel=1e-5)
+
+
+def test_alpha_and_greedy_on_hand_case():
+    out = run(hand_case(SHIFTED))
+    # min(.5,.6) + min(.3,.36) + min(.2,.04)
+    assert out.alpha_sum.item() == pytest.approx(0.84, abs=1e-6)
+    assert out.greedy_sum.item() == 1.0
+    assert out.count.tolist() == [1]
+    # Drafter argmax on id 0, not on the teacher's top-1 (id 2): greedy 0; alpha
+    # min(.5,.2) + min(.3,.1) + min(.2,.7) = 0.5.
+    out = run(hand_case([0.4, 0.1, 0.2, 0.1, 0.1, 0.1]))
+    assert out.greedy_sum.item() == 0.0
+    assert out.alpha_sum.item() == pytest.approx(0.5, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Float64 brute force over the full vocabulary, written without the logsumexp tricks.
+
+
+def brute_force_terms(states, lm_head, targets, ids, logprobs):
+    """Per-row (kl, ce, alpha, greedy) in float64 for already-gathered rows."""
+    logits = states.double() @ lm_head.double().T
+    q = logits.softmax(-1)
+    p = logprobs.double().exp()
+    in_topk = torch.zeros_like(q, dtype=torch.bool).scatter(1, ids, True)
+    q_top = q.gather(1, ids)
+    q_tail = (q * ~in_topk).sum(-1)
+    p_tail = (1 - p.sum(-1)).clamp(min=0)
+    kl = (p * (p.log() - q_top.log())).sum(-1) + p_tail * (p_tail.log() - q_tail.log())
+    ce = -q.gather(1, targets[:, None]).squeeze(1).log()
+    alpha = torch.minimum(p, q_top).sum(-1) + torch.minimum(p_tail, q_tail)
+    greedy = (logits.argmax(-1) == ids[:, 0]).double()
+    return kl, ce, alpha, greedy
+
+
+def brute_force_loss(states, lm_head, targets, ids, logprobs, valid, cfg, block_size):
+    """The whole objective, unchunked, float64 (weights from the brute-force alpha)."""
+    m, p, h = states.shape
+    rows = valid.reshape(-1).nonzero().squeeze(1)
+    kl, ce, alpha, greedy = brute_force_terms(
+        states.reshape(-1, h)[rows],
+        lm_head,
+        targets.reshape(-1)[rows],
+        ids.reshape(m * p, -1)[rows],
+        logprobs.reshape(m * p, -1)[rows],
+    )
+    per_position = {"kl": kl, "ce": ce, "mix": cfg.mix_lambda * kl + (1 - cfg.mix_lambda) * ce}[cfg.kind]
+    alpha_grid = torch.zeros(m * p, dtype=torch.float64).index_copy(0, rows, alpha.detach()).view(m, p)
+    weights = position_weights(alpha_grid, valid, cfg, block_size).double().reshape(-1)[rows]
+    return (weights * per_position).sum() / rows.numel(), per_position, alpha, greedy, rows
+
+
+def random_batch(seed, m=5, block_size=8, hidden=12, vocab=97, k=6, valid_fraction=0.75):
+    gen = torch.Generator().manual_seed(seed)
+    p = block_size - 1
+    states = torch.randn(m, p, hidden, generator=gen)
+    lm_head = torch.randn(vocab, hidden, generator=gen) * 0.5
+    teacher = (torch.randn(m, p, vocab, generator=gen) * 2).log_softmax(-1)
+    logprobs, ids = teacher.topk(k, dim=-1)
+    targets = torch.randint(0, vocab, (m, p), generator=gen)
+    valid = torch.rand(m, p, generator=gen) < valid_fraction
+    valid[0, 0] = True
+    # Garbage where invalid must never be read.
+    targets[~valid] = -100
+    ids[~valid] = -1
+    return states, lm_head, targets, ids, logprobs, valid, block_size
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce", "mix"])
+def test_matches_float64_brute_force(kind):
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(1)
+    cfg = LossConfig(kind=kind, mix_lambda=0.3, weighting="none")
+    out = block_loss(states, lm_head, targets, ids, logprobs, valid, cfg, b)
+    ref_loss, per_position, alpha, greedy, rows = brute_force_loss(
+        states, lm_head, targets, ids, logprobs, valid, cfg, b
+    )
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    columns = rows % (b - 1)
+    per_column = lambda v: torch.zeros(b - 1, dtype=torch.float64).index_add(0, columns, v)  # noqa: E731
+    torch.testing.assert_close(out.loss_sum.double(), per_column(per_position), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.alpha_sum.double(), per_column(alpha), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.greedy_sum.double(), per_column(greedy))
+    assert out.count.tolist() == valid.sum(0).tolist()
+
+
+def test_tail_is_stable_when_topk_holds_almost_all_mass():
+    # Drafter tail mass ~e-20: log(1 - sum q) would give -inf or garbage in fp32.
+    logits = torch.tensor([[[30.0, 29.0, -15.0, -16.0]]], requires_grad=True)
+    ids = torch.tensor([[[0, 1]]])
+    logprobs = torch.tensor([[[0.7, 0.2]]]).log()
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    out = block_loss(logits, torch.eye(4), torch.tensor([[0]]), ids, logprobs, valid, LossConfig(weighting="none"), 2)
+    ref, *_ = brute_force_loss(logits, torch.eye(4), torch.tensor([[0]]), ids, logprobs, valid, LossConfig(weighting="none"), 2)
+    assert math.isfinite(out.loss.item())
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    out.loss.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_topk_covering_whole_vocab_has_no_tail_bucket():
+    states = torch.tensor([[[0.0, 1.0, 2.0]]], requires_grad=True)
+    q = torch.softmax(states.detach()[0, 0], -1)
+    ids = torch.tensor([[[2, 1, 0]]])
+    logprobs = q[[2, 1, 0]].log().view(1, 1, 3)
+    out = block_loss(states, torch.eye(3), torch.tensor([[2]]), ids, logprobs, torch.ones(1, 1, dtype=torch.bool),
+                     LossConfig(weighting="none"), 2)
+    assert abs(out.loss.item()) < 1e-6
+    out.loss.backward()
+    assert torch.isfinite(states.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights and normalisation.
+
+
+def test_default_gamma_table_and_interpolation():
+    assert default_gamma(16) == 7.0
+    assert default_gamma(10) == 5.0
+    assert default_gamma(8) == 4.0
+    assert default_gamma(12) == pytest.approx(5 + 2 * 2 / 6)
+    assert default_gamma(4) == 2.0
+    assert default_gamma(2) == 1.0
+    with pytest.raises(ConfigError):
+        default_gamma(1)
+
+
+def test_decay_weights_for_gamma_7():
+    w = decay_weights(15, 7.0)
+    assert w[0].item() == 1.0
+    assert w[1].item() == pytest.approx(0.8668779, rel=1e-6)  # exp(-1/7)
+    assert w[7].item() == pytest.approx(0.3678794, rel=1e-6)  # exp(-1)
+    assert w[14].item() == pytest.approx(0.1353353, rel=1e-6)  # exp(-2)
+
+
+def test_streak_weights_with_smoothing_and_invalid_position():
+    alpha = torch.tensor([[0.8, 0.6, 0.123, 0.4, 0.9]])
+    valid = torch.tensor([[True, True, False, True, True]])
+    # s = 0.5: alpha~ = 0.9, 0.8, (invalid) 1, 0.7 -> exclusive products 1, .9, .72, .72, .504
+    w = streak_weights(alpha, valid, 0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.9, 0.72, 0.72, 0.504]]))
+    # s = 0: raw alphas 0.8, 0.6, (invalid) 1, 0.4 -> 1, .8, .48, .48, .192
+    w = streak_weights(alpha, valid, 0.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.8, 0.48, 0.48, 0.192]]))
+    # s = 1: every weight 1.
+    torch.testing.assert_close(streak_weights(alpha, valid, 1.0), torch.ones(1, 5))
+
+
+def test_streak_weights_are_detached_and_optionally_decayed():
+    alpha = torch.tensor([[0.8, 0.6, 0.4]], requires_grad=True)
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    cfg = LossConfig(weighting="streak", streak_decay=True, gamma=2.0)
+    w = position_weights(alpha, valid, cfg, block_size=4)
+    assert not w.requires_grad
+    expected = torch.tensor([[1.0, 0.9 * math.exp(-0.5), 0.72 * math.exp(-1.0)]])
+    torch.testing.assert_close(w, expected)
+
+
+def uniform_ce_case(valid_mask):
+    """Every position has drafter probability 0.25 on its target (uniform over 4 ids)."""
+    p = len(valid_mask)
+    states = torch.zeros(1, p, 4, requires_grad=True)
+    ids = torch.tensor([0, 1]).expand(1, p, 2).clone()
+    logprobs = torch.tensor([0.5, 0.3]).log().expand(1, p, 2).clone()
+    return states, torch.eye(4), torch.zeros(1, p, dtype=torch.long), ids, logprobs, torch.tensor([valid_mask])
+
+
+def test_loss_divides_by_number_of_valid_positions_not_sum_of_weights():
+    case = uniform_ce_case([True, False, True])
+    out = block_loss(*case, LossConfig(kind="ce", weighting="decay", gamma=1.0), block_size=4)
+    # positions k=1 and k=3 valid, weights 1 and exp(-2), each ce = log 4
+    expected = math.log(4) * (1 + math.exp(-2)) / 2
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    # streak: alpha = min(.5,.25)+min(.3,.25)+min(.2,.5) = 0.7 at k=1; alpha~ = 0.85; k=2 invalid
+    out = block_loss(*case, LossConfig(kind="ce"), block_size=4)
+    assert out.loss.item() == pytest.approx(math.log(4) * (1 + 0.85) / 2, rel=1e-6)
+    assert out.alpha_sum.tolist() == pytest.approx([0.7, 0.0, 0.7], abs=1e-6)
+    assert out.count.tolist() == [1, 0, 1]
+
+
+def test_nothing_valid_gives_zero_loss_with_grad_path():
+    case = uniform_ce_case([False, False, False])
+    out = block_loss(*case, LossConfig(), block_size=4)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert case[0].grad is not None and (case[0].grad == 0).all()
+    assert out.count.tolist() == [0, 0, 0]
+
+
+def test_tau_from_alpha():
+    assert tau_from_alpha([0.5, 0.5]) == pytest.approx(1.75)
+    assert tau_from_alpha(torch.tensor([1.0, 1.0, 0.0, 1.0])) == pytest.approx(3.0)
+    assert LossOutput.tau_from_alpha([0.8]) == pytest.approx(1.8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunking, checkpointing and memory.
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 10_000])
+@pytest.mark.parametrize("weighting", ["streak", "decay"])
+def test_chunked_loss_and_gradients_equal_unchunked_reference(chunk, weighting):
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(2)
+    cfg = LossConfig(kind="mix", mix_lambda=0.6, weighting=weighting, chunk_positions=chunk)
+    states64 = states.double().requires_grad_()
+    head64 = lm_head.double().requires_grad_()
+    ref_loss, *_ = brute_force_loss(states64, head64, targets, ids, logprobs, valid, cfg, b)
+    ref_loss.backward()
+
+    states32 = states.clone().requires_grad_()
+    head32 = lm_head.clone().requires_grad_()
+    out = block_loss(states32, head32, targets, ids, logprobs, valid, cfg, b)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    torch.testing.assert_close(states32.grad.double(), states64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head32.grad.double(), head64.grad, rtol=1e-4, atol=1e-6)
+
+
+def saved_numels(fn):
+    """numel of every tensor autograd saves for backward while fn runs (excluding the LM head,
+    which is the caller's own parameter, not an activation)."""
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sizes
+
+
+def test_no_vocab_sized_activation_is_kept_for_backward():
+    vocab = 4096
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(3, m=8, vocab=vocab, valid_fraction=1.0)
+    num_valid = int(valid.sum())
+    states.requires_grad_()
+    head_numel = lm_head.numel()
+
+    # The brute force keeps [num_valid, V] tensors: the measurement does see them.
+    unchunked = saved_numels(lambda: brute_force_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(), b))
+    assert max(unchunked) >= num_valid * vocab
+
+    for chunk in (4, 10_000):
+        sizes = [s for s in saved_numels(
+            lambda: block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(chunk_positions=chunk), b)
+        ) if s != head_numel]
+        assert max(sizes) < vocab
+        assert sum(sizes) < vocab * 4
+
+
+def peak_bytes(fn):
+    """Peak CPU bytes allocated (above the start) while fn runs, from the profiler's memory events."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        pytest.skip("this torch profiler records no memory events")
+    base = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - base
+
+
+def test_peak_memory_scales_with_chunk_size_not_batch():
+    vocab = 8192
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(4, m=8, vocab=vocab, valid_fraction=1.0)
+    num_valid = int(valid.sum())  # 56
+    states.requires_grad_()
+
+    def step(chunk):
+        out = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(chunk_positions=chunk), b)
+        out.loss.backward()
+
+    step(4)  # warm-up so one-off allocations do not land in the measurement
+    chunk_logits_bytes = 4 * vocab * 4
+    small = peak_bytes(lambda: step(4))
+    whole = peak_bytes(lambda: step(num_valid))
+    # A handful of [chunk, V] fp32 buffers at a time, never the batch's [num_valid, V].
+    assert small < 8 * chunk_logits_bytes
+    assert small < num_valid * vocab * 4
+    assert whole > 4 * small
+
+
+# ---------------------------------------------------------------------------------------------
+# Robustness.
+
+
+def test_autocast_does_not_lower_logit_precision():
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(5)
+    cfg = LossConfig(weighting="none")
+    plain = block_loss(states, lm_head, targets, ids, logprobs, valid, cfg, b).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = block_loss(states, lm_head, targets, ids, logprobs, valid, cfg, b).loss
+    assert autocast.dtype == torch.float32
+    assert autocast.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+def test_no_grad_evaluation_runs_without_checkpoint():
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(6)
+    with torch.no_grad():
+        out = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(chunk_positions=2), b)
+    assert not out.loss.requires_grad
+    ref, *_ = brute_force_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(), b)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kind": "kld"},
+        {"mix_lambda": 1.5},
+        {"mix_lambda": float("nan")},
+        {"weighting": "linear"},
+        {"gamma": 0.0},
+        {"gamma": -3},
+        {"streak_smoothing": -0.1},
+        {"streak_decay": True, "weighting": "decay"},
+        {"streak_decay": 1},
+        {"chunk_positions": 0},
+        {"chunk_positions": 2.5},
+    ],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        LossConfig(**kwargs)
+
+
+def test_shape_mismatch_is_rejected():
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(7)
+    with pytest.raises(ValueError, match="block_size"):
+        block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(), b + 1)
+    with pytest.raises(ValueError, match="topk_logprobs"):
+        block_loss(states, lm_head, targets, ids, logprobs[..., :-1], valid, LossConfig(), b)

@@ -1,0 +1,179 @@
+"""Tests for dflash_train.noise: schedules (hand values), determinism, distributions, layers."""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.errors import ConfigError
+from dflash_train.noise import NoiseConfig, apply_noise, noise_for, noise_scale, noised_layers
+
+S = 100
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [
+        (0, 0.1),
+        (25, 0.0868198),  # 0.01 + 0.09 * (1 + cos(pi/4)) / 2
+        (50, 0.055),  # halfway: 0.01 + 0.09 / 2
+        (100, 0.01),
+        (150, 0.01),  # past the end stays at end
+    ],
+)
+def test_cosine_scale(step, expected):
+    assert noise_scale(NoiseConfig(), step, S) == pytest.approx(expected, abs=1e-7)
+
+
+@pytest.mark.parametrize(("step", "expected"), [(0, 0.1), (25, 0.0775), (50, 0.055), (100, 0.01), (400, 0.01)])
+def test_linear_scale(step, expected):
+    assert noise_scale(NoiseConfig(schedule="linear"), step, S) == pytest.approx(expected, abs=1e-12)
+
+
+def test_constant_and_off_scale():
+    for step in (0, 50, 1000):
+        assert noise_scale(NoiseConfig(schedule="constant", start=0.3), step, S) == 0.3
+        assert noise_scale(NoiseConfig(schedule="off"), step, S) == 0.0
+
+
+def test_same_key_gives_identical_draw_regardless_of_prior_draws():
+    cfg = NoiseConfig(seed=7)
+    first = noise_for(cfg, 12, S, "seq-a", (5, 8))
+    # Unrelated draws in between (other ids, steps, layers) must not change it.
+    noise_for(cfg, 12, S, "seq-b", (50, 8))
+    noise_for(cfg, 13, S, "seq-a", (5, 8))
+    np.random.default_rng(0).random(1000)
+    again = noise_for(cfg, 12, S, "seq-a", (5, 8))
+    assert first.dtype == np.float32 and first.shape == (5, 8)
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(first).max() > 0
+
+
+def test_draw_is_a_prefix_of_a_longer_draw():
+    cfg = NoiseConfig()
+    short = noise_for(cfg, 3, S, "seq", (4, 8))
+    long = noise_for(cfg, 3, S, "seq", (10, 8))
+    np.testing.assert_array_equal(short, long[:4])
+
+
+def test_different_step_id_seed_or_layer_gives_different_draw():
+    base = noise_for(NoiseConfig(seed=1), 5, S, "seq-a", (16, 16))
+    others = [
+        noise_for(NoiseConfig(seed=1), 6, S, "seq-a", (16, 16)),
+        noise_for(NoiseConfig(seed=1), 5, S, "seq-b", (16, 16)),
+        noise_for(NoiseConfig(seed=2), 5, S, "seq-a", (16, 16)),
+        noise_for(NoiseConfig(seed=1), 5, S, "seq-a", (16, 16), layer=1),
+    ]
+    for other in others:
+        # Same step keeps the scale; the values themselves must be unrelated.
+        assert not np.array_equal(base, other)
+        assert abs(np.corrcoef(base.ravel(), other.ravel())[0, 1]) < 0.2
+
+
+def test_uniform_is_bounded_by_scale_and_fills_the_range():
+    cfg = NoiseConfig(schedule="constant", start=0.25)
+    draw = noise_for(cfg, 0, S, "seq", (2000, 64))
+    assert draw.min() >= -0.25 and draw.max() <= 0.25
+    assert draw.min() < -0.24 and draw.max() > 0.24
+    assert abs(draw.mean()) < 0.005
+    # Uniform(-a, a) has std a / sqrt(3).
+    assert draw.std() == pytest.approx(0.25 / np.sqrt(3), rel=0.01)
+
+
+def test_gaussian_std_is_scale():
+    cfg = NoiseConfig(schedule="constant", start=0.2, distribution="gaussian")
+    draw = noise_for(cfg, 0, S, "seq", (2000, 64))
+    assert draw.dtype == np.float32
+    assert draw.std() == pytest.approx(0.2, rel=0.01)
+    assert abs(draw.mean()) < 0.005
+    assert np.abs(draw).max() > 0.2 * 3  # unbounded tails, unlike uniform
+
+
+def hidden_states(num_tokens=6, num_layers=4, width=8):
+    return np.random.default_rng(3).standard_normal((num_tokens, num_layers, width)).astype(np.float32)
+
+
+def test_default_noises_all_layers_but_the_last():
+    hidden = hidden_states()
+    original = hidden.copy()
+    out = apply_noise(hidden, NoiseConfig(), 0, S, "seq")
+    np.testing.assert_array_equal(hidden, original)  # input untouched
+    assert out.dtype == np.float32 and out.shape == hidden.shape
+    np.testing.assert_array_equal(out[:, 3], hidden[:, 3])
+    for layer in range(3):
+        delta = out[:, layer] - hidden[:, layer]
+        assert np.abs(delta).max() > 0
+        assert np.abs(delta).max() <= 0.1 + 1e-6
+    # The added noise is exactly the per-layer draw.
+    expected = hidden[:, 1] + noise_for(NoiseConfig(), 0, S, "seq", (6, 8), layer=1)
+    np.testing.assert_array_equal(out[:, 1], expected)
+    assert noised_layers(NoiseConfig(), 4) == (0, 1, 2)
+
+
+def test_chosen_layers_only():
+    hidden = hidden_states()
+    out = apply_noise(hidden, NoiseConfig(layers=(1, 3)), 0, S, "seq")
+    for layer in (0, 2):
+        np.testing.assert_array_equal(out[:, layer], hidden[:, layer])
+    for layer in (1, 3):
+        assert not np.array_equal(out[:, layer], hidden[:, layer])
+    with pytest.raises(ConfigError):
+        apply_noise(hidden, NoiseConfig(layers=(4,)), 0, S, "seq")
+
+
+def test_layer_noise_does_not_depend_on_which_other_layers_are_selected():
+    hidden = hidden_states()
+    all_but_last = apply_noise(hidden, NoiseConfig(), 9, S, "seq")
+    only_two = apply_noise(hidden, NoiseConfig(layers=(2,)), 9, S, "seq")
+    np.testing.assert_array_equal(all_but_last[:, 2], only_two[:, 2])
+
+
+def test_off_and_zero_scale_leave_input_unchanged():
+    hidden = hidden_states()
+    assert apply_noise(hidden, NoiseConfig(schedule="off"), 5, S, "seq") is hidden
+    zero_end = NoiseConfig(schedule="linear", end=0.0)
+    assert apply_noise(hidden, zero_end, S, S, "seq") is hidden
+    np.testing.assert_array_equal(noise_for(NoiseConfig(schedule="off"), 5, S, "seq", (3, 2)), np.zeros((3, 2)))
+
+
+def test_torch_input_keeps_type_dtype_and_matches_numpy():
+    hidden = hidden_states()
+    out_np = apply_noise(hidden, NoiseConfig(), 4, S, "seq")
+    out_t = apply_noise(torch.from_numpy(hidden.copy()), NoiseConfig(), 4, S, "seq")
+    assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.float32
+    np.testing.assert_array_equal(out_t.numpy(), out_np)
+
+    bf16 = torch.from_numpy(hidden).to(torch.bfloat16)
+    out_bf16 = apply_noise(bf16, NoiseConfig(), 4, S, "seq")
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16[:, 3], bf16[:, 3], rtol=0, atol=0)
+    # The sum is taken in float32 and rounded once.
+    noise = torch.from_numpy(noise_for(NoiseConfig(), 4, S, "seq", (6, 8), layer=0))
+    expected = (bf16[:, 0].float() + noise).to(torch.bfloat16)
+    torch.testing.assert_close(out_bf16[:, 0], expected, rtol=0, atol=0)
+    assert not torch.equal(out_bf16[:, 0], bf16[:, 0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"schedule": "exp"},
+        {"distribution": "laplace"},
+        {"start": -0.1},
+        {"end": float("nan")},
+        {"layers": (0, 0)},
+        {"layers": (-1,)},
+        {"seed": -1},
+        {"seed": 2**64},
+    ],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        NoiseConfig(**kwargs)
+
+
+def test_layers_list_is_stored_as_tuple_and_progress_is_checked():
+    assert NoiseConfig(layers=[2, 0]).layers == (2, 0)
+    with pytest.raises(ConfigError):
+        noise_scale(NoiseConfig(), -1, S)
+    with pytest.raises(ConfigError):
+        noise_scale(NoiseConfig(), 0, 0)
