@@ -35,7 +35,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike[str],
                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json and model.safetensors to `out_dir`, replacing an earlier export there.
+    """Write config.json and model.safetensors to `out_dir`, replacing an earlier export there."""
+    return export_weights(model.cfg, model.state_dict(), out_dir, dtype)
+
+
+def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: str | os.PathLike[str],
+                   dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Export a drafter from its config and trainable weights (e.g. straight from a checkpoint).
 
     The files are written into a temporary sibling folder that is then renamed, so a crash never
     leaves a half-written export under `out_dir`. Returns the export folder.
@@ -50,9 +56,9 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike[str],
     staging.mkdir()
     try:
         tensors = {name: value.detach().to(device="cpu", dtype=dtype).contiguous()
-                   for name, value in model.state_dict().items()}
+                   for name, value in state_dict.items()}
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        config = model.cfg.to_hf_config()
+        config = cfg.to_hf_config()
         # transformers 5 reads "dtype", older readers "torch_dtype".
         config["dtype"] = config["torch_dtype"] = _dtype_name(dtype)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,159 @@
+"""`dflash-train`: train a DFlash drafter from a cache, and export it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.common import BarProgress, run, split_ints
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Stage 2: train a DFlash drafter from a teacher cache.")
+
+# CLI option -> (config section, field); None section = top level.
+OVERRIDES = {
+    "steps": (None, "steps"), "epochs": (None, "epochs"), "log_every": (None, "log_every"),
+    "save_every": (None, "save_every"), "keep_checkpoints": (None, "keep_checkpoints"),
+    "eval_sequences": (None, "eval_sequences"), "device": (None, "device"), "seed": (None, "seed"),
+    "tensorboard": (None, "tensorboard"),
+    "num_layers": ("model", "num_layers"), "block_size": ("model", "block_size"),
+    "mask_token_id": ("model", "mask_token_id"), "sliding_window": ("model", "sliding_window"),
+    "loss": ("loss", "kind"), "mix_lambda": ("loss", "mix_lambda"), "weighting": ("loss", "weighting"),
+    "gamma": ("loss", "gamma"), "streak_smoothing": ("loss", "streak_smoothing"),
+    "noise": ("noise", "schedule"), "noise_distribution": ("noise", "distribution"),
+    "noise_start": ("noise", "start"), "noise_end": ("noise", "end"),
+    "batch_tokens": ("data", "batch_tokens"), "num_anchors": ("data", "num_anchors"),
+    "heldout_fraction": ("data", "heldout_fraction"), "num_workers": ("data", "num_workers"),
+    "data_seed": ("data", "seed"),
+    "lr": ("optim", "lr"), "warmup_steps": ("optim", "warmup_steps"), "grad_accum": ("optim", "grad_accum"),
+    "grad_clip": ("optim", "grad_clip"), "weight_decay": ("optim", "weight_decay"),
+}
+
+
+def _parse_set(items: list[str]) -> dict:
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set takes section.key=value, got {item!r}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        target = out
+        *sections, last = key.split(".")
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[last] = parsed
+    return out
+
+
+def _train_config(cache, out, config, resume, options, sets, storage_options):
+    from dflash_train.config import config_from_dict, merge, read_config_file
+
+    saved = Path(out) / "config.json"
+    base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
+    overrides: dict = {"cache": cache, "out": out}
+    for option, value in options.items():
+        if value is None:
+            continue
+        section, name = OVERRIDES[option]
+        if section is None:
+            overrides[name] = value
+        else:
+            overrides.setdefault(section, {})[name] = value
+    if options.get("epochs") is not None:
+        overrides["steps"] = None
+    elif options.get("steps") is not None:
+        overrides["epochs"] = None
+    values = merge(merge(base, overrides), _parse_set(sets))
+    values["storage_options"] = json.loads(storage_options) if storage_options else None
+    return config_from_dict(values)
+
+
+@app.command("run")
+def run_(
+    cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`."),
+    out: str = typer.Option(..., help="Run folder: checkpoints, metrics.jsonl, config.json, drafter/."),
+    config: Optional[str] = typer.Option(None, help="A .toml or .json train config; options below override it."),
+    resume: bool = typer.Option(False, help="Continue from the newest complete checkpoint in --out."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (default 1000)."),
+    epochs: Optional[float] = typer.Option(None, help="Passes over the training split, instead of --steps."),
+    num_layers: Optional[int] = typer.Option(None, help="Drafter layers (default 5)."),
+    block_size: Optional[int] = typer.Option(None, help="Block size B (default 16)."),
+    mask_token_id: Optional[int] = typer.Option(None, help="MASK token id (default: <|MASK|> or the first spare embedding row)."),
+    sliding_window: Optional[int] = typer.Option(None, help="Sliding window for --sliding-layers."),
+    sliding_layers: Optional[str] = typer.Option(None, help="Drafter layers using the sliding window, e.g. 0,1."),
+    loss: Optional[str] = typer.Option(None, help="kl (default), ce or mix."),
+    mix_lambda: Optional[float] = typer.Option(None, help="Weight of kl in mix (default 0.5)."),
+    weighting: Optional[str] = typer.Option(None, help="streak (default), decay or none."),
+    gamma: Optional[float] = typer.Option(None, help="Decay length (default by block size: 7 for 16)."),
+    streak_smoothing: Optional[float] = typer.Option(None, help="Streak smoothing s (default 0.5)."),
+    noise: Optional[str] = typer.Option(None, help="Noise schedule: cosine (default), linear, constant or off."),
+    noise_distribution: Optional[str] = typer.Option(None, help="uniform (default) or gaussian."),
+    noise_start: Optional[float] = typer.Option(None, help="Noise scale at step 0 (default 0.1)."),
+    noise_end: Optional[float] = typer.Option(None, help="Noise scale at the end (default 0.01)."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Sequence tokens per batch (default 8192)."),
+    num_anchors: Optional[int] = typer.Option(None, help="Blocks per sequence (default 8)."),
+    heldout_fraction: Optional[float] = typer.Option(None, help="Held-out fraction by id hash (default 0.02)."),
+    num_workers: Optional[int] = typer.Option(None, help="DataLoader workers (default 0)."),
+    data_seed: Optional[int] = typer.Option(None, help="Seed of the epoch order and anchors."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (default 6e-4)."),
+    warmup_steps: Optional[int] = typer.Option(None, help="Warmup steps (default 4% of the run)."),
+    grad_accum: Optional[int] = typer.Option(None, help="Batches per optimizer step (default 1)."),
+    grad_clip: Optional[float] = typer.Option(None, help="Gradient norm clip (default 1.0, 0 = off)."),
+    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay (default 0)."),
+    log_every: Optional[int] = typer.Option(None, help="Steps between metric lines (default 10)."),
+    save_every: Optional[int] = typer.Option(None, help="Steps between checkpoints (default 500)."),
+    keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept (default 3)."),
+    eval_sequences: Optional[int] = typer.Option(None, help="Held-out sequences evaluated before and after (default 256)."),
+    device: Optional[str] = typer.Option(None, help="auto (default), cpu, cuda or cuda:N."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the drafter's initial weights."),
+    tensorboard: Optional[bool] = typer.Option(None, "--tensorboard", help="Also write TensorBoard logs."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field: section.key=value (JSON values), e.g. loss.chunk_positions=1024."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options for the cache URL, as JSON."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Train a drafter on a cache; checkpoints, metrics and the exported drafter go to --out."""
+    options = {k: v for k, v in locals().items() if k in OVERRIDES}
+    layers = split_ints(sliding_layers, "--sliding-layers")
+    sets = list(set_) + ([f"model.sliding_layers={json.dumps(list(layers))}"] if layers else [])
+
+    def action():
+        from dflash_train.trainer import train
+
+        cfg = _train_config(cache, out, config, resume, options, sets, storage_options)
+        result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet))
+        if result.before and result.after:
+            typer.echo(f"held-out tau: {result.before['tau']:.3f} before -> {result.after['tau']:.3f} after {result.steps} steps")
+        typer.echo(f"drafter exported to {result.export_dir}")
+
+    run(action, debug)
+
+
+@app.command()
+def export(
+    checkpoint: str = typer.Argument(..., help="A step-NNNNNN checkpoint folder."),
+    out_dir: str = typer.Argument(..., help="Folder for config.json and model.safetensors."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Export a checkpoint's drafter in the format vLLM, SGLang and the reference DFlash code load."""
+
+    def action():
+        from dflash_train.trainer import export_checkpoint
+
+        typer.echo(f"drafter exported to {export_checkpoint(checkpoint, out_dir)}")
+
+    run(action, debug)
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

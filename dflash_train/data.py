@@ -1,0 +1,287 @@
+"""Streaming training data from a cache: deterministic epoch plans, anchors, noise, batches.
+
+Everything that decides *what* a step sees is a pure function of (manifest, seed, epoch, step):
+the held-out split, the epoch's sequence order and its cut into batches, each sequence's
+anchors and its noise. The loader only executes that plan, so a run resumed from a checkpoint's
+loader state sees exactly the batches an uninterrupted run would, whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from dflash_cache import Cache, open_cache
+from dflash_cache.errors import CacheError, ConfigError
+from dflash_train.noise import NoiseConfig, apply_noise
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How sequences are split, ordered, batched and sampled."""
+
+    batch_tokens: int = 8192
+    """Sequence tokens per batch (sum of lengths); a longer sequence forms a batch alone."""
+
+    num_anchors: int = 8
+    """Blocks sampled per sequence (fewer when a sequence has fewer eligible anchors)."""
+
+    heldout_fraction: float = 0.02
+    """Fraction of sequences (chosen by a hash of the id) kept out of training for evaluation."""
+
+    seed: int = 0
+    """Seed of the epoch order and of anchor sampling."""
+
+    num_workers: int = 0
+    """DataLoader worker processes reading shards (0 = in the training process)."""
+
+    def __post_init__(self):
+        if self.batch_tokens < 1:
+            raise ConfigError(f"batch tokens must be positive, got {self.batch_tokens}; pass e.g. --batch-tokens 8192")
+        if self.num_anchors < 1:
+            raise ConfigError(f"--num-anchors must be at least 1, got {self.num_anchors}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ConfigError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+
+
+def _unit_hash(text: str, salt: int) -> float:
+    return xxhash.xxh64_intdigest(text.encode(), seed=salt) / 2.0**64
+
+
+def is_heldout(seq_id: str, fraction: float) -> bool:
+    """The held-out split depends on the id alone, so it is stable across rebuilds and seeds."""
+    return _unit_hash(seq_id, 0x5EED) < fraction
+
+
+def manifest_fingerprint(manifest: dict) -> str:
+    """Identity of a cache's content: teacher, tokenizer, layers, k and committed shards."""
+    keys = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype")
+    shards = [(s["name"], s["checksums"]) for s in manifest["shards"]]
+    payload = json.dumps([{k: manifest.get(k) for k in keys}, shards], sort_keys=True)
+    return xxhash.xxh64(payload.encode()).hexdigest()
+
+
+def _generator(key0: int, key1: int, counter0: int = 0, counter1: int = 0) -> np.random.Generator:
+    """A counter-based generator: draws depend only on these four numbers."""
+    key = np.array([key0 % 2**64, key1 % 2**64], dtype=np.uint64)
+    counter = np.array([counter0 % 2**64, counter1 % 2**64, 0, 0], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=key, counter=counter))
+
+
+def epoch_order(sizes: list[int], seed: int, epoch: int) -> list[tuple[int, int]]:
+    """(shard, sequence) pairs of one epoch: shards in a seeded order, sequences shuffled within
+    each shard, so reads stay local to a shard while every epoch differs."""
+    rng = _generator(seed, epoch, 1)
+    order = []
+    for shard in rng.permutation(len(sizes)):
+        order.extend((int(shard), int(i)) for i in rng.permutation(sizes[shard]))
+    return order
+
+
+def cut_batches(order: list[tuple[int, int]], lengths: list[np.ndarray], batch_tokens: int) -> list[list[tuple[int, int]]]:
+    """Cut an ordered list of sequences into consecutive batches of at most batch_tokens tokens."""
+    batches, current, tokens = [], [], 0
+    for shard, i in order:
+        n = int(lengths[shard][i])
+        if current and tokens + n > batch_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append((shard, i))
+        tokens += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def sample_anchors(loss_mask: np.ndarray, num_anchors: int, seed: int, epoch: int, seq_id: str) -> np.ndarray:
+    """Up to num_anchors positions a (sorted) with 1 <= a and loss_mask[a+1] = 1, drawn without
+    replacement; a pure function of (seed, epoch, sequence id)."""
+    eligible = np.flatnonzero(loss_mask[2:]) + 1  # a such that a + 1 is a loss position, a >= 1
+    if len(eligible) <= num_anchors:
+        return eligible.astype(np.int64)
+    rng = _generator(seed, xxhash.xxh64_intdigest(seq_id.encode()), epoch, 2)
+    return np.sort(rng.choice(eligible, size=num_anchors, replace=False)).astype(np.int64)
+
+
+@dataclass
+class LoaderState:
+    """Where the loader is: saved in checkpoints so a resumed run continues exactly."""
+
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    batches_done: int = 0  # over all epochs: the global batch counter noise is indexed by
+    seed: int = 0
+    manifest_fingerprint: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Batch:
+    """Padded tensors for one step. ``anchors`` is -1 in unused slots."""
+
+    ids: list[str]
+    hidden: torch.Tensor  # [N, T, L, H] float32
+    input_ids: torch.Tensor  # [N, T] long
+    loss_mask: torch.Tensor  # [N, T] bool
+    lengths: torch.Tensor  # [N]
+    topk_ids: torch.Tensor  # [N, T, k] long
+    topk_logprobs: torch.Tensor  # [N, T, k] float32
+    anchors: torch.Tensor  # [N, A] long
+    state_after: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device) -> "Batch":
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**moved)
+
+
+def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray]) -> Batch:
+    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy)."""
+    n, width = len(records), max(len(r) for r in records)
+    num_anchors = max(1, max(len(a) for a in anchors))
+    layers, size = hidden[0].shape[1:]
+    k = records[0].topk_ids.shape[1]
+    out_hidden = np.zeros((n, width, layers, size), dtype=np.float32)
+    input_ids = np.zeros((n, width), dtype=np.int64)
+    loss_mask = np.zeros((n, width), dtype=bool)
+    topk_ids = np.zeros((n, width, k), dtype=np.int64)
+    topk_logprobs = np.zeros((n, width, k), dtype=np.float32)
+    anchor_ids = np.full((n, num_anchors), -1, dtype=np.int64)
+    for row, (record, a, h) in enumerate(zip(records, anchors, hidden)):
+        t = len(record)
+        out_hidden[row, :t] = h
+        input_ids[row, :t] = record.input_ids
+        loss_mask[row, :t] = record.loss_mask
+        topk_ids[row, :t] = record.topk_ids
+        topk_logprobs[row, :t] = record.topk_logprobs
+        anchor_ids[row, : len(a)] = a
+    return Batch(ids=[r.id for r in records], hidden=torch.from_numpy(out_hidden),
+                 input_ids=torch.from_numpy(input_ids), loss_mask=torch.from_numpy(loss_mask),
+                 lengths=torch.tensor([len(r) for r in records]), topk_ids=torch.from_numpy(topk_ids),
+                 topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids))
+
+
+def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
+    """Per block position k = 1..B-1 of every anchor: the token to predict (x_{a+k}), the teacher's
+    distribution of it (top-k at t = a+k-1) and whether the position counts (a+k < T, loss mask
+    set, anchor slot used). Shapes [N*A, B-1] (+ [k])."""
+    n, a = batch.anchors.shape
+    k_offsets = torch.arange(1, block_size, device=batch.anchors.device)
+    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, B-1]
+    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
+    pos = torch.where(in_range, pos, torch.zeros_like(pos))
+    flat = pos.view(n, -1)
+    targets = torch.gather(batch.input_ids, 1, flat).view(n, a, -1)
+    valid = in_range & torch.gather(batch.loss_mask, 1, flat).view(n, a, -1)
+    prev = (pos - 1).clamp(min=0).view(n, -1, 1)
+    k = batch.topk_ids.shape[-1]
+    topk_ids = torch.gather(batch.topk_ids, 1, prev.expand(-1, -1, k)).view(n, a, -1, k)
+    topk_logprobs = torch.gather(batch.topk_logprobs, 1, prev.expand(-1, -1, k)).view(n, a, -1, k)
+    return {
+        "targets": targets.view(n * a, -1),
+        "valid": valid.view(n * a, -1),
+        "topk_ids": topk_ids.view(n * a, block_size - 1, k),
+        "topk_logprobs": topk_logprobs.view(n * a, block_size - 1, k),
+    }
+
+
+class EpochPlan:
+    """The training split of a cache and its batches per epoch (pure functions of the manifest)."""
+
+    def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
+        self.cache, self.cfg = cache, cfg
+        self.lengths, self.index = [], []
+        for shard in cache.shards:
+            keep = np.array([is_heldout(i, cfg.heldout_fraction) == heldout for i in shard.ids], dtype=bool)
+            self.index.append(np.flatnonzero(keep))
+            self.lengths.append(shard.lengths[keep] if len(keep) else np.zeros(0, np.int32))
+        self.num_sequences = int(sum(len(i) for i in self.index))
+        if self.num_sequences == 0:
+            split = "held-out" if heldout else "training"
+            raise CacheError(f"the {split} split of {cache.url} is empty ({len(cache)} sequences, held-out fraction {cfg.heldout_fraction}); use a larger cache or change --heldout-fraction")
+
+    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """Batches of (shard, sequence-in-shard) for one epoch."""
+        order = epoch_order([len(i) for i in self.index], self.cfg.seed, epoch)
+        cut = cut_batches(order, self.lengths, self.cfg.batch_tokens)
+        return [[(s, int(self.index[s][i])) for s, i in batch] for batch in cut]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the loader needs to know about the run to noise a batch for the step that takes it."""
+
+    noise: NoiseConfig
+    total_steps: int
+    grad_accum: int
+
+
+def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int, batch_index: int,
+               ctx: StepContext | None) -> Batch:
+    """Read, anchor, noise and pad one planned batch. ``batch_index`` is the global batch counter."""
+    records = [cache.shards[s][i] for s, i in refs]
+    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
+    if ctx is None:
+        hidden = [r.hidden for r in records]
+    else:
+        step = batch_index // ctx.grad_accum
+        hidden = [apply_noise(np.asarray(r.hidden, np.float32), ctx.noise, step, ctx.total_steps, r.id) for r in records]
+    return collate(records, anchors, hidden)
+
+
+class TrainStream(torch.utils.data.IterableDataset):
+    """Batches from a loader state onwards, forever (epoch after epoch).
+
+    Worker w of W executes planned batches w, w+W, ...; the DataLoader interleaves workers in
+    order, so the stream is the same for any worker count.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext):
+        self.url, self.storage_options, self.cfg, self.state, self.ctx = url, storage_options, cfg, state, ctx
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        cache = open_cache(self.url, self.storage_options)
+        plan = EpochPlan(cache, self.cfg)
+        epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
+        position = 0  # batches emitted by the whole stream (all workers)
+        while True:
+            batches = plan.batches(epoch)
+            for b in range(start, len(batches)):
+                if position % workers == worker:
+                    batch = load_batch(cache, self.cfg, batches[b], epoch, done, self.ctx)
+                    last = b + 1 == len(batches)
+                    batch.state_after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
+                                                    batches_done=done + 1, seed=self.cfg.seed,
+                                                    manifest_fingerprint=self.state.manifest_fingerprint).to_dict()
+                    yield batch
+                position += 1
+                done += 1
+            epoch, start = epoch + 1, 0
+
+
+def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext):
+    stream = TrainStream(url, storage_options, cfg, state, ctx)
+    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers,
+                                       persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
+
+
+def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = None):
+    """Batches of the held-out split in a fixed order, with fixed anchors and no noise."""
+    plan = EpochPlan(cache, cfg, heldout=True)
+    refs = [(s, int(i)) for s, idx in enumerate(plan.index) for i in idx][:max_sequences]
+    lengths = [np.array([cache.shards[s].lengths[i] for s, i in refs])]
+    for batch in cut_batches([(0, j) for j in range(len(refs))], lengths, cfg.batch_tokens):
+        yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0, batch_index=0, ctx=None)

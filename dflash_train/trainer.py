@@ -1,0 +1,183 @@
+"""Stage 2: train a DFlash drafter from a cache. ``train(cfg)`` is the one entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_cache import open_cache
+from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.progress import Progress
+from dflash_cache.teacher import resolve_device
+from dflash_train.checkpoint import CheckpointError, CheckpointManager
+from dflash_train.config import TrainConfig
+from dflash_train.data import EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
+from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
+from dflash_train.export import export_drafter
+from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
+
+DEFAULT_STEPS = 1000
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to min_ratio at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafter:
+    """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
+    head = cache.load_teacher_head()
+    embed, lm_head = head["embed_tokens.weight"].float(), head["lm_head.weight"].float()
+    mask_id = resolve_mask_token_id(cache.load_tokenizer(), embed.shape[0], cfg.model.mask_token_id)
+    drafter_cfg = DrafterConfig.from_teacher(
+        cache.teacher_config(), tuple(cache.layer_ids), mask_id, block_size=cfg.model.block_size,
+        num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
+        sliding_layers=cfg.model.sliding_layers, **cfg.model.overrides(),
+    )
+    torch.manual_seed(cfg.seed)
+    return DFlashDrafter(drafter_cfg, embed, lm_head).to(device)
+
+
+def total_steps(cfg: TrainConfig, cache) -> int:
+    if cfg.epochs is None:
+        return cfg.steps or DEFAULT_STEPS
+    batches = len(EpochPlan(cache, cfg.data).batches(0))
+    return max(1, math.ceil(cfg.epochs * batches / cfg.optim.grad_accum))
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    export_dir: Path
+    before: dict
+    after: dict
+
+
+class MetricsLog:
+    """metrics.jsonl in the run folder (appended, so a resumed run continues it), TensorBoard optionally."""
+
+    def __init__(self, out: Path, tensorboard: bool):
+        self.path = out / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--tensorboard needs the tensorboard package; pip install tensorboard") from None
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
+
+
+def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint: str, progress: Progress) -> tuple[int, LoaderState]:
+    path = manager.latest()
+    if path is None:
+        progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
+        return 0, LoaderState(manifest_fingerprint=fingerprint)
+    state = manager.load(path)
+    trainer = state["trainer"]
+    saved = trainer["loader"]["manifest_fingerprint"]
+    if saved != fingerprint:
+        raise CacheError(f"checkpoint {path} was trained on a different cache (fingerprint {saved}, this cache {fingerprint}); pass the original --cache or use a new --out")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["rng"]["torch"])
+    progress.message(f"resuming from {path} (step {trainer['step']})")
+    return int(trainer["step"]), LoaderState(**trainer["loader"])
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None) -> TrainResult:
+    progress = progress or Progress()
+    out = Path(cfg.out)
+    cache = open_cache(cfg.cache, cfg.storage_options)
+    if not cache.complete:
+        raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
+    device = resolve_device(cfg.device)
+    model = build_drafter(cfg, cache, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay)
+    steps = total_steps(cfg, cache)
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
+
+    fingerprint = manifest_fingerprint(cache.manifest)
+    manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
+    if not resume and manager.latest() is not None:
+        raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
+    step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint, progress) if resume
+                          else (0, LoaderState(manifest_fingerprint=fingerprint)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    metrics = MetricsLog(out, cfg.tensorboard)
+
+    before = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if cfg.eval_sequences and step == 0 else {}
+    if before:
+        metrics.write({"kind": "eval", "step": step, **before})
+        progress.message(f"held-out before training: tau {before['tau']:.3f}, loss {before['loss']:.4f}")
+
+    ctx = StepContext(noise=cfg.noise, total_steps=steps, grad_accum=cfg.optim.grad_accum)
+    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
+    progress.start(steps - step, "training", "step")
+    model.train()
+    while step < steps:
+        for _ in range(cfg.optim.grad_accum):
+            batch = next(batches).to(device)
+            with autocast:
+                out_ = batch_loss(model, batch, cfg.loss)
+            (out_.loss / cfg.optim.grad_accum).backward()
+            meter.add(out_)
+            tokens += batch.num_tokens
+            loader_state = LoaderState(**batch.state_after)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % cfg.log_every == 0 or step == steps:
+            summary = meter.summary()
+            rate = tokens / max(time.perf_counter() - started, 1e-9)
+            metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, **summary})
+            shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
+                     "tok/s": f"{rate:,.0f}"}
+            meter = AcceptanceMeter()
+        progress.advance(1, **shown)
+        if step % cfg.save_every == 0 or step == steps:
+            trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "loader": loader_state.to_dict(), "rng": {"torch": torch.get_rng_state()},
+                             "drafter": model.cfg.to_hf_config()}
+            manager.save(step, model.state_dict(), trainer_state, cfg.to_dict())
+    progress.close()
+
+    after = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if cfg.eval_sequences else {}
+    if after:
+        metrics.write({"kind": "eval", "step": step, **after})
+        progress.message(f"held-out after training: tau {after['tau']:.3f}, loss {after['loss']:.4f}")
+    export_dir = export_drafter(model, out / "drafter")
+    return TrainResult(steps=step, export_dir=Path(export_dir), before=before, after=after)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Export the drafter of a checkpoint folder (no cache or teacher needed)."""
+    from dflash_train.export import export_weights
+
+    state = CheckpointManager.load(checkpoint)
+    drafter_cfg = DrafterConfig.from_hf_config(state["trainer"]["drafter"])
+    return export_weights(drafter_cfg, state["model"], out_dir)
