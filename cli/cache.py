@@ -54,7 +54,7 @@ def build(
     compression: str = typer.Option("none", help="Hidden-state compression: none or zstd."),
     on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
-    overwrite: bool = typer.Option(False, help="Replace an existing cache built with other settings."),
+    overwrite: bool = typer.Option(False, help="Delete an existing cache at --out and build from scratch (default: resume it)."),
     dry_run: bool = typer.Option(False, help="Tokenize only and estimate sequences, tokens, bytes and shards."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
@@ -131,7 +131,7 @@ def verify(
         cache = open_cache(url, json.loads(storage_options) if storage_options else None)
         report = verify_cache(cache, BarProgress(enabled=not quiet))
         for name in report.uncommitted:
-            typer.echo(f"note: {name} is not committed (left by an interrupted build; the next build run removes it)", err=True)
+            typer.echo(f"note: {name} is not listed in the manifest (left by an interrupted build; rerun the build to finish it)", err=True)
         for name, problems in report.bad_shards.items():
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
         if not report.ok:

@@ -61,7 +61,7 @@ class BuildConfig:
     """Shard and chunk sizes, compression."""
 
     overwrite: bool = False
-    """Replace an existing cache built with other settings instead of refusing."""
+    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
 
     storage_options: dict[str, Any] | None = None
     """fsspec options for the cache URL (credentials, endpoint)."""
@@ -168,9 +168,16 @@ def _header(cfg: BuildConfig, teacher: Teacher, files: list[str]) -> dict:
     }
 
 
+def _resume_view(manifest: dict, key: str):
+    value = manifest.get(key)
+    if key == "teacher" and isinstance(value, dict):  # the hashes identify it; the path may move
+        value = {k: v for k, v in value.items() if k not in ("name", "revision")}
+    return value
+
+
 def _mismatch(existing: dict, header: dict) -> str | None:
     for key in RESUME_KEYS:
-        if existing.get(key) != header.get(key):
+        if _resume_view(existing, key) != _resume_view(header, key):
             return f"{key} differs (cache: {existing.get(key)}, this build: {header.get(key)})"
     return None
 
@@ -192,17 +199,19 @@ def committed_records(fs, root: str, rank: int) -> list[dict]:
     return records
 
 
-def _remove_uncommitted(fs, root: str, committed: set[str]) -> int:
-    """Delete shard folders without a commit record (a crash mid-write left them)."""
+def _remove_uncommitted(fs, root: str, rank: int, committed: set[str]) -> int:
+    """Delete this rank's shard folders without a commit record (a crash mid-write left them);
+    other ranks' folders are theirs to clean."""
     shards_dir = fmt.join(root, fmt.SHARDS_DIR)
     if not fs.exists(shards_dir):
         return 0
+    prefix = fmt.shard_name(rank, 0)[:-6]
     removed = 0
     for path in fs.ls(shards_dir, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if name.endswith(".json") or name in committed:
             continue
-        if ".tmp-" in name or name.startswith("shard-"):
+        if name.startswith(prefix) or name.startswith(f".tmp-{prefix}"):
             fs.rm(path, recursive=True)
             removed += 1
     return removed
@@ -215,7 +224,7 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
         problem = _mismatch(existing, header) if existing.get("format_version") == fmt.FORMAT_VERSION else "format version differs"
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
-        if problem:
+        if overwrite:
             for sub in (fmt.SHARDS_DIR, fmt.TEACHER_DIR):
                 if fs.exists(fmt.join(root, sub)):
                     fs.rm(fmt.join(root, sub), recursive=True)
@@ -309,7 +318,7 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
 
     records = committed_records(fs, root, cfg.rank)
-    removed = _remove_uncommitted(fs, root, {r["name"] for r in records})
+    removed = _remove_uncommitted(fs, root, cfg.rank, {r["name"] for r in records})
     if not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
         write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
     keeper = _ManifestKeeper(fs, root, header, records)

@@ -45,8 +45,7 @@ def _open_ipc(fs, path: str) -> pa.Table:
 
 
 def _fixed_list_values(column: pa.ChunkedArray, k: int) -> np.ndarray:
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    return array.values.to_numpy(zero_copy_only=True).reshape(-1, k)
+    return column.combine_chunks().values.to_numpy(zero_copy_only=True).reshape(-1, k)
 
 
 class Shard:
@@ -65,8 +64,8 @@ class Shard:
         table = _open_ipc(self.cache.fs, fmt.join(self.path, fmt.TOKENS))
         k = self.cache.top_k
         return {
-            "input_ids": table.column("input_ids").chunk(0).to_numpy(zero_copy_only=True),
-            "loss_mask": table.column("loss_mask").chunk(0).to_numpy(zero_copy_only=True),
+            "input_ids": table.column("input_ids").combine_chunks().to_numpy(zero_copy_only=True),
+            "loss_mask": table.column("loss_mask").combine_chunks().to_numpy(zero_copy_only=True),
             "topk_ids": _fixed_list_values(table.column("topk_ids"), k),
             "topk_logprobs": _fixed_list_values(table.column("topk_logprobs"), k),
         }

@@ -210,8 +210,9 @@ def write_teacher_files(fs, root: str, model, tokenizer) -> None:
     """Save what stage 2 needs of the teacher, once: embeddings, LM head, config, tokenizer."""
     teacher_dir = fmt.join(root, fmt.TEACHER_DIR)
     head = {
-        "embed_tokens.weight": model.get_input_embeddings().weight.detach().cpu().contiguous(),
-        "lm_head.weight": model.get_output_embeddings().weight.detach().cpu().contiguous(),
+        # clones: safetensors refuses tensors that share memory (teachers with tied embeddings)
+        "embed_tokens.weight": model.get_input_embeddings().weight.detach().cpu().clone(),
+        "lm_head.weight": model.get_output_embeddings().weight.detach().cpu().clone(),
     }
     fs.makedirs(teacher_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

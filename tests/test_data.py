@@ -1,0 +1,149 @@
+"""The training data plan: pure order/anchor functions, block targets, exact loader resume."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import english_like_sentences, write_jsonl
+
+from dflash_cache import open_cache
+from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.corpus import CorpusConfig
+from dflash_cache.teacher import TeacherConfig
+from dflash_cache.writer import StorageConfig
+from dflash_train.data import (
+    Batch,
+    DataConfig,
+    EpochPlan,
+    LoaderState,
+    StepContext,
+    block_targets,
+    cut_batches,
+    epoch_order,
+    is_heldout,
+    manifest_fingerprint,
+    sample_anchors,
+    train_loader,
+)
+from dflash_train.noise import NoiseConfig
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory, teacher_dir):
+    root = tmp_path_factory.mktemp("data_cache")
+    sentences = english_like_sentences(240, seed=7)
+    rows = [{"id": f"s{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
+                                              {"role": "assistant", "content": sentences[2 * i + 1] * (1 + i % 3)}]}
+            for i in range(120)]
+    data = write_jsonl(root / "chat.jsonl", rows)
+    cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
+                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 3), top_k=4),
+                      storage=StorageConfig(shard_bytes=12_000))
+    build_cache(cfg)
+    return str(root / "cache")
+
+
+def test_epoch_order_is_a_seeded_permutation_grouped_by_shard():
+    sizes = [5, 3, 0, 7]
+    a, b = epoch_order(sizes, seed=1, epoch=0), epoch_order(sizes, seed=1, epoch=0)
+    assert a == b
+    assert sorted(a) == [(s, i) for s in range(4) for i in range(sizes[s])]
+    shards_in_order = [s for s, _ in itertools.groupby(x[0] for x in a)]
+    assert len(shards_in_order) == 3  # each shard's sequences are contiguous
+    assert epoch_order(sizes, seed=1, epoch=1) != a and epoch_order(sizes, seed=2, epoch=0) != a
+
+
+def test_cut_batches_respects_token_budget():
+    lengths = [np.array([10, 20, 30, 40, 200])]
+    order = [(0, i) for i in range(5)]
+    batches = cut_batches(order, lengths, 60)
+    assert batches == [[(0, 0), (0, 1), (0, 2)], [(0, 3)], [(0, 4)]]
+
+
+def test_sample_anchors_eligible_deterministic_and_bounded():
+    mask = np.array([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
+    eligible = {2, 3, 4, 7, 8, 9, 10}  # a >= 1 with mask[a + 1] = 1
+    a = sample_anchors(mask, 4, seed=0, epoch=0, seq_id="x")
+    assert len(a) == 4 and set(a) <= eligible and list(a) == sorted(a) and len(set(a)) == 4
+    assert np.array_equal(a, sample_anchors(mask, 4, seed=0, epoch=0, seq_id="x"))
+    draws = {tuple(sample_anchors(mask, 4, seed=0, epoch=e, seq_id="x")) for e in range(8)}
+    assert len(draws) > 1
+    assert set(sample_anchors(mask, 100, 0, 0, "x")) == eligible
+    assert len(sample_anchors(np.zeros(5, np.uint8), 3, 0, 0, "x")) == 0
+
+
+def test_heldout_split_is_stable_and_sized():
+    ids = [f"seq-{i}" for i in range(20000)]
+    held = [i for i in ids if is_heldout(i, 0.1)]
+    assert 0.09 < len(held) / len(ids) < 0.11
+    assert held == [i for i in ids if is_heldout(i, 0.1)]
+    assert set(i for i in ids if is_heldout(i, 0.05)) <= set(held)
+
+
+def test_block_targets_match_a_hand_loop():
+    n, t, k, block = 2, 9, 3, 4
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(ids=["a", "b"], hidden=torch.zeros(n, t, 1, 2), input_ids=torch.randint(0, 50, (n, t), generator=g),
+                  loss_mask=torch.rand(n, t, generator=g) > 0.3, lengths=torch.tensor([9, 6]),
+                  topk_ids=torch.randint(0, 50, (n, t, k), generator=g), topk_logprobs=torch.randn(n, t, k, generator=g),
+                  anchors=torch.tensor([[1, 6], [3, -1]]))
+    out = block_targets(batch, block)
+    for row in range(n):
+        for j in range(2):
+            a = int(batch.anchors[row, j])
+            for p in range(block - 1):
+                pos = a + p + 1
+                ok = a >= 0 and pos < int(batch.lengths[row]) and bool(batch.loss_mask[row, pos])
+                assert bool(out["valid"][row * 2 + j, p]) == ok
+                if ok:
+                    assert out["targets"][row * 2 + j, p] == batch.input_ids[row, pos]
+                    assert torch.equal(out["topk_ids"][row * 2 + j, p], batch.topk_ids[row, pos - 1])
+                    assert torch.equal(out["topk_logprobs"][row * 2 + j, p], batch.topk_logprobs[row, pos - 1])
+
+
+def _take(url, cfg, state, ctx, n):
+    return list(itertools.islice(iter(train_loader(url, None, cfg, state, ctx)), n))
+
+
+def _same(a: Batch, b: Batch):
+    assert a.ids == b.ids
+    for name in ("hidden", "input_ids", "loss_mask", "topk_ids", "topk_logprobs", "anchors"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.state_after == b.state_after
+
+
+def test_loader_covers_the_training_split_once_per_epoch(small_cache):
+    cache = open_cache(small_cache)
+    cfg = DataConfig(batch_tokens=300, heldout_fraction=0.1)
+    plan = EpochPlan(cache, cfg)
+    batches = plan.batches(0)
+    seen = [cache.shards[s].ids[i] for b in batches for s, i in b]
+    train_ids = [i for s in cache.shards for i in s.ids if not is_heldout(i, 0.1)]
+    assert sorted(seen) == sorted(train_ids) and len(seen) == len(set(seen))
+    assert len(cache.shards) > 2
+
+
+def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
+    cache = open_cache(small_cache)
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, num_anchors=3)
+    ctx = StepContext(noise=NoiseConfig(schedule="cosine", start=0.5, end=0.1), total_steps=50, grad_accum=1)
+    start = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
+    per_epoch = len(EpochPlan(cache, cfg).batches(0))
+    n = per_epoch + 4  # crosses an epoch boundary
+    straight = _take(small_cache, cfg, start, ctx, n)
+    two_workers = _take(small_cache, DataConfig(**{**cfg.__dict__, "num_workers": 2}), start, ctx, n)
+    for a, b in zip(straight, two_workers):
+        _same(a, b)
+    # resume from the state recorded after batch m: the rest is identical, noise included
+    m = per_epoch - 2
+    resumed = _take(small_cache, cfg, LoaderState(**straight[m - 1].state_after), ctx, n - m)
+    for a, b in zip(straight[m:], resumed):
+        _same(a, b)
+    # noise is really applied (and differs per step), on all layers but the last
+    clean = _take(small_cache, cfg, start, StepContext(NoiseConfig(schedule="off"), 50, 1), 1)[0]
+    noisy = straight[0]
+    assert not torch.equal(clean.hidden[:, :, 0], noisy.hidden[:, :, 0])
+    assert torch.equal(clean.hidden[:, :, 1], noisy.hidden[:, :, 1])

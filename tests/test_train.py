@@ -1,0 +1,172 @@
+"""Stage 2 end to end: offline equals online, exact resume after SIGKILL, refusals, export."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from helpers import english_like_sentences, write_jsonl
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from cli.train import app
+from dflash_cache import open_cache
+from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.corpus import CorpusConfig
+from dflash_cache.errors import CacheError
+from dflash_cache.teacher import TeacherConfig
+from dflash_cache.writer import StorageConfig
+from dflash_train.config import ModelOptions, TrainConfig
+from dflash_train.data import Batch, DataConfig, EpochPlan, load_batch
+from dflash_train.evaluate import batch_loss
+from dflash_train.loss import LossConfig
+from dflash_train.trainer import build_drafter, lr_factor
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (0, 2)
+
+
+def _rows(n, seed):
+    s = english_like_sentences(3 * n, seed=seed)
+    return [{"id": f"t{seed}-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
+                                                    {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
+            for i in range(n)]
+
+
+def _build(root: Path, teacher: str, rows) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    data = write_jsonl(root / "chat.jsonl", rows)
+    cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
+                      teacher=TeacherConfig(name_or_path=teacher, dtype="float32", layers=LAYERS, top_k=6),
+                      storage=StorageConfig(shard_bytes=20_000))
+    build_cache(cfg)
+    return str(root / "cache")
+
+
+@pytest.fixture(scope="module")
+def cache_url(tmp_path_factory, teacher_dir):
+    return _build(tmp_path_factory.mktemp("train_cache"), teacher_dir("qwen3"), _rows(100, seed=1))
+
+
+def test_lr_schedule_hand_values():
+    assert lr_factor(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
+    """Loss and gradients from cached features equal those from running the teacher now."""
+    cache = open_cache(cache_url)
+    cfg = TrainConfig(cache=cache_url, out="unused", model=ModelOptions(num_layers=2, block_size=4),
+                      data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0))
+    refs = EpochPlan(cache, cfg.data).batches(0)[0]
+    offline = load_batch(cache, cfg.data, refs, epoch=0, batch_index=0, ctx=None)
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir("qwen3"), dtype=torch.float32).eval()
+    width, n = offline.input_ids.shape[1], len(refs)
+    hidden = torch.zeros(n, width, len(LAYERS), offline.hidden.shape[-1])
+    topk_ids = torch.zeros(n, width, 6, dtype=torch.long)
+    topk_logprobs = torch.zeros(n, width, 6)
+    for row in range(n):
+        t = int(offline.lengths[row])
+        with torch.no_grad():
+            out = teacher(input_ids=offline.input_ids[row:row + 1, :t], output_hidden_states=True)
+        hidden[row, :t] = torch.stack([out.hidden_states[i + 1][0] for i in LAYERS], dim=1)
+        values, ids = torch.log_softmax(out.logits[0].float(), -1).topk(6, -1)
+        topk_ids[row, :t], topk_logprobs[row, :t] = ids, values
+    online = Batch(ids=offline.ids, hidden=hidden, input_ids=offline.input_ids, loss_mask=offline.loss_mask,
+                   lengths=offline.lengths, topk_ids=topk_ids, topk_logprobs=topk_logprobs, anchors=offline.anchors)
+
+    results = []
+    for batch in (offline, online):
+        model = build_drafter(cfg, cache, torch.device("cpu"))
+        loss = batch_loss(model, batch, LossConfig())
+        loss.loss.backward()
+        results.append((loss.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a > 0
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+
+
+TRAIN_ARGS = ["--steps", "24", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400", "--num-anchors", "4",
+              "--heldout-fraction", "0.05", "--save-every", "6", "--log-every", "2", "--eval-sequences", "0",
+              "--noise", "cosine", "--noise-start", "0.3", "--quiet"]
+
+
+def _params(run: Path, step: int) -> dict:
+    return safetensors.torch.load_file(str(run / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+
+
+def test_exact_resume_after_sigkill(tmp_path, cache_url):
+    straight = tmp_path / "straight"
+    result = CliRunner().invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *TRAIN_ARGS])
+    assert result.exit_code == 0, result.output
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.train", "run", "--cache", cache_url, "--out", str(killed), *TRAIN_ARGS],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "step-000012" / "COMPLETE"
+    deadline = time.time() + 240
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists() and not (killed / "checkpoints" / "step-000024").exists(), "kill must land mid-run"
+
+    resumed = CliRunner().invoke(app, ["run", "--cache", cache_url, "--out", str(killed), "--resume", *TRAIN_ARGS])
+    assert resumed.exit_code == 0, resumed.output
+    a, b = _params(straight, 24), _params(killed, 24)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bit-identical on CPU
+    # the training curve after the resume point is the same too (same batches, noise, lr)
+    def curve(run):
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["lr"]) for r in lines if r["kind"] == "train" and r["step"] > 12}
+    assert curve(straight) == curve(killed)
+    exported = safetensors.torch.load_file(str(killed / "drafter" / "model.safetensors"))
+    assert set(exported) == set(a) and "embed_tokens.weight" not in exported
+
+
+def test_refusals_one_line(tmp_path, cache_url, teacher_dir):
+    run_dir = tmp_path / "run"
+    runner = CliRunner()
+    args = ["run", "--cache", cache_url, "--out", str(run_dir), "--steps", "2", "--num-layers", "1", "--block-size", "4",
+            "--eval-sequences", "0", "--heldout-fraction", "0.05", "--quiet"]
+    assert runner.invoke(app, args).exit_code == 0
+    again = runner.invoke(app, args)
+    assert again.exit_code == 1 and "already holds checkpoints; pass --resume" in again.output
+    other = _build(tmp_path / "other", teacher_dir("qwen3"), _rows(40, seed=9))
+    wrong = runner.invoke(app, ["run", "--cache", other, "--out", str(run_dir), "--resume", "--steps", "4", "--quiet"])
+    assert wrong.exit_code == 1 and "different cache" in wrong.output and "Traceback" not in wrong.output
+    bad = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r2"), "--block-size", "1"])
+    assert bad.exit_code == 1 and "--block-size must be at least 2" in bad.output
+    unknown = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r3"), "--set", "loss.nope=1"])
+    assert unknown.exit_code == 1 and "unknown loss option" in unknown.output
+
+
+def test_export_command_matches_run_export(tmp_path, cache_url):
+    run_dir = tmp_path / "run"
+    args = ["run", "--cache", cache_url, "--out", str(run_dir), "--steps", "3", "--num-layers", "1", "--block-size", "4",
+            "--eval-sequences", "0", "--heldout-fraction", "0.05", "--quiet"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    out = CliRunner().invoke(app, ["export", str(run_dir / "checkpoints" / "step-000003"), str(tmp_path / "exp")])
+    assert out.exit_code == 0, out.output
+    a = safetensors.torch.load_file(str(tmp_path / "exp" / "model.safetensors"))
+    b = safetensors.torch.load_file(str(run_dir / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+    config = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == list(LAYERS)
