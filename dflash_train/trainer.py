@@ -83,7 +83,8 @@ class MetricsLog:
                     self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
 
 
-def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint: str, progress: Progress) -> tuple[int, LoaderState]:
+def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint: str, current: dict,
+            progress: Progress) -> tuple[int, LoaderState]:
     path = manager.latest()
     if path is None:
         progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
@@ -93,6 +94,12 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     saved = trainer["loader"]["manifest_fingerprint"]
     if saved != fingerprint:
         raise CacheError(f"checkpoint {path} was trained on a different cache (fingerprint {saved}, this cache {fingerprint}); pass the original --cache or use a new --out")
+    for section in ("model", "loss", "data", "optim"):
+        saved, now = dict(state["config"].get(section, {})), dict(current[section])
+        if section == "data":  # the stream is the same for any worker count
+            saved.pop("num_workers", None), now.pop("num_workers", None)
+        if saved != now:
+            raise ConfigError(f"the {section} settings differ from checkpoint {path} ({saved} vs {now}); resume with the original settings or use a new --out")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
@@ -119,7 +126,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
     if not resume and manager.latest() is not None:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
-    step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint, progress) if resume
+    step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint,
+                                  json.loads(json.dumps(cfg.to_dict())), progress) if resume
                           else (0, LoaderState(manifest_fingerprint=fingerprint)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")

@@ -149,6 +149,8 @@ def test_refusals_one_line(tmp_path, cache_url, teacher_dir):
     assert runner.invoke(app, args).exit_code == 0
     again = runner.invoke(app, args)
     assert again.exit_code == 1 and "already holds checkpoints; pass --resume" in again.output
+    changed = runner.invoke(app, args[:-1] + ["--resume", "--block-size", "8", "--quiet"])
+    assert changed.exit_code == 1 and "model settings differ" in changed.output
     other = _build(tmp_path / "other", teacher_dir("qwen3"), _rows(40, seed=9))
     wrong = runner.invoke(app, ["run", "--cache", other, "--out", str(run_dir), "--resume", "--steps", "4", "--quiet"])
     assert wrong.exit_code == 1 and "different cache" in wrong.output and "Traceback" not in wrong.output
