@@ -151,6 +151,55 @@ def export(
     run(action, debug)
 
 
+@app.command("eval")
+def eval_(
+    checkpoint: str = typer.Option(..., help="A step-NNNNNN checkpoint folder or an exported drafter folder."),
+    cache: str = typer.Option(..., help="Cache URL holding the held-out split (and the teacher head)."),
+    split: str = typer.Option("heldout", help="Only 'heldout' (the split training never sees)."),
+    heldout_fraction: float = typer.Option(0.02, help="Held-out fraction used in training."),
+    max_sequences: int = typer.Option(512, help="Held-out sequences to evaluate."),
+    num_anchors: int = typer.Option(8, help="Sampled anchors per sequence for the per-position estimate."),
+    batch_tokens: int = typer.Option(8192, help="Sequence tokens per evaluation batch."),
+    out: Optional[str] = typer.Option(None, help="JSON report path (default: eval.json next to the checkpoint); a PNG goes beside it."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Offline acceptance on the held-out split: alpha_k, greedy streak, tau, and a greedy replay."""
+
+    def action():
+        from dflash_cache import open_cache
+        from dflash_cache.errors import ConfigError
+        from dflash_cache.teacher import resolve_device
+        from dflash_train.data import DataConfig
+        from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for, plot_acceptance
+        from dflash_train.loss import LossConfig
+
+        if split != "heldout":
+            raise ConfigError(f"--split {split!r} is not supported; use heldout")
+        dev = resolve_device(device)
+        c = open_cache(cache, json.loads(storage_options) if storage_options else None)
+        model = load_drafter_for(checkpoint, c, dev)
+        data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction)
+        report = {"checkpoint": checkpoint, "cache": cache, "offline": evaluate(model, c, data, LossConfig(), max_sequences, dev),
+                  "greedy_replay": greedy_replay(model, c, data, max_sequences, dev)}
+        path = Path(out) if out else Path(checkpoint) / "eval.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        o = report["offline"]
+        plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
+                        f"held-out acceptance, tau {o['tau']:.2f}")
+        rows = [("tau (sampling estimate)", f"{o['tau']:.3f}"), ("tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
+                ("greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
+                ("held-out loss", f"{o['loss']:.4f}"), ("positions", f"{o['positions']:,}")]
+        typer.echo("\n".join(f"{k:<32}{v}" for k, v in rows))
+        typer.echo("alpha_k  " + " ".join(f"{x:.3f}" for x in o["alpha"]))
+        typer.echo("greedy_k " + " ".join(f"{x:.3f}" for x in o["greedy"]))
+        typer.echo(f"report: {path} and {path.with_suffix('.png')}")
+
+    run(action, debug)
+
+
 def main():
     app()
 

@@ -10,15 +10,19 @@ from dflash_train.loss import LossConfig, LossOutput, block_loss, tau_from_alpha
 from dflash_train.model import DFlashDrafter
 
 
-def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig) -> LossOutput:
-    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
+def block_states(model: DFlashDrafter, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Drafter states of block positions 1..B-1 of every anchor, [N*A, B-1, H], and their targets."""
     block_size = model.cfg.block_size
     states = model(batch.hidden, batch.input_ids, batch.anchors)  # [N, A, B, H]
     n, a, _, h = states.shape
-    targets = block_targets(batch, block_size)
-    return block_loss(states[:, :, 1:].reshape(n * a, block_size - 1, h), model.lm_head_weight,
-                      targets["targets"], targets["topk_ids"], targets["topk_logprobs"], targets["valid"],
-                      loss_cfg, block_size)
+    return states[:, :, 1:].reshape(n * a, block_size - 1, h), block_targets(batch, block_size)
+
+
+def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig) -> LossOutput:
+    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
+    states, targets = block_states(model, batch)
+    return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size)
 
 
 class AcceptanceMeter:
@@ -52,11 +56,134 @@ class AcceptanceMeter:
 @torch.no_grad()
 def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
              max_sequences: int, device: torch.device) -> dict:
-    """Acceptance on held-out sequences (fixed anchors, no noise): alpha_k, greedy_k, tau."""
+    """Acceptance on held-out sequences (fixed anchors, no noise): the sampling estimate alpha_k
+    and tau, the greedy acceptance per position and the greedy streak per block."""
     was_training = model.training
     model.eval()
-    meter = AcceptanceMeter()
+    meter, streaks = AcceptanceMeter(), []
     for batch in heldout_batches(cache, data_cfg, max_sequences):
-        meter.add(batch_loss(model, batch.to(device), loss_cfg))
+        batch = batch.to(device)
+        states, targets = block_states(model, batch)
+        meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size))
+        hits = (_argmax_chunks(model, states) == targets["topk_ids"][..., 0]) & targets["valid"]
+        used = targets["valid"][:, 0]  # blocks whose first position counts
+        streaks.append(streak_lengths(hits)[used])
     model.train(was_training)
-    return meter.summary()
+    summary = meter.summary()
+    if streaks and summary:
+        streak = torch.cat(streaks).double()
+        summary["greedy_streak"] = float(streak.mean())
+        summary["tau_greedy"] = 1.0 + summary["greedy_streak"]
+    return summary
+
+
+def _argmax_chunks(model: DFlashDrafter, states: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Full-vocabulary argmax of [..., H] states, a chunk of positions at a time."""
+    flat = states.reshape(-1, states.shape[-1])
+    out = torch.cat([model.logits(flat[i:i + chunk]).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    return out.view(states.shape[:-1])
+
+
+def streak_lengths(hits: torch.Tensor) -> torch.Tensor:
+    """Consecutive hits from block position 1: [M, P] bool -> [M] long."""
+    return torch.cumprod(hits.long(), dim=1).sum(dim=1)
+
+
+def assistant_spans(loss_mask: torch.Tensor, length: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of loss-mask tokens: the assistant turns a decoder would generate."""
+    mask = loss_mask[:length].long()
+    edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.long), mask, torch.zeros(1, dtype=torch.long)]))
+    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
+    return [(int(s), int(e)) for s, e in zip(starts, ends)]
+
+
+@torch.no_grad()
+def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_sequences: int,
+                  device: torch.device) -> dict:
+    """Walk each held-out assistant turn the way greedy speculative decoding does.
+
+    The first anchor is the turn's first token (the teacher's prefill produces it); a round
+    accepts drafts while they equal the teacher's top-1 at that position, produces the accepted
+    drafts plus one teacher token, and the next anchor follows them. On sequences that are the
+    teacher's own greedy output this is what real greedy decoding accepts.
+    """
+    model.eval()
+    block = model.cfg.block_size
+    produced, rounds, histogram = 0, 0, torch.zeros(block + 1, dtype=torch.long)
+    for batch in heldout_batches(cache, data_cfg, max_sequences):
+        batch = batch.to(device)
+        cursors = [[[s, e] for s, e in assistant_spans(batch.loss_mask[r], int(batch.lengths[r])) if e - s > 1]
+                   for r in range(len(batch.ids))]
+        while any(cursors):
+            anchors = torch.full((len(cursors), 1), -1, dtype=torch.long, device=device)
+            for r, spans in enumerate(cursors):
+                if spans:
+                    anchors[r, 0] = spans[0][0]
+            states = model(batch.hidden, batch.input_ids, anchors)[:, 0, 1:]  # [N, B-1, H]
+            guesses = _argmax_chunks(model, states)
+            for r, spans in enumerate(cursors):
+                if not spans:
+                    continue
+                a, end = spans[0]
+                remaining = end - 1 - a
+                top1 = batch.topk_ids[r, a:a + block - 1, 0]
+                hits = guesses[r, : len(top1)] == top1
+                m = min(int(streak_lengths(hits[None])[0]), remaining)
+                step = min(m + 1, remaining)
+                produced += step
+                rounds += 1
+                histogram[step] += 1
+                spans[0][0] = a + m + 1
+                if spans[0][0] >= end - 1:
+                    spans.pop(0)
+    return {
+        "accepted_length": produced / max(rounds, 1),
+        "rounds": rounds,
+        "accepted_histogram": histogram.tolist(),
+    }
+
+
+def load_drafter_for(path: str, cache: Cache, device: torch.device) -> DFlashDrafter:
+    """A drafter from a checkpoint folder (step-*) or an export folder, with the cache's frozen head."""
+    from pathlib import Path
+
+    from dflash_cache.errors import CacheError
+    from dflash_train.checkpoint import COMPLETE, CheckpointManager
+    from dflash_train.export import load_drafter
+    from dflash_train.model import DrafterConfig
+
+    head = cache.load_teacher_head()
+    embed, lm_head = head["embed_tokens.weight"].float(), head["lm_head.weight"].float()
+    if (Path(path) / COMPLETE).exists():
+        state = CheckpointManager.load(path)
+        model = DFlashDrafter(DrafterConfig.from_hf_config(state["trainer"]["drafter"]), embed, lm_head)
+        model.load_state_dict(state["model"])
+    else:
+        model = load_drafter(path, embed, lm_head, dtype=torch.float32)
+    if list(model.cfg.target_layer_ids) != list(cache.layer_ids):
+        raise CacheError(f"the drafter at {path} reads teacher layers {list(model.cfg.target_layer_ids)}, the cache holds "
+                         f"{cache.layer_ids}; evaluate it on a cache built with --layers {','.join(map(str, model.cfg.target_layer_ids))}")
+    return model.to(device).eval()
+
+
+def plot_acceptance(curves: dict[str, list[float]], path, title: str) -> None:
+    """Acceptance against block position, one line per named curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    ax.set_xticks(range(1, 1 + max((len(v) for v in curves.values()), default=0)))
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
