@@ -200,6 +200,31 @@ def eval_(
     run(action, debug)
 
 
+@app.command()
+def sweep(
+    cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`; every run trains on it."),
+    out: str = typer.Option(..., help="Sweep folder: runs/<name>/, results.csv, results.md, loss_curves.png, acceptance_by_position.png, sweep.json."),
+    grid: list[str] = typer.Option(..., "--grid", help="key=v1,v2,... (repeatable; one run per combination). Keys: loss, weighting, noise, lr, "
+                                   "block_size, mix_lambda, num_anchors, gamma, ... or a config path such as loss.streak_smoothing; values are JSON when they parse."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps of every run (default 1000)."),
+    config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
+    set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values)."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options for the cache URL, as JSON."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Train one drafter per grid combination on one cache and compare them; rerun to resume."""
+
+    def action():
+        from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
+
+        base = _train_config(cache, out, config, False, {"steps": steps}, set_, storage_options)
+        result = run_sweep(SweepConfig(out=out, base=base, grid=parse_grid(grid)), progress=BarProgress(enabled=not quiet))
+        typer.echo(result.report.markdown, nl=False)
+
+    run(action, debug)
+
+
 def main():
     app()
 

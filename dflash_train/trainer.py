@@ -94,7 +94,7 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     saved = trainer["loader"]["manifest_fingerprint"]
     if saved != fingerprint:
         raise CacheError(f"checkpoint {path} was trained on a different cache (fingerprint {saved}, this cache {fingerprint}); pass the original --cache or use a new --out")
-    for section in ("model", "loss", "data", "optim"):
+    for section in ("model", "loss", "noise", "data", "optim"):
         saved, now = dict(state["config"].get(section, {})), dict(current[section])
         if section == "data":  # the stream is the same for any worker count
             saved.pop("num_workers", None), now.pop("num_workers", None)

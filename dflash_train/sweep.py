@@ -1,0 +1,652 @@
+"""Many loss experiments against one cache: a grid of config values, one train run per combination.
+
+``run_sweep(SweepConfig)`` expands the grid, trains every combination that is not finished yet
+(an interrupted one resumes from its last checkpoint), then rewrites the comparison from all runs'
+metrics: ``results.csv``, ``results.md``, ``loss_curves.png`` and ``acceptance_by_position.png``.
+``sweep.json`` records the grid and the base config.
+
+Layout of ``out``::
+
+    sweep.json  results.csv  results.md  loss_curves.png  acceptance_by_position.png
+    runs/<name>/   a normal `dflash-train run` folder per combination
+
+Runs are trained one after the other in this process. The pieces are separate so a launcher that
+places one run per GPU or process can reuse them: ``plan_runs`` (pure: every combination's name and
+TrainConfig), ``run_status`` (what a run folder already holds), ``train_run`` (train or resume one
+run; replace its config's ``device`` first), and ``write_report`` once every run is done.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.progress import Progress
+from dflash_train.config import TrainConfig, config_from_dict, merge
+
+# Short grid keys -> config field paths. One short name per path, so a run's name is the same
+# whether the user typed the short name or the dotted path.
+GRID_ALIASES: dict[str, tuple[str, ...]] = {
+    "loss": ("loss", "kind"),
+    "mix_lambda": ("loss", "mix_lambda"),
+    "weighting": ("loss", "weighting"),
+    "gamma": ("loss", "gamma"),
+    "streak_smoothing": ("loss", "streak_smoothing"),
+    "streak_decay": ("loss", "streak_decay"),
+    "noise": ("noise", "schedule"),
+    "noise_distribution": ("noise", "distribution"),
+    "noise_start": ("noise", "start"),
+    "noise_end": ("noise", "end"),
+    "lr": ("optim", "lr"),
+    "min_lr_ratio": ("optim", "min_lr_ratio"),
+    "warmup_steps": ("optim", "warmup_steps"),
+    "weight_decay": ("optim", "weight_decay"),
+    "grad_clip": ("optim", "grad_clip"),
+    "grad_accum": ("optim", "grad_accum"),
+    "block_size": ("model", "block_size"),
+    "num_layers": ("model", "num_layers"),
+    "num_anchors": ("data", "num_anchors"),
+    "batch_tokens": ("data", "batch_tokens"),
+    "data_seed": ("data", "seed"),
+    "steps": ("steps",),
+    "epochs": ("epochs",),
+    "seed": ("seed",),
+}
+
+# Fields every run of a sweep must share: the cache and folders are the sweep's own, and the
+# held-out sequences must be the same for the results to be comparable.
+SHARED_FIELDS: dict[tuple[str, ...], str] = {
+    ("cache",): "the sweep trains every run on one cache",
+    ("out",): "run folders are named by the sweep",
+    ("storage_options",): "the sweep reads one cache",
+    ("eval_sequences",): "every run is evaluated on the same held-out sequences",
+    ("data", "heldout_fraction"): "every run is evaluated on the same held-out split",
+}
+
+# Settings that change how a run is executed or logged, not what it learns: a finished run made
+# with other values of these still counts as this combination.
+OPERATIONAL_FIELDS = frozenset({"out", "device", "tensorboard", "log_every", "save_every", "keep_checkpoints",
+                                "data.num_workers", "loss.chunk_positions"})
+
+ALPHA_POSITIONS = (1, 2, 4)
+"""Block positions whose held-out alpha gets a table column (plus the last position)."""
+
+MAX_NAME_CHARS = 120
+_SAFE_TOKEN = re.compile(r"[A-Za-z0-9._+-]+")
+
+
+# ----------------------------------------------------------------------------- grid parsing
+
+
+def config_field_paths() -> dict[str, tuple[str, ...]]:
+    """Every settable TrainConfig field as "section.name" (or "name" at the top level) -> path."""
+    default = TrainConfig(cache="", out="")
+    paths: dict[str, tuple[str, ...]] = {}
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            for sub in dataclasses.fields(value):
+                paths[f"{f.name}.{sub.name}"] = (f.name, sub.name)
+        else:
+            paths[f.name] = (f.name,)
+    return paths
+
+
+def resolve_grid_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """(canonical key, config path) of a grid key: a short name or a dotted config path."""
+    key = key.strip()
+    if key in GRID_ALIASES:
+        path = GRID_ALIASES[key]
+    else:
+        path = config_field_paths().get(key)
+        if path is None:
+            fields = [name for name, p in config_field_paths().items() if p not in SHARED_FIELDS]
+            raise ConfigError(f"unknown grid key {key!r}; use a short key ({', '.join(GRID_ALIASES)}) "
+                              f"or a config field ({', '.join(fields)})")
+    if path in SHARED_FIELDS:
+        raise ConfigError(f"grid key {key!r} cannot vary in a sweep ({SHARED_FIELDS[path]}); "
+                          "set it once with --set or the config file")
+    short = {p: k for k, p in GRID_ALIASES.items()}
+    return short.get(path, ".".join(path)), path
+
+
+def split_values(text: str) -> list[str]:
+    """Split "a,b,[1,2]" at the commas outside brackets, braces and double quotes."""
+    parts, current, depth, quoted = [], [], 0, False
+    for i, ch in enumerate(text):
+        if ch == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and ch in "[{":
+            depth += 1
+        elif not quoted and ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0 and not quoted:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return [p.strip() for p in parts]
+
+
+def parse_value(text: str) -> Any:
+    """A grid value: JSON when it parses (0.3, 7, true, null, [0, 1]), else the plain string."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return _tuples(value)
+
+
+def _tuples(value: Any) -> Any:
+    # Config tuples (betas, sliding_layers, noise layers) arrive as JSON lists; tuples keep the
+    # frozen configs hashable and compare equal to what config_from_dict builds.
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def value_label(value: Any) -> str:
+    """How a value reads in run names, tables and legends: strings bare, the rest as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class GridAxis:
+    """One swept setting and the values it takes."""
+
+    key: str
+    """Canonical key shown in run names and table headers: the short name, else the dotted path."""
+
+    path: tuple[str, ...]
+    """The config field it sets, e.g. ("loss", "kind") or ("steps",)."""
+
+    values: tuple[Any, ...]
+    """The values, in the order runs are made."""
+
+    def __post_init__(self):
+        if not self.values:
+            raise ConfigError(f"grid key {self.key!r} has no values; pass e.g. --grid {self.key}=a,b")
+        labels = [value_label(v) for v in self.values]
+        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        if repeated:
+            raise ConfigError(f"grid key {self.key!r} repeats value(s) {repeated}; list each value once")
+
+
+def parse_grid_item(text: str) -> GridAxis:
+    """One --grid option, "key=v1,v2,...", as a GridAxis."""
+    key, sep, values = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--grid takes key=value1,value2,..., got {text!r}; e.g. --grid loss=ce,kl")
+    canonical, path = resolve_grid_key(key)
+    raw = split_values(values)
+    if any(not v for v in raw):
+        raise ConfigError(f"--grid {text!r} has an empty value; separate values with single commas, e.g. {canonical}=a,b")
+    return GridAxis(canonical, path, tuple(parse_value(v) for v in raw))
+
+
+def parse_grid(items: Iterable[str]) -> tuple[GridAxis, ...]:
+    """All --grid options; each config field may be swept by one option only."""
+    axes = tuple(parse_grid_item(item) for item in items)
+    seen: dict[tuple[str, ...], str] = {}
+    for axis in axes:
+        if axis.path in seen:
+            raise ConfigError(f"grid key {axis.key!r} is given twice ({'.'.join(axis.path)}); "
+                              f"put all its values in one --grid {axis.key}=a,b,...")
+        seen[axis.path] = axis.key
+    return axes
+
+
+# ----------------------------------------------------------------------------- expansion and names
+
+
+def expand_grid(axes: Sequence[GridAxis]) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination as ((key, value), ...) in grid order; the first key varies slowest."""
+    return [tuple(zip((a.key for a in axes), combo)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+def _safe_token(text: str) -> str:
+    if _SAFE_TOKEN.fullmatch(text):
+        return text
+    # Keep what is readable and add a hash of the original, so distinct values stay distinct.
+    slug = re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-") or "value"
+    return f"{slug}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+
+
+def run_name(assignment: Sequence[tuple[str, Any]]) -> str:
+    """Folder name of one combination: (("loss", "kl"), ("noise", "cosine")) -> "loss-kl_noise-cosine".
+
+    Only letters, digits and ``._+-`` appear, so the name is safe on every filesystem and object
+    store; it depends on the values alone, so rerunning the same sweep finds the same folders.
+    Other characters become "-" plus a hash of the value, so distinct values keep distinct names.
+    """
+    name = "_".join(f"{_safe_token(key)}-{_safe_token(value_label(value))}" for key, value in assignment)
+    if len(name) > MAX_NAME_CHARS:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        name = f"{name[:MAX_NAME_CHARS - 11]}-{digest}"
+    return name
+
+
+def run_overrides(axes: Sequence[GridAxis], assignment: Sequence[tuple[str, Any]]) -> dict:
+    """Nested config values that one combination sets."""
+    out: dict = {}
+    for axis, (_, value) in zip(axes, assignment):
+        *sections, last = axis.path
+        target = out
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[last] = list(value) if isinstance(value, tuple) else value
+        # steps and epochs are exclusive: a swept one replaces the base's other one.
+        if axis.path == ("steps",):
+            out["epochs"] = None
+        elif axis.path == ("epochs",):
+            out["steps"] = None
+    return out
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One combination of the grid."""
+
+    name: str
+    """Folder name under ``out/runs`` (see run_name)."""
+
+    values: tuple[tuple[str, Any], ...]
+    """(grid key, value) pairs of this combination, in grid order."""
+
+    config: TrainConfig
+    """Its full train config: the base config with the values applied and ``out`` set."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What `dflash-train sweep` needs: a base train config and the values to sweep."""
+
+    out: str
+    """Sweep folder: runs/<name>/ per combination, results.csv, results.md, plots, sweep.json."""
+
+    base: TrainConfig
+    """Settings shared by every run (cache, steps, model, ...); its ``out`` is replaced per run."""
+
+    grid: tuple[GridAxis, ...]
+    """Swept settings (see parse_grid); every combination of their values is one run."""
+
+    def __post_init__(self):
+        if not str(self.out).strip():
+            raise ConfigError("--out is empty; pass the sweep folder, e.g. --out sweeps/loss")
+        if not self.grid:
+            raise ConfigError("a sweep needs at least one --grid key=v1,v2 (e.g. --grid loss=ce,kl)")
+        object.__setattr__(self, "grid", tuple(self.grid))
+        plan_runs(self)  # every combination must be a valid train config before anything trains
+
+
+def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
+    """Every combination's name and train config, in grid order (reads and writes nothing)."""
+    base = cfg.base.to_dict()
+    runs, names = [], set()
+    for assignment in expand_grid(cfg.grid):
+        name = run_name(assignment)
+        if name in names:
+            raise ConfigError(f"two combinations share the run name {name!r}; use values that differ in letters or digits")
+        names.add(name)
+        values = merge(base, run_overrides(cfg.grid, assignment))
+        values["out"] = str(Path(cfg.out) / "runs" / name)
+        values["storage_options"] = cfg.base.storage_options  # to_dict leaves it out (credentials)
+        try:
+            config = config_from_dict(values)
+        except ConfigError as err:
+            raise ConfigError(f"sweep run {name}: {err}") from None
+        runs.append(SweepRun(name, assignment, config))
+    return runs
+
+
+# ----------------------------------------------------------------------------- what a run folder holds
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """A run's metrics.jsonl, one record per step (the latest wins: a resumed run repeats steps)."""
+
+    train: tuple[dict, ...]
+    """Train records in step order."""
+
+    evals: dict[int, dict]
+    """Eval records by step (step 0: before training; the last train step: after)."""
+
+    @property
+    def last_step(self) -> int:
+        return self.train[-1]["step"] if self.train else 0
+
+    @property
+    def final_eval(self) -> dict:
+        """The held-out evaluation after the last train step ({} when there is none)."""
+        return self.evals.get(self.last_step, {}) if self.last_step > 0 else {}
+
+    @property
+    def final_train(self) -> dict:
+        return self.train[-1] if self.train else {}
+
+
+def parse_metrics(lines: Iterable[str]) -> RunMetrics:
+    """RunMetrics from metrics.jsonl lines."""
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write; the resumed run rewrites that step
+        if not isinstance(record, dict) or "step" not in record:
+            continue
+        (evals if record.get("kind") == "eval" else train)[int(record["step"])] = record
+    return RunMetrics(tuple(train[s] for s in sorted(train)), evals)
+
+
+def read_metrics(run_dir: str | Path) -> RunMetrics:
+    path = Path(run_dir) / "metrics.jsonl"
+    return parse_metrics(path.read_text().splitlines() if path.exists() else [])
+
+
+def is_finished(has_export: bool, metrics: RunMetrics, expects_eval: bool) -> bool:
+    """A run is finished when train() got to its end: the drafter is exported (train's last act)
+    and, when it evaluates, the held-out record after the last step is written."""
+    return has_export and metrics.last_step > 0 and (not expects_eval or bool(metrics.final_eval))
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key != "storage_options":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(saved: dict, wanted: dict) -> list[str]:
+    """The settings (dotted paths) in which a run folder's config.json differs from the wanted
+    config, leaving out those that only change how a run is executed or logged."""
+    a, b = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(wanted)))
+    keys = sorted((set(a) | set(b)) - OPERATIONAL_FIELDS)
+    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """What a run folder already holds."""
+
+    finished: bool
+    """Trained to the end, evaluated and exported: nothing to do."""
+
+    resumable: bool
+    """Has a complete checkpoint, so train(resume=True) continues from it."""
+
+
+def run_status(run: SweepRun) -> RunStatus:
+    """Inspect a run folder; a folder made with other settings is refused (its results would be
+    reported under the wrong name)."""
+    from dflash_train.checkpoint import CheckpointManager
+    from dflash_train.export import CONFIG_FILE, WEIGHTS_FILE
+
+    folder = Path(run.config.out)
+    saved = folder / "config.json"
+    if saved.exists():
+        differences = config_differences(json.loads(saved.read_text()), run.config.to_dict())
+        if differences:
+            raise ConfigError(f"{folder} was made with other settings ({'; '.join(differences)}); "
+                              "rerun the sweep with its original options or use a new --out")
+    export = folder / "drafter"
+    has_export = (export / CONFIG_FILE).exists() and (export / WEIGHTS_FILE).exists()
+    finished = is_finished(has_export, read_metrics(folder), run.config.eval_sequences > 0)
+    resumable = CheckpointManager(folder / "checkpoints").latest() is not None
+    return RunStatus(finished=finished, resumable=resumable)
+
+
+def train_run(run: SweepRun, progress: Progress | None = None) -> None:
+    """Train one combination to the end, resuming from its newest checkpoint when it has one."""
+    from dflash_train.trainer import train
+
+    train(run.config, resume=run_status(run).resumable, progress=progress)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def alpha_columns(alpha: Sequence[float] | None) -> dict[str, float | None]:
+    """alpha at ALPHA_POSITIONS and the last position (None where the block is shorter)."""
+    alpha = list(alpha or [])
+    out: dict[str, float | None] = {f"alpha_{k}": alpha[k - 1] if k <= len(alpha) else None for k in ALPHA_POSITIONS}
+    out["alpha_last"] = alpha[-1] if alpha else None
+    return out
+
+
+RESULT_COLUMNS = ("train_loss", "heldout_loss", "tau", "tau_greedy",
+                  *(f"alpha_{k}" for k in ALPHA_POSITIONS), "alpha_last", "tokens_per_s", "steps")
+
+
+def result_row(run: SweepRun, metrics: RunMetrics) -> dict[str, Any]:
+    """One table row: the run, its grid values and its final numbers (None where missing)."""
+    final, last = metrics.final_eval, metrics.final_train
+    row: dict[str, Any] = {"run": run.name}
+    row.update({key: value_label(value) for key, value in run.values})
+    row.update({
+        "train_loss": last.get("loss"),
+        "heldout_loss": final.get("loss"),
+        "tau": final.get("tau"),
+        "tau_greedy": final.get("tau_greedy"),
+        **alpha_columns(final.get("alpha")),
+        "tokens_per_s": last.get("tokens_per_s"),  # the average of the run's last session
+        "steps": metrics.last_step or None,
+    })
+    return row
+
+
+def rows_to_csv(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow(["" if row.get(c) is None else row[c] for c in columns])
+    return buffer.getvalue()
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if column == "tokens_per_s":
+        return f"{value:,.0f}"
+    if isinstance(value, float):
+        return f"{value:.4f}" if math.isfinite(value) else str(value)
+    return str(value).replace("|", "\\|")
+
+
+def rows_to_markdown(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if c == "run" or not _numeric(rows, c) else "---:" for c in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(c, row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _numeric(rows: Sequence[dict], column: str) -> bool:
+    return any(isinstance(r.get(column), (int, float)) and not isinstance(r.get(column), bool) for r in rows)
+
+
+def _legend_label(run: SweepRun) -> str:
+    return ", ".join(f"{key}={value_label(value)}" for key, value in run.values)
+
+
+def _style(i: int) -> dict:
+    # Ten colours, then the same colours dashed, dotted, ...: lines stay distinguishable in big grids.
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
+
+
+def _save_figure(fig, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot_loss_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path) -> None:
+    """Train loss against step, one line per run."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    for i, (label, (steps, losses)) in enumerate(curves.items()):
+        ax.plot(steps, losses, label=label, linewidth=1.4, **_style(i))
+    values = [v for _, losses in curves.values() for v in losses]
+    if values and min(values) > 0:
+        ax.set_yscale("log")  # losses of different kinds span orders of magnitude
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.set_title("train loss by run")
+    ax.grid(alpha=0.3)
+    _legend(fig, ax, len(curves))
+    _save_figure(fig, Path(path))
+
+
+def plot_acceptance_by_position(curves: dict[str, list[float]], path: str | Path) -> None:
+    """Held-out alpha_k against block position k, one line per run."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    for i, (label, alpha) in enumerate(curves.items()):
+        ax.plot(range(1, len(alpha) + 1), alpha, marker="o", markersize=3, label=label, linewidth=1.4, **_style(i))
+    longest = max((len(a) for a in curves.values()), default=0)
+    if longest:
+        ax.set_xticks(range(1, longest + 1))
+    else:
+        ax.text(0.5, 0.5, "no held-out evaluation (eval_sequences = 0)", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("held-out acceptance alpha_k")
+    ax.set_title("held-out acceptance by block position")
+    ax.grid(alpha=0.3)
+    _legend(fig, ax, len(curves))
+    _save_figure(fig, Path(path))
+
+
+def _legend(fig, ax, count: int) -> None:
+    if count == 0:
+        return
+    if count <= 6:
+        ax.legend(fontsize="small")
+    else:  # a big grid's legend would hide the lines: put it beside the axes
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees half a table
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """The comparison of a sweep's runs, as written to its folder."""
+
+    rows: tuple[dict, ...]
+    """One row per combination (see result_row)."""
+
+    columns: tuple[str, ...]
+    """Column order of results.csv and results.md."""
+
+    markdown: str
+    """The text of results.md."""
+
+
+def write_report(cfg: SweepConfig, runs: Sequence[SweepRun] | None = None) -> SweepReport:
+    """(Re)write results.csv, results.md and both plots from the runs' metrics.jsonl files."""
+    runs = plan_runs(cfg) if runs is None else runs
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = {run.name: read_metrics(run.config.out) for run in runs}
+    rows = tuple(result_row(run, metrics[run.name]) for run in runs)
+    columns = ("run", *(axis.key for axis in cfg.grid), *RESULT_COLUMNS)
+    markdown = rows_to_markdown(rows, columns)
+    _write_text(out / "results.csv", rows_to_csv(rows, columns))
+    _write_text(out / "results.md", markdown)
+    plot_loss_curves({_legend_label(run): ([r["step"] for r in metrics[run.name].train if "loss" in r],
+                                           [r["loss"] for r in metrics[run.name].train if "loss" in r])
+                      for run in runs if metrics[run.name].train}, out / "loss_curves.png")
+    plot_acceptance_by_position({_legend_label(run): metrics[run.name].final_eval["alpha"]
+                                 for run in runs if metrics[run.name].final_eval.get("alpha")},
+                                out / "acceptance_by_position.png")
+    return SweepReport(rows=rows, columns=columns, markdown=markdown)
+
+
+def sweep_record(cfg: SweepConfig, runs: Sequence[SweepRun]) -> dict:
+    """The content of sweep.json: the grid, the base config and the run names."""
+    return {
+        "grid": [{"key": a.key, "field": ".".join(a.path), "values": list(a.values)} for a in cfg.grid],
+        "base": cfg.base.to_dict(),
+        "runs": [{"name": r.name, "values": {k: v for k, v in r.values}} for r in runs],
+    }
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What a sweep did and found."""
+
+    out: Path
+    """The sweep folder."""
+
+    trained: tuple[str, ...]
+    """Runs trained (or resumed) by this call."""
+
+    skipped: tuple[str, ...]
+    """Runs that were already finished."""
+
+    report: SweepReport = field(repr=False)
+    """The rewritten comparison."""
+
+
+def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult:
+    """Train every unfinished combination, one after the other, then rewrite the comparison.
+
+    Rerunning the same sweep skips finished runs and resumes an interrupted one from its newest
+    checkpoint. Every run folder is checked before anything trains, so a folder made with other
+    settings stops the sweep at once rather than after hours of training.
+    """
+    from dflash_cache import open_cache
+
+    progress = progress or Progress()
+    runs = plan_runs(cfg)
+    # A missing or half-built cache is reported now, not by the first run after the folders exist.
+    if not open_cache(cfg.base.cache, cfg.base.storage_options).complete:
+        raise CacheError(f"{cfg.base.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    statuses = {run.name: run_status(run) for run in runs}  # refuses mismatched folders before writing
+    _write_text(out / "sweep.json", json.dumps(sweep_record(cfg, runs), indent=1) + "\n")
+    todo = [run for run in runs if not statuses[run.name].finished]
+    progress.message(f"sweep of {len(runs)} runs in {out}: {len(runs) - len(todo)} finished, {len(todo)} to train")
+    for i, run in enumerate(todo, 1):
+        action = "resuming" if statuses[run.name].resumable else "training"
+        progress.message(f"[{i}/{len(todo)}] {action} {run.name}")
+        train_run(run, progress)
+    report = write_report(cfg, runs)
+    progress.message(f"results: {out / 'results.csv'}, {out / 'results.md'}, {out / 'loss_curves.png'}, "
+                     f"{out / 'acceptance_by_position.png'}")
+    return SweepResult(out=out, trained=tuple(r.name for r in todo),
+                       skipped=tuple(r.name for r in runs if statuses[r.name].finished), report=report)
