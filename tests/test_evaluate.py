@@ -1,0 +1,51 @@
+"""Offline evaluation: streaks, assistant spans, greedy replay and the eval command's report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from test_train import cache_url  # noqa: F401  (module fixture reused)
+from typer.testing import CliRunner
+
+from cli.train import app
+from dflash_train.evaluate import assistant_spans, streak_lengths
+
+
+def test_streak_lengths_count_leading_hits():
+    hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert streak_lengths(hits).tolist() == [2, 0, 4, 1]
+
+
+def test_assistant_spans_are_runs_of_the_loss_mask():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    assert assistant_spans(mask, 11) == [(2, 5), (7, 9), (10, 11)]
+    assert assistant_spans(mask, 8) == [(2, 5), (7, 8)]
+    assert assistant_spans(torch.zeros(4, dtype=torch.bool), 4) == []
+
+
+def test_eval_command_writes_report_and_plot(tmp_path, cache_url):  # noqa: F811
+    run_dir = tmp_path / "run"
+    args = ["run", "--cache", cache_url, "--out", str(run_dir), "--steps", "4", "--num-layers", "1",
+            "--block-size", "4", "--eval-sequences", "0", "--heldout-fraction", "0.2", "--quiet"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    out = tmp_path / "eval" / "report.json"
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(run_dir / "checkpoints" / "step-000004"),
+                                      "--cache", cache_url, "--heldout-fraction", "0.2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    offline = report["offline"]
+    assert len(offline["alpha"]) == 3 and len(offline["greedy"]) == 3
+    assert 1.0 <= offline["tau"] <= 4.0 and 1.0 <= offline["tau_greedy"] <= 4.0
+    assert abs(offline["tau_greedy"] - (1 + offline["greedy_streak"])) < 1e-9
+    replay = report["greedy_replay"]
+    assert replay["rounds"] > 0 and 1.0 <= replay["accepted_length"] <= 4.0
+    assert sum(replay["accepted_histogram"]) == replay["rounds"]
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "tau (sampling estimate)" in result.output
+    # the exported drafter evaluates to the same numbers (bf16 export: close, not equal)
+    again = CliRunner().invoke(app, ["eval", "--checkpoint", str(run_dir / "drafter"), "--cache", cache_url,
+                                     "--heldout-fraction", "0.2", "--out", str(tmp_path / "e2.json")])
+    assert again.exit_code == 0, again.output
+    assert abs(json.loads((tmp_path / "e2.json").read_text())["offline"]["tau"] - offline["tau"]) < 0.05
