@@ -13,7 +13,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
 
 
+def _device(device: str) -> str:
+    """Under torchrun each process of a node takes its own GPU."""
+    import os
+
+    import torch
+
+    if device == "auto" and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
+
+
 def _build_config(**o):
+    import os
+
     from dflash_cache.build import BuildConfig
     from dflash_cache.corpus import CorpusConfig
     from dflash_cache.teacher import TeacherConfig
@@ -23,13 +36,15 @@ def _build_config(**o):
         out=o["out"],
         corpus=CorpusConfig(data=o["data"], max_length=o["max_length"], overlong=o["overlong"],
                             min_length=o["min_length"], on_bad_row=o["on_bad_row"]),
-        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=o["device"],
+        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]),
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
                               top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"]),
         storage=StorageConfig(shard_bytes=parse_size(o["shard_size"]), chunk_bytes=parse_size(o["chunk_size"]),
                               compression=o["compression"]),
         overwrite=o["overwrite"],
         storage_options=json.loads(o["storage_options"]) if o["storage_options"] else None,
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
     )
 
 
@@ -77,6 +92,23 @@ def build(
             return
         build_cache(cfg, progress)
         typer.echo(f"cache ready at {cfg.out}")
+
+    run(action, debug)
+
+
+@app.command()
+def finalize(
+    url: str = typer.Argument(..., help="Cache URL built by several ranks."),
+    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Merge the ranks' shard records into the final manifest (for ranks run as independent jobs)."""
+
+    def action():
+        from dflash_cache.build import finalize_cache
+
+        m = finalize_cache(url, json.loads(storage_options) if storage_options else None)
+        typer.echo(f"finalized {url}: {m['totals']['shards']} shard(s), {m['totals']['sequences']:,} sequences")
 
     run(action, debug)
 
@@ -139,6 +171,56 @@ def verify(
             raise typer.Exit(1)
         state = "complete" if cache.complete else "incomplete (build not finished)"
         typer.echo(f"ok: {report.shards_checked} shard(s), {len(cache):,} sequences verified; cache {state}")
+
+    run(action, debug)
+
+
+@app.command()
+def regenerate(
+    teacher: str = typer.Option(..., help="Teacher that writes the answers: a local folder or hub name of a chat model."),
+    data: str = typer.Option(..., help="Source corpus (chat `messages` or ShareGPT `conversations`): file, folder or glob."),
+    out: str = typer.Option(..., help="Regenerated corpus, a .jsonl file; its parts go to OUT.parts/ until the merge."),
+    max_new_tokens: int = typer.Option(2048, help="Longest answer per assistant turn, in tokens (longer ones are cut and counted)."),
+    temperature: float = typer.Option(0.0, help="0 for greedy (the teacher's argmax), else the sampling temperature."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (with --temperature > 0)."),
+    batch_size: int = typer.Option(16, help="Prompts per generate call (left-padded)."),
+    keep_turns: str = typer.Option("first", help="first: system + first user turn + one answer; all: every user turn, answered turn by turn."),
+    on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
+    seed: int = typer.Option(0, help="Sampling seed; each (seed, row id, turn) draws its own random stream."),
+    rows_per_part: int = typer.Option(256, help="Source rows per part file (the unit of resuming and of splitting across ranks)."),
+    dtype: str = typer.Option("bfloat16", help="Teacher compute dtype: bfloat16 or float32."),
+    device: str = typer.Option("auto", help="auto (each torchrun rank its LOCAL_RANK GPU), cpu, cuda or cuda:N."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
+    overwrite: bool = typer.Option(False, help="Delete an earlier OUT and OUT.parts and start over (default: resume)."),
+    merge_only: bool = typer.Option(False, help="Only concatenate the committed parts into OUT (after every rank finished)."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Keep the corpus prompts and replace the assistant turns with the teacher's own answers (resumable; torchrun splits rows)."""
+    progress = BarProgress(enabled=not quiet)
+
+    def action():
+        from dflash_cache.regenerate import RegenerateConfig, merge_parts, rank_device, ranks_from_env
+        from dflash_cache.regenerate import regenerate as regenerate_corpus
+        from dflash_cache.teacher import TeacherConfig
+
+        if merge_only:
+            result = merge_parts(out, progress)
+        else:
+            rank, world_size, local_rank = ranks_from_env()
+            cfg = RegenerateConfig(
+                data=data, out=out,
+                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype,
+                                      device=rank_device(device, local_rank)),
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,
+                keep_turns=keep_turns, on_bad_row=on_bad_row, seed=seed, rows_per_part=rows_per_part,
+                overwrite=overwrite, rank=rank, world_size=world_size,
+            )
+            result = regenerate_corpus(cfg, progress)
+        if result.complete:
+            typer.echo(f"regenerated corpus ready at {out} ({result.rows:,} rows)")
+        else:
+            typer.echo(f"this rank is done; {result.parts_missing} part(s) of other ranks are missing")
 
     run(action, debug)
 

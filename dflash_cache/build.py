@@ -67,15 +67,24 @@ class BuildConfig:
     """fsspec options for the cache URL (credentials, endpoint)."""
 
     rank: int = 0
-    """This process's rank in a multi-process build (names its shards)."""
+    """This process's rank in a multi-process build: it takes corpus rows with index % world_size
+    == rank and writes only its own shards (torchrun sets RANK and WORLD_SIZE)."""
+
+    world_size: int = 1
+    """Number of processes building the cache together."""
 
     def __post_init__(self):
         if not self.out:
             raise ConfigError("--out is empty; give the cache a folder or URL")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes; set RANK in 0..WORLD_SIZE-1")
+        if self.overwrite and self.world_size > 1:
+            raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("storage_options")  # may hold credentials
+        out.pop("rank")  # the same cache whichever rank describes it
         return out
 
 
@@ -96,7 +105,7 @@ class DryRunEstimate:
 def _content_options(cfg: BuildConfig) -> dict:
     c = cfg.corpus
     return {"max_length": c.max_length, "overlong": c.overlong, "min_length": c.min_length,
-            "shard_bytes": cfg.storage.shard_bytes}
+            "shard_bytes": cfg.storage.shard_bytes, "world_size": cfg.world_size}
 
 
 def _sequence_or_skip(row, tokenizer, cfg: CorpusConfig, seen: dict[str, int]):
@@ -235,23 +244,61 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
 
 
 class _ManifestKeeper:
-    """Rewrites manifest.json (atomically) after each committed shard."""
+    """Keeps manifest.json up to date: rewritten (atomically) after each committed shard when one
+    process builds; with several ranks only the finalize step writes it, from all commit records."""
 
-    def __init__(self, fs, root: str, header: dict, records: list[dict]):
-        self.fs, self.root, self.header = fs, root, header
+    def __init__(self, fs, root: str, header: dict, records: list[dict], live: bool):
+        self.fs, self.root, self.header, self.live = fs, root, header, live
         self.records = list(records)
         self.lock = threading.Lock()
-        self.write(complete=False)
+        if live or not fs.exists(fmt.join(root, fmt.MANIFEST)):
+            self.write(complete=False)
 
     def commit(self, record: dict) -> None:
         with self.lock:
             self.records.append(record)
-            self.write(complete=False)
+            if self.live:
+                self.write(complete=False)
 
     def write(self, complete: bool, **extra) -> dict:
         manifest = dict(self.header, complete=complete, totals=fmt.totals(self.records), shards=self.records, **extra)
         fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest)
         return manifest
+
+
+RANKS_DIR = "ranks"
+
+
+def _rank_marker(root: str, rank: int) -> str:
+    return fmt.join(root, RANKS_DIR, f"rank-{rank:05d}.json")
+
+
+def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
+    """Merge every rank's commit records into a complete manifest once all ranks are done.
+
+    The last rank of a multi-process build calls this itself; `dflash-cache finalize` calls it
+    for ranks launched as independent jobs. Refuses while a rank is unfinished or when two ranks
+    wrote the same sequence id.
+    """
+    fs, root = fmt.url_to_fs(url, storage_options)
+    manifest = fmt.read_manifest(fs, root, url)
+    world = int(manifest["content_options"]["world_size"])
+    missing = [r for r in range(world) if not fs.exists(_rank_marker(root, r))]
+    if missing:
+        raise CacheError(f"{url}: rank(s) {missing} of {world} have not finished; rerun their build (same command with RANK set) before finalizing")
+    records = [r for rank in range(world) for r in committed_records(fs, root, rank)]
+    seen: dict[str, str] = {}
+    for record in records:
+        for seq_id in _committed_ids(fs, root, [record]):
+            if seq_id in seen:
+                raise CacheError(f"{url}: sequence id {seq_id!r} is in both {seen[seq_id]} and {record['name']}; make corpus ids unique and rebuild")
+            seen[seq_id] = record["name"]
+    runs = [fmt.read_json(fs, _rank_marker(root, r)) for r in range(world)]
+    last_run = {"seconds": max(r["seconds"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
+                "padding_fraction": max(r["padding_fraction"] for r in runs)}
+    header = {k: v for k, v in manifest.items() if k not in ("shards", "totals", "complete", "last_run")}
+    keeper = _ManifestKeeper(fs, root, header, records, live=False)
+    return keeper.write(complete=True, last_run=last_run)
 
 
 def _committed_ids(fs, root: str, records: list[dict]) -> dict[str, int]:
@@ -319,9 +366,11 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
 
     records = committed_records(fs, root, cfg.rank)
     removed = _remove_uncommitted(fs, root, cfg.rank, {r["name"] for r in records})
-    if not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
+    if cfg.rank == 0 and not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
         write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
-    keeper = _ManifestKeeper(fs, root, header, records)
+    if fs.exists(_rank_marker(root, cfg.rank)):  # this rank is at work again, not finished
+        fs.rm(_rank_marker(root, cfg.rank))
+    keeper = _ManifestKeeper(fs, root, header, records, live=cfg.world_size == 1)
     start_row = records[-1]["rows"][1] if records else 0
     if records:
         progress.message(f"resuming: {len(records)} committed shard(s) kept, continuing at corpus row {start_row}"
@@ -337,7 +386,7 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         "written": f"{sum(r['bytes'] for r in keeper.records) / 1e6:,.1f}MB",
     }
     writer = BackgroundWriter(lambda shard: write_shard(fs, root, shard, cfg.storage, cfg.teacher.dtype), keeper.commit)
-    progress.start(max(total_rows - start_row, 0), "sequences", "seq")
+    progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
 
     pending, pending_rows, pending_tokens, skipped = [], [], 0, Counter()
     span_start, index = start_row, len(records)
@@ -353,6 +402,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     try:
         for row in iter_rows(cfg.corpus, start_row=start_row):
             next_row = row.index + 1
+            if row.index % cfg.world_size != cfg.rank:
+                continue
             result = _sequence_or_skip(row, teacher.tokenizer, cfg.corpus, seen)
             if isinstance(result, str):
                 skipped[result] += 1
@@ -376,15 +427,25 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     finally:
         progress.close()
 
-    elapsed = time.perf_counter() - started
-    manifest = keeper.write(
-        complete=True,
-        last_run={
-            "seconds": round(elapsed, 3),
-            "tokens": stats["tokens"],
-            "padding_fraction": round(1 - stats["tokens"] / stats["padded"], 4) if stats["padded"] else 0.0,
-        },
-    )
+    last_run = {
+        "seconds": round(time.perf_counter() - started, 3),
+        "tokens": stats["tokens"],
+        "padding_fraction": round(1 - stats["tokens"] / stats["padded"], 4) if stats["padded"] else 0.0,
+    }
+    if cfg.world_size == 1:
+        manifest = keeper.write(complete=True, last_run=last_run)
+    else:
+        # Each rank marks itself done; whichever rank sees all markers merges the manifest (the
+        # last to finish always does, and a duplicate merge writes the same bytes).
+        fs.makedirs(fmt.join(root, RANKS_DIR), exist_ok=True)
+        fmt.write_json_atomic(fs, _rank_marker(root, cfg.rank), {"rank": cfg.rank, **last_run})
+        try:
+            manifest = finalize_cache(cfg.out, cfg.storage_options)
+        except CacheError as err:
+            if "have not finished" not in str(err):
+                raise
+            progress.message(f"rank {cfg.rank} done ({len(keeper.records)} shard(s)); the last rank to finish completes the manifest")
+            return fmt.read_manifest(fs, root, cfg.out)
     t = manifest["totals"]
     progress.message(
         f"committed {t['shards']} shard(s): {t['sequences']:,} sequences, {t['tokens']:,} tokens, "
