@@ -200,18 +200,17 @@ def regenerate(
     progress = BarProgress(enabled=not quiet)
 
     def action():
-        from dflash_cache.regenerate import RegenerateConfig, merge_parts, rank_device, ranks_from_env
+        from dflash_cache.regenerate import RegenerateConfig, merge_parts, ranks_from_env
         from dflash_cache.regenerate import regenerate as regenerate_corpus
         from dflash_cache.teacher import TeacherConfig
 
         if merge_only:
             result = merge_parts(out, progress)
         else:
-            rank, world_size, local_rank = ranks_from_env()
+            rank, world_size = ranks_from_env()
             cfg = RegenerateConfig(
                 data=data, out=out,
-                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype,
-                                      device=rank_device(device, local_rank)),
+                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype, device=_device(device)),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,
                 keep_turns=keep_turns, on_bad_row=on_bad_row, seed=seed, rows_per_part=rows_per_part,
                 overwrite=overwrite, rank=rank, world_size=world_size,

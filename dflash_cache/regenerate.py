@@ -1,0 +1,875 @@
+"""Regenerate a chat corpus with the teacher: keep the prompts, replace the answers.
+
+DFlash drafters learn to predict what the target model itself would write, but public chat
+datasets hold answers written by other models. `regenerate` keeps each row's system prompt and
+user turns, asks the teacher for every assistant turn, and writes `{"id", "messages"}` rows in
+the chat format `dflash-cache build` reads, with the source row's id.
+
+Work is cut into parts of `rows_per_part` consecutive source rows; part i covers rows
+`[i * P, (i + 1) * P)` whatever the number of processes, and rank r of a `torchrun` job does the
+parts with `i % world_size == r`. Each part is written whole under a temporary name and renamed,
+then a small commit record is written. A rerun skips committed parts, so a killed run resumes
+with no gaps or duplicates. When every part is committed, the parts are concatenated in order
+into the output (atomic rename), so the output does not depend on how many ranks made it.
+
+Decoding: temperature 0 is the teacher's argmax (its checkpoint's sampling defaults are
+ignored); in float32 a left-padded batch answers exactly as each prompt alone, in bfloat16 a
+near-tie may flip (see RegenerateConfig.batch_size). Sampling draws each answer from its own
+generator seeded by (seed, row id, turn), so batching, ranks and resuming do not change it
+beyond such float effects.
+
+Layout next to `OUT.jsonl`:
+
+    OUT.parts/.settings.json          what the output depends on (checked on resume)
+    OUT.parts/part-000000.jsonl       regenerated rows of source rows [0, P)
+    OUT.parts/.part-000000.json       its commit record, written last
+
+Internal files start with a dot so a corpus reader pointed at the folder skips them. After the
+merge, the parts and records are deleted and only `.settings.json` stays, so a rerun knows the
+output is complete and with which settings it was made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import groupby
+
+import torch
+import xxhash
+
+from dflash_cache.corpus import (
+    BAD_ROW_POLICIES,
+    CorpusConfig,
+    CorpusRow,
+    corpus_fingerprint,
+    count_rows,
+    iter_rows,
+    list_corpus_files,
+    parse_messages,
+    row_id,
+)
+from dflash_cache.errors import BadRowError, ConfigError, TeacherError
+from dflash_cache.progress import Progress
+from dflash_cache.teacher import TeacherConfig, load_teacher, tokenizer_hashes
+
+KEEP_TURNS = ("first", "all")
+SETTINGS = ".settings.json"
+# A part's or record's temporary name (see _write_atomic): ".part-000003.jsonl.tmp-1a2b3c4d".
+_PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
+_SETTINGS_FORMAT = "dflash-regenerate"
+_SETTINGS_VERSION = 1
+# Settings that change what is written; a resume must match all of them.
+RESUME_KEYS = ("teacher", "tokenizer", "dtype", "corpus", "rows_per_part", "max_new_tokens",
+               "keep_turns", "sampling")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    """Everything `dflash-cache regenerate` needs."""
+
+    data: str
+    """The source corpus: anything `corpus.iter_rows` reads (chat `messages` or ShareGPT
+    `conversations`; plain `text` rows have no prompt and count as bad rows)."""
+
+    out: str
+    """The regenerated corpus, a local `.jsonl` file; its parts go to the sibling `.parts` folder."""
+
+    teacher: TeacherConfig
+    """Which model writes the answers (name_or_path, revision, dtype and device are used)."""
+
+    max_new_tokens: int = 2048
+    """Longest answer per assistant turn, in tokens; longer answers are cut and counted."""
+
+    temperature: float = 0.0
+    """0 for greedy decoding (the teacher's argmax), else the sampling temperature."""
+
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens holding this much probability."""
+
+    batch_size: int = 16
+    """Prompts per `generate` call (left-padded). In float32 a batch answers exactly as one
+    prompt alone would; in bfloat16 the padded shapes round differently, so a near-tie (two
+    tokens within bf16 rounding) can go the other way. Use float32 or batch size 1 where
+    bit-for-bit equality with unbatched generation matters."""
+
+    keep_turns: str = "first"
+    """'first': the messages before the first answer (system prompt and first user turn) and one
+    answer; 'all': every user turn, answered turn by turn so each answer sees the regenerated
+    earlier ones (see plan_turns)."""
+
+    on_bad_row: str = "fail"
+    """An unusable row: 'fail' (stop naming its file and row) or 'skip' (count it and go on)."""
+
+    seed: int = 0
+    """Sampling seed; each (seed, row id, turn) has its own random stream."""
+
+    rows_per_part: int = 256
+    """Source rows per part file: the unit of resuming and of splitting across ranks."""
+
+    overwrite: bool = False
+    """Delete an earlier output and its parts and start over (otherwise a rerun resumes)."""
+
+    rank: int = 0
+    """This process's rank in a multi-process run (torchrun's RANK)."""
+
+    world_size: int = 1
+    """Number of processes sharing the work (torchrun's WORLD_SIZE)."""
+
+    def __post_init__(self):
+        if not isinstance(self.data, str) or not self.data.strip():
+            raise ConfigError(f"data={self.data!r} is empty; pass the source corpus file, folder or glob")
+        if not isinstance(self.out, str) or not self.out.endswith(".jsonl"):
+            raise ConfigError(f"out={self.out!r} must be a .jsonl file path; e.g. regenerated.jsonl")
+        if not isinstance(self.teacher, TeacherConfig):
+            raise ConfigError(f"teacher={self.teacher!r} must be a TeacherConfig; e.g. TeacherConfig('Qwen/Qwen3-8B')")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer; e.g. 2048")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be 0 (greedy) or a positive number; e.g. 0.7")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; e.g. 0.95, or 1 to sample from all tokens")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer; e.g. 16")
+        if self.keep_turns not in KEEP_TURNS:
+            raise ConfigError(f"keep_turns={self.keep_turns!r} is unknown; use 'first' or 'all'")
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ConfigError(f"on_bad_row={self.on_bad_row!r} is unknown; use 'fail' or 'skip'")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be a non-negative integer; e.g. 0")
+        if not _is_int(self.rows_per_part) or self.rows_per_part < 1:
+            raise ConfigError(f"rows_per_part={self.rows_per_part!r} must be a positive integer; e.g. 256")
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise ConfigError(f"world_size={self.world_size!r} must be a positive integer (torchrun's WORLD_SIZE)")
+        if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank={self.rank!r} must be in 0..{self.world_size - 1} (torchrun's RANK)")
+        if self.overwrite and self.world_size > 1:
+            # Each rank would delete the others' fresh parts; starting over is a one-process job.
+            raise ConfigError(f"overwrite with world_size={self.world_size} would let ranks delete each other's "
+                              f"parts; delete {self.out} and {parts_dir(self.out)} first, then start the ranks")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RegenerateResult:
+    """What a call did and where the output stands."""
+
+    out: str
+    """The output file."""
+    complete: bool
+    """True when `out` holds every source row (merged now or by an earlier run)."""
+    rows: int = 0
+    """Rows in the output (when complete), else rows written by this call."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Source rows left out, by reason (when complete: over the whole run)."""
+    tokens: int = 0
+    """Generated tokens (when complete: over the whole run)."""
+    truncated: int = 0
+    """Answers cut at max_new_tokens (when complete: over the whole run)."""
+    parts_written: int = 0
+    """Parts this call generated."""
+    parts_missing: int = 0
+    """Parts not committed yet (other ranks still at work), when not complete."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure pieces
+
+
+def parts_dir(out: str) -> str:
+    """The folder holding `out`'s parts: `OUT.parts` for `OUT.jsonl`."""
+    return out[: -len(".jsonl")] + ".parts" if out.endswith(".jsonl") else out + ".parts"
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:06d}.jsonl"
+
+
+def record_name(index: int) -> str:
+    return f".part-{index:06d}.json"
+
+
+def part_rows(index: int, rows_per_part: int, total_rows: int) -> tuple[int, int]:
+    """Source rows [start, end) of part `index`."""
+    return index * rows_per_part, min((index + 1) * rows_per_part, total_rows)
+
+
+def rank_parts(num_parts: int, rank: int, world_size: int) -> list[int]:
+    """The parts rank `rank` owns: fixed row ranges dealt round-robin, so every world size cuts
+    the corpus the same way and the merged output is the same."""
+    return list(range(rank, num_parts, world_size))
+
+
+def ranks_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world_size) from torchrun's RANK and WORLD_SIZE; (0, 1) without them."""
+    environ = os.environ if environ is None else environ
+    values = []
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")):
+        text = environ.get(name, default)
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={text!r} is not an integer; "
+                              f"launch with torchrun or unset it") from None
+    rank, world = values
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent (need 0 <= RANK < WORLD_SIZE); "
+                          f"launch with torchrun or unset them")
+    return rank, world
+
+
+def plan_turns(messages: list[dict], keep_turns: str) -> list[list[dict]]:
+    """The prompt messages that precede each answer to generate.
+
+    Group j holds the system and user messages between answer j-1 and answer j. Assistant
+    messages are dropped (they are what is regenerated); an answer is due after each run of
+    messages that holds a user turn, including a trailing user turn with no answer in the
+    source. 'first' keeps only the first group. Raises ValueError(problem) when there is no
+    user turn, or when a tool message would have to follow a regenerated answer (its result
+    answers a call the teacher may not make).
+    """
+    if keep_turns not in KEEP_TURNS:
+        raise ConfigError(f"keep_turns={keep_turns!r} is unknown; use 'first' or 'all'")
+    groups: list[list[dict]] = []
+    current: list[dict] = []
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant":
+            # An answer with no new user turn before it (a greeting, a second reply) has no
+            # prompt of its own: it is dropped with the rest of the source answers.
+            if any(m["role"] == "user" for m in current):
+                groups.append(current)
+                current = []
+                if keep_turns == "first":
+                    return groups
+        elif role == "tool":
+            raise ValueError(f"messages[{i}] is a tool turn, which cannot follow a regenerated answer; "
+                             f"drop such rows or regenerate them outside dflash")
+        else:
+            current.append({"role": role, "content": message["content"]})
+    if any(m["role"] == "user" for m in current):
+        groups.append(current)  # a trailing user turn still gets an answer
+    if not groups:
+        raise ValueError("conversation has no user turn to regenerate")
+    return groups[:1] if keep_turns == "first" else groups
+
+
+def sample_seed(seed: int, row: str, turn: int) -> int:
+    """The random stream of one answer: a pure function of (seed, row id, turn), so batching,
+    ranks and resuming do not change which numbers a row draws."""
+    return xxhash.xxh64_intdigest(f"{seed}\0{row}\0{turn}".encode()) & ((1 << 63) - 1)
+
+
+def cut_at_stop(ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """(answer ids before the first stop token, whether a stop token ended it)."""
+    stops = set(stop_ids)
+    for position, token in enumerate(ids):
+        if token in stops:
+            return ids[:position], True
+    return ids, False
+
+
+def strip_end_of_turn(text: str, end_of_turn: str) -> str:
+    """Drop a trailing end-of-turn marker that decoding kept (one that is not a special token)."""
+    marker = end_of_turn.strip()
+    if marker and text.endswith(marker):
+        return text[: -len(marker)]
+    return text
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set (most likely first) holding `top_p` of the
+    probability; the most likely token always stays. probs: [B, V], rows summing to 1."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def settings_mismatch(existing: dict, current: dict, keys: Iterable[str] = RESUME_KEYS) -> str | None:
+    """The first of `keys` whose value differs, said for a user, or None."""
+    for key in keys:
+        if existing.get(key) != current.get(key):
+            return f"{key} differs (earlier run: {_short(existing.get(key))}, this run: {_short(current.get(key))})"
+    return None
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows -> conversations to answer
+
+
+def chat_of_row(row: CorpusRow) -> list[dict]:
+    """The row's chat as [{role, content}] (canonical roles); raises BadRowError.
+
+    parse_messages validates roles and contents but requires an assistant turn; prompt-only
+    rows are fine input here, so a placeholder answer is appended for the check and dropped.
+    """
+    if row.problem is not None or row.data is None:
+        raise BadRowError(row.path, row.row, row.problem or "row has no data")
+    data = dict(row.data)
+    chat_field = next((f for f in ("messages", "conversations") if data.get(f) is not None), None)
+    if chat_field is not None and isinstance(data[chat_field], (list, tuple)):
+        placeholder = {"role": "assistant", "content": ""} if chat_field == "messages" else {"from": "gpt", "value": ""}
+        data[chat_field] = list(data[chat_field]) + [placeholder]
+    content = parse_messages(CorpusRow(index=row.index, path=row.path, row=row.row, data=data, problem=None))
+    if isinstance(content, str):
+        raise BadRowError(row.path, row.row, "plain 'text' row has no user turn to regenerate (use chat rows)")
+    return content[:-1] if chat_field is not None else content
+
+
+@dataclass
+class _Conversation:
+    """One source row being regenerated turn by turn."""
+
+    row: CorpusRow
+    id: str
+    groups: list[list[dict]]
+    messages: list[dict] = field(default_factory=list)
+    turn: int = 0
+    failed: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.failed is not None or self.turn == len(self.groups)
+
+
+def _conversation_or_problem(row: CorpusRow, keep_turns: str) -> _Conversation:
+    chat = chat_of_row(row)
+    try:
+        groups = plan_turns(chat, keep_turns)
+    except ValueError as err:
+        raise BadRowError(row.path, row.row, str(err)) from None
+    conversation = _Conversation(row=row, id=row_id(row.data), groups=groups)
+    conversation.messages.extend(groups[0])
+    return conversation
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+class RowSampler:
+    """A logits processor that samples each batch row from its own generator and hands
+    `generate` a one-hot choice, so greedy selection returns the sampled token. The batch's
+    shared RNG would make a row's draws depend on its batch neighbours."""
+
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float):
+        self.generators, self.temperature, self.top_p = generators, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = top_p_filter(torch.softmax(scores.float() / self.temperature, dim=-1), self.top_p)
+        chosen = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.generators)])
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(-1, chosen[:, None], 0.0)
+
+
+def _end_of_turn_text(tokenizer) -> str:
+    """What the chat template writes right after an assistant message (e.g. "<|im_end|>\\n")."""
+    probe = "dflash regenerate probe 4b2d"
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template without a visible marker just has none
+        return ""
+    return rendered[rendered.rindex(probe) + len(probe):] if probe in rendered else ""
+
+
+def stop_token_ids(tokenizer, model_eos, end_of_turn: str) -> list[int]:
+    """Tokens that end an answer: the tokenizer's eos, the model's configured eos ids, and the
+    template's end-of-turn token when it is a single added token (ChatML's <|im_end|>)."""
+    ids = []
+    candidates = [tokenizer.eos_token_id] + (list(model_eos) if isinstance(model_eos, (list, tuple)) else [model_eos])
+    marker = end_of_turn.strip()
+    if marker:
+        encoded = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if len(encoded) == 1:
+            candidates.append(encoded[0])
+    for token in candidates:
+        if token is not None and int(token) not in ids:
+            ids.append(int(token))
+    if not ids:
+        raise TeacherError("the teacher's tokenizer has no eos token and its chat template no end-of-turn token; "
+                           "answers could not stop before --max-new-tokens")
+    return ids
+
+
+@dataclass
+class TeacherGenerator:
+    """A loaded teacher ready to answer prompts."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    stop_ids: list[int]
+    pad_id: int
+    end_of_turn: str
+    identity: dict
+
+    def render(self, messages: list[dict]) -> list[int]:
+        # Rendered to text then tokenized without special tokens, as the build tokenizes chats.
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 sampler: RowSampler | None) -> list[tuple[list[int], bool]]:
+        """Answer ids per prompt (up to the first stop token) and whether a stop token ended it."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[i, width - len(prompt):] = 1
+        config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
+        )
+        return [cut_at_stop(row[width:].tolist(), self.stop_ids) for row in output.cpu()]
+
+    def decode(self, ids: list[int]) -> str:
+        return strip_end_of_turn(self.tokenizer.decode(ids, skip_special_tokens=True), self.end_of_turn)
+
+
+def load_generator(cfg: TeacherConfig) -> TeacherGenerator:
+    """Load the teacher for generation, with none of its shipped sampling defaults.
+
+    A checkpoint's generation_config.json may set temperature, top-k or a repetition penalty;
+    those would make "greedy" differ from the teacher's argmax, which is what speculative
+    decoding verifies against, so only eos and pad ids are kept.
+    """
+    from transformers import GenerationConfig
+
+    teacher = load_teacher(cfg)
+    model, tokenizer = teacher.model, teacher.tokenizer
+    if not tokenizer.chat_template:
+        raise ConfigError(f"the tokenizer of {cfg.name_or_path!r} has no chat template, so prompts cannot be "
+                          f"rendered; use a chat (instruct) model as the teacher")
+    end_of_turn = _end_of_turn_text(tokenizer)
+    stop_ids = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None), end_of_turn)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id,
+                                               bos_token_id=getattr(model.generation_config, "bos_token_id", None))
+    return TeacherGenerator(model=model, tokenizer=tokenizer, device=teacher.device, stop_ids=stop_ids,
+                            pad_id=pad_id, end_of_turn=end_of_turn, identity=teacher.identity)
+
+
+@dataclass
+class _PartOutcome:
+    rows: list[dict]
+    skipped: Counter
+    tokens: int
+    truncated: int
+
+
+def _bad(cfg: RegenerateConfig, err: BadRowError, skipped: Counter) -> None:
+    if cfg.on_bad_row == "fail":
+        raise err
+    skipped["bad_row"] += 1
+
+
+def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: TeacherGenerator,
+                    on_batch=lambda rows_done, tokens: None) -> _PartOutcome:
+    """Regenerate the answers of `rows` and return the output rows in source order.
+
+    Every pending answer of a round is generated in batches of similar prompt length; round
+    j answers turn j of every conversation that has one, so turn j sees regenerated turns < j.
+    """
+    skipped: Counter = Counter()
+    conversations: list[_Conversation] = []
+    for row in rows:
+        try:
+            conversations.append(_conversation_or_problem(row, cfg.keep_turns))
+        except BadRowError as err:
+            _bad(cfg, err, skipped)
+            on_batch(1, 0)
+    tokens = truncated = 0
+    while True:
+        pending = []
+        for conversation in conversations:
+            if conversation.done:
+                continue
+            try:
+                pending.append((conversation, gen.render(conversation.messages)))
+            except Exception as err:  # noqa: BLE001 - template errors are per row
+                first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+                conversation.failed = f"chat template failed: {first_line}"
+                _bad(cfg, BadRowError(conversation.row.path, conversation.row.row, conversation.failed), skipped)
+                on_batch(1, 0)
+        if not pending:
+            break
+        # Longest first, stable: similar lengths share a batch and the order is reproducible.
+        pending.sort(key=lambda item: -len(item[1]))
+        for start in range(0, len(pending), cfg.batch_size):
+            batch = pending[start:start + cfg.batch_size]
+            sampler = None
+            if not cfg.greedy:
+                generators = []
+                for conversation, _ in batch:
+                    g = torch.Generator(device=gen.device)
+                    g.manual_seed(sample_seed(cfg.seed, conversation.id, conversation.turn))
+                    generators.append(g)
+                sampler = RowSampler(generators, cfg.temperature, cfg.top_p)
+            answers = gen.generate([prompt for _, prompt in batch], cfg.max_new_tokens, sampler)
+            finished = batch_tokens = 0
+            for (conversation, _), (ids, stopped) in zip(batch, answers):
+                conversation.messages.append({"role": "assistant", "content": gen.decode(ids)})
+                conversation.turn += 1
+                if conversation.turn < len(conversation.groups):
+                    conversation.messages.extend(conversation.groups[conversation.turn])
+                else:
+                    finished += 1
+                batch_tokens += len(ids) + (1 if stopped else 0)
+                truncated += 0 if stopped else 1
+            tokens += batch_tokens
+            on_batch(finished, batch_tokens)
+    out = [{"id": c.id, "messages": c.messages} for c in conversations if c.failed is None]
+    return _PartOutcome(rows=out, skipped=skipped, tokens=tokens, truncated=truncated)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts on disk
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise ConfigError(f"{path} is not valid JSON (damaged); delete it or rerun with --overwrite") from None
+
+
+def _rows_bytes(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+
+
+def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: _PartOutcome) -> dict:
+    """Write part `index` whole, then its record (the commit); returns the record."""
+    data = _rows_bytes(outcome.rows)
+    _write_atomic(os.path.join(folder, part_name(index)), data)
+    record = {"index": index, "rows": list(rows_span), "written": len(outcome.rows), "skipped": dict(outcome.skipped),
+              "tokens": outcome.tokens, "truncated": outcome.truncated, "bytes": len(data),
+              "checksum": xxhash.xxh64_hexdigest(data)}
+    _write_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
+    return record
+
+
+def committed_parts(folder: str, num_parts: int) -> dict[int, dict]:
+    """Records of the committed parts, by index; a part counts once its record and file exist."""
+    committed = {}
+    for index in range(num_parts):
+        record = _read_json(os.path.join(folder, record_name(index)))
+        if record is not None and os.path.exists(os.path.join(folder, part_name(index))):
+            committed[index] = record
+    return committed
+
+
+def _sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int]:
+    rows, skipped, tokens, truncated = 0, Counter(), 0, 0
+    for record in records:
+        rows += record["written"]
+        skipped.update(record["skipped"])
+        tokens += record["tokens"]
+        truncated += record["truncated"]
+    return rows, skipped, tokens, truncated
+
+
+def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
+    """Concatenate the committed parts in row order into `out` (atomic rename), then delete
+    them. Refuses, naming the first gap, when a part is missing. Safe to run by several ranks
+    at once: each writes identical bytes, and one that finds the parts gone reports the
+    merge another rank finished."""
+    progress = progress or Progress()
+    folder = parts_dir(out)
+    settings = _read_json(os.path.join(folder, SETTINGS))
+    if settings is None:
+        raise ConfigError(f"{folder} holds no regeneration to merge (no {SETTINGS}); run `dflash-cache regenerate` first")
+    if settings.get("merged") is not None and os.path.exists(out):
+        return _complete_result(out, settings["merged"])
+    total_rows, per_part = settings["corpus"]["rows"], settings["rows_per_part"]
+    num_parts = math.ceil(total_rows / per_part)
+    records = committed_parts(folder, num_parts)
+    missing = [i for i in range(num_parts) if i not in records]
+    if missing:
+        first = part_rows(missing[0], per_part, total_rows)
+        raise ConfigError(f"cannot merge {out}: {len(missing)} of {num_parts} part(s) are not written yet (first: "
+                          f"{part_name(missing[0])}, source rows {first[0]}..{first[1] - 1}); finish every rank, "
+                          f"or rerun the command to generate them")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as dst:
+            for index in range(num_parts):
+                with open(os.path.join(folder, part_name(index)), "rb") as src:
+                    data = src.read()
+                if xxhash.xxh64_hexdigest(data) != records[index]["checksum"]:
+                    raise ConfigError(f"{os.path.join(folder, part_name(index))} does not match its record (changed "
+                                      f"after it was written); delete it and {record_name(index)} and rerun to redo it")
+                dst.write(data)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out)
+    except FileNotFoundError:
+        # Another rank merged first and deleted the parts.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        settings = _read_json(os.path.join(folder, SETTINGS)) or {}
+        if settings.get("merged") is not None and os.path.exists(out):
+            return _complete_result(out, settings["merged"])
+        raise
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    rows, skipped, tokens, truncated = _sum_records(records.values())
+    merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated,
+              "checksum": _file_checksum(out)}
+    _write_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
+    for index in range(num_parts):  # the merged file holds it all now; keep only the settings
+        for name in (record_name(index), part_name(index)):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+    result = _complete_result(out, merged)
+    progress.message(f"wrote {rows:,} rows to {out}" + _summary(result))
+    return result
+
+
+def _file_checksum(path: str) -> str:
+    digest = xxhash.xxh64()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _complete_result(out: str, merged: dict) -> RegenerateResult:
+    return RegenerateResult(out=out, complete=True, rows=merged["rows"], skipped=dict(merged["skipped"]),
+                            tokens=merged["tokens"], truncated=merged["truncated"])
+
+
+def _summary(result: RegenerateResult) -> str:
+    parts = []
+    if result.skipped:
+        parts.append("skipped " + ", ".join(f"{k}: {v}" for k, v in sorted(result.skipped.items())))
+    if result.truncated:
+        parts.append(f"{result.truncated:,} answer(s) cut at --max-new-tokens")
+    return ("; " + "; ".join(parts)) if parts else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def _check_paths(cfg: RegenerateConfig, files: list[str]) -> None:
+    out, folder = os.path.abspath(cfg.out), os.path.abspath(parts_dir(cfg.out))
+    data = os.path.abspath(os.path.expanduser(cfg.data))
+    inside = os.path.isdir(data) and os.path.commonpath([data, out]) == data
+    listed = any(os.path.abspath(f) == out or os.path.abspath(f).startswith(folder + os.sep) for f in files)
+    if inside or listed:
+        raise ConfigError(f"--out {cfg.out} lies inside --data {cfg.data}, so the output would be read back as input; "
+                          f"write it outside the corpus folder")
+
+
+def _plain_settings(cfg: RegenerateConfig, files: list[str], total_rows: int) -> dict:
+    """The settings known without loading the teacher."""
+    # Greedy decoding ignores seed and top-p, so changing them does not change the output.
+    sampling = ({"temperature": 0.0} if cfg.greedy else
+                {"temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "seed": cfg.seed})
+    return {
+        "format": _SETTINGS_FORMAT,
+        "version": _SETTINGS_VERSION,
+        "teacher_name": cfg.teacher.name_or_path,
+        "dtype": cfg.teacher.dtype,
+        "corpus": {"fingerprint": corpus_fingerprint(files), "rows": total_rows},
+        "rows_per_part": cfg.rows_per_part,
+        "max_new_tokens": cfg.max_new_tokens,
+        "keep_turns": cfg.keep_turns,
+        "sampling": sampling,
+    }
+
+
+def _teacher_settings(gen: TeacherGenerator) -> dict:
+    identity = {k: v for k, v in gen.identity.items() if k not in ("name", "revision")}  # hashes name it; paths move
+    return {"teacher": identity, "tokenizer": tokenizer_hashes(gen.tokenizer)}
+
+
+def _refuse_mismatch(cfg: RegenerateConfig, existing: dict, settings: dict, keys: Iterable[str]) -> None:
+    settings_path = os.path.join(parts_dir(cfg.out), SETTINGS)
+    if existing.get("format") != _SETTINGS_FORMAT or existing.get("version") != _SETTINGS_VERSION:
+        raise ConfigError(f"{settings_path} was written by another tool or version; pass --overwrite to start over")
+    problem = settings_mismatch(existing, settings, keys)
+    if problem:
+        raise ConfigError(f"{cfg.out} was regenerated with other settings: {problem}; rerun with the earlier settings "
+                          f"to resume, or pass --overwrite to start over")
+
+
+def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
+    """Check or start OUT.parts; returns the merged summary when the output is already complete."""
+    folder = parts_dir(cfg.out)
+    settings_path = os.path.join(folder, SETTINGS)
+    if cfg.overwrite:
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        if os.path.exists(cfg.out):
+            os.remove(cfg.out)
+    existing = _read_json(settings_path)
+    if existing is None:
+        if os.path.exists(cfg.out):
+            raise ConfigError(f"{cfg.out} already exists and {folder} does not say how it was made; choose another "
+                              f"--out, or pass --overwrite to replace it")
+        # Temporaries may be another rank writing the settings right now.
+        if os.path.isdir(folder) and any(".tmp-" not in name for name in os.listdir(folder)):
+            raise ConfigError(f"{folder} is not empty but has no {SETTINGS}; delete it or pass --overwrite")
+        os.makedirs(folder, exist_ok=True)
+        _write_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+        return None
+    _refuse_mismatch(cfg, existing, settings, RESUME_KEYS)
+    merged = existing.get("merged")
+    if merged is not None:
+        if not os.path.exists(cfg.out):
+            # Deleted after the merge, and its parts went with the merge: generate it again.
+            _write_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+            return None
+        if _file_checksum(cfg.out) != merged.get("checksum"):
+            raise ConfigError(f"{cfg.out} changed since this command finished it; keep it, or pass --overwrite to "
+                              f"regenerate it")
+    return merged
+
+
+def _remove_stale_temporaries(cfg: RegenerateConfig) -> None:
+    """Delete temporaries a killed run left (never committed, so never read). With several
+    ranks, only those of this rank's parts: another rank may be writing its own right now."""
+    folder = parts_dir(cfg.out)
+    stale = []
+    for name in os.listdir(folder):
+        match = _PART_TEMPORARY.match(name)
+        if match and int(match.group(1)) % cfg.world_size == cfg.rank:
+            stale.append(os.path.join(folder, name))
+        elif ".tmp-" in name and cfg.world_size == 1:
+            stale.append(os.path.join(folder, name))
+    if cfg.world_size == 1:  # an interrupted merge
+        out_dir, base = os.path.split(os.path.abspath(cfg.out))
+        stale.extend(os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith(f".{base}.tmp-"))
+    for path in stale:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> RegenerateResult:
+    """Regenerate this rank's parts (skipping committed ones) and merge when all are done."""
+    progress = progress or Progress()
+    files = list_corpus_files(cfg.data)
+    _check_paths(cfg, files)
+    total_rows = count_rows(files)
+    if total_rows == 0:
+        raise ConfigError(f"the corpus {cfg.data!r} has no rows; point --data at a non-empty file")
+    settings = _plain_settings(cfg, files, total_rows)
+    existing = None if cfg.overwrite else _read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
+    if existing is not None:  # refuse what can be refused before spending minutes loading a large teacher
+        _refuse_mismatch(cfg, existing, settings, [k for k in RESUME_KEYS if k in settings])
+    gen = load_generator(cfg.teacher)
+    merged = _prepare(cfg, {**settings, **_teacher_settings(gen)})
+    if merged is not None:
+        result = _complete_result(cfg.out, merged)
+        progress.message(f"{cfg.out} is already complete ({result.rows:,} rows); nothing to do")
+        return result
+
+    folder = parts_dir(cfg.out)
+    _remove_stale_temporaries(cfg)
+    num_parts = math.ceil(total_rows / cfg.rows_per_part)
+    mine = rank_parts(num_parts, cfg.rank, cfg.world_size)
+    done = committed_parts(folder, num_parts)
+    todo = [i for i in mine if i not in done]
+    if len(todo) < len(mine):
+        progress.message(f"resuming: {len(mine) - len(todo)} of {len(mine)} part(s) of rank {cfg.rank} "
+                         f"already written, {len(todo)} to go")
+
+    corpus = CorpusConfig(data=cfg.data, on_bad_row=cfg.on_bad_row)
+    todo_set = set(todo)
+    started = time.perf_counter()
+    stats = {"rows": 0, "tokens": 0}
+
+    def on_batch(rows_done: int, tokens: int) -> None:
+        stats["rows"] += rows_done
+        stats["tokens"] += tokens
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        progress.advance(rows_done, **{"rows/s": f"{stats['rows'] / elapsed:,.2f}",
+                                       "tok/s": f"{stats['tokens'] / elapsed:,.0f}"})
+
+    written = 0
+    spans = [part_rows(i, cfg.rows_per_part, total_rows) for i in todo]
+    progress.start(sum(end - start for start, end in spans), "regenerating", "rows")
+    try:
+        if todo:
+            last = todo[-1]
+            source = iter_rows(corpus, start_row=todo[0] * cfg.rows_per_part)
+            # One pass over the corpus (rows of other ranks' parts are read and passed over):
+            # restarting the reader per part would rescan JSON Lines files from the top.
+            for index, group in groupby(source, key=lambda r: r.index // cfg.rows_per_part):
+                if index > last:
+                    break
+                if index not in todo_set:
+                    continue
+                outcome = regenerate_rows(list(group), cfg, gen, on_batch)
+                commit_part(folder, index, part_rows(index, cfg.rows_per_part, total_rows), outcome)
+                written += 1
+    finally:
+        progress.close()
+
+    done = committed_parts(folder, num_parts)
+    missing = num_parts - len(done)
+    if missing:
+        progress.message(f"rank {cfg.rank} finished its parts; {missing} part(s) of other ranks are still missing. "
+                         f"The last rank to finish merges them, or rerun with --merge-only once all are done")
+        rows, skipped, tokens, truncated = _sum_records(done[i] for i in mine if i in done)
+        return RegenerateResult(out=cfg.out, complete=False, rows=rows, skipped=dict(skipped), tokens=tokens,
+                                truncated=truncated, parts_written=written, parts_missing=missing)
+    result = merge_parts(cfg.out, progress)
+    result.parts_written = written
+    return result
