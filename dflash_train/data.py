@@ -137,6 +137,13 @@ class Batch:
     anchors: torch.Tensor  # [N, A] long
     state_after: dict = field(default_factory=dict)
 
+    @classmethod
+    def empty(cls) -> "Batch":
+        """A rank's share of a planned batch that has fewer sequences than ranks."""
+        none = torch.zeros(0)
+        return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
+                   topk_logprobs=none, anchors=none)
+
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
@@ -240,15 +247,24 @@ def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch
     return collate(records, anchors, hidden)
 
 
+def rank_share(refs: list, rank: int, world_size: int) -> list:
+    """This rank's part of a planned (global) batch: every world_size-th sequence. The loader
+    state counts global batches, so a run resumes with any number of ranks."""
+    return refs[rank::world_size]
+
+
 class TrainStream(torch.utils.data.IterableDataset):
     """Batches from a loader state onwards, forever (epoch after epoch).
 
     Worker w of W executes planned batches w, w+W, ...; the DataLoader interleaves workers in
-    order, so the stream is the same for any worker count.
+    order, so the stream is the same for any worker count. With several ranks each takes its
+    share of every planned batch; a rank whose share is empty gets a batch with no sequences.
     """
 
-    def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext):
+    def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext,
+                 rank: int = 0, world_size: int = 1):
         self.url, self.storage_options, self.cfg, self.state, self.ctx = url, storage_options, cfg, state, ctx
+        self.rank, self.world_size = rank, world_size
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -261,7 +277,8 @@ class TrainStream(torch.utils.data.IterableDataset):
             batches = plan.batches(epoch)
             for b in range(start, len(batches)):
                 if position % workers == worker:
-                    batch = load_batch(cache, self.cfg, batches[b], epoch, done, self.ctx)
+                    share = rank_share(batches[b], self.rank, self.world_size)
+                    batch = load_batch(cache, self.cfg, share, epoch, done, self.ctx) if share else Batch.empty()
                     last = b + 1 == len(batches)
                     batch.state_after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
                                                     batches_done=done + 1, seed=self.cfg.seed,
@@ -272,8 +289,9 @@ class TrainStream(torch.utils.data.IterableDataset):
             epoch, start = epoch + 1, 0
 
 
-def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext):
-    stream = TrainStream(url, storage_options, cfg, state, ctx)
+def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext,
+                 rank: int = 0, world_size: int = 1):
+    stream = TrainStream(url, storage_options, cfg, state, ctx, rank, world_size)
     return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers,
                                        persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 

@@ -10,17 +10,18 @@ from dflash_train.loss import LossConfig, LossOutput, block_loss, tau_from_alpha
 from dflash_train.model import DFlashDrafter
 
 
-def block_states(model: DFlashDrafter, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Drafter states of block positions 1..B-1 of every anchor, [N*A, B-1, H], and their targets."""
+def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Drafter states of block positions 1..B-1 of every anchor, [N*A, B-1, H], and their targets.
+    ``forward`` is the model's wrapper when one must run the forward (DDP)."""
     block_size = model.cfg.block_size
-    states = model(batch.hidden, batch.input_ids, batch.anchors)  # [N, A, B, H]
+    states = (forward or model)(batch.hidden, batch.input_ids, batch.anchors)  # [N, A, B, H]
     n, a, _, h = states.shape
     return states[:, :, 1:].reshape(n * a, block_size - 1, h), block_targets(batch, block_size)
 
 
-def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig) -> LossOutput:
+def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
     """The drafter's loss and acceptance statistics on one batch (the training objective)."""
-    states, targets = block_states(model, batch)
+    states, targets = block_states(model, batch, forward)
     return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                       targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache import open_cache
 from dflash_cache.errors import CacheError, ConfigError
@@ -16,8 +17,11 @@ from dflash_cache.progress import Progress
 from dflash_cache.teacher import resolve_device
 from dflash_train.checkpoint import CheckpointError, CheckpointManager
 from dflash_train.config import TrainConfig
-from dflash_train.data import EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
+
+from dflash_train.data import Batch, EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
+from dflash_train.distributed import DistInfo, barrier, global_sum, init_distributed, rank_device, shutdown
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
+from dflash_train.loss import LossOutput
 from dflash_train.export import export_drafter
 from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
 
@@ -108,14 +112,32 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     return int(trainer["step"]), LoaderState(**trainer["loader"])
 
 
+def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, info: DistInfo,
+               device: torch.device, autocast) -> LossOutput | None:
+    """Forward and backward of one batch. With several ranks the loss is normalised by the valid
+    positions of the whole global batch, so DDP's gradient average equals one process's step."""
+    out = None
+    if batch.ids:
+        with autocast:
+            out = batch_loss(model, batch, cfg.loss, forward)
+    local = float(out.count.sum()) if out is not None else 0.0
+    scale = local / max(global_sum(local, info, device), 1.0) * info.world_size if info.active else 1.0
+    # an empty share still joins DDP's gradient all-reduce, with zero gradients
+    loss = out.loss * scale if out is not None else sum(p.sum() for p in model.parameters()) * 0.0
+    (loss / cfg.optim.grad_accum).backward()
+    return out
+
+
 def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None) -> TrainResult:
-    progress = progress or Progress()
-    out = Path(cfg.out)
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
-    device = resolve_device(cfg.device)
+    info = init_distributed(resolve_device(cfg.device))
+    device = rank_device(resolve_device(cfg.device), info)
+    progress = (progress or Progress()) if info.is_main else Progress()
+    out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
+    forward = DDP(model, broadcast_buffers=False) if info.active else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay)
     steps = total_steps(cfg, cache)
@@ -129,56 +151,60 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint,
                                   json.loads(json.dumps(cfg.to_dict())), progress) if resume
                           else (0, LoaderState(manifest_fingerprint=fingerprint)))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
-    metrics = MetricsLog(out, cfg.tensorboard)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
 
-    before = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if cfg.eval_sequences and step == 0 else {}
-    if before:
-        metrics.write({"kind": "eval", "step": step, **before})
-        progress.message(f"held-out before training: tau {before['tau']:.3f}, loss {before['loss']:.4f}")
+    def held_out(kind: str) -> dict:
+        result = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if info.is_main else {}
+        if result:
+            metrics.write({"kind": "eval", "step": step, **result})
+            progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
+        barrier(info)
+        return result
 
+    before = held_out("before") if cfg.eval_sequences and step == 0 else {}
     ctx = StepContext(noise=cfg.noise, total_steps=steps, grad_accum=cfg.optim.grad_accum)
-    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx))
+    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx, info.rank, info.world_size))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
     progress.start(steps - step, "training", "step")
     model.train()
     while step < steps:
         for _ in range(cfg.optim.grad_accum):
-            batch = next(batches).to(device)
-            with autocast:
-                out_ = batch_loss(model, batch, cfg.loss)
-            (out_.loss / cfg.optim.grad_accum).backward()
-            meter.add(out_)
-            tokens += batch.num_tokens
+            batch = next(batches)
             loader_state = LoaderState(**batch.state_after)
+            result = micro_step(model, forward, batch.to(device) if batch.ids else batch, cfg, info, device, autocast)
+            if result is not None:
+                meter.add(result)
+                tokens += batch.num_tokens
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if step % cfg.log_every == 0 or step == steps:
-            summary = meter.summary()
-            rate = tokens / max(time.perf_counter() - started, 1e-9)
+        if info.is_main and (step % cfg.log_every == 0 or step == steps):
+            summary, rate = meter.summary(), tokens * info.world_size / max(time.perf_counter() - started, 1e-9)
             metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, **summary})
             shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
                      "tok/s": f"{rate:,.0f}"}
             meter = AcceptanceMeter()
         progress.advance(1, **shown)
         if step % cfg.save_every == 0 or step == steps:
-            trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "loader": loader_state.to_dict(), "rng": {"torch": torch.get_rng_state()},
-                             "drafter": model.cfg.to_hf_config()}
-            manager.save(step, model.state_dict(), trainer_state, cfg.to_dict())
+            if info.is_main:
+                trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                 "loader": loader_state.to_dict(), "rng": {"torch": torch.get_rng_state()},
+                                 "drafter": model.cfg.to_hf_config()}
+                manager.save(step, model.state_dict(), trainer_state, cfg.to_dict())
+            barrier(info)
     progress.close()
 
-    after = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if cfg.eval_sequences else {}
-    if after:
-        metrics.write({"kind": "eval", "step": step, **after})
-        progress.message(f"held-out after training: tau {after['tau']:.3f}, loss {after['loss']:.4f}")
-    export_dir = export_drafter(model, out / "drafter")
+    after = held_out("after") if cfg.eval_sequences else {}
+    export_dir = export_drafter(model, out / "drafter") if info.is_main else out / "drafter"
+    barrier(info)
+    shutdown(info)
     return TrainResult(steps=step, export_dir=Path(export_dir), before=before, after=after)
 
 

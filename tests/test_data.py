@@ -147,3 +147,13 @@ def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
     noisy = straight[0]
     assert not torch.equal(clean.hidden[:, :, 0], noisy.hidden[:, :, 0])
     assert torch.equal(clean.hidden[:, :, 1], noisy.hidden[:, :, 1])
+
+
+def test_rank_shares_partition_every_planned_batch():
+    from dflash_train.data import rank_share
+
+    refs = [(0, i) for i in range(7)]
+    for world in (1, 2, 3, 8):
+        shares = [rank_share(refs, r, world) for r in range(world)]
+        assert sorted(x for s in shares for x in s) == refs
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1

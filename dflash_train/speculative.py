@@ -1,0 +1,410 @@
+"""Block speculative decoding with a DFlash drafter: the real check of a trained drafter.
+
+One generation, as the reference DFlash decoder runs it:
+
+1. Prefill: the teacher runs the prompt once with its KV cache; forward hooks on the tapped decoder
+   layers capture every prompt position's features. Its last logits give the first new token, the
+   anchor `x_a` at position `a` (whose features are not known yet).
+2. Draft: the drafter turns `[x_a, MASK x (B-1)]` plus the cached context keys/values of positions
+   `0..a-1` into B-1 draft tokens in one forward.
+3. Verify: the teacher runs `[x_a, d_1..d_{B-1}]` in ONE forward on its cache, the hooks capture the
+   block's features, and the logits give the teacher's next-token distribution after each position.
+4. Accept: greedy keeps drafts while they equal the teacher's argmax; sampling uses speculative
+   rejection sampling, so the output distribution is exactly the teacher's. A round keeps `m + 1`
+   tokens: m accepted drafts plus the teacher's own token (correction or bonus).
+5. Keep: the teacher's cache is rolled back to the kept positions, their features are appended to
+   the drafter's context, and the teacher's token becomes the next anchor.
+
+Greedy output equals the teacher's own greedy output (up to floating-point ties; exact for fp32).
+
+Rolling the teacher's cache back: attention layers are cropped (`crop` with a negative count).
+Layers whose state cannot be cropped (the recurrent state of the Gated-DeltaNet layers in
+`qwen3_5`) are snapshotted before every verify forward; after a round with a rejection they are
+restored and the kept tokens are run through the teacher once more. That re-run costs one extra
+(short) teacher forward per round with a rejection; fully accepted rounds cost nothing extra, and
+the snapshot is only the small fixed-size recurrent/conv state. `SpecResult.rerun_forwards` counts
+the re-runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from dflash_cache.errors import ConfigError
+from dflash_cache.teacher import _decoder_layers
+from dflash_train.model import DFlashDrafter
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to generate: length, sampling and stopping."""
+
+    max_new_tokens: int = 128
+    """Most new tokens to produce (the prompt is not counted)."""
+    temperature: float = 0.0
+    """0 for greedy decoding; > 0 samples from softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of most likely tokens holding this much mass; 1 keeps all.
+    Applied to the teacher and the drafter alike; ignored when temperature is 0."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the generation; the stop token is kept as the last output token."""
+    seed: int = 0
+    """Seed of the sampling generator (drafts, acceptance draws, corrections)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; use 1 to keep every token")
+        stops = tuple(self.stop_token_ids)
+        for token in stops:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ConfigError(f"stop token id {token!r} is not a non-negative integer; pass token ids")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be a non-negative integer")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding takes the argmax instead of sampling."""
+        return self.temperature == 0
+
+
+@dataclass
+class SpecResult:
+    """One generation: the new tokens and what it cost the teacher."""
+
+    tokens: list[int]
+    """The new tokens only (no prompt), cut after a stop token or at max_new_tokens."""
+    accepted_lengths: list[int] = field(default_factory=list)
+    """Per teacher forward after the prefill: tokens that forward produced (accepted drafts + 1).
+    Counted before the cut, so `1 + sum(accepted_lengths) - len(tokens)` is what the cut dropped."""
+    teacher_forwards: int = 0
+    """Teacher forwards after the prefill that produced tokens (verify rounds; decode steps for the
+    teacher alone); equals len(accepted_lengths)."""
+    seconds: float = 0.0
+    """Wall time of the whole generation, prefill included."""
+    rerun_forwards: int = 0
+    """Extra teacher forwards that rebuilt a non-croppable (recurrent) cache after a rejection."""
+    draft_tokens: list[list[int]] = field(default_factory=list)
+    """Per verify forward, the drafter's B-1 proposals (for per-position acceptance analysis)."""
+
+
+def mean_accepted_length(results: Sequence[SpecResult]) -> float:
+    """Tokens per verify forward over all results: the "acceptance length" tau of the literature."""
+    lengths = [n for result in results for n in result.accepted_lengths]
+    if not lengths:
+        raise ConfigError("the results hold no verify forwards; generate with max_new_tokens >= 2")
+    return sum(lengths) / len(lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure decision functions
+
+
+def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
+    """Sampling distribution [..., V] (fp32) of logits at a temperature > 0, nucleus-filtered."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # A token stays when the mass strictly before it is below top_p, so the top token always stays.
+    keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def greedy_accept_length(drafts: Tensor, targets: Tensor) -> int:
+    """Leading drafts [K] that equal the teacher's argmax after the position before each (targets [K+1])."""
+    matches = drafts == targets[: drafts.shape[0]]
+    return int(matches.long().cumprod(0).sum())
+
+
+def rejection_sample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative rejection sampling over one block; returns (accepted drafts m, teacher's token).
+
+    p [K+1, V]: the teacher's distribution after block positions 0..K; q [K, V]: the drafter's
+    distribution that drafts [K] were sampled from (draft j is position j+1, checked against p[j]).
+    Draft j is accepted with probability min(1, p/q); at the first rejection the token comes from
+    normalise(max(0, p - q)); after K acceptances a bonus token comes from p[K].
+    """
+    num_drafts = drafts.shape[0]
+    rows = torch.arange(num_drafts, device=drafts.device)
+    p_draft, q_draft = p[rows, drafts], q[rows, drafts]
+    draws = torch.rand(num_drafts, generator=generator, device=p.device)
+    # u < p/q written without the division; a draft always has q > 0 since it was sampled from q.
+    accepted = draws * q_draft < p_draft
+    m = int(accepted.long().cumprod(0).sum())
+    if m == num_drafts:
+        dist = p[m]
+    else:
+        residual = p[m].clone()
+        total = residual.sum()
+        # A rejection implies q > p somewhere, hence mass in p - q; the guard only catches rounding.
+        dist = residual / total if total > 0 else p[m]
+    token = int(torch.multinomial(dist, 1, generator=generator))
+    return m, token
+
+
+def extend_until_stop(tokens: list[int], new: Sequence[int], stop_token_ids: Sequence[int],
+                      max_new_tokens: int) -> bool:
+    """Append `new` to `tokens` up to a stop token (kept) or max_new_tokens; True when generation is done."""
+    for token in new:
+        if len(tokens) >= max_new_tokens:
+            return True
+        tokens.append(int(token))
+        if token in stop_token_ids:
+            return True
+    return len(tokens) >= max_new_tokens
+
+
+def _next_token(logits: Tensor, cfg: SpecConfig, generator: torch.Generator) -> int:
+    """The teacher's choice from last-position logits [V]: argmax, or a sample."""
+    if cfg.greedy:
+        return int(logits.argmax())
+    probs = probs_from_logits(logits, cfg.temperature, cfg.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher plumbing
+
+
+class _LayerTaps:
+    """Forward hooks keeping the outputs of the tapped decoder layers of the latest teacher forward."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
+        self.layers = _decoder_layers(model)
+        self.layer_ids = tuple(layer_ids)
+        self.captured: dict[int, Tensor] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> "_LayerTaps":
+        def hook(layer_id: int):
+            def save(_module, _inputs, output):
+                self.captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            return save
+
+        self.handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def take(self) -> Tensor:
+        """Features [1, S, n_layers, H] of the latest forward (and forget them)."""
+        hidden = torch.stack([self.captured[i] for i in self.layer_ids], dim=2)
+        self.captured.clear()
+        return hidden
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """transformers 5 names the cache argument `cache`; earlier versions `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _run(model: torch.nn.Module, ids: Tensor, cache: Any, keyword: str, logits_to_keep: int = 0):
+    """One teacher forward on its cache; returns (fp32 logits [S or 1, V], the cache)."""
+    kwargs = {keyword: cache} if cache is not None else {}
+    out = model(input_ids=ids.unsqueeze(0), use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    new_cache = out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
+    return out.logits[0].float(), new_cache
+
+
+def _crop_layer(layer: Any, drop: int) -> None:
+    """Drop the last `drop` positions of a croppable cache layer.
+
+    crop(0) still matters for layers that record their past (sliding windows): it trims them back
+    to their working size. Elsewhere it is skipped, since transformers 4 read crop(0) as "keep 0".
+    """
+    if drop > 0 or getattr(layer, "record_past", False):
+        layer.crop(-drop)
+
+
+class _CacheRollback:
+    """Puts the teacher's cache back to the kept positions after a verify forward.
+
+    Croppable layers are cropped. Non-croppable ones (recurrent state) are snapshotted before each
+    verify and restored after a rejection, after which the caller re-runs the kept tokens.
+    """
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise ConfigError(
+                f"the teacher's cache {type(cache).__name__} has no per-layer list; use a transformers "
+                "model whose cache is a DynamicCache (transformers >= 4.56)")
+        self.fixed = [i for i, layer in enumerate(layers) if not getattr(layer, "is_croppable", True)]
+        self.croppable = [layer for i, layer in enumerate(layers) if i not in self.fixed]
+        for layer in self.croppable:
+            # Sliding-window (and conv-only) layers drop old states on update unless told to keep
+            # them until the next crop; done after the prefill so the prompt is not kept whole.
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        self.snapshots: list[Any] = []
+
+    def before_verify(self) -> None:
+        self.snapshots = [copy.deepcopy(self.cache.layers[i]) for i in self.fixed]
+
+    def rollback(self, verified: int, kept: int) -> bool:
+        """Keep the first `kept` of the `verified` positions; True when the caller must re-run them."""
+        drop = verified - kept
+        if not self.fixed or drop == 0:
+            # Everything croppable, or every position kept (a full block leaves recurrent state right).
+            for layer in self.croppable:
+                _crop_layer(layer, drop)
+            return False
+        for layer in self.croppable:
+            _crop_layer(layer, verified)
+        for index, snapshot in zip(self.fixed, self.snapshots):
+            self.cache.layers[index] = snapshot
+        self.snapshots = []
+        return True
+
+    def after_rerun(self) -> None:
+        for layer in self.croppable:
+            _crop_layer(layer, 0)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_prompt(teacher: torch.nn.Module, prompt_ids: Sequence[int]) -> int:
+    """Vocabulary size of the teacher, after checking the prompt fits it."""
+    vocab = int(teacher.get_output_embeddings().weight.shape[0])
+    if len(prompt_ids) == 0:
+        raise ConfigError("prompt_ids is empty; pass at least one token (e.g. a BOS or chat prefix)")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise ConfigError(f"prompt token id {bad[0]} is outside the teacher's vocabulary [0, {vocab}); "
+                          "tokenize with the teacher's tokenizer")
+    return vocab
+
+
+def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) -> None:
+    if vocab != drafter.cfg.vocab_size:
+        raise ConfigError(f"the teacher's vocabulary has {vocab} rows, the drafter expects "
+                          f"{drafter.cfg.vocab_size}; use the drafter trained for this teacher")
+    num_layers = len(_decoder_layers(teacher))
+    if max(drafter.cfg.target_layer_ids) >= num_layers:
+        raise ConfigError(f"drafter taps layers {list(drafter.cfg.target_layer_ids)} but the teacher has "
+                          f"{num_layers}; use the drafter trained for this teacher")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def teacher_generate(teacher: torch.nn.Module, prompt_ids: Sequence[int], cfg: SpecConfig) -> SpecResult:
+    """The teacher alone, one token per forward on its own KV cache (the reference output)."""
+    _check_prompt(teacher, prompt_ids)
+    device = _model_device(teacher)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    keyword = _cache_keyword(type(teacher))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        logits, cache = _run(teacher, torch.tensor(list(prompt_ids), device=device), None, keyword, 1)
+        tokens: list[int] = []
+        forwards = 0
+        done = extend_until_stop(tokens, [_next_token(logits[-1], cfg, generator)], cfg.stop_token_ids,
+                                 cfg.max_new_tokens)
+        while not done:
+            logits, cache = _run(teacher, torch.tensor([tokens[-1]], device=device), cache, keyword, 1)
+            forwards += 1
+            done = extend_until_stop(tokens, [_next_token(logits[-1], cfg, generator)], cfg.stop_token_ids,
+                                     cfg.max_new_tokens)
+    return SpecResult(tokens=tokens, accepted_lengths=[1] * forwards, teacher_forwards=forwards,
+                      seconds=time.perf_counter() - start)
+
+
+def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int],
+                         cfg: SpecConfig) -> SpecResult:
+    """Generate with DFlash block speculative decoding (see the module docstring for the rounds).
+
+    The teacher must be in eval mode (no dropout) for greedy output to equal its own greedy output.
+    Every verify forward runs a full block, also in the last round, as the reference decoder does.
+    """
+    vocab = _check_prompt(teacher, prompt_ids)
+    _check_pair(teacher, drafter, vocab)
+    device = _model_device(teacher)
+    drafter_device = drafter.fc.weight.device
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    keyword = _cache_keyword(type(teacher))
+    block_size = drafter.cfg.block_size
+    mask_block = torch.full((block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter_device)
+
+    start = time.perf_counter()
+    tokens: list[int] = []
+    accepted_lengths: list[int] = []
+    draft_tokens: list[list[int]] = []
+    reruns = 0
+    with torch.inference_mode(), _LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
+        prompt = torch.tensor(list(prompt_ids), device=device)
+        logits, cache = _run(teacher, prompt, None, keyword, 1)
+        rollback = _CacheRollback(cache)
+        context = drafter.context_kv(taps.take().to(drafter_device), start=0)
+        position = len(prompt_ids)  # of the anchor, whose features come with the next verify
+        anchor = _next_token(logits[-1], cfg, generator)
+        done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
+
+        while not done:
+            block = torch.cat((torch.tensor([anchor], device=drafter_device), mask_block))
+            states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
+            draft_logits = drafter.logits(states[0, 1:]).float().to(device)
+            if cfg.greedy:
+                q = None
+                drafts = draft_logits.argmax(dim=-1)
+            else:
+                q = probs_from_logits(draft_logits, cfg.temperature, cfg.top_p)
+                drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+
+            verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts))
+            rollback.before_verify()
+            logits, cache = _run(teacher, verify_ids, cache, keyword)
+            hidden = taps.take()
+            if q is None:
+                targets = logits.argmax(dim=-1)
+                m = greedy_accept_length(drafts, targets)
+                anchor = int(targets[m])
+            else:
+                p = probs_from_logits(logits, cfg.temperature, cfg.top_p)
+                m, anchor = rejection_sample(p, q, drafts, generator)
+            kept = m + 1
+            accepted_lengths.append(kept)
+            draft_tokens.append(drafts.tolist())
+            done = extend_until_stop(tokens, drafts[:m].tolist() + [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
+            if done:
+                break  # nothing after this round is needed: skip the rollback and context update
+
+            if rollback.rollback(verified=block_size, kept=kept):
+                _, cache = _run(teacher, verify_ids[:kept], cache, keyword, 1)
+                taps.take()  # the verify forward already gave these positions' features
+                rollback.after_rerun()
+                reruns += 1
+            new_context = drafter.context_kv(hidden[:, :kept].to(drafter_device), start=position)
+            context = [(torch.cat((k, nk), dim=2), torch.cat((v, nv), dim=2))
+                       for (k, v), (nk, nv) in zip(context, new_context)]
+            position += kept
+
+    return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),
+                      seconds=time.perf_counter() - start, rerun_forwards=reruns, draft_tokens=draft_tokens)
