@@ -120,8 +120,16 @@ def checksum(data: bytes | memoryview | np.ndarray) -> str:
 
 
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None):
-    """(filesystem, root path) for a cache URL: a local path, file://, s3://, gs://, ..."""
+    """(filesystem, root path) for a cache URL: a local path, file://, s3://, gs://, ...
+
+    Object-store clients (s3fs, gcsfs, ...) are cached per process by their options and keep a
+    listing cache, so a listing taken earlier in this process (by a build, verify, another
+    open) would hide objects other clients wrote or deleted since: opening a cache starts
+    from a fresh view of the store.
+    """
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if not is_local(fs):
+        fs.invalidate_cache()
     return fs, root.rstrip("/")
 
 

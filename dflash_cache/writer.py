@@ -122,8 +122,13 @@ def _fixed_list(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
 def zarr_store(fs, path: str, read_only: bool):
     if fmt.is_local(fs):
         return zarr.storage.LocalStore(path, read_only=read_only)
-    return zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), storage_options=fs.storage_options,
-                                             read_only=read_only)
+    # Zarr needs an async file system: this makes (or reuses) an asynchronous twin of ``fs`` with
+    # the same options. It keeps its own listing cache, blind to what ``fs`` and other clients
+    # did since; start it fresh so a size or listing it cached earlier is not trusted.
+    store = zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), storage_options=fs.storage_options,
+                                              read_only=read_only)
+    store.fs.invalidate_cache()
+    return store
 
 
 def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> dict:
@@ -178,6 +183,8 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
         if fs.exists(final_dir):  # left by a crash between rename and record: never committed
             fs.rm(final_dir, recursive=True)
         fs.mv(work_dir, final_dir, recursive=True)
+    else:
+        fs.invalidate_cache(final_dir)  # the Zarr objects went through the async twin, unseen by fs
 
     files = {
         path[len(final_dir) + 1:]: int(info["size"])

@@ -1,0 +1,208 @@
+"""Caches on object storage: build, info, verify, read, resume, train and eval against a real
+S3-compatible server (moto in server mode on 127.0.0.1), through fsspec/s3fs.
+
+Credentials and endpoint come from the standard AWS environment (set for this module only by the
+``s3_server`` fixture), once from ``--storage-options`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+from helpers import english_like_sentences, write_jsonl  # noqa: E402
+from s3_server import reset_s3_clients, s3_server  # noqa: E402,F401  (s3_server: module-scoped fixture)
+from typer.testing import CliRunner  # noqa: E402
+
+from cli.cache import app as cache_app  # noqa: E402
+from cli.train import app as train_app  # noqa: E402
+from dflash_cache import open_cache  # noqa: E402
+
+BUILD_OPTIONS = ["--dtype", "bfloat16", "--layers", "0,2", "--top-k", "8", "--batch-tokens", "512",
+                 "--shard-size", "60000", "--chunk-size", "16KiB"]
+
+
+def _rows(n: int) -> list[dict]:
+    s = english_like_sentences(3 * n, seed=7)
+    return [{"id": f"s3-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
+                                               {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
+            for i in range(n)]
+
+
+def _invoke(app, args: list[str], code: int = 0):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == code, (args, result.output, result.exception)
+    return result
+
+
+def _build(teacher: str, data: str, out: str, *extra: str):
+    return _invoke(cache_app, ["build", "--teacher", teacher, "--data", data, "--out", out, *BUILD_OPTIONS,
+                               "--quiet", *extra])
+
+
+def _content(url: str, storage_options: dict | None = None) -> dict:
+    cache = open_cache(url, storage_options)
+    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden).view(np.uint16).copy(),
+                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
+
+
+def _assert_same(a: dict, b: dict):
+    assert list(a) == list(b)
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def built(s3_server, tmp_path_factory, teacher_dir):  # noqa: F811
+    """The same corpus built twice with the CLI: to a local folder and to s3://BUCKET/cache."""
+    root = tmp_path_factory.mktemp("s3_build")
+    data = write_jsonl(root / "chat.jsonl", _rows(40))
+    teacher = teacher_dir("qwen3")
+    local = str(root / "local")
+    _build(teacher, data, local)
+    url = s3_server.url("cache")
+    _build(teacher, data, url)
+    return {"local": local, "url": url, "data": data, "teacher": teacher}
+
+
+def test_build_info_verify_and_read_equal_local(s3_server, built):  # noqa: F811
+    url, local = built["url"], built["local"]
+    keys = {o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="cache/")["Contents"]}
+    assert "cache/manifest.json" in keys and "cache/teacher/head.safetensors" in keys
+    assert not any("/.tmp-" in k for k in keys)  # nothing left over from the write
+
+    s3_cache, local_cache = open_cache(url), open_cache(local)
+    assert s3_cache.complete and len(s3_cache.shards) >= 3
+    assert len(s3_cache) == len(local_cache) == 40
+    # Same shards cut the same way, with the same files, sizes and checksums.
+    assert s3_cache.manifest["shards"] == local_cache.manifest["shards"]
+    assert s3_cache.manifest["totals"] == local_cache.manifest["totals"]
+    for shard in s3_cache.shards:
+        assert f"cache/shards/{shard.name}.json" in keys
+        assert {f"cache/shards/{shard.name}/{f}" for f in shard.record["files"]} <= keys
+    _assert_same(_content(url), _content(local))
+    # Random access by id, the teacher's frozen pieces and the tokenizer come back too.
+    np.testing.assert_array_equal(s3_cache["s3-007"].input_ids, local_cache["s3-007"].input_ids)
+    assert s3_cache.teacher_config() == local_cache.teacher_config()
+    for name, tensor in s3_cache.load_teacher_head().items():
+        assert tensor.equal(local_cache.load_teacher_head()[name])
+    assert s3_cache.load_tokenizer().get_vocab() == local_cache.load_tokenizer().get_vocab()
+
+    info = _invoke(cache_app, ["info", url]).output
+    assert f"cache        {url} (complete)" in info and "sequences    40" in info
+    assert json.loads(_invoke(cache_app, ["info", url, "--json"]).output)["shards"] == s3_cache.manifest["shards"]
+    ok = _invoke(cache_app, ["verify", url, "--quiet"]).output
+    assert f"ok: {len(s3_cache.shards)} shard(s), 40 sequences verified" in ok
+
+
+def test_storage_options_instead_of_environment(s3_server, built, monkeypatch):  # noqa: F811
+    """The endpoint from --storage-options JSON, with no AWS_ENDPOINT_URL in the environment."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    reset_s3_clients()  # a client made with the env endpoint would be reused
+    try:
+        options = json.dumps({"endpoint_url": s3_server.endpoint})
+        assert "sequences    40" in _invoke(cache_app, ["info", built["url"], "--storage-options", options]).output
+        _invoke(cache_app, ["verify", built["url"], "--storage-options", options, "--quiet"])
+        _assert_same(_content(built["url"], {"endpoint_url": s3_server.endpoint}), _content(built["local"]))
+    finally:
+        reset_s3_clients()
+
+
+def test_endpoint_and_credentials_from_aws_config_files(s3_server, built, tmp_path, monkeypatch):  # noqa: F811
+    """As boto finds them: ~/.aws/config (endpoint_url, region) and ~/.aws/credentials."""
+    config, credentials = tmp_path / "config", tmp_path / "credentials"
+    config.write_text(f"[default]\nregion = us-east-1\nendpoint_url = {s3_server.endpoint}\n")
+    credentials.write_text("[default]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    reset_s3_clients()
+    try:
+        assert "sequences    40" in _invoke(cache_app, ["info", built["url"]]).output
+        assert len(open_cache(built["url"]).shards[0][0]) > 0  # and the data, through Zarr's own client
+    finally:
+        reset_s3_clients()
+
+
+def test_train_and_eval_from_s3(s3_server, built, tmp_path, monkeypatch):  # noqa: F811
+    """dflash-train run streams the cache from S3 in a DataLoader worker (endpoint from
+    --storage-options only, no AWS_ENDPOINT_URL); dflash-train eval reads it with the
+    environment's endpoint."""
+    with monkeypatch.context() as mp:
+        mp.delenv("AWS_ENDPOINT_URL")
+        reset_s3_clients()
+        out = tmp_path / "run"
+        _invoke(train_app, ["run", "--cache", built["url"], "--out", str(out), "--steps", "3", "--num-layers", "1",
+                            "--block-size", "4", "--eval-sequences", "0", "--heldout-fraction", "0.05",
+                            "--batch-tokens", "256", "--num-workers", "1", "--quiet",
+                            "--storage-options", json.dumps({"endpoint_url": s3_server.endpoint})])
+    reset_s3_clients()
+    assert (out / "drafter" / "model.safetensors").exists()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["kind"] == "train"][-1] == 3
+
+    report = tmp_path / "eval.json"
+    _invoke(train_app, ["eval", "--checkpoint", str(out / "drafter"), "--cache", built["url"],
+                        "--heldout-fraction", "0.2", "--max-sequences", "4", "--device", "cpu", "--out", str(report)])
+    result = json.loads(report.read_text())
+    assert result["offline"]["positions"] > 0 and result["offline"]["tau"] >= 1.0
+
+
+def test_verify_names_a_corrupted_object(s3_server, built):  # noqa: F811
+    """Objects overwritten behind the writer's back (another client, same sizes, so only the
+    checksums can tell): verify names each damaged shard and exits 1."""
+    cache = open_cache(built["url"])
+    damage = {cache.shards[1].name: ("tokens.arrow", "tokens.arrow checksum mismatch"),
+              cache.shards[2].name: ("hidden.zarr/c/0/0/0", "hidden states checksum mismatch")}
+    client, originals = s3_server.client(), {}
+    try:
+        for shard, (name, _) in damage.items():
+            key = f"cache/shards/{shard}/{name}"
+            originals[key] = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
+            damaged = bytearray(originals[key])
+            damaged[len(damaged) // 2] ^= 0x5A
+            client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(damaged))
+        output = _invoke(cache_app, ["verify", built["url"], "--quiet"], code=1).output
+        for shard, (_, problem) in damage.items():
+            assert f"BAD {shard}: {problem}" in output
+        assert output.count("BAD ") == 2
+        assert f"error: 2 of {len(cache.shards)} shard(s) are damaged" in output
+    finally:
+        for key, data in originals.items():
+            client.put_object(Bucket=s3_server.bucket, Key=key, Body=data)
+
+
+def test_resume_after_losing_the_last_commit_record(s3_server, built):  # noqa: F811
+    """A crash after a shard's data but before its record: the rerun redoes that shard, and the
+    cache ends identical to an uninterrupted build."""
+    client, url = s3_server.client(), s3_server.url("resumed")
+    for obj in client.list_objects_v2(Bucket=s3_server.bucket, Prefix="cache/")["Contents"]:
+        client.copy_object(Bucket=s3_server.bucket, Key="resumed/" + obj["Key"].removeprefix("cache/"),
+                           CopySource={"Bucket": s3_server.bucket, "Key": obj["Key"]})
+    _invoke(cache_app, ["verify", url, "--quiet"])  # this process now holds a listing of shards/
+    before = open_cache(url)
+    last = before.shards[-1].name
+    # Deleted by another client, so this process's listing caches do not know.
+    client.delete_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}.json")
+    # What a writer killed mid-shard leaves in place (no rename on S3): a torn file, a stray chunk.
+    client.put_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}/tokens.arrow", Body=b"torn")
+    client.put_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}/hidden.zarr/c/9/0/0", Body=b"junk")
+
+    result = _build(built["teacher"], built["data"], url)
+    assert f"resuming: {len(before.shards) - 1} committed shard(s) kept" in result.output
+    assert "1 uncommitted shard(s) removed" in result.output
+    after = open_cache(url)
+    assert after.complete
+    assert after.manifest["shards"] == before.manifest["shards"] == open_cache(built["local"]).manifest["shards"]
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"resumed/shards/{last}/")["Contents"]}
+    assert keys == {f"resumed/shards/{last}/{f}" for f in after.shards[-1].record["files"]}
+    _assert_same(_content(url), _content(built["local"]))
+    _invoke(cache_app, ["verify", url, "--quiet"])
