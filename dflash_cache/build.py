@@ -240,7 +240,10 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
             fs.rm(manifest_path)
     elif fs.exists(root) and fs.ls(root, detail=False):
         raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
-    fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
+    if fmt.is_local(fs):
+        fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
+    elif not fs.exists(root.split("/", 1)[0]):  # makedirs would silently create a mistyped bucket
+        raise CacheError(f"{url}: the bucket {root.split('/', 1)[0]!r} does not exist; create it or fix --out")
 
 
 class _ManifestKeeper:
