@@ -101,6 +101,7 @@ def run_(
     heldout_fraction: Optional[float] = typer.Option(None, help="Held-out fraction by id hash (default 0.02)."),
     num_workers: Optional[int] = typer.Option(None, help="DataLoader workers (default 0)."),
     data_seed: Optional[int] = typer.Option(None, help="Seed of the epoch order and anchors."),
+    skip_shards: Optional[str] = typer.Option(None, help="Train without these shards, e.g. damaged ones: NAME[,NAME...] (a resumed run needs the same list)."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (default 6e-4)."),
     warmup_steps: Optional[int] = typer.Option(None, help="Warmup steps (default 4% of the run)."),
     grad_accum: Optional[int] = typer.Option(None, help="Batches per optimizer step (default 1)."),
@@ -122,6 +123,8 @@ def run_(
     options = {k: v for k, v in locals().items() if k in OVERRIDES}
     layers = split_ints(sliding_layers, "--sliding-layers")
     sets = list(set_) + ([f"model.sliding_layers={json.dumps(list(layers))}"] if layers else [])
+    if skip_shards is not None:
+        sets.append(f"data.skip_shards={json.dumps([n.strip() for n in skip_shards.split(',') if n.strip()])}")
 
     def action():
         from dflash_train.trainer import train
@@ -154,48 +157,123 @@ def export(
 @app.command("eval")
 def eval_(
     checkpoint: str = typer.Option(..., help="A step-NNNNNN checkpoint folder or an exported drafter folder."),
-    cache: str = typer.Option(..., help="Cache URL holding the held-out split (and the teacher head)."),
-    split: str = typer.Option("heldout", help="Only 'heldout' (the split training never sees)."),
+    cache: Optional[str] = typer.Option(None, help="Offline mode: a cache URL; evaluates on its held-out split."),
+    teacher: Optional[str] = typer.Option(None, help="Real mode: the teacher (folder or hub name) to decode with."),
+    prompts: Optional[str] = typer.Option(None, help="Real mode: JSONL prompts ('messages' without the answer, or 'prompt')."),
+    split: str = typer.Option("heldout", help="Offline mode: only 'heldout' (the split training never sees)."),
     heldout_fraction: float = typer.Option(0.02, help="Held-out fraction used in training."),
-    max_sequences: int = typer.Option(512, help="Held-out sequences to evaluate."),
-    num_anchors: int = typer.Option(8, help="Sampled anchors per sequence for the per-position estimate."),
-    batch_tokens: int = typer.Option(8192, help="Sequence tokens per evaluation batch."),
-    out: Optional[str] = typer.Option(None, help="JSON report path (default: eval.json next to the checkpoint); a PNG goes beside it."),
+    max_sequences: int = typer.Option(512, help="Offline mode: held-out sequences to evaluate."),
+    num_anchors: int = typer.Option(8, help="Offline mode: sampled anchors per sequence."),
+    batch_tokens: int = typer.Option(8192, help="Offline mode: sequence tokens per batch."),
+    max_prompts: Optional[int] = typer.Option(None, help="Real mode: use the first N prompts."),
+    max_new_tokens: int = typer.Option(256, help="Real mode: tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="Real mode: 0 = greedy (output must equal the teacher's); > 0 = speculative sampling."),
+    top_p: float = typer.Option(1.0, help="Real mode: nucleus sampling mass."),
+    teacher_dtype: str = typer.Option("auto", help="Real mode: teacher dtype; auto = bfloat16 on CUDA, float32 on CPU."),
+    out: Optional[str] = typer.Option(None, help="JSON report (default: eval.json next to the checkpoint); a PNG goes beside it."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ):
-    """Offline acceptance on the held-out split: alpha_k, greedy streak, tau, and a greedy replay."""
+    """Measure a drafter: offline acceptance on a cache's held-out split (--cache) and/or real
+    speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_cache import open_cache
         from dflash_cache.errors import ConfigError
         from dflash_cache.teacher import resolve_device
-        from dflash_train.data import DataConfig
-        from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for, plot_acceptance
-        from dflash_train.loss import LossConfig
 
+        if not cache and not (teacher and prompts):
+            raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
         if split != "heldout":
             raise ConfigError(f"--split {split!r} is not supported; use heldout")
         dev = resolve_device(device)
-        c = open_cache(cache, json.loads(storage_options) if storage_options else None)
-        model = load_drafter_for(checkpoint, c, dev)
-        data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction)
-        report = {"checkpoint": checkpoint, "cache": cache, "offline": evaluate(model, c, data, LossConfig(), max_sequences, dev),
-                  "greedy_replay": greedy_replay(model, c, data, max_sequences, dev)}
+        report: dict = {"checkpoint": checkpoint}
+        lines: list[tuple[str, str]] = []
+        if cache:
+            report.update(_offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options))
+            o = report["offline"]
+            lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
+                      ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
+                      ("held-out loss", f"{o['loss']:.4f}")]
+        if teacher and prompts:
+            from dflash_train.decoding import decode_report, load_pair, read_prompts, stop_ids
+            from dflash_train.speculative import SpecConfig
+
+            dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+            t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
+            spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
+            r = decode_report(t, drafter, read_prompts(prompts, t.tokenizer, max_prompts), spec, BarProgress(enabled=not quiet))
+            report["decoding"] = r
+            lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}")]
+            if r["offline_accepted_length"] is not None:
+                lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
+            lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
+                      ("tokens/s teacher alone", f"{r['teacher_tokens_per_second']:,.1f} (speedup {r['speedup']:.2f}x)")]
+            if r["matched_teacher"] is not None:
+                lines.append(("output equals teacher's greedy", "yes" if r["matched_teacher"] else "NO"))
         path = Path(out) if out else Path(checkpoint) / "eval.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
-        o = report["offline"]
-        plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
-                        f"held-out acceptance, tau {o['tau']:.2f}")
-        rows = [("tau (sampling estimate)", f"{o['tau']:.3f}"), ("tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
-                ("greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
-                ("held-out loss", f"{o['loss']:.4f}"), ("positions", f"{o['positions']:,}")]
-        typer.echo("\n".join(f"{k:<32}{v}" for k, v in rows))
-        typer.echo("alpha_k  " + " ".join(f"{x:.3f}" for x in o["alpha"]))
-        typer.echo("greedy_k " + " ".join(f"{x:.3f}" for x in o["greedy"]))
-        typer.echo(f"report: {path} and {path.with_suffix('.png')}")
+        typer.echo("\n".join(f"{k:<40}{v}" for k, v in lines))
+        if cache:
+            from dflash_train.evaluate import plot_acceptance
+
+            o = report["offline"]
+            plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
+                            f"held-out acceptance, tau {o['tau']:.2f}")
+            typer.echo("alpha_k  " + " ".join(f"{x:.3f}" for x in o["alpha"]))
+            typer.echo("greedy_k " + " ".join(f"{x:.3f}" for x in o["greedy"]))
+        typer.echo(f"report: {path}" + (f" and {path.with_suffix('.png')}" if cache else ""))
+        if report.get("decoding", {}).get("matched_teacher") is False:
+            raise typer.Exit(1)
+
+    run(action, debug)
+
+
+def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options) -> dict:
+    from dflash_cache import open_cache
+    from dflash_train.data import DataConfig
+    from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for
+    from dflash_train.loss import LossConfig
+
+    c = open_cache(cache, json.loads(storage_options) if storage_options else None)
+    model = load_drafter_for(checkpoint, c, dev)
+    data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction)
+    return {"cache": cache, "offline": evaluate(model, c, data, LossConfig(), max_sequences, dev),
+            "greedy_replay": greedy_replay(model, c, data, max_sequences, dev)}
+
+
+@app.command()
+def generate(
+    checkpoint: str = typer.Option(..., help="A checkpoint or exported drafter folder."),
+    teacher: str = typer.Option(..., help="The teacher (folder or hub name)."),
+    prompt: str = typer.Option(..., help="The user message."),
+    max_new_tokens: int = typer.Option(256, help="Tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 = speculative sampling."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    teacher_dtype: str = typer.Option("auto", help="auto = bfloat16 on CUDA, float32 on CPU."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+):
+    """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
+
+    def action():
+        from dflash_cache.teacher import resolve_device
+        from dflash_train.decoding import load_pair, stop_ids
+        from dflash_train.speculative import SpecConfig, speculative_generate
+
+        dev = resolve_device(device)
+        dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+        t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
+        ids = t.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"]
+        spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
+        result = speculative_generate(t.model, drafter, list(ids), spec)
+        typer.echo(t.tokenizer.decode(result.tokens, skip_special_tokens=True))
+        mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
+        typer.echo(f"[{len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards, accepted length {mean:.2f}, "
+                   f"{len(result.tokens) / result.seconds:,.1f} tokens/s; per forward: {result.accepted_lengths}]", err=True)
 
     run(action, debug)
 

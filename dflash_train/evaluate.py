@@ -100,72 +100,81 @@ def assistant_spans(loss_mask: torch.Tensor, length: int) -> list[tuple[int, int
 
 
 @torch.no_grad()
-def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_sequences: int,
-                  device: torch.device) -> dict:
-    """Walk each held-out assistant turn the way greedy speculative decoding does.
+def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) -> tuple[int, int]:
+    """Walk each assistant turn of a batch the way greedy speculative decoding does.
 
     The first anchor is the turn's first token (the teacher's prefill produces it); a round
     accepts drafts while they equal the teacher's top-1 at that position, produces the accepted
     drafts plus one teacher token, and the next anchor follows them. On sequences that are the
-    teacher's own greedy output this is what real greedy decoding accepts.
+    teacher's own greedy output this is what real greedy decoding accepts. Returns (tokens
+    produced by rounds, rounds) and counts each round's length in ``histogram``.
     """
-    model.eval()
     block = model.cfg.block_size
-    produced, rounds, histogram = 0, 0, torch.zeros(block + 1, dtype=torch.long)
+    produced = rounds = 0
+    cursors = [[[s, e] for s, e in assistant_spans(batch.loss_mask[r], int(batch.lengths[r])) if e - s > 1]
+               for r in range(len(batch.ids))]
+    while any(cursors):
+        anchors = torch.full((len(cursors), 1), -1, dtype=torch.long, device=batch.input_ids.device)
+        for r, spans in enumerate(cursors):
+            if spans:
+                anchors[r, 0] = spans[0][0]
+        guesses = _argmax_chunks(model, model(batch.hidden, batch.input_ids, anchors)[:, 0, 1:])  # [N, B-1]
+        for r, spans in enumerate(cursors):
+            if not spans:
+                continue
+            a, end = spans[0]
+            remaining = end - 1 - a
+            top1 = batch.topk_ids[r, a:a + block - 1, 0]
+            m = min(int(streak_lengths((guesses[r, : len(top1)] == top1)[None])[0]), remaining)
+            step = min(m + 1, remaining)
+            produced, rounds = produced + step, rounds + 1
+            histogram[step] += 1
+            spans[0][0] = a + m + 1
+            if spans[0][0] >= end - 1:
+                spans.pop(0)
+    return produced, rounds
+
+
+@torch.no_grad()
+def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_sequences: int,
+                  device: torch.device) -> dict:
+    """Greedy replay (see replay_batch) over the held-out split of a cache."""
+    model.eval()
+    produced, rounds, histogram = 0, 0, torch.zeros(model.cfg.block_size + 1, dtype=torch.long)
     for batch in heldout_batches(cache, data_cfg, max_sequences):
-        batch = batch.to(device)
-        cursors = [[[s, e] for s, e in assistant_spans(batch.loss_mask[r], int(batch.lengths[r])) if e - s > 1]
-                   for r in range(len(batch.ids))]
-        while any(cursors):
-            anchors = torch.full((len(cursors), 1), -1, dtype=torch.long, device=device)
-            for r, spans in enumerate(cursors):
-                if spans:
-                    anchors[r, 0] = spans[0][0]
-            states = model(batch.hidden, batch.input_ids, anchors)[:, 0, 1:]  # [N, B-1, H]
-            guesses = _argmax_chunks(model, states)
-            for r, spans in enumerate(cursors):
-                if not spans:
-                    continue
-                a, end = spans[0]
-                remaining = end - 1 - a
-                top1 = batch.topk_ids[r, a:a + block - 1, 0]
-                hits = guesses[r, : len(top1)] == top1
-                m = min(int(streak_lengths(hits[None])[0]), remaining)
-                step = min(m + 1, remaining)
-                produced += step
-                rounds += 1
-                histogram[step] += 1
-                spans[0][0] = a + m + 1
-                if spans[0][0] >= end - 1:
-                    spans.pop(0)
-    return {
-        "accepted_length": produced / max(rounds, 1),
-        "rounds": rounds,
-        "accepted_histogram": histogram.tolist(),
-    }
+        p, r = replay_batch(model, batch.to(device), histogram)
+        produced, rounds = produced + p, rounds + r
+    return {"accepted_length": produced / max(rounds, 1), "rounds": rounds, "accepted_histogram": histogram.tolist()}
 
 
-def load_drafter_for(path: str, cache: Cache, device: torch.device) -> DFlashDrafter:
-    """A drafter from a checkpoint folder (step-*) or an export folder, with the cache's frozen head."""
+def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, device: torch.device) -> DFlashDrafter:
+    """A drafter from a checkpoint folder (step-*) or an export folder, with the given frozen head."""
     from pathlib import Path
 
-    from dflash_cache.errors import CacheError
     from dflash_train.checkpoint import COMPLETE, CheckpointManager
     from dflash_train.export import load_drafter
     from dflash_train.model import DrafterConfig
 
-    head = cache.load_teacher_head()
-    embed, lm_head = head["embed_tokens.weight"].float(), head["lm_head.weight"].float()
+    embed, lm_head = embed.float(), lm_head.float()
     if (Path(path) / COMPLETE).exists():
         state = CheckpointManager.load(path)
         model = DFlashDrafter(DrafterConfig.from_hf_config(state["trainer"]["drafter"]), embed, lm_head)
         model.load_state_dict(state["model"])
     else:
         model = load_drafter(path, embed, lm_head, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def load_drafter_for(path: str, cache: Cache, device: torch.device) -> DFlashDrafter:
+    """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers."""
+    from dflash_cache.errors import CacheError
+
+    head = cache.load_teacher_head()
+    model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"], device)
     if list(model.cfg.target_layer_ids) != list(cache.layer_ids):
         raise CacheError(f"the drafter at {path} reads teacher layers {list(model.cfg.target_layer_ids)}, the cache holds "
                          f"{cache.layer_ids}; evaluate it on a cache built with --layers {','.join(map(str, model.cfg.target_layer_ids))}")
-    return model.to(device).eval()
+    return model
 
 
 def plot_acceptance(curves: dict[str, list[float]], path, title: str) -> None:

@@ -1,0 +1,127 @@
+"""Real speculative decoding against the teacher: prompts in, a report of what was accepted out.
+
+Runs each prompt twice, with the teacher alone and with the drafter (dflash_train.speculative),
+checks greedy outputs match, and puts the offline estimate for the same prompts beside the
+measured accepted length: the greedy replay of the drafter over the teacher's own output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_cache import format as fmt
+from dflash_cache.errors import ConfigError
+from dflash_cache.reader import SequenceRecord
+from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
+from dflash_train.data import collate
+from dflash_train.evaluate import load_trained_drafter, replay_batch
+from dflash_train.model import DFlashDrafter
+from dflash_train.speculative import SpecConfig, SpecResult, mean_accepted_length, speculative_generate, teacher_generate
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSONL rows with `messages` (system/user turns; trailing assistant turns are
+    dropped) or `prompt` (plain text, wrapped as one user turn)."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f"{path} row {number}: expected a JSON object with 'messages' or 'prompt'") from None
+        while messages and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompts.append(Prompt(id=str(row.get("id", f"prompt-{number}")), ids=list(ids)))
+        if limit and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ConfigError(f"{path} holds no prompts")
+    return prompts
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """End-of-turn ids: the tokenizer's eos and <|im_end|>/<|eot_id|> where they exist."""
+    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
+                                      if t in tokenizer.get_vocab()}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def load_pair(checkpoint: str, teacher_path: str, dtype: str, device: str) -> tuple[Teacher, DFlashDrafter]:
+    """The teacher (tapping the drafter's layers) and the trained drafter with the teacher's head."""
+    teacher = load_teacher(TeacherConfig(name_or_path=teacher_path, dtype=dtype, device=device, top_k=1))
+    model = teacher.model
+    drafter = load_trained_drafter(checkpoint, model.get_input_embeddings().weight.detach(),
+                                   model.get_output_embeddings().weight.detach(), teacher.device)
+    teacher.layer_ids = list(drafter.cfg.target_layer_ids)
+    return teacher, drafter
+
+
+@torch.no_grad()
+def offline_estimate(teacher: Teacher, drafter: DFlashDrafter, prompt: Prompt, output: list[int]) -> tuple[int, int]:
+    """Greedy replay of the drafter over prompt + the teacher's output, from the teacher's features."""
+    seq = np.array(prompt.ids + output, dtype=np.int32)
+    out = teacher.forward([seq])
+    hidden = np.asarray(fmt.from_storage(out.hidden, teacher.cfg.dtype), dtype=np.float32)
+    mask = np.zeros(len(seq), dtype=np.uint8)
+    mask[len(prompt.ids):] = 1
+    record = SequenceRecord(id=prompt.id, input_ids=seq, loss_mask=mask, hidden=hidden,
+                            topk_ids=out.topk_ids, topk_logprobs=out.topk_logprobs)
+    batch = collate([record], [np.zeros(0, np.int64)], [hidden]).to(teacher.device)
+    return replay_batch(drafter, batch, torch.zeros(drafter.cfg.block_size + 1, dtype=torch.long))
+
+
+def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt], cfg: SpecConfig,
+                  progress=None) -> dict:
+    """Teacher alone vs speculative decoding on each prompt, plus the offline estimate."""
+    rows, spec_results, base_results = [], [], []
+    produced = rounds = 0
+    if progress:
+        progress.start(len(prompts), "decoding", "prompt")
+    for prompt in prompts:
+        base = teacher_generate(teacher.model, prompt.ids, cfg)
+        spec = speculative_generate(teacher.model, drafter, prompt.ids, cfg)
+        base_results.append(base)
+        spec_results.append(spec)
+        row = {"id": prompt.id, "new_tokens": len(spec.tokens), "accepted_length": _mean(spec),
+               "matched_teacher": spec.tokens == base.tokens}
+        if cfg.temperature == 0:
+            p, r = offline_estimate(teacher, drafter, prompt, base.tokens)
+            produced, rounds = produced + p, rounds + r
+            row["offline_accepted_length"] = p / max(r, 1)
+        rows.append(row)
+        if progress:
+            progress.advance(1)
+    if progress:
+        progress.close()
+    spec_tokens, base_tokens = sum(len(r.tokens) for r in spec_results), sum(len(r.tokens) for r in base_results)
+    report = {
+        "mode": "greedy" if cfg.temperature == 0 else f"sampling (temperature {cfg.temperature}, top_p {cfg.top_p})",
+        "prompts": len(prompts),
+        "block_size": drafter.cfg.block_size,
+        "accepted_length": mean_accepted_length(spec_results),
+        "tokens_per_second": spec_tokens / sum(r.seconds for r in spec_results),
+        "teacher_tokens_per_second": base_tokens / sum(r.seconds for r in base_results),
+        "matched_teacher": all(r["matched_teacher"] for r in rows) if cfg.temperature == 0 else None,
+        "offline_accepted_length": produced / max(rounds, 1) if cfg.temperature == 0 else None,
+        "per_prompt": rows,
+    }
+    report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
+    return report
+
+
+def _mean(result: SpecResult) -> float:
+    return sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
