@@ -17,13 +17,15 @@ One generation, as the reference DFlash decoder runs it:
 
 Greedy output equals the teacher's own greedy output (up to floating-point ties; exact for fp32).
 
-Rolling the teacher's cache back: attention layers are cropped (`crop` with a negative count).
-Layers whose state cannot be cropped (the recurrent state of the Gated-DeltaNet layers in
-`qwen3_5`) are snapshotted before every verify forward; after a round with a rejection they are
-restored and the kept tokens are run through the teacher once more. That re-run costs one extra
-(short) teacher forward per round with a rejection; fully accepted rounds cost nothing extra, and
-the snapshot is only the small fixed-size recurrent/conv state. `SpecResult.rerun_forwards` counts
-the re-runs.
+Rolling the teacher's cache back: attention layers are cropped (`crop` with a negative count;
+sliding-window layers are switched to recording their past after the prefill, so a crop still
+works once the window is full). Layers whose state cannot be cropped (the recurrent state of the
+Gated-DeltaNet layers in `qwen3_5`) are copied before every verify forward; after a round with a
+rejection they are restored, the attention layers are cropped back to before the block, and the
+kept tokens run through the teacher once more. Cost: one extra teacher forward of m+1 tokens per
+round with a rejection (roughly doubling the teacher's weight reads when acceptance is low); fully
+accepted rounds cost nothing extra; the copy is the fixed-size conv/recurrent state, not the KV.
+`SpecResult.rerun_forwards` counts the re-runs.
 """
 
 from __future__ import annotations
@@ -101,11 +103,16 @@ class SpecResult:
     rerun_forwards: int = 0
     """Extra teacher forwards that rebuilt a non-croppable (recurrent) cache after a rejection."""
     draft_tokens: list[list[int]] = field(default_factory=list)
-    """Per verify forward, the drafter's B-1 proposals (for per-position acceptance analysis)."""
+    """Per verify forward, the drafter's B-1 proposals (for per-position acceptance analysis);
+    empty for the teacher alone."""
 
 
 def mean_accepted_length(results: Sequence[SpecResult]) -> float:
-    """Tokens per verify forward over all results: the "acceptance length" tau of the literature."""
+    """Tokens per verify forward over all results: the "acceptance length" tau of the literature.
+
+    Pooled over rounds (not a mean of per-result means), so long generations weigh more; the
+    teacher alone scores exactly 1.
+    """
     lengths = [n for result in results for n in result.accepted_lengths]
     if not lengths:
         raise ConfigError("the results hold no verify forwards; generate with max_new_tokens >= 2")
@@ -153,7 +160,7 @@ def rejection_sample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Gene
     if m == num_drafts:
         dist = p[m]
     else:
-        residual = p[m].clone()
+        residual = (p[m] - q[m]).clamp(min=0)
         total = residual.sum()
         # A rejection implies q > p somewhere, hence mass in p - q; the guard only catches rounding.
         dist = residual / total if total > 0 else p[m]
