@@ -36,7 +36,7 @@ def _build_config(**o):
         out=o["out"],
         corpus=CorpusConfig(data=o["data"], max_length=o["max_length"], overlong=o["overlong"],
                             min_length=o["min_length"], on_bad_row=o["on_bad_row"]),
-        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]),
+        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]), device_map=o["device_map"],
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
                               top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"]),
         storage=StorageConfig(shard_bytes=parse_size(o["shard_size"]), chunk_bytes=parse_size(o["chunk_size"]),
@@ -61,6 +61,7 @@ def build(
     min_length: int = typer.Option(2, help="Drop sequences shorter than this many tokens."),
     dtype: str = typer.Option("bfloat16", help="Teacher compute and hidden-state storage dtype: bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device_map: Optional[str] = typer.Option(None, help="Spread a teacher too large for one GPU over the node's GPUs (transformers device_map, e.g. auto); one process per node."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
     batch_tokens: int = typer.Option(8192, help="Padded tokens per teacher forward (sequences are bucketed by length)."),
     logits_chunk: int = typer.Option(2048, help="Positions per LM-head chunk (bounds fp32 logits memory)."),
@@ -150,6 +151,10 @@ def info(
 @app.command()
 def verify(
     url: str = typer.Argument(..., help="Cache URL."),
+    deep: bool = typer.Option(False, help="Also re-run the teacher on a sample of sequences and compare hidden states and top-k with the stored values."),
+    sample: int = typer.Option(64, help="Sequences re-run by --deep, spread over all shards."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher for --deep (default: the manifest's build.teacher.name_or_path)."),
+    device: str = typer.Option("auto", help="Device for --deep: auto, cpu, cuda or cuda:N."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
@@ -166,9 +171,22 @@ def verify(
             typer.echo(f"note: {name} is not listed in the manifest (left by an interrupted build; rerun the build to finish it)", err=True)
         for name, problems in report.bad_shards.items():
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
+        deep_report = None
+        if deep:
+            from dflash_cache.verify import deep_verify
+
+            deep_report = deep_verify(cache, sample, teacher, _device(device), BarProgress(enabled=not quiet),
+                                      skip=set(report.bad_shards))
+            for seq, problem in deep_report.mismatches.items():
+                typer.echo(f"MISMATCH {seq}: {problem}", err=True)
         if not report.ok:
             typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
             raise typer.Exit(1)
+        if deep_report is not None and not deep_report.ok:
+            typer.echo(f"error: {len(deep_report.mismatches)} of {deep_report.checked} re-run sequences differ from what {deep_report.teacher} computes now; the cache does not hold this teacher's outputs, rebuild it with `dflash-cache build ... --overwrite`", err=True)
+            raise typer.Exit(1)
+        if deep_report is not None:
+            typer.echo(f"deep: {deep_report.checked} sequences re-run with {deep_report.teacher} match the stored values")
         state = "complete" if cache.complete else "incomplete (build not finished)"
         typer.echo(f"ok: {report.shards_checked} shard(s), {len(cache):,} sequences verified; cache {state}")
 

@@ -35,6 +35,10 @@ class TeacherConfig:
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
 
+    device_map: str | None = None
+    """transformers device_map ("auto", "balanced", ...) to spread a teacher too large for one GPU
+    over the GPUs of a node; use one process per node then. Overrides device."""
+
     layers: tuple[int, ...] | None = None
     """0-based decoder layers to tap; None picks DESIGN.md's default for num_drafter_layers."""
 
@@ -213,7 +217,8 @@ class Teacher:
 
         def hook(layer_id):
             def save(_module, _inputs, output):
-                captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[real]
+                state = output[0] if isinstance(output, tuple) else output
+                captured[layer_id] = state[real.to(state.device)]
             return save
 
         handles = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
@@ -225,7 +230,8 @@ class Teacher:
             for h in handles:
                 h.remove()
         last = out.last_hidden_state[real]  # [N, H]
-        hidden = torch.stack([captured[i] for i in self.layer_ids], dim=1)  # [N, L, H]
+        # with a device_map the tapped layers may sit on different GPUs
+        hidden = torch.stack([captured[i].to(last.device) for i in self.layer_ids], dim=1)  # [N, L, H]
         topk_ids, topk_logprobs = self._topk(last)
 
         token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1)
@@ -262,12 +268,17 @@ class Teacher:
 def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
     from transformers import AutoModelForCausalLM
 
-    device = resolve_device(cfg.device)
+    extra = {"device_map": cfg.device_map} if cfg.device_map else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, dtype=DTYPES[cfg.dtype])
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, dtype=DTYPES[cfg.dtype], **extra)
     except (OSError, ValueError) as err:
         raise TeacherError(f"cannot load the teacher {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
-    model.to(device).eval()
+    if cfg.device_map:  # inputs go where the embedding lives
+        device = model.get_input_embeddings().weight.device
+    else:
+        device = resolve_device(cfg.device)
+        model.to(device)
+    model.eval()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     num_layers = int(model.config.get_text_config().num_hidden_layers)
     if cfg.top_k > model.get_output_embeddings().weight.shape[0]:

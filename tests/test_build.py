@@ -318,3 +318,15 @@ def test_bad_rows_fail_with_one_line_or_are_skipped_and_counted(tmp_path, teache
     assert skipped.exit_code == 0, skipped.output
     cache = open_cache(str(tmp_path / "skip"))
     assert len(cache) == 4 and cache.manifest["totals"]["skipped"] == {"bad_row": 5}
+
+
+def test_device_map_loading_gives_the_same_cache(tmp_path, teacher_dir):
+    """--device-map goes through transformers' dispatch (on CPU here: every layer on the CPU)."""
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(5))
+    build_cache(make_config(data, tmp_path / "plain", teacher))
+    cfg = make_config(data, tmp_path / "mapped", teacher)
+    import dataclasses
+
+    build_cache(dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, device_map="cpu")))
+    assert_same_content(cache_content(tmp_path / "plain"), cache_content(tmp_path / "mapped"))
