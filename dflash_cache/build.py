@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -226,6 +227,20 @@ def _remove_uncommitted(fs, root: str, rank: int, committed: set[str]) -> int:
     return removed
 
 
+def _is_manifest_leftover(path: str) -> bool:
+    """A temporary manifest left by a build killed before its first rename (local storage)."""
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith(f"{fmt.MANIFEST}.tmp-")
+
+
+@contextmanager
+def _writing(what: str, url: str):
+    """A full disk or a failing store is an expected failure: one line, and the rerun resumes."""
+    try:
+        yield
+    except OSError as err:
+        raise CacheError(f"writing {what} to {url} failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
+
+
 def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
     manifest_path = fmt.join(root, fmt.MANIFEST)
     if fs.exists(manifest_path):
@@ -238,10 +253,12 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
                 if fs.exists(fmt.join(root, sub)):
                     fs.rm(fmt.join(root, sub), recursive=True)
             fs.rm(manifest_path)
-    elif fs.exists(root) and fs.ls(root, detail=False):
+    elif fs.exists(root) and not all(_is_manifest_leftover(p) for p in fs.ls(root, detail=False)):
         raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
     if fmt.is_local(fs):
-        fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
+        # only the root: the manifest is the first thing a build writes, so a build killed before
+        # it leaves at most a temporary manifest, which the rerun accepts (see _is_manifest_leftover)
+        fs.makedirs(root, exist_ok=True)
     elif not fs.exists(root.split("/", 1)[0]):  # makedirs would silently create a mistyped bucket
         raise CacheError(f"{url}: the bucket {root.split('/', 1)[0]!r} does not exist; create it or fix --out")
 
@@ -265,7 +282,7 @@ class _ManifestKeeper:
 
     def write(self, complete: bool, **extra) -> dict:
         manifest = dict(self.header, complete=complete, totals=fmt.totals(self.records), shards=self.records, **extra)
-        fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest)
+        fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest, fault_point="during_manifest_write")
         return manifest
 
 
@@ -368,12 +385,18 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
 
     records = committed_records(fs, root, cfg.rank)
+    with _writing("the manifest", cfg.out):  # first: it marks the folder as a cache under construction
+        keeper = _ManifestKeeper(fs, root, header, records, live=cfg.world_size == 1)
+    if cfg.world_size == 1:  # other ranks may be writing a manifest of their own right now
+        for path in fs.ls(root, detail=False):
+            if _is_manifest_leftover(path):
+                fs.rm(path)
     removed = _remove_uncommitted(fs, root, cfg.rank, {r["name"] for r in records})
     if cfg.rank == 0 and not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
-        write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
+        with _writing("the teacher files", cfg.out):
+            write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
     if fs.exists(_rank_marker(root, cfg.rank)):  # this rank is at work again, not finished
         fs.rm(_rank_marker(root, cfg.rank))
-    keeper = _ManifestKeeper(fs, root, header, records, live=cfg.world_size == 1)
     start_row = records[-1]["rows"][1] if records else 0
     if records:
         progress.message(f"resuming: {len(records)} committed shard(s) kept, continuing at corpus row {start_row}"
@@ -436,7 +459,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         "padding_fraction": round(1 - stats["tokens"] / stats["padded"], 4) if stats["padded"] else 0.0,
     }
     if cfg.world_size == 1:
-        manifest = keeper.write(complete=True, last_run=last_run)
+        with _writing("the manifest", cfg.out):
+            manifest = keeper.write(complete=True, last_run=last_run)
     else:
         # Each rank marks itself done; whichever rank sees all markers merges the manifest (the
         # last to finish always does, and a duplicate merge writes the same bytes).

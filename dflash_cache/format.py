@@ -22,6 +22,7 @@ import pyarrow as pa
 import xxhash
 
 from dflash_cache.errors import CacheError
+from dflash_cache.faults import maybe_fault
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
@@ -142,11 +143,12 @@ def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 
 
-def write_bytes_atomic(fs, path: str, data: bytes) -> None:
+def write_bytes_atomic(fs, path: str, data: bytes, fault_point: str | None = None) -> None:
     """Readers see the old content or the new, never a torn file.
 
     On a local file system: a temporary file in the same folder, then rename. On object stores
-    a single PUT is already atomic.
+    a single PUT is already atomic. ``fault_point`` names the moment between the two for the
+    crash tests (dflash_cache.faults).
     """
     if is_local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -154,13 +156,15 @@ def write_bytes_atomic(fs, path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if fault_point:
+            maybe_fault(fault_point)
         fs.mv(tmp, path)
     else:
         fs.pipe_file(path, data)
 
 
-def write_json_atomic(fs, path: str, obj: Any) -> None:
-    write_bytes_atomic(fs, path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+def write_json_atomic(fs, path: str, obj: Any, fault_point: str | None = None) -> None:
+    write_bytes_atomic(fs, path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode(), fault_point)
 
 
 def read_json(fs, path: str) -> Any:

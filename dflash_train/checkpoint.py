@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 
 from dflash_cache.errors import DFlashError
+from dflash_cache.faults import maybe_fault
 
 COMPLETE = "COMPLETE"
 
@@ -67,8 +68,10 @@ class CheckpointManager:
         for path in tmp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+        maybe_fault("checkpoint_after_files")
         (tmp / COMPLETE).write_text(f"{step}\n")
         _fsync_dir(tmp)
+        maybe_fault("checkpoint_before_rename")
         if final.exists():  # an older incomplete attempt at this step
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -39,6 +39,10 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes reading shards (0 = in the training process)."""
 
+    skip_shards: tuple[str, ...] = ()
+    """Shards (by name) left out of training and evaluation, e.g. damaged ones a rebuild cannot
+    fix yet. It changes the data, so a run resumes only with the same list."""
+
     def __post_init__(self):
         if self.batch_tokens < 1:
             raise ConfigError(f"batch tokens must be positive, got {self.batch_tokens}; pass e.g. --batch-tokens 8192")
@@ -48,6 +52,8 @@ class DataConfig:
             raise ConfigError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if not all(isinstance(n, str) and n for n in self.skip_shards):
+            raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
 
 
 def _unit_hash(text: str, salt: int) -> float:
@@ -209,10 +215,14 @@ class EpochPlan:
     def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
         self.cache, self.cfg = cache, cfg
         self.lengths, self.index = [], []
+        skip = set(cfg.skip_shards)
         for shard in cache.shards:
-            keep = np.array([is_heldout(i, cfg.heldout_fraction) == heldout for i in shard.ids], dtype=bool)
+            # a skipped shard keeps its place (shard indices stay those of the cache) but is never
+            # read: its files may be missing or damaged
+            keep = (np.zeros(len(shard), dtype=bool) if shard.name in skip else
+                    np.array([is_heldout(i, cfg.heldout_fraction) == heldout for i in shard.ids], dtype=bool))
             self.index.append(np.flatnonzero(keep))
-            self.lengths.append(shard.lengths[keep] if len(keep) else np.zeros(0, np.int32))
+            self.lengths.append(shard.lengths[keep] if keep.any() else np.zeros(0, np.int32))
         self.num_sequences = int(sum(len(i) for i in self.index))
         if self.num_sequences == 0:
             split = "held-out" if heldout else "training"

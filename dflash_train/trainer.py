@@ -15,6 +15,7 @@ from dflash_cache import open_cache
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import resolve_device
+from dflash_cache.verify import quick_check
 from dflash_train.checkpoint import CheckpointError, CheckpointManager
 from dflash_train.config import TrainConfig
 
@@ -81,7 +82,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
+        if self.writer is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
@@ -98,8 +99,11 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     saved = trainer["loader"]["manifest_fingerprint"]
     if saved != fingerprint:
         raise CacheError(f"checkpoint {path} was trained on a different cache (fingerprint {saved}, this cache {fingerprint}); pass the original --cache or use a new --out")
+    defaults = json.loads(json.dumps(TrainConfig(cache="", out="").to_dict()))
     for section in ("model", "loss", "noise", "data", "optim"):
-        saved, now = dict(state["config"].get(section, {})), dict(current[section])
+        # a field added since the checkpoint was written (e.g. data.skip_shards) has its default there
+        saved = {**defaults[section], **state["config"].get(section, {})}
+        now = dict(current[section])
         if section == "data":  # the stream is the same for any worker count
             saved.pop("num_workers", None), now.pop("num_workers", None)
         if saved != now:
@@ -128,10 +132,34 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     return out
 
 
+def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
+    """One line naming every damaged shard, its first problem, and both ways out."""
+    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
+                      for name, bad in problems.items())
+    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
+            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
+
+
+def check_shards(cache, skip: tuple[str, ...]) -> int:
+    """Refuse unknown --skip-shards names and damaged shards not skipped; returns the number of
+    sequences the skipped shards hold."""
+    listed = {s.name: len(s) for s in cache.shards}
+    unknown = [name for name in skip if name not in listed]
+    if unknown:
+        raise ConfigError(f"--skip-shards names {unknown}, which {cache.url} does not list; take names from `dflash-cache verify` or `dflash-cache info --json`")
+    damaged = quick_check(cache, set(skip))
+    if damaged:
+        raise CacheError(damaged_shards_message(cache.url, damaged))
+    return sum(listed[name] for name in set(skip))
+
+
 def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None) -> TrainResult:
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
+    # sizes against the commit records, before any work: a damaged shard would otherwise stop
+    # training with a decoder error hours in, whenever the epoch plan first reaches it
+    skipped_sequences = check_shards(cache, cfg.data.skip_shards)
     info = init_distributed(resolve_device(cfg.device))
     device = rank_device(resolve_device(cfg.device), info)
     progress = (progress or Progress()) if info.is_main else Progress()
@@ -155,6 +183,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
+    if cfg.data.skip_shards and info.is_main:
+        progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")
+        metrics.write({"kind": "data", "skipped_shards": list(cfg.data.skip_shards), "skipped_sequences": skipped_sequences})
 
     def held_out(kind: str) -> dict:
         result = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if info.is_main else {}
