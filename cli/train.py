@@ -205,7 +205,8 @@ def eval_(
             spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
             r = decode_report(t, drafter, read_prompts(prompts, t.tokenizer, max_prompts), spec, BarProgress(enabled=not quiet))
             report["decoding"] = r
-            lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}")]
+            lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}"),
+                      ("  kept per forward (after stop cut)", f"{r['kept_per_forward']:.3f}")]
             if r["offline_accepted_length"] is not None:
                 lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
             lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),

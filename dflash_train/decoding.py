@@ -113,6 +113,9 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         "prompts": len(prompts),
         "block_size": drafter.cfg.block_size,
         "accepted_length": mean_accepted_length(spec_results),
+        # tokens kept per verify forward: the last round of an answer counts only up to its stop
+        # token, as the offline replay does (accepted_length counts that round before the cut)
+        "kept_per_forward": sum(len(r.tokens) - 1 for r in spec_results) / max(sum(r.teacher_forwards for r in spec_results), 1),
         "tokens_per_second": spec_tokens / sum(r.seconds for r in spec_results),
         "teacher_tokens_per_second": base_tokens / sum(r.seconds for r in base_results),
         "matched_teacher": all(r["matched_teacher"] for r in rows) if cfg.temperature == 0 else None,

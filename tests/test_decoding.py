@@ -45,4 +45,7 @@ def test_offline_replay_agrees_with_measured_accepted_length(tmp_path, teacher_d
     # Tolerance: the replay caps the last round of each answer at the stop token, real decoding
     # counts what that round accepted before the cut; with ~24-token answers that is < 0.15.
     assert abs(decoding["offline_accepted_length"] - decoding["accepted_length"]) < 0.15
+    # counted the same way (up to the stop token) the two agree closely
+    assert abs(decoding["offline_accepted_length"] - decoding["kept_per_forward"]) < 0.05
+    assert decoding["kept_per_forward"] <= decoding["accepted_length"]
     assert "measured accepted length" in result.output and "offline estimate, same prompts" in result.output
