@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from test_build import assert_same_content, cache_content, chat_rows
 from helpers import write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app
 from dflash_cache import open_cache
+from dflash_cache import format as fmt
+from dflash_cache.errors import ConfigError
+from dflash_cache.faults import parse_faults
+from dflash_cache.verify import size_problems, verify_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-cache"))
@@ -27,45 +35,126 @@ def _by_id(content: dict) -> dict:
     return dict(sorted(content.items()))
 
 
-def test_torchrun_two_ranks_equal_one_process(tmp_path, teacher_dir):
-    teacher = teacher_dir("qwen3")
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40, seed=5))
-    single = tmp_path / "single"
-    assert CliRunner().invoke(app, _args(teacher, data, single)).exit_code == 0
+def _torchrun(teacher, data, out) -> list[str]:
+    # --standalone: a free rendezvous port, so concurrent test runs on one machine do not collide
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+            CLI, *_args(teacher, data, out)]
 
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DFLASH_FAULT", "DFLASH_FAULT_GATE")}
+
+
+@pytest.fixture(scope="module")
+def corpus40(tmp_path_factory, teacher_dir):
+    """40 chat rows (about 20 one-sequence shards per rank at 10kB) and their 1-process build."""
+    root = tmp_path_factory.mktemp("dist_build")
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(root / "chat.jsonl", chat_rows(40, seed=5))
+    single = root / "single"
+    assert CliRunner().invoke(app, _args(teacher, data, single)).exit_code == 0
+    return {"teacher": teacher, "data": data, "single": single, "content": _by_id(cache_content(single))}
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path, corpus40):
     two = tmp_path / "two"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python",
-                           CLI, *_args(teacher, data, two)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(_torchrun(corpus40["teacher"], corpus40["data"], two), cwd=ROOT, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     cache = open_cache(str(two))
     assert cache.complete and {s.record["rank"] for s in cache.shards} == {0, 1}
-    assert_same_content(_by_id(cache_content(single)), _by_id(cache_content(two)))
+    assert_same_content(corpus40["content"], _by_id(cache_content(two)))
     assert cache.manifest["totals"]["sequences"] == 40
 
 
-def test_independent_rank_jobs_resume_and_finalize(tmp_path, teacher_dir, monkeypatch):
-    teacher = teacher_dir("qwen3")
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30, seed=6))
-    single = tmp_path / "single"
-    assert CliRunner().invoke(app, _args(teacher, data, single)).exit_code == 0
+def test_fault_can_target_one_rank():
+    text = "after_shard_files:2@1, during_manifest_write:1"
+    assert parse_faults(text, rank=0) == {"during_manifest_write": 1}
+    assert parse_faults(text, rank=1) == {"after_shard_files": 2, "during_manifest_write": 1}
+    assert parse_faults("after_commit_record:3@10", rank=10) == {"after_commit_record": 3}
+    for bad in ("after_shard_files:2@", "after_shard_files:2@x", "after_shard_files:2@-1", "after_shard_files@1"):
+        with pytest.raises(ConfigError, match="POINT:N@RANK"):
+            parse_faults(bad)
 
-    out = tmp_path / "jobs"
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    assert CliRunner().invoke(app, _args(teacher, data, out)).exit_code == 0
-    assert not open_cache(str(out)).complete  # rank 0 has not run yet
+
+def _rank_state(shards: Path, rank: int) -> tuple[list[dict], list[str]]:
+    """A rank's commit records (by index) and its entries in shards/ that no record commits."""
+    prefix = fmt.shard_name(rank, 0)[:-6]
+    records = sorted((json.loads(p.read_text()) for p in shards.glob(f"{prefix}*.json")), key=lambda r: r["index"])
+    committed = {r["name"] for r in records} | {f"{r['name']}.json" for r in records}
+    loose = sorted(p.name for p in shards.iterdir() if prefix in p.name and p.name not in committed)
+    return records, loose
+
+
+def _stamps(shards: Path, records: list[dict]) -> dict[str, int]:
+    """mtime (ns) of each record and each data file of these committed shards."""
+    stamps = {}
+    for r in records:
+        for path in [shards / f"{r['name']}.json", *(shards / r["name"] / f for f in r["files"])]:
+            stamps[str(path.relative_to(shards))] = path.stat().st_mtime_ns
+    return stamps
+
+
+def test_torchrun_rank_sigkilled_mid_shard_then_rerun_equals_clean_build(tmp_path, corpus40):
+    """Rank 1 SIGKILLs itself with its 2nd shard's files in place but no commit record, while rank 0
+    stands at the same moment of its 3rd shard; torchrun then SIGTERMs rank 0. The same command
+    again resumes both ranks from their commit records and ends equal to the 1-process build."""
+    out, shards = tmp_path / "two", tmp_path / "two" / "shards"
+    command = _torchrun(corpus40["teacher"], corpus40["data"], out)
+    # Each rank holds at its fault until its gate opens. Rank 0's never does: it waits there, its
+    # shard written but uncommitted, until torchrun tears it down. Rank 1's opens once rank 0 is
+    # held, so the kill finds both ranks at a fixed point whichever the scheduler favoured.
+    env = {**_clean_env(), "DFLASH_FAULT": "after_shard_files:2@1,after_shard_files:3@0",
+           "DFLASH_FAULT_GATE": str(tmp_path / "gate-{rank}")}
+    with open(tmp_path / "killed.log", "w+") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while proc.poll() is None and time.monotonic() < deadline and not (shards / "shard-r00000-000002").is_dir():
+                time.sleep(0.05)
+            (tmp_path / "gate-1").touch()
+            returncode = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # torchrun passes it on to its workers
+                proc.wait(timeout=60)
+        log.seek(0)
+        killed_log = log.read()
+
+    assert returncode != 0, killed_log[-3000:]
+    # torchrun's failure report: rank 1 died of SIGKILL, then rank 0, still running, got SIGTERM
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9\b", killed_log), killed_log[-3000:]
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*exitcode\s*:\s*-15\b", killed_log), killed_log[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and not (out / "ranks").exists()  # neither rank finished
+    assert open_cache(str(out)).shards == []  # readers see no shard before the merge
     early = CliRunner().invoke(app, ["finalize", str(out)])
-    assert early.exit_code == 1 and "rank(s) [0] of 2 have not finished" in early.output
+    assert early.exit_code == 1 and "rank(s) [0, 1] of 2 have not finished" in early.output
 
-    # rank 1 loses its last committed shard (as if killed before committing it) and reruns
-    records = sorted((out / "shards").glob("shard-r00001-*.json"))
-    records[-1].unlink()
-    assert CliRunner().invoke(app, _args(teacher, data, out)).exit_code == 0
-    monkeypatch.setenv("RANK", "0")
-    assert CliRunner().invoke(app, _args(teacher, data, out)).exit_code == 0  # the last rank finalizes
+    records0, loose0 = _rank_state(shards, 0)
+    records1, loose1 = _rank_state(shards, 1)
+    # each in-flight shard lies in its final folder with all its files, yet without a commit record
+    assert [r["index"] for r in records0] == [0, 1] and loose0 == ["shard-r00000-000002"]
+    assert [r["index"] for r in records1] == [0] and loose1 == ["shard-r00001-000001"]
+    for r in records0 + records1:  # what was committed is whole
+        found = {str(p.relative_to(shards / r["name"])): p.stat().st_size for p in (shards / r["name"]).rglob("*") if p.is_file()}
+        assert size_problems(r["files"], found) == [], r["name"]
+    stamps = _stamps(shards, records0 + records1)
+
+    rerun = subprocess.run(command, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    for records in (records0, records1):
+        resumed = (f"resuming: {len(records)} committed shard(s) kept, continuing at corpus row {records[-1]['rows'][1]}, "
+                   "1 uncommitted shard(s) removed")
+        assert resumed in rerun.stderr, rerun.stderr[-3000:]
+    assert _stamps(shards, records0 + records1) == stamps  # committed shards were reused, not rewritten
+
     cache = open_cache(str(out))
-    assert cache.complete
-    assert_same_content(_by_id(cache_content(single)), _by_id(cache_content(out)))
-    assert CliRunner().invoke(app, ["finalize", str(out)]).exit_code == 0  # idempotent
+    assert cache.complete and cache.manifest["totals"]["sequences"] == 40
     assert CliRunner().invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
+    assert_same_content(corpus40["content"], _by_id(cache_content(out)))
+    report = verify_cache(cache)
+    assert report.ok and report.uncommitted == []
+    listed = {s.name for s in cache.shards}
+    assert sorted(p.name for p in shards.iterdir()) == sorted(listed | {f"{n}.json" for n in listed})
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
