@@ -40,7 +40,7 @@ def _build_config(**o):
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
                               top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"]),
         storage=StorageConfig(shard_bytes=parse_size(o["shard_size"]), chunk_bytes=parse_size(o["chunk_size"]),
-                              compression=o["compression"]),
+                              compression=o["compression"], hidden_format=o["hidden_format"]),
         overwrite=o["overwrite"],
         storage_options=json.loads(o["storage_options"]) if o["storage_options"] else None,
         rank=int(os.environ.get("RANK", 0)),
@@ -68,6 +68,7 @@ def build(
     shard_size: str = typer.Option("512MB", help="Hidden-state bytes per shard, e.g. 512MB, 2GiB."),
     chunk_size: str = typer.Option("4MiB", help="Bytes per Zarr chunk of hidden states."),
     compression: str = typer.Option("none", help="Hidden-state compression: none or zstd."),
+    hidden_format: str = typer.Option("lossless", help="Hidden-state storage: lossless (the --dtype's exact bits) or fp8_e4m3 (half of bf16's bytes, ~2.5% relative error, read back as --dtype)."),
     on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
     overwrite: bool = typer.Option(False, help="Delete an existing cache at --out and build from scratch (default: resume it)."),
@@ -141,6 +142,9 @@ def info(
             f"sequences    {t.get('sequences', 0):,}   tokens {t.get('tokens', 0):,} ({t.get('loss_tokens', 0):,} in the loss mask)",
             f"storage      {t.get('bytes', 0) / 1e6:,.1f} MB in {t.get('shards', 0)} shard(s), {t.get('bytes', 0) / tokens:,.0f} B/token",
         ]
+        if cache.hidden_format != "lossless":
+            lines.append(f"hidden       {cache.hidden_format} with a power-of-two scale per token and layer "
+                         f"(lossy; read back as {cache.hidden_dtype})")
         if t.get("skipped"):
             lines.append(f"skipped      {', '.join(f'{k}: {v}' for k, v in sorted(t['skipped'].items()))}")
         typer.echo("\n".join(lines))

@@ -18,7 +18,7 @@ OVERRIDES = {
     "steps": (None, "steps"), "epochs": (None, "epochs"), "log_every": (None, "log_every"),
     "save_every": (None, "save_every"), "keep_checkpoints": (None, "keep_checkpoints"),
     "eval_sequences": (None, "eval_sequences"), "device": (None, "device"), "seed": (None, "seed"),
-    "tensorboard": (None, "tensorboard"),
+    "tensorboard": (None, "tensorboard"), "strategy": (None, "strategy"),
     "num_layers": ("model", "num_layers"), "block_size": ("model", "block_size"),
     "mask_token_id": ("model", "mask_token_id"), "sliding_window": ("model", "sliding_window"),
     "loss": ("loss", "kind"), "mix_lambda": ("loss", "mix_lambda"), "weighting": ("loss", "weighting"),
@@ -112,6 +112,7 @@ def run_(
     keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept (default 3)."),
     eval_sequences: Optional[int] = typer.Option(None, help="Held-out sequences evaluated before and after (default 256)."),
     device: Optional[str] = typer.Option(None, help="auto (default), cpu, cuda or cuda:N."),
+    strategy: Optional[str] = typer.Option(None, help="Under torchrun: ddp (default) or fsdp (FSDP2: parameters, gradients and optimizer state sharded across ranks)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the drafter's initial weights."),
     tensorboard: Optional[bool] = typer.Option(None, "--tensorboard", help="Also write TensorBoard logs."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: section.key=value (JSON values), e.g. loss.chunk_positions=1024."),
@@ -288,6 +289,10 @@ def sweep(
     steps: Optional[int] = typer.Option(None, help="Optimizer steps of every run (default 1000)."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
     set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values)."),
+    parallel: Optional[int] = typer.Option(None, help="Runs trained at once, each in its own process with its log in runs/<name>/train.log "
+                                           "(default: one per --devices entry, else 1 = one after the other in this process)."),
+    devices: Optional[str] = typer.Option(None, help="Devices of the parallel runs, e.g. cuda:0,cuda:1 (default with --parallel: "
+                                          "one per visible GPU, else CPU with the cores shared out)."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options for the cache URL, as JSON."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
@@ -298,7 +303,9 @@ def sweep(
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
 
         base = _train_config(cache, out, config, False, {"steps": steps}, set_, storage_options)
-        result = run_sweep(SweepConfig(out=out, base=base, grid=parse_grid(grid)), progress=BarProgress(enabled=not quiet))
+        places = tuple(devices.split(",")) if devices else ()
+        sweep_cfg = SweepConfig(out=out, base=base, grid=parse_grid(grid), parallel=parallel, devices=places)
+        result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.markdown, nl=False)
 
     run(action, debug)

@@ -42,7 +42,7 @@ from dflash_cache.teacher import (
 from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
-RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "corpus", "content_options")
+RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class BuildConfig:
     """Which teacher to run, on which layers, with which k."""
 
     storage: StorageConfig = field(default_factory=StorageConfig)
-    """Shard and chunk sizes, compression."""
+    """Shard and chunk sizes, compression, hidden-state format (lossless or fp8)."""
 
     overwrite: bool = False
     """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
@@ -134,7 +134,8 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
     tokenizer = load_tokenizer(cfg.teacher)
     teacher_config = load_config(cfg.teacher)
     layers = resolve_layers(cfg.teacher, int(teacher_config.num_hidden_layers))
-    per_token_hidden = fmt.hidden_bytes_per_token(len(layers), int(teacher_config.hidden_size), cfg.teacher.dtype)
+    per_token_hidden = fmt.hidden_bytes_per_token(len(layers), int(teacher_config.hidden_size), cfg.teacher.dtype,
+                                                  cfg.storage.hidden_format)
     per_token = per_token_hidden + fmt.token_bytes_per_token(cfg.teacher.top_k)
     skipped: Counter = Counter()
     rows = sequences = tokens = loss_tokens = 0
@@ -168,7 +169,8 @@ def _header(cfg: BuildConfig, teacher: Teacher, files: list[str]) -> dict:
         "layer_ids": teacher.layer_ids,
         "hidden_size": teacher.hidden_size,
         "hidden_dtype": cfg.teacher.dtype,
-        "hidden_storage": fmt.HIDDEN_STORAGE[cfg.teacher.dtype].name,
+        "hidden_format": cfg.storage.hidden_format,
+        "hidden_storage": fmt.stored_dtype(cfg.teacher.dtype, cfg.storage.hidden_format).name,
         "top_k": cfg.teacher.top_k,
         "topk_ids_dtype": "int32",
         "topk_logprobs_dtype": "float32",
@@ -182,6 +184,8 @@ def _resume_view(manifest: dict, key: str):
     value = manifest.get(key)
     if key == "teacher" and isinstance(value, dict):  # the hashes identify it; the path may move
         value = {k: v for k, v in value.items() if k not in ("name", "revision")}
+    if key == "hidden_format":  # caches from before fp8 existed are lossless
+        value = fmt.hidden_format_of(manifest)
     return value
 
 
@@ -402,7 +406,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         progress.message(f"resuming: {len(records)} committed shard(s) kept, continuing at corpus row {start_row}"
                          + (f", {removed} uncommitted shard(s) removed" if removed else ""))
 
-    per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype)
+    per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
+                                                  cfg.storage.hidden_format)
     shard_tokens = max(1, cfg.storage.shard_bytes // per_token_hidden)
     seen = _committed_ids(fs, root, records)
     started = time.perf_counter()

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from dflash_cache import fp8
 from dflash_cache.errors import CacheError
 from dflash_cache.faults import maybe_fault
 
@@ -45,6 +46,14 @@ HIDDEN_NUMPY = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
 }
+
+# How the hidden states are encoded (the manifest's ``hidden_format``; absent means lossless).
+# lossless: the true dtype's bits, as above. fp8_e4m3: uint8 e4m3 codes in hidden.zarr and one
+# power-of-two scale exponent per token per layer in the SCALE_COLUMN of tokens.arrow (see
+# dflash_cache.fp8); the reader decodes them to the true dtype.
+LOSSLESS = "lossless"
+HIDDEN_FORMATS = (LOSSLESS, fp8.FORMAT)
+SCALE_COLUMN = "hidden_scale_exp"
 
 
 def default_layer_ids(num_teacher_layers: int, num_drafter_layers: int = 5) -> list[int]:
@@ -80,20 +89,34 @@ def sequences_schema() -> pa.Schema:
     )
 
 
-def tokens_schema(top_k: int) -> pa.Schema:
-    """One row per token, sequences packed back to back in shard order."""
-    return pa.schema(
-        [
-            ("input_ids", pa.int32()),
-            ("loss_mask", pa.uint8()),
-            ("topk_ids", pa.list_(pa.int32(), top_k)),
-            ("topk_logprobs", pa.list_(pa.float32(), top_k)),
-        ]
-    )
+def tokens_schema(top_k: int, scale_layers: int = 0) -> pa.Schema:
+    """One row per token, sequences packed back to back in shard order. fp8 caches add the
+    per-layer scale exponents of the token's hidden states (``scale_layers`` = number of layers)."""
+    fields = [
+        ("input_ids", pa.int32()),
+        ("loss_mask", pa.uint8()),
+        ("topk_ids", pa.list_(pa.int32(), top_k)),
+        ("topk_logprobs", pa.list_(pa.float32(), top_k)),
+    ]
+    if scale_layers:
+        fields.append((SCALE_COLUMN, pa.list_(pa.int8(), scale_layers)))
+    return pa.schema(fields)
 
 
-def hidden_bytes_per_token(num_layers: int, hidden_size: int, hidden_dtype: str) -> int:
-    return num_layers * hidden_size * HIDDEN_STORAGE[hidden_dtype].itemsize
+def hidden_format_of(manifest: dict) -> str:
+    """The manifest's hidden_format; caches written before fp8 existed are lossless."""
+    return manifest.get("hidden_format") or LOSSLESS
+
+
+def stored_dtype(hidden_dtype: str, hidden_format: str = LOSSLESS) -> np.dtype:
+    """The Zarr data type of the hidden-state array."""
+    return fp8.CODE_DTYPE if hidden_format == fp8.FORMAT else HIDDEN_STORAGE[hidden_dtype]
+
+
+def hidden_bytes_per_token(num_layers: int, hidden_size: int, hidden_dtype: str, hidden_format: str = LOSSLESS) -> int:
+    """Stored hidden-state bytes per token, fp8 scale exponents included."""
+    scales = num_layers * fp8.EXP_DTYPE.itemsize if hidden_format == fp8.FORMAT else 0
+    return num_layers * hidden_size * stored_dtype(hidden_dtype, hidden_format).itemsize + scales
 
 
 def token_bytes_per_token(top_k: int) -> int:
@@ -109,6 +132,15 @@ def to_storage(hidden: np.ndarray, hidden_dtype: str) -> np.ndarray:
 def from_storage(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
     """Reinterpret stored hidden states as their true dtype, without copying."""
     return stored.view(HIDDEN_NUMPY[hidden_dtype])
+
+
+def decode_hidden(stored: np.ndarray, scale_exponents: np.ndarray | None, hidden_dtype: str,
+                  hidden_format: str = LOSSLESS) -> np.ndarray:
+    """Stored hidden-state rows (and, for fp8, their scale exponents) -> the true dtype. Lossless
+    rows are reinterpreted without a copy; fp8 rows are decoded exactly (dflash_cache.fp8)."""
+    if hidden_format == fp8.FORMAT:
+        return fp8.dequantize(stored, scale_exponents, hidden_dtype)
+    return from_storage(stored, hidden_dtype)
 
 
 def checksum(data: bytes | memoryview | np.ndarray) -> str:
@@ -190,6 +222,9 @@ def check_manifest(manifest: dict, url: str) -> dict:
             raise CacheError(f"{url}: manifest.json lacks the field {key!r}; the cache is damaged, rebuild it")
     if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
         raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
+    if hidden_format_of(manifest) not in HIDDEN_FORMATS:
+        raise CacheError(f"{url}: unknown hidden_format {manifest['hidden_format']!r} in manifest.json "
+                         f"(this dflash reads {', '.join(HIDDEN_FORMATS)}); install a dflash that writes it")
     return manifest
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_cache import format as fmt
+from dflash_cache import fp8
 from dflash_cache.progress import Progress
 from dflash_cache.reader import Cache, _open_ipc
 
@@ -27,6 +28,29 @@ class VerifyReport:
 def _nonfinite_bf16(bits: np.ndarray) -> int:
     """Count NaN/Inf in bf16 stored as uint16: all exponent bits set."""
     return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+
+
+def _nonfinite_stored(stored: np.ndarray, hidden_dtype: str, hidden_format: str) -> int:
+    """Count stored hidden values that decode to NaN/Inf."""
+    if hidden_format == fp8.FORMAT:
+        return int(np.count_nonzero((stored & fp8.NAN_MASK) == fp8.NAN_MASK))
+    if hidden_dtype == "bfloat16":
+        return _nonfinite_bf16(stored)
+    return int((~np.isfinite(stored)).sum())
+
+
+def scale_problems(tokens, n_layers: int) -> list[str]:
+    """The fp8 scale-exponent column of a token table: present, one per layer, in range."""
+    if fmt.SCALE_COLUMN not in tokens.column_names:
+        return [f"tokens.arrow lacks the {fmt.SCALE_COLUMN} column of an fp8 cache"]
+    column = tokens.column(fmt.SCALE_COLUMN).combine_chunks()
+    if column.type != fmt.tokens_schema(1, n_layers).field(fmt.SCALE_COLUMN).type:
+        return [f"{fmt.SCALE_COLUMN} has type {column.type}, expected {n_layers} int8 per token"]
+    exponents = column.values.to_numpy()
+    outside = int(np.count_nonzero((exponents < fp8.MIN_EXP) | (exponents > fp8.MAX_EXP)))
+    if outside:
+        return [f"{outside} fp8 scale exponents lie outside [{fp8.MIN_EXP}, {fp8.MAX_EXP}]"]
+    return []
 
 
 def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
@@ -101,18 +125,21 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
         logprobs = tokens.column("topk_logprobs").combine_chunks().values.to_numpy()
         if not np.isfinite(logprobs).all():
             problems.append("top-k log-probs contain NaN/Inf")
+        if cache.hidden_format == fp8.FORMAT:
+            problems += scale_problems(tokens, len(cache.layer_ids))
         shard = next(s for s in cache.shards if s.name == record["name"])
         array = shard.hidden_array
         expected_shape = tuple(record["hidden_shape"])
         if tuple(array.shape) != expected_shape:
             problems.append(f"hidden shape {tuple(array.shape)} differs from {expected_shape}")
-        elif array.dtype != fmt.HIDDEN_STORAGE[cache.hidden_dtype]:
-            problems.append(f"hidden dtype {array.dtype} differs from the manifest's {cache.hidden_dtype}")
+        elif array.dtype != (expected_dtype := fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)):
+            problems.append(f"hidden dtype {array.dtype} differs from {expected_dtype}, the storage of the manifest's "
+                            f"{cache.hidden_dtype} ({cache.hidden_format})")
         else:
             stored = array[:]
             if fmt.checksum(stored) != record["checksums"]["hidden"]:
                 problems.append("hidden states checksum mismatch")
-            bad = _nonfinite_bf16(stored) if cache.hidden_dtype == "bfloat16" else int((~np.isfinite(stored)).sum())
+            bad = _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
             if bad:
                 problems.append(f"hidden states contain {bad} NaN/Inf values")
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
@@ -151,6 +178,9 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
 # outputs, other layers or shifted positions is off by O(1), far above both.
 DEEP_TOLERANCE = {"float32": {"hidden": 1e-4, "logprobs": 1e-4},
                   "bfloat16": {"hidden": 2 ** -4, "logprobs": 2 ** -4}}
+# fp8 rounds each value to 4 significant bits: within 2^-4 of |value| on top of the rerun's own
+# difference in the build dtype (log-probs are stored in float32 either way).
+FP8_HIDDEN_TOLERANCE = {"float32": 2 ** -4 + 1e-4, "bfloat16": 2 ** -3}
 
 
 @dataclass
@@ -223,7 +253,9 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
         expected = cache.manifest["teacher"].get(key)
         if expected and model.identity[key] != expected:
             raise CacheError(f"the teacher {name!r} is not the one {cache.url} was built with ({key} {model.identity[key]}, cache {expected}); pass --teacher with the original model")
-    tol = DEEP_TOLERANCE[cache.hidden_dtype]
+    tol = dict(DEEP_TOLERANCE[cache.hidden_dtype])
+    if cache.hidden_format == fp8.FORMAT:
+        tol["hidden"] = FP8_HIDDEN_TOLERANCE[cache.hidden_dtype]
     sizes = [0 if s.name in skip else len(s) for s in cache.shards]
     refs = deep_sample(sizes, sample)
     report = DeepReport(teacher=name)

@@ -4,6 +4,10 @@ A folder holds `model.safetensors` (drafter weights), `trainer.pt` (optimizer, s
 loader and RNG state, step), `config.json` (the full train config) and `COMPLETE`, written last
 before the rename. Only folders with `COMPLETE` count, so a crash during a save leaves the
 previous checkpoint as the newest.
+
+Model and optimizer state are always stored whole, in the layout of one unwrapped process
+(torch.optim's parameter numbering), whatever the world size and strategy that wrote them, so
+any run can resume any checkpoint and export needs no torch.distributed.
 """
 
 from __future__ import annotations
@@ -16,15 +20,68 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from dflash_cache.errors import DFlashError
 from dflash_cache.faults import maybe_fault
+from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
 
 
 class CheckpointError(DFlashError):
     """A checkpoint is missing, damaged or belongs to another run."""
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's numbering (param-group order)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state_by_index(state: dict, names: list[str]) -> dict:
+    """A name-keyed optimizer state (torch.distributed.checkpoint's) in torch.optim's own layout."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """torch.optim's numbered optimizer state keyed by parameter name (the inverse of the above)."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """The drafter's whole state dict. Under FSDP this gathers the shards, so every rank must
+    call it; rank 0 receives the tensors (on CPU), the other ranks an empty dict."""
+    if not is_sharded(model):
+        return model.state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state in torch.optim's layout; collective under FSDP like
+    full_model_state (rank 0 receives it)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer_state_by_index(state, _param_names(model, optimizer)) if state else {}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Load whole model and optimizer state (as saved) on every rank; under FSDP each rank keeps
+    its own shard of it."""
+    if not is_sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    set_optimizer_state_dict(model, optimizer, optimizer_state_by_name(optimizer_state, _param_names(model, optimizer)),
+                             options=full)
 
 
 def step_dir_name(step: int) -> str:

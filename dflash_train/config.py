@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash_cache.errors import ConfigError
 from dflash_train.data import DataConfig
+from dflash_train.distributed import STRATEGIES
 from dflash_train.loss import LossConfig
 from dflash_train.noise import NoiseConfig
 
@@ -128,6 +129,11 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (CUDA when present), 'cpu' or 'cuda[:N]'."""
 
+    strategy: str = "ddp"
+    """Data parallelism under torchrun: 'ddp' (every rank holds the whole drafter and optimizer)
+    or 'fsdp' (FSDP2: parameters, gradients and optimizer state sharded across ranks). One
+    process trains unwrapped either way; checkpoints are the same for both."""
+
     seed: int = 0
     """Seed of the drafter's initial weights."""
 
@@ -144,6 +150,8 @@ class TrainConfig:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}; use ddp, or fsdp for drafters too large to replicate on every rank")
         if self.log_every < 1 or self.save_every < 1:
             raise ConfigError(f"--log-every and --save-every must be at least 1, got {self.log_every}, {self.save_every}")
 

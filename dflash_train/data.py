@@ -8,6 +8,7 @@ loader state sees exactly the batches an uninterrupted run would, whatever the w
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import xxhash
 
 from dflash_cache import Cache, open_cache
 from dflash_cache.errors import CacheError, ConfigError
-from dflash_train.noise import NoiseConfig, apply_noise
+from dflash_train.noise import NoiseConfig, noise_for, noise_scale, noised_layers
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes reading shards (0 = in the training process)."""
 
+    read_ahead_bytes: int = 256 * 2**20
+    """Hidden-state bytes each loader process reads ahead of the batch it is building, on
+    background threads: the prefetch from object stores. Memory per loader process grows by
+    about this much; 0 reads each sequence when it is needed."""
+
+    read_threads: int = 4
+    """Threads per loader process that read ahead (more help on high-latency object stores)."""
+
     skip_shards: tuple[str, ...] = ()
     """Shards (by name) left out of training and evaluation, e.g. damaged ones a rebuild cannot
     fix yet. It changes the data, so a run resumes only with the same list."""
@@ -52,8 +61,17 @@ class DataConfig:
             raise ConfigError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.read_ahead_bytes < 0:
+            raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 268435456 (256 MiB)")
+        if self.read_threads < 1:
+            raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
         if not all(isinstance(n, str) and n for n in self.skip_shards):
             raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
+
+
+# Settings that change how the stream is read, not which batches it holds: a run may resume with
+# other values of these.
+OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads")
 
 
 def _unit_hash(text: str, salt: int) -> float:
@@ -154,6 +172,12 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies of the tensors (the DataLoader calls this with pin_memory=True), so
+        the copy to the GPU can overlap the step."""
+        pinned = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**pinned)
+
     def to(self, device) -> "Batch":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return Batch(**moved)
@@ -244,17 +268,42 @@ class StepContext:
     grad_accum: int
 
 
+def make_batch(records: list, cfg: DataConfig, epoch: int, batch_index: int, ctx: StepContext | None) -> Batch:
+    """Anchor, pad and noise one planned batch of records. ``batch_index`` is the global batch
+    counter. The noise is added in place to the padded float32 batch, which gives the same values
+    as ``apply_noise`` on each sequence without its copies."""
+    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
+    batch = collate(records, anchors, [r.hidden for r in records])
+    if ctx is not None:
+        step = batch_index // ctx.grad_accum
+        hidden = batch.hidden.numpy()
+        layers = noised_layers(ctx.noise, hidden.shape[2])
+        if layers and noise_scale(ctx.noise, step, ctx.total_steps) > 0:
+            draws = _noise_buffer(hidden.shape[1] * hidden.shape[3])
+            for row, record in enumerate(records):
+                shape = (len(record), hidden.shape[3])
+                for layer in layers:
+                    noise = noise_for(ctx.noise, step, ctx.total_steps, record.id, shape, layer=layer,
+                                      out=draws[:shape[0] * shape[1]].reshape(shape))
+                    hidden[row, :len(record), layer] += noise
+    return batch
+
+
+_NOISE_BUFFER = np.empty(0, dtype=np.float32)
+
+
+def _noise_buffer(size: int) -> np.ndarray:
+    """One float32 buffer per loader process, grown as needed and reused for every draw."""
+    global _NOISE_BUFFER
+    if _NOISE_BUFFER.size < size:
+        _NOISE_BUFFER = np.empty(size, dtype=np.float32)
+    return _NOISE_BUFFER
+
+
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int, batch_index: int,
                ctx: StepContext | None) -> Batch:
     """Read, anchor, noise and pad one planned batch. ``batch_index`` is the global batch counter."""
-    records = [cache.shards[s][i] for s, i in refs]
-    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
-    if ctx is None:
-        hidden = [r.hidden for r in records]
-    else:
-        step = batch_index // ctx.grad_accum
-        hidden = [apply_noise(np.asarray(r.hidden, np.float32), ctx.noise, step, ctx.total_steps, r.id) for r in records]
-    return collate(records, anchors, hidden)
+    return make_batch([cache.shards[s][i] for s, i in refs], cfg, epoch, batch_index, ctx)
 
 
 def rank_share(refs: list, rank: int, world_size: int) -> list:
@@ -276,33 +325,49 @@ class TrainStream(torch.utils.data.IterableDataset):
         self.url, self.storage_options, self.cfg, self.state, self.ctx = url, storage_options, cfg, state, ctx
         self.rank, self.world_size = rank, world_size
 
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        cache = open_cache(self.url, self.storage_options)
-        plan = EpochPlan(cache, self.cfg)
+    def _jobs(self, plan: EpochPlan, worker: int, workers: int):
+        """(this rank's share, global batch counter, epoch, loader state after it) of every planned
+        batch this worker executes, in order."""
         epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
         position = 0  # batches emitted by the whole stream (all workers)
         while True:
             batches = plan.batches(epoch)
             for b in range(start, len(batches)):
                 if position % workers == worker:
-                    share = rank_share(batches[b], self.rank, self.world_size)
-                    batch = load_batch(cache, self.cfg, share, epoch, done, self.ctx) if share else Batch.empty()
                     last = b + 1 == len(batches)
-                    batch.state_after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
-                                                    batches_done=done + 1, seed=self.cfg.seed,
-                                                    manifest_fingerprint=self.state.manifest_fingerprint).to_dict()
-                    yield batch
+                    after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
+                                        batches_done=done + 1, seed=self.cfg.seed,
+                                        manifest_fingerprint=self.state.manifest_fingerprint).to_dict()
+                    yield rank_share(batches[b], self.rank, self.world_size), done, epoch, after
                 position += 1
                 done += 1
             epoch, start = epoch + 1, 0
 
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        cache = open_cache(self.url, self.storage_options)
+        plan = EpochPlan(cache, self.cfg)
+        # the plan says which sequences come next, so they are read ahead while a batch is built
+        jobs, ahead = itertools.tee(self._jobs(plan, worker, workers))
+        records = cache.read_ahead((ref for share, *_ in ahead for ref in share), self.cfg.read_ahead_bytes,
+                                   self.cfg.read_threads)
+        try:
+            for share, done, epoch, after in jobs:
+                shared = [next(records) for _ in share]
+                batch = make_batch(shared, self.cfg, epoch, done, self.ctx) if share else Batch.empty()
+                batch.state_after = after
+                yield batch
+        finally:
+            records.close()
+
 
 def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False):
+    """The batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out page-locked
+    batches so ``Batch.to(device)`` copies without blocking."""
     stream = TrainStream(url, storage_options, cfg, state, ctx, rank, world_size)
-    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers,
+    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
                                        persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 
 

@@ -1,12 +1,20 @@
-"""torch.distributed for training under torchrun: gloo on CPU, NCCL on CUDA."""
+"""torch.distributed for training under torchrun: gloo on CPU, NCCL on CUDA; DDP or FSDP2."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,61 @@ def rank_device(device: torch.device, info: DistInfo) -> torch.device:
     if device.type == "cuda" and info.active and device.index is None:
         return torch.device("cuda", info.local_rank)
     return device
+
+
+def data_parallel(model: nn.Module, info: DistInfo, strategy: str, device: torch.device) -> nn.Module:
+    """The module the training forward runs through: the model itself for one process, a DDP
+    wrapper around it, or (fsdp) the model itself, sharded in place. Build the optimizer after
+    this call: under FSDP it must hold the sharded parameters."""
+    if not info.active:
+        return model
+    if strategy == "ddp":
+        return DDP(model, broadcast_buffers=False)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP2 communicates on the current device
+    shard_drafter(model, init_device_mesh(device.type, (info.world_size,)))
+    return model
+
+
+def shard_drafter(model: nn.Module, mesh) -> None:
+    """FSDP2 units: per decoder layer its q/o projections and MLP, then the root.
+
+    A unit's parameters are gathered only inside its own forward, and its gradients are
+    reduce-scattered as soon as the gradient of its forward's inputs exists. The k/v projections
+    (and k_norm) also run on the context features before any layer's forward (the drafter's
+    context_kv), so a whole-layer unit would see them sharded there and reduce-scatter their
+    gradients before the context part arrives. They stay in the root unit with fc and the norms,
+    gathered for the whole step and reduced once after the backward. The teacher's frozen
+    embedding and LM head are buffers, not parameters: FSDP leaves them replicated and untrained.
+    """
+    # The drafter returns its block states as a view; no caller changes them in place, which is
+    # what FSDP warns about on every run.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPDFlashDrafter\) returned a view tensor")
+    for layer in model.layers:
+        for unit in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp):
+            fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def release_gathered(model: nn.Module) -> None:
+    """Free parameters a no-grad forward left gathered (FSDP keeps the root's after forward, for
+    the backward that an evaluation never runs), so the next forward gathers fresh values."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor | None:
+    """Clip to a global gradient norm (0 disables); returns the norm before clipping. Under FSDP
+    the gradients are DTensor shards and clip_grad_norm_ reduces their norm over all ranks."""
+    if max_norm <= 0:
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def global_sum(value: float, info: DistInfo, device: torch.device) -> float:

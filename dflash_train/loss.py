@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 from dflash_cache.errors import ConfigError
 
 LOSS_KINDS = ("kl", "ce", "mix")
+# Settings that bound memory without changing what is learned: a run may resume with other values.
+OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
 WEIGHTINGS = ("streak", "decay", "none")
 
 # DESIGN.md's (block size, gamma) pairs; other block sizes interpolate between them.
@@ -56,9 +58,14 @@ class LossConfig:
     streak_decay: bool = False
     """Multiply the "streak" weights by the "decay" weights; only valid with weighting "streak"."""
 
-    chunk_positions: int = 2048
-    """Valid positions whose full-vocabulary fp32 logits exist at once; bounds the loss's peak
-    memory at about chunk_positions * vocab * 4 bytes times a small constant."""
+    chunk_positions: int | None = None
+    """Valid positions whose full-vocabulary fp32 logits exist at once; None sizes chunks by
+    chunk_bytes. The loss's peak memory is about 5 x chunk_positions x vocab x 4 bytes (measured
+    in benchmarks/RESULTS.md), whatever the batch."""
+
+    chunk_bytes: int = 256 * 2**20
+    """With chunk_positions None: one chunk's fp32 logits stay under this many bytes (256 MiB is
+    270 positions at a 248,320-token vocabulary, and a whole batch at small vocabularies)."""
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
@@ -87,10 +94,18 @@ class LossConfig:
                 "(use weighting 'decay' alone, or set streak_decay=False)"
             )
         chunk = self.chunk_positions
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(
-                f"chunk_positions {self.chunk_positions!r} is not a positive integer (pass e.g. 2048)"
+                f"chunk_positions {self.chunk_positions!r} is not a positive integer or None (pass e.g. 256)"
             )
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes {self.chunk_bytes!r} is not a positive integer (pass e.g. 268435456)")
+
+    def positions_per_chunk(self, vocab_size: int) -> int:
+        """Valid positions per loss chunk for a vocabulary of vocab_size tokens."""
+        if self.chunk_positions is not None:
+            return self.chunk_positions
+        return max(1, self.chunk_bytes // (4 * vocab_size))
 
 
 def _is_real(value: object) -> bool:
@@ -322,8 +337,9 @@ def block_loss(
     recompute = torch.is_grad_enabled() and (states.requires_grad or lm_head_weight.requires_grad)
 
     losses, alphas, greedies = [], [], []
-    for start in range(0, num_valid, cfg.chunk_positions):
-        piece = slice(start, start + cfg.chunk_positions)
+    step = cfg.positions_per_chunk(lm_head_weight.shape[0])
+    for start in range(0, num_valid, step):
+        piece = slice(start, start + step)
         args = (
             valid_states[piece],
             lm_head_weight,

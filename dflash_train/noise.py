@@ -118,24 +118,32 @@ def noise_for(
     sequence_id: str,
     shape: tuple[int, ...],
     layer: int = 0,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """float32 noise of `shape` for one sequence at one global step: U(-scale, scale) or
     N(0, scale^2). `layer` names the tapped layer the draw is for, so each layer gets its own
     stream. Draws fill `shape` in C order from a fixed stream, so a shorter shape is a prefix
-    of a longer one. All zeros (and no drawing) when the scale is 0."""
+    of a longer one. All zeros (and no drawing) when the scale is 0. ``out`` (float32, C order,
+    of `shape`) receives the draws instead of a new array: the loader reuses one buffer, because
+    freshly allocated memory costs more to touch than drawing into memory already in use."""
     scale = noise_scale(cfg, step, total_steps)
     if not isinstance(sequence_id, str):
         raise ConfigError(f"sequence id {sequence_id!r} is not a str (pass the cache's sequence id)")
     if not _is_int(layer) or layer < 0:
         raise ConfigError(f"noise layer {layer!r} is not an integer >= 0 (pass a tapped-layer index)")
+    if out is not None and (out.dtype != np.float32 or out.shape != tuple(shape) or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {tuple(shape)}, got {out.dtype} {out.shape}")
     if scale == 0.0:
-        return np.zeros(shape, dtype=np.float32)
+        if out is None:
+            return np.zeros(shape, dtype=np.float32)
+        out.fill(0.0)
+        return out
     rng = _generator(cfg.seed, step, sequence_id, layer)
     if cfg.distribution == "gaussian":
-        draw = rng.standard_normal(shape, dtype=np.float32)
+        draw = rng.standard_normal(shape, dtype=np.float32, out=out)
         draw *= np.float32(scale)
         return draw
-    draw = rng.random(shape, dtype=np.float32)
+    draw = rng.random(shape, dtype=np.float32, out=out)
     # [0, 1) -> [-scale, scale) in place, staying float32.
     draw *= np.float32(2.0 * scale)
     draw -= np.float32(scale)

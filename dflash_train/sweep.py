@@ -9,11 +9,20 @@ Layout of ``out``::
 
     sweep.json  results.csv  results.md  loss_curves.png  acceptance_by_position.png
     runs/<name>/   a normal `dflash-train run` folder per combination
+    runs/<name>/train.log   the run's output when it ran in its own process (see below)
 
-Runs are trained one after the other in this process. The pieces are separate so a launcher that
-places one run per GPU or process can reuse them: ``plan_runs`` (pure: every combination's name and
-TrainConfig), ``run_status`` (what a run folder already holds), ``train_run`` (train or resume one
-run; replace its config's ``device`` first), and ``write_report`` once every run is done.
+With ``parallel = 1`` and no ``devices`` (the default) runs are trained one after the other in this
+process, and the first failure stops the sweep. Otherwise each run is trained in a fresh Python
+process (``python -m dflash_train.sweep_worker``), at most ``parallel`` at once, each in a device
+slot of its own (``device_slots``: one per listed device or visible GPU; on CPU each takes its share
+of the cores); ``assign_runs`` (pure) decides which waiting run starts in which free slot. A run
+that fails does not stop the others: the report is written from the runs that finished, then the
+sweep raises a SweepError naming every failed run and its log.
+
+The pieces are separate so other launchers (a cluster scheduler) can reuse them: ``plan_runs``
+(pure: every combination's name and TrainConfig), ``run_status`` (what a run folder already
+holds), ``train_run`` (train or resume one run; replace its config's ``device`` first), and
+``write_report`` once every run is done.
 """
 
 from __future__ import annotations
@@ -27,11 +36,15 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
-from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.errors import CacheError, ConfigError, DFlashError
 from dflash_cache.progress import Progress
 from dflash_train.config import TrainConfig, config_from_dict, merge
 
@@ -76,8 +89,9 @@ SHARED_FIELDS: dict[tuple[str, ...], str] = {
 
 # Settings that change how a run is executed or logged, not what it learns: a finished run made
 # with other values of these still counts as this combination.
-OPERATIONAL_FIELDS = frozenset({"out", "device", "tensorboard", "log_every", "save_every", "keep_checkpoints",
-                                "data.num_workers", "loss.chunk_positions"})
+OPERATIONAL_FIELDS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
+                                "data.num_workers", "data.read_ahead_bytes", "data.read_threads",
+                                "loss.chunk_positions", "loss.chunk_bytes"})
 
 ALPHA_POSITIONS = (1, 2, 4)
 """Block positions whose held-out alpha gets a table column (plus the last position)."""
@@ -284,13 +298,49 @@ class SweepConfig:
     grid: tuple[GridAxis, ...]
     """Swept settings (see parse_grid); every combination of their values is one run."""
 
+    parallel: int | None = None
+    """Runs trained at once, each in its own process; 1 with no ``devices`` trains them one after
+    the other in this process. None: one per entry of ``devices``, or 1 when none are listed."""
+
+    devices: tuple[str, ...] = ()
+    """Devices of the parallel slots, e.g. ("cuda:0", "cuda:1"); slot i uses devices[i % len], so
+    a device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
+    visible GPU when the base device is auto or cuda and CUDA is present, else the base device."""
+
     def __post_init__(self):
         if not str(self.out).strip():
             raise ConfigError("--out is empty; pass the sweep folder, e.g. --out sweeps/loss")
         if not self.grid:
             raise ConfigError("a sweep needs at least one --grid key=v1,v2 (e.g. --grid loss=ce,kl)")
         object.__setattr__(self, "grid", tuple(self.grid))
+        devices = tuple(check_device(str(d)) for d in self.devices)
+        object.__setattr__(self, "devices", devices)
+        parallel = self.parallel if self.parallel is not None else (len(devices) or 1)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ConfigError(f"--parallel must be a whole number of at least 1, got {self.parallel!r}; e.g. --parallel 2")
+        object.__setattr__(self, "parallel", parallel)
         plan_runs(self)  # every combination must be a valid train config before anything trains
+
+    @property
+    def in_processes(self) -> bool:
+        """Whether runs train in processes of their own (any parallel sweep, or devices chosen)."""
+        return self.parallel > 1 or bool(self.devices)
+
+
+def check_device(text: str) -> str:
+    """A --devices entry as given, when torch can place a run on it."""
+    import torch
+
+    text = text.strip()
+    if text == "auto":
+        raise ConfigError("--devices lists concrete devices, got 'auto'; e.g. --devices cuda:0,cuda:1 "
+                          "(or leave it out: one slot per visible GPU)")
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--devices entry {text!r} is not a device; use cpu, cuda or cuda:N, "
+                          "e.g. --devices cuda:0,cuda:1") from None
+    return text
 
 
 def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
@@ -601,6 +651,190 @@ def sweep_record(cfg: SweepConfig, runs: Sequence[SweepRun]) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- runs in processes of their own
+
+LOG_FILE = "train.log"
+"""Name of a run's log in its folder when it trains in its own process (appended to on resume)."""
+
+POLL_SECONDS = 0.2
+"""How often the sweep looks for finished run processes (runs last minutes; this costs nothing)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A place where one run trains at a time."""
+
+    index: int
+    """0-based slot number."""
+
+    device: str
+    """The device the run's config gets, e.g. "cuda:1" or "cpu"."""
+
+    threads: int
+    """CPU threads (torch, OpenMP) of the run's process: its share of the cores."""
+
+
+def device_slots(parallel: int, devices: Sequence[str], base_device: str, gpus: int, cpus: int) -> tuple[Slot, ...]:
+    """The ``parallel`` slots of a sweep: listed devices round-robin; else one per visible GPU
+    when the base device is auto or cuda and ``gpus`` > 0; else the base device ("auto" meaning
+    cpu). Each slot's process gets an equal share of ``cpus`` threads (at least one), so N CPU
+    runs at once do not each start as many threads as there are cores."""
+    if devices:
+        chosen = [devices[i % len(devices)] for i in range(parallel)]
+    elif base_device in ("auto", "cuda") and gpus > 0:
+        chosen = [f"cuda:{i % gpus}" for i in range(parallel)]
+    else:
+        chosen = ["cpu" if base_device == "auto" else base_device] * parallel
+    share, extra = divmod(max(cpus, 1), parallel)
+    return tuple(Slot(i, device, max(1, share + (i < extra))) for i, device in enumerate(chosen))
+
+
+def assign_runs(pending: Sequence[str], slots: Sequence[Slot], busy: Collection[int]) -> list[tuple[str, Slot]]:
+    """Which waiting runs start now, and where: the next runs in grid order, each into the free
+    slot whose device holds the fewest running runs (then the lowest slot), so runs spread over
+    the GPUs before any GPU takes a second one."""
+    load = Counter(slot.device for slot in slots if slot.index in busy)
+    free = [slot for slot in slots if slot.index not in busy]
+    started = []
+    for name in pending:
+        if not free:
+            break
+        slot = min(free, key=lambda s: (load[s.device], s.index))
+        free.remove(slot)
+        load[slot.device] += 1
+        started.append((name, slot))
+    return started
+
+
+def worker_job(run: SweepRun, slot: Slot) -> dict:
+    """What the run's process reads on stdin (see dflash_train.sweep_worker)."""
+    config = dataclasses.replace(run.config, device=slot.device)
+    values = config.to_dict()
+    values["storage_options"] = config.storage_options  # to_dict leaves it out; stdin never hits disk
+    return {"name": run.name, "values": [[k, v] for k, v in run.values], "config": values, "threads": slot.threads}
+
+
+def failure_reason(log_text: str, exit_code: int) -> str:
+    """One line saying why a run's process failed, from its log (this session's part): its last
+    ``error:`` line, else the last line (an uncaught exception's), else the exit status."""
+    session = log_text.rsplit("\n=== ", 1)[-1]
+    lines = [line.strip() for line in session.splitlines()[1:] if line.strip()]
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if errors:
+        reason = errors[-1]
+    elif lines:
+        reason = lines[-1]
+    else:
+        reason = "no output"
+    if exit_code < 0:
+        reason = f"killed by signal {-exit_code} (out of memory?); last output: {reason}"
+    return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """A run whose process failed."""
+
+    name: str
+    log: Path
+    exit_code: int
+    reason: str
+    """One line from its log (see failure_reason)."""
+
+
+class SweepError(DFlashError):
+    """Runs of a parallel sweep failed; the others finished and the report was written."""
+
+    def __init__(self, failures: Sequence[RunFailure]):
+        self.failures = tuple(failures)
+        listed = ", ".join(f"{f.name} (exit {f.exit_code}: {f.reason}; log {f.log})" for f in self.failures)
+        super().__init__(f"{len(self.failures)} sweep run(s) failed: {listed}; the other runs finished and the "
+                         "report was written; fix the cause and rerun the same command to resume")
+
+
+def _log_tail(path: Path, size: int = 65536) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - size))
+        return f.read().decode(errors="replace")
+
+
+def _start(run: SweepRun, slot: Slot, action: str) -> subprocess.Popen:
+    folder = Path(run.config.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(slot.threads), MKL_NUM_THREADS=str(slot.threads), PYTHONUNBUFFERED="1")
+    with open(folder / LOG_FILE, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {action} {run.name} on {slot.device}, "
+                  f"{slot.threads} thread(s)\n")
+        log.flush()
+        # A fresh interpreter, not a fork: no CUDA context, thread pool or open cache is shared.
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_train.sweep_worker"], stdin=subprocess.PIPE,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        proc.stdin.write(json.dumps(worker_job(run, slot)))
+        proc.stdin.close()
+    except OSError:
+        pass  # it died before reading; its exit status and log say why
+    return proc
+
+
+def _stop(procs: Iterable[subprocess.Popen]) -> None:
+    procs = [p for p in procs if p.poll() is None]
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def train_in_processes(todo: Sequence[SweepRun], resumable: Collection[str], slots: Sequence[Slot],
+                       progress: Progress) -> list[RunFailure]:
+    """Train ``todo`` in processes of their own, at most one per slot at a time; a failed run
+    does not stop the others. Returns the failures, in the order they happened."""
+    pending, failures = list(todo), []
+    running: dict[int, tuple[SweepRun, subprocess.Popen, float]] = {}
+    started = 0
+    progress.start(len(todo), "sweep", "run")
+    try:
+        while pending or running:
+            for name, slot in assign_runs([r.name for r in pending], slots, running):
+                run = next(r for r in pending if r.name == name)
+                pending.remove(run)
+                started += 1
+                action = "resuming" if name in resumable else "training"
+                progress.message(f"[{started}/{len(todo)}] {action} {name} on {slot.device} "
+                                 f"({slot.threads} thread(s)), log {Path(run.config.out) / LOG_FILE}")
+                running[slot.index] = (run, _start(run, slot, action), time.monotonic())
+            while not (ended := [i for i, (_, proc, _) in running.items() if proc.poll() is not None]):
+                time.sleep(POLL_SECONDS)
+            for index in ended:
+                run, proc, began = running.pop(index)
+                log = Path(run.config.out) / LOG_FILE
+                if proc.returncode == 0:
+                    progress.message(f"{run.name} finished in {time.monotonic() - began:,.0f} s")
+                else:
+                    failure = RunFailure(run.name, log, proc.returncode, failure_reason(_log_tail(log), proc.returncode))
+                    failures.append(failure)
+                    progress.message(f"{run.name} FAILED (exit {failure.exit_code}: {failure.reason}); log {log}")
+                progress.advance(1)
+    finally:
+        _stop(proc for _, proc, _ in running.values())  # interrupted: leave no run behind
+        progress.close()
+    return failures
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # ----------------------------------------------------------------------------- the sweep
 
 
@@ -622,11 +856,14 @@ class SweepResult:
 
 
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult:
-    """Train every unfinished combination, one after the other, then rewrite the comparison.
+    """Train every unfinished combination, then rewrite the comparison.
 
-    Rerunning the same sweep skips finished runs and resumes an interrupted one from its newest
-    checkpoint. Every run folder is checked before anything trains, so a folder made with other
-    settings stops the sweep at once rather than after hours of training.
+    One after the other in this process by default; with ``cfg.in_processes``, each run in a
+    process of its own, ``cfg.parallel`` at once, and a failed run raises SweepError only after
+    the others finished and the report was written. Rerunning the same sweep skips finished runs
+    and resumes interrupted or failed ones from their newest checkpoints. Every run folder is
+    checked before anything trains, so a folder made with other settings stops the sweep at once
+    rather than after hours of training.
     """
     from dflash_cache import open_cache
 
@@ -641,12 +878,21 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
     _write_text(out / "sweep.json", json.dumps(sweep_record(cfg, runs), indent=1) + "\n")
     todo = [run for run in runs if not statuses[run.name].finished]
     progress.message(f"sweep of {len(runs)} runs in {out}: {len(runs) - len(todo)} finished, {len(todo)} to train")
-    for i, run in enumerate(todo, 1):
-        action = "resuming" if statuses[run.name].resumable else "training"
-        progress.message(f"[{i}/{len(todo)}] {action} {run.name}")
-        train_run(run, progress)
+    failures: list[RunFailure] = []
+    if cfg.in_processes and todo:
+        needs_gpus = not cfg.devices and cfg.base.device in ("auto", "cuda")
+        slots = device_slots(cfg.parallel, cfg.devices, cfg.base.device, _visible_gpus() if needs_gpus else 0, _cpu_count())
+        resumable = {name for name, status in statuses.items() if status.resumable}
+        failures = train_in_processes(todo, resumable, slots, progress)
+    else:
+        for i, run in enumerate(todo, 1):
+            action = "resuming" if statuses[run.name].resumable else "training"
+            progress.message(f"[{i}/{len(todo)}] {action} {run.name}")
+            train_run(run, progress)
     report = write_report(cfg, runs)
     progress.message(f"results: {out / 'results.csv'}, {out / 'results.md'}, {out / 'loss_curves.png'}, "
                      f"{out / 'acceptance_by_position.png'}")
+    if failures:
+        raise SweepError(failures)
     return SweepResult(out=out, trained=tuple(r.name for r in todo),
                        skipped=tuple(r.name for r in runs if statuses[r.name].finished), report=report)

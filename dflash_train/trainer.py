@@ -9,21 +9,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache import open_cache
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import resolve_device
 from dflash_cache.verify import quick_check
-from dflash_train.checkpoint import CheckpointError, CheckpointManager
+from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
+                                     load_full_state)
 from dflash_train.config import TrainConfig
 
+from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
-from dflash_train.distributed import DistInfo, barrier, global_sum, init_distributed, rank_device, shutdown
+from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, init_distributed,
+                                      is_sharded, rank_device, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
+from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossOutput
-from dflash_train.export import export_drafter
+from dflash_train.export import export_weights
 from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
 
 DEFAULT_STEPS = 1000
@@ -104,12 +107,12 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
         # a field added since the checkpoint was written (e.g. data.skip_shards) has its default there
         saved = {**defaults[section], **state["config"].get(section, {})}
         now = dict(current[section])
-        if section == "data":  # the stream is the same for any worker count
-            saved.pop("num_workers", None), now.pop("num_workers", None)
+        # the stream is the same for any worker count and read-ahead, the loss for any chunking
+        for key in {"data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ()):
+            saved.pop(key, None), now.pop(key, None)
         if saved != now:
             raise ConfigError(f"the {section} settings differ from checkpoint {path} ({saved} vs {now}); resume with the original settings or use a new --out")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(trainer["optimizer"])
+    load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])
     progress.message(f"resuming from {path} (step {trainer['step']})")
@@ -119,17 +122,26 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
 def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, info: DistInfo,
                device: torch.device, autocast) -> LossOutput | None:
     """Forward and backward of one batch. With several ranks the loss is normalised by the valid
-    positions of the whole global batch, so DDP's gradient average equals one process's step."""
-    out = None
-    if batch.ids:
-        with autocast:
-            out = batch_loss(model, batch, cfg.loss, forward)
+    positions of the whole global batch, so the ranks' gradient average equals one process's step.
+    Every rank runs a forward before the position count's all-reduce: the forward's own
+    collectives (FSDP's gathers, DDP's bucket sync) must come in the same order on every rank."""
+    with autocast:
+        out = batch_loss(model, batch, cfg.loss, forward) if batch.ids else None
+        idle = idle_loss(model.cfg, forward, device) if out is None else None
     local = float(out.count.sum()) if out is not None else 0.0
     scale = local / max(global_sum(local, info, device), 1.0) * info.world_size if info.active else 1.0
-    # an empty share still joins DDP's gradient all-reduce, with zero gradients
-    loss = out.loss * scale if out is not None else sum(p.sum() for p in model.parameters()) * 0.0
+    loss = out.loss * scale if out is not None else idle
     (loss / cfg.optim.grad_accum).backward()
     return out
+
+
+def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torch.Tensor:
+    """A zero loss through a whole forward, for a rank whose share of a global batch is empty: its
+    backward joins the other ranks' collectives (DDP's all-reduce, FSDP's gathers and
+    reduce-scatters) in the same order, with zero gradients."""
+    hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return forward(hidden, ids, torch.full((1, 1), -1, device=device)).sum() * 0.0
 
 
 def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
@@ -165,7 +177,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     progress = (progress or Progress()) if info.is_main else Progress()
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
-    forward = DDP(model, broadcast_buffers=False) if info.active else model
+    forward = data_parallel(model, info, cfg.strategy, device)
+    sharded = is_sharded(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay)
     steps = total_steps(cfg, cache)
@@ -188,8 +201,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         metrics.write({"kind": "data", "skipped_shards": list(cfg.data.skip_shards), "skipped_sequences": skipped_sequences})
 
     def held_out(kind: str) -> dict:
-        result = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if info.is_main else {}
-        if result:
+        # a sharded forward gathers parameters from every rank, so under FSDP every rank evaluates
+        result = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if info.is_main or sharded else {}
+        if sharded:
+            release_gathered(model)
+        if result and info.is_main:
             metrics.write({"kind": "eval", "step": step, **result})
             progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
         barrier(info)
@@ -197,7 +213,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
 
     before = held_out("before") if cfg.eval_sequences and step == 0 else {}
     ctx = StepContext(noise=cfg.noise, total_steps=steps, grad_accum=cfg.optim.grad_accum)
-    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx, info.rank, info.world_size))
+    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx, info.rank, info.world_size,
+                                pin_memory=device.type == "cuda"))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
     progress.start(steps - step, "training", "step")
@@ -210,30 +227,32 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        grad_norm = clip_gradients(model, cfg.optim.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if info.is_main and (step % cfg.log_every == 0 or step == steps):
             summary, rate = meter.summary(), tokens * info.world_size / max(time.perf_counter() - started, 1e-9)
-            metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, **summary})
+            norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
+            metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, **norm, **summary})
             shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
                      "tok/s": f"{rate:,.0f}"}
             meter = AcceptanceMeter()
         progress.advance(1, **shown)
         if step % cfg.save_every == 0 or step == steps:
+            model_state, optimizer_state = full_model_state(model), full_optimizer_state(model, optimizer)  # all ranks
             if info.is_main:
-                trainer_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                trainer_state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                                  "loader": loader_state.to_dict(), "rng": {"torch": torch.get_rng_state()},
                                  "drafter": model.cfg.to_hf_config()}
-                manager.save(step, model.state_dict(), trainer_state, cfg.to_dict())
+                manager.save(step, model_state, trainer_state, cfg.to_dict())
             barrier(info)
     progress.close()
 
     after = held_out("after") if cfg.eval_sequences else {}
-    export_dir = export_drafter(model, out / "drafter") if info.is_main else out / "drafter"
+    model_state = full_model_state(model)  # all ranks
+    export_dir = export_weights(model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
     barrier(info)
     shutdown(info)
     return TrainResult(steps=step, export_dir=Path(export_dir), before=before, after=after)

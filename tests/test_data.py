@@ -157,3 +157,23 @@ def test_rank_shares_partition_every_planned_batch():
         shares = [rank_share(refs, r, world) for r in range(world)]
         assert sorted(x for s in shares for x in s) == refs
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
+    from dflash_train.data import collate, load_batch, sample_anchors
+    from dflash_train.noise import apply_noise
+
+    cache = open_cache(small_cache)
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.0)
+    refs = EpochPlan(cache, cfg).batches(0)[0]
+    ctx = StepContext(noise=NoiseConfig(start=0.5, distribution="gaussian"), total_steps=10, grad_accum=2)
+    batch = load_batch(cache, cfg, refs, epoch=0, batch_index=7, ctx=ctx)
+    records = [cache.shards[s][i] for s, i in refs]
+    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, 0, r.id) for r in records]
+    # the reference: each sequence noised on its own at step 7 // 2 = 3, then padded
+    expected = collate(records, anchors, [apply_noise(np.asarray(r.hidden, np.float32), ctx.noise, 3, 10, r.id)
+                                          for r in records])
+    assert torch.equal(batch.hidden, expected.hidden)
+    clean = load_batch(cache, cfg, refs, epoch=0, batch_index=7, ctx=None)
+    assert not torch.equal(batch.hidden[:, :, 0], clean.hidden[:, :, 0])
+    assert torch.equal(batch.hidden[:, :, -1], clean.hidden[:, :, -1])  # the last tapped layer is never noised

@@ -1,25 +1,38 @@
-"""DDP training under real torchrun processes: equals one process, resumes across world sizes."""
+"""DDP and FSDP2 training under real torchrun processes: equal to one process, resumable across
+world sizes and strategies."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from test_train import cache_url  # noqa: F401  (module fixture reused)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from typer.testing import CliRunner
 
 from cli.train import app
+from dflash_cache import open_cache
+from dflash_train.config import ModelOptions, TrainConfig
+from dflash_train.data import DataConfig, EpochPlan
+from dflash_train.distributed import shard_drafter
+from dflash_train.trainer import build_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-train"))
-ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "500", "--num-anchors", "4",
-        "--heldout-fraction", "0.05", "--save-every", "3", "--log-every", "1", "--eval-sequences", "0",
-        "--noise", "cosine", "--quiet"]
+# 100-token batches of 36-58-token sequences: global batches of one sequence (one rank's share is
+# empty) and of two; a clip below the gradient norm, so clipping acts on every step
+ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "100", "--num-anchors", "4",
+        "--heldout-fraction", "0.05", "--save-every", "3", "--log-every", "1", "--eval-sequences", "8",
+        "--noise", "cosine", "--grad-clip", "0.005", "--quiet"]
 
 
 def _torchrun(*args):
@@ -29,8 +42,21 @@ def _torchrun(*args):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def _one_process(*args):
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+
+
+def _step(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:06d}"
+
+
 def _params(run: Path, step: int) -> dict:
-    return safetensors.torch.load_file(str(run / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+    return safetensors.torch.load_file(str(_step(run, step) / "model.safetensors"))
+
+
+def _trainer(run: Path, step: int) -> dict:
+    return torch.load(_step(run, step) / "trainer.pt", weights_only=False)
 
 
 def _close(a: dict, b: dict):
@@ -39,10 +65,40 @@ def _close(a: dict, b: dict):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
 
 
-def test_ddp_equals_one_process_and_resumes_across_world_sizes(tmp_path, cache_url):  # noqa: F811
-    single = tmp_path / "single"
-    assert CliRunner().invoke(app, ["run", "--cache", cache_url, "--out", str(single), *ARGS]).exit_code == 0
+def _resumed(source: Path, dest: Path) -> Path:
+    """A copy of a finished run with its last checkpoint removed, to resume from step 3."""
+    shutil.copytree(source, dest)
+    shutil.rmtree(_step(dest, 6))
+    return dest
 
+
+def _assert_continues(single: Path, resumed: Path):
+    """The resumed run ends where the uninterrupted one does: same weights, and the loader has
+    consumed the same global batches (none skipped or repeated)."""
+    _close(_params(single, 6), _params(resumed, 6))
+    assert _trainer(resumed, 6)["loader"] == _trainer(single, 6)["loader"]
+
+
+def _metrics(run: Path, kind: str) -> list[dict]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r.get("kind") == kind]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache_url):  # noqa: F811
+    run = tmp_path_factory.mktemp("single") / "run"
+    _one_process("run", "--cache", cache_url, "--out", str(run), *ARGS)
+    return run
+
+
+def test_planned_batches_leave_a_rank_idle(cache_url):  # noqa: F811
+    """The runs below cover both kinds of global batch (guards ARGS against a changed cache)."""
+    plan = EpochPlan(open_cache(cache_url), DataConfig(batch_tokens=100, num_anchors=4, heldout_fraction=0.05))
+    sizes = [len(batch) for batch in plan.batches(0)[:6]]
+    assert 1 in sizes and 2 in sizes, sizes
+
+
+def test_ddp_equals_one_process_and_resumes_across_world_sizes(tmp_path, cache_url, single):  # noqa: F811
     # two ranks, same global batches: the same parameters after every checkpoint
     ddp = tmp_path / "ddp"
     _torchrun("run", "--cache", cache_url, "--out", str(ddp), *ARGS)
@@ -51,16 +107,85 @@ def test_ddp_equals_one_process_and_resumes_across_world_sizes(tmp_path, cache_u
     assert (ddp / "drafter" / "model.safetensors").exists()
 
     # a two-rank run resumed by one process continues the same global sequence order
-    two_then_one = tmp_path / "two_then_one"
-    shutil.copytree(ddp, two_then_one)
-    shutil.rmtree(two_then_one / "checkpoints" / "step-000006")
-    result = CliRunner().invoke(app, ["run", "--cache", cache_url, "--out", str(two_then_one), "--resume", *ARGS])
-    assert result.exit_code == 0, result.output
-    _close(_params(single, 6), _params(two_then_one, 6))
+    two_then_one = _resumed(ddp, tmp_path / "two_then_one")
+    _one_process("run", "--cache", cache_url, "--out", str(two_then_one), "--resume", *ARGS)
+    _assert_continues(single, two_then_one)
 
     # and the reverse: a one-process run resumed by two ranks
-    one_then_two = tmp_path / "one_then_two"
-    shutil.copytree(single, one_then_two)
-    shutil.rmtree(one_then_two / "checkpoints" / "step-000006")
+    one_then_two = _resumed(single, tmp_path / "one_then_two")
     _torchrun("run", "--cache", cache_url, "--out", str(one_then_two), "--resume", *ARGS)
-    _close(_params(single, 6), _params(one_then_two, 6))
+    _assert_continues(single, one_then_two)
+
+
+def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(tmp_path, cache_url, single):  # noqa: F811
+    fsdp = tmp_path / "fsdp"
+    _torchrun("run", "--cache", cache_url, "--out", str(fsdp), "--strategy", "fsdp", *ARGS)
+    _close(_params(single, 3), _params(fsdp, 3))
+    _close(_params(single, 6), _params(fsdp, 6))
+    # clipping saw the global gradient norm (over both ranks' shards), and it clipped
+    norms = [r["grad_norm"] for r in _metrics(single, "train")]
+    assert [r["grad_norm"] for r in _metrics(fsdp, "train")] == pytest.approx(norms, rel=1e-4) and min(norms) > 0.005
+    # held-out evaluation before and after training (every rank runs the sharded forward)
+    evals = [_metrics(run, "eval") for run in (single, fsdp)]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 6]
+    for key in ("loss", "tau"):
+        assert [r[key] for r in evals[1]] == pytest.approx([r[key] for r in evals[0]], rel=1e-4)
+    # the checkpoint holds the whole optimizer state in one process's layout
+    ours, theirs = _trainer(fsdp, 3)["optimizer"], _trainer(single, 3)["optimizer"]
+    assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        _close(ours["state"][index], state)
+    # the export is the drafter's unsharded weights, as from one process
+    exported = [safetensors.torch.load_file(str(run / "drafter" / "model.safetensors")) for run in (single, fsdp)]
+    assert exported[0].keys() == exported[1].keys()
+    for name in exported[0]:
+        torch.testing.assert_close(exported[1][name].float(), exported[0][name].float(), rtol=1e-2, atol=1e-3)
+
+    # an FSDP checkpoint resumed by one process
+    fsdp_then_one = _resumed(fsdp, tmp_path / "fsdp_then_one")
+    _one_process("run", "--cache", cache_url, "--out", str(fsdp_then_one), "--resume", *ARGS)
+    _assert_continues(single, fsdp_then_one)
+
+    # a one-process (the DDP layout) checkpoint resumed by two FSDP ranks, which shard it again
+    one_then_fsdp = _resumed(single, tmp_path / "one_then_fsdp")
+    _torchrun("run", "--cache", cache_url, "--out", str(one_then_fsdp), "--resume", "--strategy", "fsdp", *ARGS)
+    _assert_continues(single, one_then_fsdp)
+
+
+def test_fsdp_units_gather_in_time_and_leave_the_teacher_pieces_frozen(tmp_path, cache_url):  # noqa: F811
+    """On a one-rank mesh in this process: sharded, the drafter computes the unsharded loss and
+    gradients (its context path uses k/v projections outside any layer's forward)."""
+    cfg = TrainConfig(cache=cache_url, out=str(tmp_path), model=ModelOptions(num_layers=2, block_size=4))
+    plain, model = (build_drafter(cfg, open_cache(cache_url), torch.device("cpu")) for _ in range(2))
+    c = plain.cfg
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, c.num_context_layers, c.hidden_size, generator=generator)
+    ids = torch.randint(0, c.vocab_size, (2, 12), generator=generator)
+    anchors = torch.tensor([[1, 6], [3, -1]])
+    expected = plain(hidden, ids, anchors).pow(2).mean()
+    expected.backward()
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        shard_drafter(model, init_device_mesh("cpu", (1,)))
+        names = [name for name, _ in model.named_parameters()]
+        assert names == [name for name, _ in plain.named_parameters()]
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        for name in ("embed_weight", "lm_head_weight"):
+            buffer = getattr(model, name)
+            assert not isinstance(buffer, DTensor) and not buffer.requires_grad
+            assert torch.equal(buffer, getattr(plain, name))
+        loss = model(hidden, ids, anchors).pow(2).mean()
+        loss.backward()
+        torch.testing.assert_close(loss, expected)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unknown_strategy_is_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "run"),
+                                      "--strategy", "zero3", "--quiet"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: --strategy must be one of ddp, fsdp, got 'zero3'; use ddp, or fsdp for drafters too large to replicate on every rank"

@@ -394,11 +394,27 @@ def test_no_grad_evaluation_runs_without_checkpoint():
         {"streak_decay": 1},
         {"chunk_positions": 0},
         {"chunk_positions": 2.5},
+        {"chunk_bytes": 0},
+        {"chunk_bytes": True},
     ],
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ConfigError):
         LossConfig(**kwargs)
+
+
+def test_default_chunks_are_sized_by_bytes_of_logits():
+    cfg = LossConfig()
+    assert cfg.positions_per_chunk(248_320) == 270  # 256 MiB of fp32 logits at the production vocabulary
+    assert cfg.positions_per_chunk(2048) == 32_768  # a whole batch at small vocabularies
+    assert LossConfig(chunk_bytes=10).positions_per_chunk(248_320) == 1
+    assert LossConfig(chunk_positions=7, chunk_bytes=10).positions_per_chunk(248_320) == 7
+    # chunks by bytes give the same loss as explicit chunks of the same size
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(7)
+    vocab = lm_head.shape[0]
+    by_bytes = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(chunk_bytes=3 * 4 * vocab), b)
+    by_count = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(chunk_positions=3), b)
+    assert torch.equal(by_bytes.loss, by_count.loss)
 
 
 def test_shape_mismatch_is_rejected():

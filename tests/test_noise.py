@@ -177,3 +177,12 @@ def test_layers_list_is_stored_as_tuple_and_progress_is_checked():
         noise_scale(NoiseConfig(), -1, S)
     with pytest.raises(ConfigError):
         noise_scale(NoiseConfig(), 0, 0)
+
+
+def test_noise_into_a_buffer_equals_a_fresh_draw():
+    for cfg in (NoiseConfig(), NoiseConfig(distribution="gaussian"), NoiseConfig(schedule="off")):
+        buffer = np.full((7, 5), 9.0, dtype=np.float32)
+        got = noise_for(cfg, 3, 10, "seq", (7, 5), layer=1, out=buffer)
+        assert got is buffer and np.array_equal(buffer, noise_for(cfg, 3, 10, "seq", (7, 5), layer=1))
+    with pytest.raises(ValueError, match="out must be a C-contiguous float32 array of shape"):
+        noise_for(NoiseConfig(), 0, 10, "seq", (7, 5), out=np.zeros((5, 7), np.float32))

@@ -206,3 +206,16 @@ def test_resume_after_losing_the_last_commit_record(s3_server, built):  # noqa: 
     assert keys == {f"resumed/shards/{last}/{f}" for f in after.shards[-1].record["files"]}
     _assert_same(_content(url), _content(built["local"]))
     _invoke(cache_app, ["verify", url, "--quiet"])
+
+
+def test_read_ahead_from_s3_is_bounded_and_equal_to_local(s3_server, built):  # noqa: F811
+    remote, local = open_cache(built["url"]), open_cache(built["local"])
+    refs = [(s, i) for s in range(len(remote.shards)) for i in range(len(remote.shards[s]))][::-1]
+    budget = 3 * max(remote.sequence_bytes(*r) for r in refs)
+    ahead = remote.read_ahead(refs, max_bytes=budget, threads=4)
+    for record, (s, i) in zip(ahead, refs):
+        expected = local.shards[s][i]
+        assert record.id == expected.id
+        np.testing.assert_array_equal(record.hidden.view(np.uint16), expected.hidden.view(np.uint16))
+        np.testing.assert_array_equal(record.topk_logprobs, expected.topk_logprobs)
+    assert 0 < ahead.peak_bytes <= budget

@@ -1,4 +1,5 @@
-"""`dflash-train sweep`: grid parsing and names, a 2x2 sweep on a tiny cache, resume, refusals."""
+"""`dflash-train sweep`: grid parsing and names, a 2x2 sweep on a tiny cache, resume, refusals,
+and parallel sweeps (one process per run) that equal the serial one and survive a failed run."""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ from dflash_cache.writer import StorageConfig
 from dflash_train.config import TrainConfig
 from dflash_train.sweep import (
     GRID_ALIASES,
+    Slot,
     SweepConfig,
     alpha_columns,
+    assign_runs,
     config_differences,
+    device_slots,
     expand_grid,
+    failure_reason,
     is_finished,
     parse_grid,
     parse_metrics,
@@ -137,6 +142,65 @@ def test_config_differences_and_alpha_columns():
     assert alpha_columns(None) == {"alpha_1": None, "alpha_2": None, "alpha_4": None, "alpha_last": None}
 
 
+def test_device_slots_share_devices_and_cores():
+    # CPU: the cores are shared out, the remainder to the first slots, never below one thread
+    assert device_slots(2, (), "auto", gpus=0, cpus=2) == (Slot(0, "cpu", 1), Slot(1, "cpu", 1))
+    assert [s.threads for s in device_slots(3, (), "cpu", gpus=4, cpus=8)] == [3, 3, 2]
+    assert {s.device for s in device_slots(3, (), "cpu", gpus=4, cpus=8)} == {"cpu"}  # cpu asked for: no GPU
+    assert [s.threads for s in device_slots(4, (), "cpu", gpus=0, cpus=2)] == [1, 1, 1, 1]
+    # a CUDA machine: one slot per visible GPU, round-robin past the count
+    assert [s.device for s in device_slots(4, (), "auto", gpus=2, cpus=16)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert [s.device for s in device_slots(2, (), "cuda", gpus=4, cpus=16)] == ["cuda:0", "cuda:1"]
+    # listed devices win over the base device; an indexed base device is honoured
+    assert [s.device for s in device_slots(3, ("cuda:1", "cuda:3"), "cpu", gpus=0, cpus=2)] == ["cuda:1", "cuda:3", "cuda:1"]
+    assert [s.device for s in device_slots(2, (), "cuda:2", gpus=4, cpus=4)] == ["cuda:2", "cuda:2"]
+
+
+def test_assign_runs_fills_free_slots_in_grid_order_spreading_over_devices():
+    slots = device_slots(4, (), "auto", gpus=2, cpus=8)  # cuda:0, cuda:1, cuda:0, cuda:1
+    first = assign_runs(["a", "b", "c", "d", "e"], slots, busy=())
+    assert [(name, s.index, s.device) for name, s in first] == [("a", 0, "cuda:0"), ("b", 1, "cuda:1"),
+                                                                ("c", 2, "cuda:0"), ("d", 3, "cuda:1")]
+    assert assign_runs(["e"], slots, busy={0, 1, 2, 3}) == []
+    # slot 2 (cuda:0) busy: the next run goes to idle cuda:1 (slot 1), not to slot 0 beside it
+    assert [(n, s.index) for n, s in assign_runs(["e"], slots, busy={2})] == [("e", 1)]
+    assert [(n, s.index) for n, s in assign_runs(["e", "f"], slots, busy={2})] == [("e", 1), ("f", 0)]
+    # one device: lowest free slot first; fewer runs than slots leaves the rest idle
+    cpu = device_slots(3, (), "cpu", gpus=0, cpus=3)
+    assert [(n, s.index) for n, s in assign_runs(["x"], cpu, busy={0})] == [("x", 1)]
+    assert assign_runs([], cpu, busy=()) == []
+
+
+def test_sweep_config_parallel_and_devices():
+    base, grid = TrainConfig(cache="c", out="o"), parse_grid(["loss=ce,kl"])
+    assert SweepConfig(out="sw", base=base, grid=grid).parallel == 1
+    assert not SweepConfig(out="sw", base=base, grid=grid).in_processes
+    both = SweepConfig(out="sw", base=base, grid=grid, devices=(" cuda:0", "cuda:1"))
+    assert both.parallel == 2 and both.devices == ("cuda:0", "cuda:1") and both.in_processes
+    assert SweepConfig(out="sw", base=base, grid=grid, parallel=3).in_processes
+    assert SweepConfig(out="sw", base=base, grid=grid, parallel=1, devices=("cuda:1",)).in_processes
+    for kwargs, message in [({"parallel": 0}, "--parallel must be a whole number of at least 1, got 0"),
+                            ({"parallel": 1.5}, "got 1.5"),
+                            ({"devices": ("auto",)}, "--devices lists concrete devices, got 'auto'"),
+                            ({"devices": ("gpu0",)}, "--devices entry 'gpu0' is not a device; use cpu, cuda or cuda:N"),
+                            ({"devices": ("cuda:0", "")}, "--devices entry '' is not a device")]:
+        with pytest.raises(ConfigError) as err:
+            SweepConfig(out="sw", base=base, grid=grid, **kwargs)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_failure_reason_reads_this_sessions_last_error():
+    log = ("\n=== 2025-01-01 00:00:00 sweep: training r on cpu, 1 thread(s)\nerror: old problem\n"
+           "\n=== 2025-01-02 00:00:00 sweep: resuming r on cpu, 1 thread(s)\n2025-01-02 00:00:01 training: 6 step(s)\n"
+           "error: checkpoint x cannot be read (gone); resume from an older step-* folder\n")
+    assert failure_reason(log, 1) == "checkpoint x cannot be read (gone); resume from an older step-* folder"
+    crash = "\n=== t sweep: training r on cpu, 1 thread(s)\nTraceback (most recent call last):\n  File x\nValueError: bad\n"
+    assert failure_reason(crash, 1) == "ValueError: bad"
+    assert failure_reason("\n=== t sweep: training r\n", 1) == "no output"
+    assert failure_reason("\n=== t sweep: training r\nstep 3\n", -9).startswith("killed by signal 9")
+    assert len(failure_reason("\n=== t\nerror: " + "x" * 1000 + "\n", 1)) == 300
+
+
 # ----------------------------------------------------------------------------- a real sweep
 
 
@@ -163,8 +227,8 @@ SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400", "da
 GRID = ["--grid", "loss=ce,kl", "--grid", "weighting=decay,streak"]
 
 
-def _sweep(cache_url, out, *extra):
-    args = ["sweep", "--cache", cache_url, "--out", str(out), *GRID, "--steps", "6", "--quiet", *extra]
+def _sweep(cache_url, out, *extra, grid=GRID):
+    args = ["sweep", "--cache", cache_url, "--out", str(out), *grid, "--steps", "6", "--quiet", *extra]
     for item in SETS:
         args += ["--set", item]
     return CliRunner().invoke(app, args)
@@ -278,3 +342,82 @@ def test_interrupted_run_resumes_from_its_checkpoint(swept, cache_url, tmp_path)
     def numbers(path):  # tokens/s is the resumed session's own rate
         return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in _csv(path)]
     assert numbers(out / "results.csv") == numbers(original / "results.csv")
+
+
+# ----------------------------------------------------------------------------- parallel sweeps
+
+
+def _tensors(path) -> dict:
+    return safetensors.torch.load_file(str(path))
+
+
+def _same_tensors(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _without_rate(rows):  # tokens/s is each session's own measured rate
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+
+def _learned(run: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_parallel_sweep_equals_the_serial_sweep(swept, cache_url, tmp_path):
+    serial, _ = swept
+    out = tmp_path / "sw"
+    # half the 2x2 grid: the same names and configs as the serial sweep's kl/ce x streak runs
+    result = _sweep(cache_url, out, "--parallel", "2", grid=["--grid", "loss=ce,kl", "--grid", "weighting=streak"])
+    assert result.exit_code == 0, result.output
+    names = ["loss-ce_weighting-streak", "loss-kl_weighting-streak"]
+    for name in names:
+        assert f"training {name} on cpu" in result.output and f"{name} finished in" in result.output
+        run, reference = out / "runs" / name, serial / "runs" / name
+        log = (run / "train.log").read_text()
+        assert f"run {name} on cpu with" in log and f"run {name} finished" in log and "held-out after training" in log
+        assert _same_tensors(_tensors(run / "drafter" / "model.safetensors"), _tensors(reference / "drafter" / "model.safetensors"))
+        assert _same_tensors(_tensors(run / "checkpoints" / "step-000006" / "model.safetensors"),
+                             _tensors(reference / "checkpoints" / "step-000006" / "model.safetensors"))
+        assert _learned(run) == _learned(reference)  # every loss, alpha and held-out number
+    serial_rows = {r["run"]: r for r in _without_rate(_csv(serial / "results.csv"))}
+    assert _without_rate(_csv(out / "results.csv")) == [serial_rows[n] for n in names]
+    assert (out / "results.md").read_text() in result.output
+    assert all(_png_size(out / png)[0] > 300 for png in ("loss_curves.png", "acceptance_by_position.png"))
+
+
+def test_parallel_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cache_url, tmp_path):
+    original, _ = swept
+    out = tmp_path / "sw"
+    shutil.copytree(original, out)
+    broken, resumed = "loss-ce_weighting-decay", "loss-kl_weighting-streak"
+    for name in (broken, resumed):  # both as if killed at step 5: step-3 is their newest checkpoint
+        run = out / "runs" / name
+        shutil.rmtree(run / "checkpoints" / "step-000006")
+        shutil.rmtree(run / "drafter")
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 5) + "\n")
+    (out / "runs" / broken / "checkpoints" / "step-000003" / "model.safetensors").unlink()  # and damaged
+    finished = {p.name: _snapshot(p) for p in (out / "runs").iterdir() if p.name not in (broken, resumed)}
+
+    result = _sweep(cache_url, out, "--parallel", "2")
+    assert result.exit_code == 1, result.output
+    assert "2 finished, 2 to train" in result.output and f"resuming {resumed} on cpu" in result.output
+    error = result.output.strip().splitlines()[-1]
+    log = out / "runs" / broken / "train.log"
+    assert error.startswith(f"error: 1 sweep run(s) failed: {broken} (exit 1: checkpoint ")
+    assert "cannot be read" in error and f"log {log})" in error and "rerun the same command" in error
+    assert resumed not in error and "Traceback" not in result.output
+    assert "error: checkpoint" in log.read_text()
+
+    # the other run resumed to the end as if never interrupted; the finished ones were not touched
+    reference = original / "runs" / resumed / "checkpoints" / "step-000006" / "model.safetensors"
+    assert _same_tensors(_tensors(out / "runs" / resumed / "checkpoints" / "step-000006" / "model.safetensors"),
+                         _tensors(reference))
+    assert (out / "runs" / resumed / "drafter" / "model.safetensors").exists()
+    assert {p.name: _snapshot(p) for p in (out / "runs").iterdir() if p.name not in (broken, resumed)} == finished
+    # the report was still written: the failed run's row shows how far it got
+    rows = {r["run"]: r for r in _without_rate(_csv(out / "results.csv"))}
+    expected = {r["run"]: r for r in _without_rate(_csv(original / "results.csv"))}
+    assert all(rows[name] == expected[name] for name in expected if name != broken)
+    assert rows[broken]["steps"] == "5" and rows[broken]["heldout_loss"] == ""

@@ -1,0 +1,182 @@
+"""Stage-2 read benchmark: the cache reader to training batches, against a raw np.memmap and torch.load.
+
+Production width on synthetic data (5 tapped layers x hidden 5120 in bf16, top-k 64, sequences of
+200-2000 tokens, shards cut like `dflash-cache build` cuts them; bench_write.py makes the data).
+Every method turns the same sequences, in the same shuffled epoch order, into the same padded
+float32 batches of hidden states; tokens/s and GB/s count the hidden-state bytes as stored (bf16).
+
+    .venv/bin/python benchmarks/bench_read.py             # ~12k tokens (0.6 GB of hidden states), 3 rounds
+    .venv/bin/python benchmarks/bench_read.py --quick     # ~3k tokens, 1 round: a smoke test
+    .venv/bin/python benchmarks/bench_read.py --workers 0,1,2   # DataLoader worker counts for the loader rows
+
+See benchmarks/README.md for what each row means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import bench_write as bw  # noqa: E402  (same folder)
+
+from dflash_cache import open_cache  # noqa: E402
+from dflash_train.data import (  # noqa: E402
+    DataConfig,
+    EpochPlan,
+    LoaderState,
+    StepContext,
+    load_batch,
+    manifest_fingerprint,
+    train_loader,
+)
+from dflash_train.noise import NoiseConfig  # noqa: E402
+
+BATCH_TOKENS = 8192  # DataConfig's default
+
+
+def padded(lengths: list[int]) -> np.ndarray:
+    return np.zeros((len(lengths), max(lengths), len(bw.LAYERS), bw.HIDDEN), dtype=np.float32)
+
+
+def batches_memmap(shards, raw: Path, plan: list) -> int:
+    """Baseline: the same rows from one raw file per shard, memory-mapped, into float32 batches."""
+    maps = [np.memmap(raw / f"{s.name}.bin", dtype=np.uint16, mode="r", shape=s.hidden.shape) for s in shards]
+    offsets = [np.concatenate([[0], np.cumsum(s.lengths)]) for s in shards]
+    n = 0
+    for refs in plan:
+        lengths = [int(shards[s].lengths[i]) for s, i in refs]
+        out = padded(lengths)
+        for row, ((s, i), t) in enumerate(zip(refs, lengths)):
+            out[row, :t] = maps[s][offsets[s][i]:offsets[s][i] + t].view(ml_dtypes.bfloat16)
+        n += sum(lengths)
+    return n
+
+
+def batches_torch(torch_dir: Path, shards, plan: list) -> int:
+    """Baseline: one torch.load per sequence (today's per-sample caches), into float32 batches."""
+    n = 0
+    for refs in plan:
+        loaded = [torch.load(torch_dir / f"{shards[s].ids[i]}.pt", weights_only=True) for s, i in refs]
+        out = torch.from_numpy(padded([len(d["input_ids"]) for d in loaded]))
+        for row, d in enumerate(loaded):
+            out[row, :len(d["input_ids"])] = d["hidden"]
+            n += len(d["input_ids"])
+    return n
+
+
+def batches_reader(url: str, cfg: DataConfig, plan: list, ctx: StepContext | None, zarr_only: bool = False) -> int:
+    """The package: dflash_train.data.load_batch (reader, anchors, padding, noise when ctx is set)."""
+    cache = open_cache(url)
+    if zarr_only:  # the read path before the chunk-file fast path, for comparison
+        for shard in cache.shards:
+            shard.__dict__["_chunk_files"] = None
+    n = 0
+    for b, refs in enumerate(plan):
+        n += load_batch(cache, cfg, refs, epoch=0, batch_index=b, ctx=ctx).num_tokens
+    return n
+
+
+def batches_loader(url: str, cfg: DataConfig, count: int, ctx: StepContext) -> int:
+    """The training loader as the trainer runs it: TrainStream in a DataLoader, read-ahead on."""
+    cache = open_cache(url)
+    state = LoaderState(seed=cfg.seed, manifest_fingerprint=manifest_fingerprint(cache.manifest))
+    n = 0
+    for b, batch in enumerate(train_loader(url, None, cfg, state, ctx)):
+        n += batch.num_tokens
+        if b + 1 == count:
+            break
+    return n
+
+
+def timed(fn) -> tuple[float, float, int]:
+    time.sleep(bw.SETTLE_S)  # see bench_write.timed: let every method start equally cold
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, n
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=12_000, help="tokens of synthetic data (51.2 KB of hidden states each)")
+    ap.add_argument("--quick", action="store_true", help="3,000 tokens, one round: a smoke test")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the table shows the best and the median")
+    ap.add_argument("--workers", default="0,2", help="DataLoader worker counts for the loader rows")
+    ap.add_argument("--tmp", default=str(Path(__file__).resolve().parents[1] / ".bench-tmp"),
+                    help="scratch folder on the disk to measure; deleted at the end")
+    args = ap.parse_args(argv)
+    tokens, repeat = (3_000, 1) if args.quick else (args.tokens, args.repeat)
+    workers = [int(w) for w in args.workers.split(",") if w.strip()]
+
+    tmp = Path(args.tmp) / f"read-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    try:
+        shards = bw.make_shards(tokens)
+        n_tokens = sum(len(s.input_ids) for s in shards)
+        hidden_bytes = n_tokens * bw.HIDDEN_BPT
+        bw.write_cache(shards, tmp / "cache", sync=False, compression="none")
+        bw.write_manifest(tmp / "cache")
+        bw.write_raw(shards, tmp / "raw", sync=False)
+        bw.write_torch(bw.sample_dicts(shards), tmp / "torch", sync=False)
+        url = str(tmp / "cache")
+        cfg = DataConfig(batch_tokens=BATCH_TOKENS, heldout_fraction=0.0)
+        plan = EpochPlan(open_cache(url), cfg).batches(0)
+        noise = StepContext(noise=NoiseConfig(), total_steps=1000, grad_accum=1)  # the default: cosine from 0.1
+        print(f"data: {n_tokens:,} tokens in {sum(len(s.ids) for s in shards)} sequences, {len(shards)} shard(s), "
+              f"{len(plan)} batches of <= {BATCH_TOKENS} tokens; hidden states {hidden_bytes / 1e9:.2f} GB "
+              f"({bw.HIDDEN_BPT} B/token); load average {os.getloadavg()[0]:.2f}")
+
+        methods = [
+            ("raw np.memmap -> batches", lambda: batches_memmap(shards, tmp / "raw", plan)),
+            ("torch.load per sample -> batches", lambda: batches_torch(tmp / "torch", shards, plan)),
+            ("dflash load_batch, Zarr read path", lambda: batches_reader(url, cfg, plan, None, zarr_only=True)),
+            ("dflash load_batch", lambda: batches_reader(url, cfg, plan, None)),
+            ("dflash load_batch + noise", lambda: batches_reader(url, cfg, plan, noise)),
+        ]
+        for w in workers:
+            wcfg = DataConfig(batch_tokens=BATCH_TOKENS, heldout_fraction=0.0, num_workers=w)
+            methods.append((f"dflash train_loader + noise, {w} workers",
+                            lambda wcfg=wcfg: batches_loader(url, wcfg, len(plan), noise)))
+        times: dict[str, list[tuple[float, float]]] = {}
+        for r in range(repeat):
+            for label, fn in methods[r % len(methods):] + methods[:r % len(methods)]:
+                wall, cpu, n = timed(fn)
+                assert n == n_tokens, (label, n, n_tokens)
+                times.setdefault(label, []).append((wall, cpu))
+        print_table(times, methods, n_tokens, hidden_bytes)
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            Path(args.tmp).rmdir()
+
+
+def print_table(times, methods, n_tokens: int, hidden_bytes: int) -> None:
+    base = [w for w, _ in times[methods[0][0]]]
+    head = (f"{'method':<42} {'GB/s':>6} {'(med)':>6} {'tok/s':>8} {'(med)':>8} {'x memmap':>8} {'(med)':>6} "
+            f"{'CPU s':>6}  wall s per round")
+    print("\n" + head + "\n" + "-" * len(head))
+    for label, _ in methods:
+        walls = [w for w, _ in times[label]]
+        best, med = min(walls), float(np.median(walls))
+        cpu = float(np.median([c for _, c in times[label]]))
+        print(f"{label:<42} {hidden_bytes / best / 1e9:6.2f} {hidden_bytes / med / 1e9:6.2f} {n_tokens / best:8,.0f} "
+              f"{n_tokens / med:8,.0f} {min(base) / best:7.2f}x {np.median(base) / med:5.2f}x {cpu:6.2f}  "
+              f"{' '.join(f'{w:.2f}' for w in walls)}")
+    print("GB/s = hidden-state bytes as stored (bf16) / wall seconds, best and (median) round; x memmap = the memmap "
+          "row's time / this row's time;\nCPU s = median CPU seconds of this process (DataLoader workers are other "
+          "processes and not counted)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The reader's fast paths: chunk files read directly, read-ahead within a byte budget."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import english_like_sentences, write_jsonl
+
+from dflash_cache import open_cache
+from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.corpus import CorpusConfig
+from dflash_cache.errors import CacheError
+from dflash_cache.reader import ChunkFiles
+from dflash_cache.teacher import TeacherConfig
+from dflash_cache.writer import StorageConfig
+
+
+def _build(root: Path, teacher: str, dtype: str, compression: str = "none") -> str:
+    sentences = english_like_sentences(120, seed=3)
+    rows = [{"id": f"r{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
+                                              {"role": "assistant", "content": sentences[2 * i + 1] * (1 + i % 4)}]}
+            for i in range(60)]
+    data = write_jsonl(root / "chat.jsonl", rows)
+    out = str(root / f"cache-{dtype}-{compression}")
+    build_cache(BuildConfig(out=out, corpus=CorpusConfig(data=data),
+                            teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=(0, 2, 3), top_k=4),
+                            storage=StorageConfig(shard_bytes=40_000, chunk_bytes=3_000, compression=compression)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, teacher_dir):
+    root = tmp_path_factory.mktemp("reader")
+    return {dtype: _build(root, teacher_dir("qwen3"), dtype) for dtype in ("bfloat16", "float32")} | {
+        "zstd": _build(root, teacher_dir("qwen3"), "bfloat16", "zstd")}
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float32"])
+def test_chunk_files_equal_zarr_for_any_row_range(caches, kind):
+    cache = open_cache(caches[kind])
+    rng = np.random.default_rng(0)
+    for shard in cache.shards:
+        files = shard._chunk_files
+        assert files is not None and files.chunk_rows < shard.hidden_array.shape[0]  # several chunks per shard
+        n = shard.hidden_array.shape[0]
+        ranges = [(0, n), (0, 1), (n - 1, n), (files.chunk_rows - 1, files.chunk_rows + 1)]
+        ranges += [tuple(sorted(rng.integers(0, n + 1, size=2))) for _ in range(30)]
+        for start, stop in ranges:
+            expected = shard.hidden_array[start:stop]
+            got = shard.read_stored(start, stop)
+            assert got.dtype == expected.dtype and np.array_equal(got, expected), (shard.name, start, stop)
+            out = np.empty_like(expected)
+            assert shard.read_stored(start, stop, out) is out and np.array_equal(out, expected)
+
+
+def test_compressed_shards_use_zarr_and_read_the_same(caches):
+    plain, packed = open_cache(caches["bfloat16"]), open_cache(caches["zstd"])
+    assert all(s._chunk_files is None for s in packed.shards)
+    for a, b in zip(plain.sequences(), packed.sequences()):
+        assert a.id == b.id and np.array_equal(a.hidden.view(np.uint16), b.hidden.view(np.uint16))
+
+
+def test_missing_or_short_chunk_file_is_named(caches, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(caches["bfloat16"], copy)
+    shard = open_cache(str(copy)).shards[0]
+    files = shard._chunk_files
+    victim = files.chunk_path(1)
+    with open(victim, "r+b") as f:
+        f.truncate(files.row_bytes * 2)
+    with pytest.raises(CacheError, match=r"chunk file is short .* `dflash-cache verify --deep`"):
+        shard.read_stored(0, files.chunk_rows * 2)
+    os.remove(victim)
+    with pytest.raises(CacheError, match=r"chunk file of a committed shard is missing"):
+        shard.read_stored(files.chunk_rows, files.chunk_rows + 1)
+    assert np.array_equal(shard.read_stored(0, 3), open_cache(caches["bfloat16"]).shards[0].read_stored(0, 3))
+
+
+def test_only_the_writers_plain_layout_takes_the_fast_path(caches, tmp_path):
+    import json
+    import shutil
+
+    src = Path(open_cache(caches["bfloat16"]).shards[0].path) / "hidden.zarr"
+    assert ChunkFiles.open(str(src)) is not None
+    for change in ({"codecs": [{"name": "bytes", "configuration": {"endian": "big"}}]},
+                   {"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 1, 8]}}},
+                   {"data_type": "int64"}, {"storage_transformers": [{"name": "x"}]}):
+        other = tmp_path / f"z{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(src, other)
+        meta = json.loads((other / "zarr.json").read_text())
+        (other / "zarr.json").write_text(json.dumps({**meta, **change}))
+        assert ChunkFiles.open(str(other)) is None, change
+    assert ChunkFiles.open(str(tmp_path / "absent")) is None
+
+
+def test_read_ahead_returns_records_in_order_within_the_byte_budget(caches):
+    cache = open_cache(caches["bfloat16"])
+    refs = [(s, i) for s in reversed(range(len(cache.shards))) for i in range(len(cache.shards[s]))][::-1]
+    refs = refs[::2] + refs[1::2]
+    largest = max(cache.sequence_bytes(*r) for r in refs)
+    for budget, threads in ((0, 1), (largest * 3, 4), (10**12, 2)):
+        ahead = cache.read_ahead(refs, max_bytes=budget, threads=threads)
+        got = list(ahead)
+        assert [r.id for r in got] == [cache.shards[s].ids[i] for s, i in refs]
+        for record, (s, i) in zip(got, refs):
+            assert np.array_equal(record.hidden.view(np.uint16), cache.shards[s][i].hidden.view(np.uint16))
+        assert ahead.peak_bytes <= max(budget, largest)
+    everything = sum(cache.sequence_bytes(*r) for r in refs)
+    unbounded = cache.read_ahead(refs, max_bytes=10**12)
+    next(unbounded)
+    assert unbounded.peak_bytes == everything  # with room for all, all were requested at once
+    unbounded.close()
