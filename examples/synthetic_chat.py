@@ -166,6 +166,10 @@ class Entity:
     friend: str
 
 
+# A task generator takes (rng, brief, world) and returns one (user, assistant) turn.
+TaskGenerator = Callable[[random.Random, bool, list[Entity]], Turn]
+
+
 def make_world(seed: int = WORLD_SEED, size: int = WORLD_SIZE) -> list[Entity]:
     """A fixed fictional world of `size` creatures, each with a few attributes."""
     rng = random.Random(seed)
@@ -206,9 +210,13 @@ def with_article(phrase: str) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Task generators. Each takes (rng, brief, world) and returns one (user, assistant) turn.
-# `brief` is True when the system prompt asks for short answers. Brief replies still open with
-# a word ("Reversed: ...", "Town: ...") so a copied word keeps the same leading-space token as
-# in the prompt, which keeps copying learnable for a tiny model.
+# `brief` is True when the system prompt asks for short answers. Brief replies about the world
+# still open with a word ("Town: ...", "Food: ...") so the answer word has the same
+# leading-space token as everywhere else.
+#
+# There are no tasks that copy a list of words from the prompt (repeating, reversing or sorting
+# one): in four trials the 8-minute teacher never learned to copy list items (0% exact on
+# held-out prompts, always the same few words), while it did learn the tasks below.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -244,7 +252,7 @@ def task_addition(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
 
 
 def task_subtraction(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
-    a = rng.randint(2, 20)
+    a = rng.randint(2, 12)
     b = rng.randint(1, a)
     phrasing = rng.choice([
         "What is {a} - {b}?",
@@ -275,32 +283,24 @@ def task_multiplication(rng: random.Random, brief: bool, world: list[Entity]) ->
     return phrasing.format(a=a, b=b), answer
 
 
-def task_reverse(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
-    items = rng.sample(WORDS, rng.randint(3, 5))
+def task_count_words(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
+    items = rng.sample(WORDS, rng.randint(2, 7))
     phrasing = rng.choice([
-        "Reverse this list: {x}",
-        "Reverse the order of these words: {x}",
-        "Please write these words in reverse order: {x}",
-        "Can you reverse the list {x}?",
+        "How many words are in this list: {x}?",
+        "Count the words: {x}",
+        "How many items does the list {x} have?",
     ])
-    reversed_items = join_items(items[::-1])
     if brief:
-        answer = f"Reversed: {reversed_items}."
+        answer = f"{len(items)} words."
     else:
-        answer = f"The list has {len(items)} words. Reversed, it reads: {reversed_items}."
+        answer = f"The list has {len(items)} words."
     return phrasing.format(x=join_items(items)), answer
 
 
-def task_number_list(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
-    items = rng.sample(WORDS, rng.randint(3, 6))
-    phrasing = rng.choice([
-        "Number these items: {x}",
-        "Make a numbered list of: {x}",
-        "Write {x} as a numbered list.",
-    ])
-    numbered = "\n".join(f"{i}. {w}" for i, w in enumerate(items, start=1))
-    answer = numbered if brief else f"Here are the {len(items)} items, numbered:\n{numbered}"
-    return phrasing.format(x=join_items(items)), answer
+def task_add_small(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    phrasing = rng.choice(["What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}."])
+    return phrasing.format(a=a, b=b), f"{a} + {b} = {a + b}."
 
 
 def task_count_letters(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
@@ -356,25 +356,27 @@ def task_convert(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
 
 
 def task_sequence(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
+    """Count up or down from a number by a fixed step: a simple sequence to continue."""
     step = rng.randint(1, 5)
-    shown = rng.randint(3, 5)
     if rng.random() < 0.7:
         start = rng.randint(0, 30)
-        terms = [start + i * step for i in range(shown + 3)]
-        rule = f"Each number is {step} more than the one before."
+        terms = [start + i * step for i in range(5)]
+        direction, change = "up", "adding"
     else:
-        start = rng.randint(step * (shown + 3), step * (shown + 3) + 30)
-        terms = [start - i * step for i in range(shown + 3)]
-        rule = f"Each number is {step} less than the one before."
-    given = join_items([str(t) for t in terms[:shown]])
-    following = join_items([str(t) for t in terms[shown:]])
+        start = rng.randint(4 * step, 4 * step + 30)
+        terms = [start - i * step for i in range(5)]
+        direction, change = "down", "subtracting"
+    numbers = join_items([str(t) for t in terms])
     phrasing = rng.choice([
-        "Continue the sequence: {x}",
-        "What are the next three numbers in {x}?",
-        "Find the pattern and continue: {x}, ...",
+        "Count {d} by {s} from {a}.",
+        "Count {d} from {a} in steps of {s}.",
+        "Start at {a} and count {d} by {s}.",
     ])
-    answer = f"Next: {following}." if brief else f"{rule} The next three numbers are {following}."
-    return phrasing.format(x=given), answer
+    if brief:
+        answer = f"{numbers}."
+    else:
+        answer = f"Starting at {start} and {change} {step} each time: {numbers}."
+    return phrasing.format(d=direction, s=step, a=start), answer
 
 
 def describe(entity: Entity) -> str:
@@ -466,12 +468,13 @@ def task_glossary(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
     return user, answer
 
 
-TASKS: list[tuple[Callable[[random.Random, bool, list[Entity]], Turn], float]] = [
+# (generator, sampling weight)
+TASKS: list[tuple[TaskGenerator, float]] = [
     (task_addition, 1.5),
+    (task_add_small, 0.8),
     (task_subtraction, 0.7),
     (task_multiplication, 1.0),
-    (task_reverse, 1.0),
-    (task_number_list, 0.8),
+    (task_count_words, 0.6),
     (task_count_letters, 0.8),
     (task_first_last_letter, 0.5),
     (task_convert, 1.0),
@@ -488,29 +491,31 @@ THANKS = ["Thanks!", "Thank you.", "Great, thanks a lot.", "That helps, thank yo
 THANKS_REPLY = "You're welcome! Let me know if you have another question."
 
 
-def sample_task_turn(rng: random.Random, brief: bool, world: list[Entity]) -> Turn:
+def sample_task(rng: random.Random) -> TaskGenerator:
     generators = [g for g, _ in TASKS]
     weights = [w for _, w in TASKS]
-    return rng.choices(generators, weights)[0](rng, brief, world)
+    return rng.choices(generators, weights)[0]
+
+
+def sample_system(rng: random.Random) -> tuple[list[Message], bool]:
+    """An optional system prompt, and whether it asks for brief answers."""
+    roll = rng.random()
+    if roll < 0.2:
+        return [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS_BRIEF)}], True
+    if roll < 0.55:
+        return [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS_FULL)}], False
+    return [], False
 
 
 def sample_conversation(rng: random.Random, world: list[Entity]) -> list[Message]:
     """One conversation: optional system prompt, then 1-3 user/assistant turns."""
-    messages: list[Message] = []
-    roll = rng.random()
-    brief = False
-    if roll < 0.2:
-        brief = True
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS_BRIEF)})
-    elif roll < 0.55:
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS_FULL)})
-
+    messages, brief = sample_system(rng)
     n_turns = rng.choices([1, 2, 3], [0.5, 0.3, 0.2])[0]
     turns: list[Turn] = []
     if rng.random() < 0.08:
         turns.append((rng.choice(GREETINGS), GREETING_REPLY))
     while len(turns) < n_turns:
-        turns.append(sample_task_turn(rng, brief, world))
+        turns.append(sample_task(rng)(rng, brief, world))
     if len(turns) >= 2 and rng.random() < 0.3:
         turns[-1] = (rng.choice(THANKS), THANKS_REPLY)
     for user, assistant in turns:
@@ -519,19 +524,20 @@ def sample_conversation(rng: random.Random, world: list[Entity]) -> list[Message
     return messages
 
 
-def sample_prompt(rng: random.Random, world: list[Entity]) -> tuple[list[Message], str]:
+@dataclass(frozen=True)
+class HeldoutPrompt:
+    messages: list[Message]  # optional system + one user message
+    reference: str  # the reply the generator gives
+    task: str  # the generator's name, for per-task scores
+
+
+def sample_prompt(rng: random.Random, world: list[Entity]) -> HeldoutPrompt:
     """A single-turn prompt (optional system + one user message) and its reference reply."""
-    messages: list[Message] = []
-    roll = rng.random()
-    brief = False
-    if roll < 0.2:
-        brief = True
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS_BRIEF)})
-    elif roll < 0.55:
-        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS_FULL)})
-    user, assistant = sample_task_turn(rng, brief, world)
+    messages, brief = sample_system(rng)
+    task = sample_task(rng)
+    user, reference = task(rng, brief, world)
     messages.append({"role": "user", "content": user})
-    return messages, assistant
+    return HeldoutPrompt(messages=messages, reference=reference, task=task.__name__)
 
 
 def make_corpus(seed: int, n_rows: int, world: list[Entity]) -> list[list[Message]]:
@@ -558,20 +564,20 @@ def make_teacher_extra(
 
 def make_heldout(
     seed: int, n_rows: int, world: list[Entity], seen_user_texts: set[str]
-) -> list[tuple[list[Message], str]]:
+) -> list[HeldoutPrompt]:
     """Single-turn prompts whose user text never appears in the training corpus.
 
     Greetings and thanks are excluded by construction (sample_prompt draws tasks only), and
     prompts are also kept distinct from each other.
     """
     rng = random.Random(seed)
-    out: list[tuple[list[Message], str]] = []
+    out: list[HeldoutPrompt] = []
     taken = set(seen_user_texts)
     while len(out) < n_rows:
-        messages, reference = sample_prompt(rng, world)
-        text = messages[-1]["content"]
+        prompt = sample_prompt(rng, world)
+        text = prompt.messages[-1]["content"]
         if text in taken:
             continue
         taken.add(text)
-        out.append((messages, reference))
+        out.append(prompt)
     return out
