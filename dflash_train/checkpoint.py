@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import uuid
 from pathlib import Path
 
 import safetensors.torch
+from safetensors import SafetensorError
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -154,5 +156,5 @@ class CheckpointManager:
                 "trainer": torch.load(path / "trainer.pt", weights_only=False),
                 "config": json.loads((path / "config.json").read_text()),
             }
-        except (OSError, RuntimeError, ValueError) as err:
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as err:
             raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older step-* folder") from None

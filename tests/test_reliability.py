@@ -400,3 +400,22 @@ def test_deep_verify_passes_a_bfloat16_cache_within_rounding(tmp_path, teacher_d
     # rounds differently there, and the difference must stay within the tolerance
     deep = CliRunner().invoke(cache_app, ["verify", str(tmp_path / "cache"), "--deep", "--device", "cpu", "--quiet"])
     assert deep.exit_code == 0 and "deep: 6 sequences" in deep.output, deep.output
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors:garbage", "model.safetensors:truncate",
+                                    "trainer.pt:garbage", "trainer.pt:truncate", "config.json:garbage"])
+def test_damaged_checkpoint_file_is_one_typed_error(tmp_path, damage):
+    from dflash_train.checkpoint import CheckpointError, CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    path = manager.save(3, {"w": torch.arange(64, dtype=torch.float32)}, {"step": 3, "rng": torch.get_rng_state()},
+                        {"steps": 9})
+    assert CheckpointManager.load(path)["trainer"]["step"] == 3
+    name, how = damage.split(":")
+    target = path / name
+    if how == "garbage":
+        target.write_bytes(b"\x80not a checkpoint file" * 7)
+    else:
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"cannot be read .*; resume from an older step-\* folder"):
+        CheckpointManager.load(path)
