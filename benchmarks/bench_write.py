@@ -106,21 +106,6 @@ def token_arrays(shard: ShardData) -> list[np.ndarray]:
 # --- helpers ---------------------------------------------------------------------------------
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under path. A shard is ~130-150 files and each fsync pays a device flush
-    (~3.5 ms here even for a clean file), so they run on a few threads, as a durable writer would."""
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(fsync_file, [p for p in path.rglob("*") if p.is_file()]))
-
-
 def disk_bytes(path: Path) -> tuple[int, int]:
     """(apparent bytes, allocated bytes) of every file under path."""
     apparent = allocated = 0
@@ -147,7 +132,7 @@ def write_cache(shards, out: Path, sync: bool, compression: str) -> None:
     for shard in shards:
         write_shard(fs, root, shard, storage, "bfloat16")  # includes its fsynced commit record
         if sync:  # the writer fsyncs only its record; syncing the data is what a durable commit costs
-            fsync_tree(out / fmt.SHARDS_DIR / shard.name)
+            fmt.fsync_tree(out / fmt.SHARDS_DIR / shard.name)
 
 
 def write_raw(shards, out: Path, sync: bool) -> None:
@@ -321,12 +306,12 @@ def profile_fsync(shard: ShardData, tmp: Path) -> None:
         files = [p for p in (tmp / "profile-fsync" / fmt.SHARDS_DIR / record["name"]).rglob("*") if p.is_file()]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(fsync_file, files))
+            list(pool.map(fmt.fsync_path, files))
         results.append(f"{len(files)} files on {threads} thread(s): {time.perf_counter() - t0:.2f} s")
     os.sync()
     write_raw([shard], tmp / "profile-fsync-raw", sync=False)
     t0 = time.perf_counter()
-    fsync_file(tmp / "profile-fsync-raw" / f"{shard.name}.bin")
+    fmt.fsync_path(tmp / "profile-fsync-raw" / f"{shard.name}.bin")
     results.append(f"1 raw file: {time.perf_counter() - t0:.2f} s")
     print(f"\nfsync of one shard's data ({len(shard.input_ids) * PAYLOAD_BPT / 1e6:.0f} MB, dirty): " + "; ".join(results))
 

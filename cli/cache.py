@@ -68,7 +68,7 @@ def build(
     shard_size: str = typer.Option("512MB", help="Hidden-state bytes per shard, e.g. 512MB, 2GiB."),
     chunk_size: str = typer.Option("4MiB", help="Bytes per Zarr chunk of hidden states."),
     compression: str = typer.Option("none", help="Hidden-state compression: none or zstd."),
-    hidden_format: str = typer.Option("lossless", help="Hidden-state storage: lossless (the --dtype's exact bits) or fp8_e4m3 (half of bf16's bytes, ~2.5% relative error, read back as --dtype)."),
+    hidden_format: str = typer.Option("lossless", help="Hidden-state storage: lossless (the --dtype's exact bits) or fp8_e4m3 (half of bf16's bytes, ~2.7% relative error, read back as --dtype)."),
     on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
     overwrite: bool = typer.Option(False, help="Delete an existing cache at --out and build from scratch (default: resume it)."),

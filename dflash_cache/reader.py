@@ -84,13 +84,10 @@ class ChunkFiles:
         key = self.separator.join(["c", str(index)] + ["0"] * (len(self.shape) - 1))
         return os.path.join(self.path, *key.split("/"))
 
-    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop (clipped to the array, as a slice is)."""
         start, stop = max(0, start), min(stop, self.shape[0])
-        if out is None:
-            out = np.empty((max(0, stop - start), *self.shape[1:]), dtype=self.dtype)
-        if out.shape != (max(0, stop - start), *self.shape[1:]) or out.dtype != self.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {self.dtype} array of shape {(stop - start, *self.shape[1:])}, "
-                             f"got {out.dtype} {out.shape}")
+        out = np.empty((max(0, stop - start), *self.shape[1:]), dtype=self.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8))
         row = start
         while row < stop:
@@ -174,17 +171,13 @@ class Shard:
             return None
         return ChunkFiles.open(fmt.join(self.path, fmt.HIDDEN))
 
-    def read_stored(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Token rows start..stop of the hidden-state array exactly as stored (e.g. uint16 for bf16),
-        into ``out`` when given. Uncompressed local shards are read straight from their chunk files;
-        anything else goes through Zarr."""
+    def read_stored(self, start: int, stop: int) -> np.ndarray:
+        """Token rows start..stop of the hidden-state array exactly as stored (e.g. uint16 for bf16).
+        Uncompressed local shards are read straight from their chunk files; anything else goes
+        through Zarr."""
         if self._chunk_files is not None:
-            return self._chunk_files.read(start, stop, out)
-        rows = self.hidden_array[start:stop]
-        if out is None:
-            return rows
-        out[...] = rows
-        return out
+            return self._chunk_files.read(start, stop)
+        return self.hidden_array[start:stop]
 
     def read_hidden(self, start: int, stop: int) -> np.ndarray:
         """Hidden states of token rows start..stop of this shard, in their true dtype (fp8 shards

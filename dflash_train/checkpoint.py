@@ -20,13 +20,14 @@ import uuid
 from pathlib import Path
 
 import safetensors.torch
-from safetensors import SafetensorError
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from dflash_cache.errors import DFlashError
+from dflash_cache.format import fsync_path
 from dflash_cache.faults import maybe_fault
 from dflash_train.distributed import is_sharded
 
@@ -90,14 +91,6 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class CheckpointManager:
     """Saves, finds and loads the checkpoints of one run folder, keeping the newest ``keep``."""
 
@@ -125,16 +118,15 @@ class CheckpointManager:
         torch.save(trainer_state, tmp / "trainer.pt")
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
         for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_path(path)
         maybe_fault("checkpoint_after_files")
         (tmp / COMPLETE).write_text(f"{step}\n")
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         maybe_fault("checkpoint_before_rename")
         if final.exists():  # an older incomplete attempt at this step
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         self._prune()
         return final
 

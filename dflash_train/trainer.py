@@ -18,15 +18,14 @@ from dflash_cache.verify import quick_check
 from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
                                      load_full_state)
 from dflash_train.config import TrainConfig
-
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
 from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, init_distributed,
                                       is_sharded, rank_device, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
+from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossOutput
-from dflash_train.export import export_weights
 from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
 
 DEFAULT_STEPS = 1000

@@ -52,6 +52,14 @@ def english_like_sentences(count: int, seed: int = 0) -> list[str]:
     return sentences
 
 
+def qa_rows(n: int, seed: int, prefix: str) -> list[dict]:
+    """`n` one-turn chats with ids `{prefix}000`...: a sentence asked, two sentences answered."""
+    s = english_like_sentences(3 * n, seed=seed)
+    return [{"id": f"{prefix}{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
+                                                    {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
+            for i in range(n)]
+
+
 def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Train a ~500-token byte-level BPE with a ChatML template, save it to `path`, return it."""
     backend = Tokenizer(models.BPE())

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import english_like_sentences, write_jsonl
+from helpers import qa_rows, write_jsonl
 from s3_server import s3_server  # noqa: F401  (module-scoped fixture, used by the object-storage test)
 from typer.testing import CliRunner
 
@@ -27,12 +27,6 @@ from dflash_cache.writer import StorageConfig
 
 LAYERS = (0, 2, 3)
 
-
-def _rows(n: int, seed: int = 0) -> list[dict]:
-    s = english_like_sentences(3 * n, seed=seed)
-    return [{"id": f"f-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
-                                              {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
-            for i in range(n)]
 
 
 def _hidden(seed: int = 0, tokens: int = 50, layers: int = 3, size: int = 64) -> np.ndarray:
@@ -151,7 +145,7 @@ def _config(data: str, out: Path, teacher: str, hidden_format: str, **kw) -> Bui
 def built(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("fp8")
     teacher = teacher_dir("qwen3", torch.bfloat16)
-    data = write_jsonl(root / "chat.jsonl", _rows(24))
+    data = write_jsonl(root / "chat.jsonl", qa_rows(24, seed=0, prefix="f-"))
     for name in ("lossless", "fp8_e4m3"):
         build_cache(_config(data, root / name, teacher, name))
     return {"root": root, "teacher": teacher, "data": data,

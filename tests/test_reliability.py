@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from helpers import build_teacher, english_like_sentences, write_jsonl
+from helpers import build_teacher, qa_rows, write_jsonl
 from test_build import assert_same_content, cache_content, chat_rows
 from typer.testing import CliRunner
 
@@ -260,17 +260,11 @@ def test_disk_full_stops_cleanly_and_the_same_command_resumes(full_case, failing
 # --- training: killed while saving a checkpoint; damaged shards -----------------------------
 
 
-def _train_rows(n, seed):
-    s = english_like_sentences(3 * n, seed=seed)
-    return [{"id": f"r{seed}-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
-                                                    {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
-            for i in range(n)]
-
 
 @pytest.fixture(scope="module")
 def train_cache(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("fault_train")
-    data = write_jsonl(root / "chat.jsonl", _train_rows(48, seed=2))
+    data = write_jsonl(root / "chat.jsonl", qa_rows(48, seed=2, prefix="r2-"))
     result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--out", str(root / "cache"),
                                             "--dtype", "float32", "--layers", "0,2", "--top-k", "6", "--shard-size", "20kB", "--quiet"])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
-from helpers import english_like_sentences, write_jsonl  # noqa: E402
+from helpers import qa_rows, write_jsonl  # noqa: E402
 from s3_server import reset_s3_clients, s3_server  # noqa: E402,F401  (s3_server: module-scoped fixture)
 from typer.testing import CliRunner  # noqa: E402
 
@@ -27,12 +27,6 @@ from dflash_cache import open_cache  # noqa: E402
 BUILD_OPTIONS = ["--dtype", "bfloat16", "--layers", "0,2", "--top-k", "8", "--batch-tokens", "512",
                  "--shard-size", "60000", "--chunk-size", "16KiB"]
 
-
-def _rows(n: int) -> list[dict]:
-    s = english_like_sentences(3 * n, seed=7)
-    return [{"id": f"s3-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
-                                               {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
-            for i in range(n)]
 
 
 def _invoke(app, args: list[str], code: int = 0):
@@ -63,7 +57,7 @@ def _assert_same(a: dict, b: dict):
 def built(s3_server, tmp_path_factory, teacher_dir):  # noqa: F811
     """The same corpus built twice with the CLI: to a local folder and to s3://BUCKET/cache."""
     root = tmp_path_factory.mktemp("s3_build")
-    data = write_jsonl(root / "chat.jsonl", _rows(40))
+    data = write_jsonl(root / "chat.jsonl", qa_rows(40, seed=7, prefix="s3-"))
     teacher = teacher_dir("qwen3")
     local = str(root / "local")
     _build(teacher, data, local)

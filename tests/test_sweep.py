@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers import english_like_sentences, write_jsonl
+from helpers import qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.train import app
@@ -204,17 +204,11 @@ def test_failure_reason_reads_this_sessions_last_error():
 # ----------------------------------------------------------------------------- a real sweep
 
 
-def _rows(n, seed):
-    s = english_like_sentences(3 * n, seed=seed)
-    return [{"id": f"s{seed}-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
-                                                    {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
-            for i in range(n)]
-
 
 @pytest.fixture(scope="module")
 def cache_url(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("sweep_cache")
-    data = write_jsonl(root / "chat.jsonl", _rows(60, seed=3))
+    data = write_jsonl(root / "chat.jsonl", qa_rows(60, seed=3, prefix="s3-"))
     cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
                       teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 2), top_k=6),
                       storage=StorageConfig(shard_bytes=20_000))

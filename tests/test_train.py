@@ -10,11 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from helpers import english_like_sentences, write_jsonl
+from helpers import qa_rows, write_jsonl
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -22,7 +21,6 @@ from cli.train import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.errors import CacheError
 from dflash_cache.teacher import TeacherConfig
 from dflash_cache.writer import StorageConfig
 from dflash_train.config import ModelOptions, TrainConfig
@@ -34,12 +32,6 @@ from dflash_train.trainer import build_drafter, lr_factor
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (0, 2)
 
-
-def _rows(n, seed):
-    s = english_like_sentences(3 * n, seed=seed)
-    return [{"id": f"t{seed}-{i:03d}", "messages": [{"role": "user", "content": s[3 * i]},
-                                                    {"role": "assistant", "content": s[3 * i + 1] + " " + s[3 * i + 2]}]}
-            for i in range(n)]
 
 
 def _build(root: Path, teacher: str, rows) -> str:
@@ -54,7 +46,7 @@ def _build(root: Path, teacher: str, rows) -> str:
 
 @pytest.fixture(scope="module")
 def cache_url(tmp_path_factory, teacher_dir):
-    return _build(tmp_path_factory.mktemp("train_cache"), teacher_dir("qwen3"), _rows(100, seed=1))
+    return _build(tmp_path_factory.mktemp("train_cache"), teacher_dir("qwen3"), qa_rows(100, seed=1, prefix="t1-"))
 
 
 def test_lr_schedule_hand_values():
@@ -151,7 +143,7 @@ def test_refusals_one_line(tmp_path, cache_url, teacher_dir):
     assert again.exit_code == 1 and "already holds checkpoints; pass --resume" in again.output
     changed = runner.invoke(app, args[:-1] + ["--resume", "--block-size", "8", "--quiet"])
     assert changed.exit_code == 1 and "model settings differ" in changed.output
-    other = _build(tmp_path / "other", teacher_dir("qwen3"), _rows(40, seed=9))
+    other = _build(tmp_path / "other", teacher_dir("qwen3"), qa_rows(40, seed=9, prefix="t9-"))
     wrong = runner.invoke(app, ["run", "--cache", other, "--out", str(run_dir), "--resume", "--steps", "4", "--quiet"])
     assert wrong.exit_code == 1 and "different cache" in wrong.output and "Traceback" not in wrong.output
     bad = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r2"), "--block-size", "1"])
