@@ -13,8 +13,10 @@ Parts, each with a time budget for its timed loop so the whole run stays under 8
    already on the GPU. tokens/s = batch tokens / step time.
 2. loader: a synthetic cache at production width written with dflash_cache's `write_shard` on
    local disk (`--tmp`), streamed through `dflash_train.data.train_loader` with `--loader-workers`
-   workers (default 4: the README recommends no count yet), noise on, until the budget. The page
-   cache is warm (just written).
+   workers (default 4) and pinned memory on CUDA, each batch then taken to the device with the
+   step's noise drawn there (`trainer.on_device`), as the trainer does, until the budget. The page
+   cache is warm (just written). A third row checks the device's noise against the CPU's (uniform
+   must be bit-identical) and times the noise alone.
 3. teacher extraction: a random-weight Qwen3 model with the production width, attention, MLP and
    vocabulary but only `--teacher-layers` decoder layers, run through the build's extraction
    (`dflash_cache.teacher.Teacher.forward`: hooks on the tapped layers, chunked LM head and top-k,
@@ -61,18 +63,11 @@ from dflash_cache import open_cache  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_device, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import (  # noqa: E402
-    DataConfig,
-    EpochPlan,
-    LoaderState,
-    StepContext,
-    manifest_fingerprint,
-    train_loader,
-)
+from dflash_train.data import DataConfig, EpochPlan, LoaderState, manifest_fingerprint, train_loader  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
 from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.noise import NoiseConfig  # noqa: E402
-from dflash_train.trainer import micro_step  # noqa: E402
+from dflash_train.noise import NoiseConfig, add_noise_, noise_for  # noqa: E402
+from dflash_train.trainer import micro_step, on_device  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -248,7 +243,7 @@ def write_synthetic_cache(s: Sizes, root: Path, seed: int = 0) -> tuple[str, flo
     return str(root), payload / 1e9
 
 
-def bench_loader(s: Sizes, tmp: Path, workers: int, budget: float, max_batches: int) -> Row:
+def bench_loader(s: Sizes, device: torch.device, tmp: Path, workers: int, budget: float, max_batches: int) -> Row:
     t0 = time.perf_counter()
     root = tmp / f"gpu-bench-cache-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
@@ -258,10 +253,16 @@ def bench_loader(s: Sizes, tmp: Path, workers: int, budget: float, max_batches: 
         data = DataConfig(batch_tokens=s.batch_tokens, num_anchors=s.num_anchors, heldout_fraction=0.0,
                           num_workers=workers)
         epoch_batches = len(EpochPlan(cache, data).batches(0))
-        ctx = StepContext(noise=NoiseConfig(), total_steps=1000, grad_accum=1)
+        train_cfg = TrainConfig(cache=url, out="", data=data)  # default noise: cosine from 0.1
         state = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
-        stream = iter(train_loader(url, None, data, state, ctx))
-        next(stream)  # worker start-up and the first batch: not counted
+        stream = iter(train_loader(url, None, data, state, pin_memory=device.type == "cuda"))
+
+        def take(step: int) -> int:
+            batch = on_device(next(stream), device, train_cfg, step, 1000)
+            sync(device)
+            return batch.num_tokens
+
+        take(0)  # worker start-up and the first batch: not counted
         setup = time.perf_counter() - t0
         # with workers, batches arrive in bursts: rates are taken over windows of several batches
         window = 2 * max(1, workers)
@@ -269,8 +270,8 @@ def bench_loader(s: Sizes, tmp: Path, workers: int, budget: float, max_batches: 
         start = last = time.perf_counter()
         # past the first epoch the stream rereads the same shards: the page cache is warm either way
         while batches < max_batches and time.perf_counter() - start < budget:
-            tokens += next(stream).num_tokens
             batches += 1
+            tokens += take(batches)
             if batches % window == 0:
                 now = time.perf_counter()
                 rates.append(tokens / (now - last))
@@ -279,11 +280,42 @@ def bench_loader(s: Sizes, tmp: Path, workers: int, budget: float, max_batches: 
         del stream
         if not rates and batches:
             rates = [tokens / elapsed]
-        note = (f"{workers} worker(s), noise on; {gigabytes:.2f} GB cache made and written in {written:.0f} s, warm page "
+        note = (f"{workers} worker(s), to {device.type} + noise there; {gigabytes:.2f} GB cache made and written in {written:.0f} s, warm page "
                 f"cache; {batches} batches ({epoch_batches} per epoch), rates over windows of {window}")
         return Row(f"loader ({workers} workers)", rates, setup, "-", note)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_noise(s: Sizes, device: torch.device, budget: float, max_steps: int) -> Row:
+    """The trainer's noise alone on `device` (a float32 batch of the drafter's size), and whether the
+    device draws what the CPU draws: uniform bit for bit, Gaussian within a few float32 ulps."""
+    t0 = time.perf_counter()
+    uniform, gaussian = NoiseConfig(), NoiseConfig(distribution="gaussian")
+    shape = (min(s.seq_len, 4096), s.hidden)
+    same_uniform = torch.equal(noise_for(uniform, 3, 1000, "seq-0", shape, 1, device).cpu(),
+                               noise_for(uniform, 3, 1000, "seq-0", shape, 1))
+    g_device = noise_for(gaussian, 3, 1000, "seq-0", shape, 1, device).cpu()
+    g_cpu = noise_for(gaussian, 3, 1000, "seq-0", shape, 1)
+    gaussian_ulps = float(((g_device - g_cpu).abs() / torch.finfo(torch.float32).eps / g_cpu.abs().clamp_min(1e-30)).max())
+    rows = s.batch_tokens // s.seq_len
+    hidden = torch.zeros(rows, s.seq_len, len(s.tapped), s.hidden, device=device)
+    ids, lengths = [f"seq-{i}" for i in range(rows)], [s.seq_len] * rows
+    add_noise_(hidden, ids, lengths, uniform, 0, 1000)
+    sync(device)
+    setup = time.perf_counter() - t0
+    rates, start = [], time.perf_counter()
+    while len(rates) < max_steps and (not rates or time.perf_counter() - start < budget):
+        t = time.perf_counter()
+        add_noise_(hidden, ids, lengths, uniform, len(rates) + 1, 1000)
+        sync(device)
+        rates.append(rows * s.seq_len / (time.perf_counter() - t))
+    draws = (len(s.tapped) - 1) * s.hidden
+    note = (f"uniform on {device.type} == CPU: {same_uniform}; gaussian max diff {gaussian_ulps:.1f} ulp; "
+            f"{draws:,} draws/token, best {max(rates) * draws / 1e9:.1f} G draws/s")
+    del hidden
+    release(device)
+    return Row("noise alone (add_noise_)", rates, setup, peak_memory(device), note)
 
 
 # --- 3. teacher extraction ------------------------------------------------------------------------------
@@ -404,7 +436,8 @@ def main(argv=None) -> None:
     rows += guarded("drafter training", clock, 60, lambda: bench_drafter(sizes, device, clock.budget(budget), max_steps))
     print(f"# drafter done at {time.perf_counter() - started:.0f} s", flush=True)
     rows += guarded("loader (train_loader)", clock, 60,
-                    lambda: bench_loader(sizes, tmp, workers, clock.budget(budget), max_steps))
+                    lambda: bench_loader(sizes, device, tmp, workers, clock.budget(budget), max_steps))
+    rows += guarded("noise alone", clock, 10, lambda: bench_noise(sizes, device, clock.budget(budget / 4), max_steps))
     print(f"# loader done at {time.perf_counter() - started:.0f} s", flush=True)
     rows += guarded("teacher extraction", clock, 60, lambda: bench_teacher(sizes, device, clock.budget(budget), max_steps))
     print_table(rows, time.perf_counter() - started, device)

@@ -6,12 +6,13 @@ batches. Setup (untimed): the first --rows rows of the corpus go through `dflash
 `build_cache` into a scratch cache; both paths then walk the same epoch plan (EpochPlan) batch by
 batch.
 
-- offline: `train_loader` (the cache reader, anchors, noise, collate: what `dflash-train run`
-  uses) yields the batch, then `trainer.micro_step`, gradient clip and AdamW step.
+- offline: `train_loader` (the cache reader, anchors, collate: what `dflash-train run` uses)
+  yields the batch, then `trainer.on_device` (float32 and the step's noise), `trainer.micro_step`,
+  gradient clip and AdamW step.
 - online: the batch's token ids (kept in memory beforehand, as a pre-tokenized corpus would be) go
   through `dflash_cache.teacher.Teacher.forward` (the build's extraction: tapped-layer hooks and
-  chunked top-k log-probs), then the same anchors, noise and collate as `data.load_batch`, then
-  the same step.
+  chunked top-k log-probs), then the same anchors and collate as `data.load_batch`, then the same
+  step.
 
 Both paths are timed step by step in interleaved rounds (alternating which goes first) in one
 process, with one torch thread by default. The first batch of each path is compared (hidden states,
@@ -51,15 +52,13 @@ from dflash_train.data import (  # noqa: E402
     DataConfig,
     EpochPlan,
     LoaderState,
-    StepContext,
     collate,
     manifest_fingerprint,
     sample_anchors,
     train_loader,
 )
 from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.noise import apply_noise  # noqa: E402
-from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
+from dflash_train.trainer import build_drafter, micro_step, on_device  # noqa: E402
 
 
 def build_scratch_cache(args, out: Path) -> str:
@@ -81,14 +80,16 @@ class Trainer:
     """One path's drafter, optimizer and step (what trainer.train does per step, minus logging)."""
 
     def __init__(self, cfg: TrainConfig, cache, device):
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.steps_done = cfg, device, 0
         self.model = build_drafter(cfg, cache, device)  # same seed: both paths start from the same weights
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
 
     def step(self, batch) -> None:
-        micro_step(self.model, self.model, batch.to(self.device), self.cfg, DistInfo(), self.device, self.autocast)
+        batch = on_device(batch, self.device, self.cfg, self.steps_done, self.cfg.steps)
+        micro_step(self.model, self.model, batch, self.cfg, DistInfo(), self.device, self.autocast)
+        self.steps_done += 1
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -99,8 +100,8 @@ class Trainer:
 class OnlineBatches:
     """The plan's batches with the teacher run now instead of read from the cache."""
 
-    def __init__(self, cache, cfg: TrainConfig, ctx: StepContext, teacher):
-        self.cfg, self.ctx, self.teacher = cfg, ctx, teacher
+    def __init__(self, cache, cfg: TrainConfig, teacher):
+        self.cfg, self.teacher = cfg, teacher
         self.plan = EpochPlan(cache, cfg.data)
         # token ids and loss masks only (what a tokenized corpus holds); copies, so no cache file stays open
         self.tokens = {r.id: (np.array(r.input_ids), np.array(r.loss_mask)) for r in cache.sequences()}
@@ -123,11 +124,9 @@ class OnlineBatches:
                                           topk_logprobs=out.topk_logprobs[offset:offset + n]))
             offset += n
         # as data.load_batch does for cached records
-        data, step = self.cfg.data, index // self.ctx.grad_accum
+        data = self.cfg.data
         anchors = [sample_anchors(r.loss_mask, data.num_anchors, data.seed, epoch, r.id) for r in records]
-        noised = [apply_noise(np.asarray(r.hidden, np.float32), self.ctx.noise, step, self.ctx.total_steps, r.id)
-                  for r in records]
-        return collate(records, anchors, noised)
+        return collate(records, anchors, [r.hidden for r in records])
 
 
 def compare(offline, online) -> str:
@@ -175,12 +174,11 @@ def main(argv=None) -> None:
                           model=ModelOptions(num_layers=args.num_layers, block_size=args.block_size),
                           data=DataConfig(batch_tokens=args.batch_tokens, num_anchors=args.num_anchors,
                                           heldout_fraction=0.0))
-        ctx = StepContext(noise=cfg.noise, total_steps=total, grad_accum=1)
         teacher = load_teacher(TeacherConfig(name_or_path=args.teacher, dtype=args.dtype, device=str(device),
                                              layers=tuple(cache.layer_ids), top_k=cache.top_k))
         state = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
-        offline_batches = iter(train_loader(url, None, cfg.data, state, ctx))
-        online = OnlineBatches(cache, cfg, ctx, teacher)
+        offline_batches = iter(train_loader(url, None, cfg.data, state))
+        online = OnlineBatches(cache, cfg, teacher)
         paths = {"offline": Trainer(cfg, cache, device), "online": Trainer(cfg, cache, device)}
         sources = {"offline": lambda i: next(offline_batches), "online": online.batch}
         print(f"# {len(cache)} sequences, {cache.num_tokens:,} tokens cached; teacher {args.teacher} "

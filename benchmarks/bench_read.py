@@ -3,7 +3,9 @@
 Production width on synthetic data (5 tapped layers x hidden 5120 in bf16, top-k 64, sequences of
 200-2000 tokens, shards cut like `dflash-cache build` cuts them; bench_write.py makes the data).
 Every method turns the same sequences, in the same shuffled epoch order, into the same padded
-float32 batches of hidden states; tokens/s and GB/s count the hidden-state bytes as stored (bf16).
+bf16 batches of hidden states (what the loader hands the trainer); tokens/s and GB/s count the
+hidden-state bytes as stored (bf16). One more row adds what a CPU trainer then does to each batch
+(float32 and the step's noise, `trainer.on_device`); a GPU trainer does that on the GPU.
 
     .venv/bin/python benchmarks/bench_read.py             # ~12k tokens (0.6 GB of hidden states), 3 rounds
     .venv/bin/python benchmarks/bench_read.py --quick     # ~3k tokens, 1 round: a smoke test
@@ -31,26 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import bench_write as bw  # noqa: E402  (same folder)
 
 from dflash_cache import open_cache  # noqa: E402
-from dflash_train.data import (  # noqa: E402
-    DataConfig,
-    EpochPlan,
-    LoaderState,
-    StepContext,
-    load_batch,
-    manifest_fingerprint,
-    train_loader,
-)
-from dflash_train.noise import NoiseConfig  # noqa: E402
+from dflash_train.config import TrainConfig  # noqa: E402
+from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, manifest_fingerprint, train_loader  # noqa: E402
+from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
+from dflash_train.trainer import on_device  # noqa: E402
 
 BATCH_TOKENS = 8192  # DataConfig's default
 
 
 def padded(lengths: list[int]) -> np.ndarray:
-    return np.zeros((len(lengths), max(lengths), len(bw.LAYERS), bw.HIDDEN), dtype=np.float32)
+    return np.zeros((len(lengths), max(lengths), len(bw.LAYERS), bw.HIDDEN), dtype=ml_dtypes.bfloat16)
 
 
 def batches_memmap(shards, raw: Path, plan: list) -> int:
-    """Baseline: the same rows from one raw file per shard, memory-mapped, into float32 batches."""
+    """Baseline: the same rows from one raw file per shard, memory-mapped, into bf16 batches."""
     maps = [np.memmap(raw / f"{s.name}.bin", dtype=np.uint16, mode="r", shape=s.hidden.shape) for s in shards]
     offsets = [np.concatenate([[0], np.cumsum(s.lengths)]) for s in shards]
     n = 0
@@ -64,37 +60,58 @@ def batches_memmap(shards, raw: Path, plan: list) -> int:
 
 
 def batches_torch(torch_dir: Path, shards, plan: list) -> int:
-    """Baseline: one torch.load per sequence (today's per-sample caches), into float32 batches."""
+    """Baseline: one torch.load per sequence (today's per-sample caches), into bf16 batches."""
     n = 0
     for refs in plan:
         loaded = [torch.load(torch_dir / f"{shards[s].ids[i]}.pt", weights_only=True) for s, i in refs]
-        out = torch.from_numpy(padded([len(d["input_ids"]) for d in loaded]))
+        out = torch.from_numpy(padded([len(d["input_ids"]) for d in loaded]).view(np.uint16)).view(torch.bfloat16)
         for row, d in enumerate(loaded):
             out[row, :len(d["input_ids"])] = d["hidden"]
             n += len(d["input_ids"])
     return n
 
 
-def batches_reader(url: str, cfg: DataConfig, plan: list, ctx: StepContext | None, zarr_only: bool = False) -> int:
-    """The package: dflash_train.data.load_batch (reader, anchors, padding, noise when ctx is set)."""
+def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,
+                   zarr_only: bool = False) -> int:
+    """The package: dflash_train.data.load_batch (reader, anchors, padding), then with `train` the
+    CPU trainer's float32 conversion and noise."""
     cache = open_cache(url)
     if zarr_only:  # the read path before the chunk-file fast path, for comparison
         for shard in cache.shards:
             shard.__dict__["_chunk_files"] = None
     n = 0
     for b, refs in enumerate(plan):
-        n += load_batch(cache, cfg, refs, epoch=0, batch_index=b, ctx=ctx).num_tokens
+        batch = load_batch(cache, cfg, refs, epoch=0)
+        if train is not None:
+            batch = on_device(batch, torch.device("cpu"), train, b, 1000)
+        n += batch.num_tokens
     return n
 
 
-def batches_loader(url: str, cfg: DataConfig, count: int, ctx: StepContext) -> tuple[float, int]:
+def noise_ns_per_draw(tokens: int) -> tuple[float, float]:
+    """Nanoseconds a draw for the trainer's noise (add_noise_ on a float32 batch, on this CPU)
+    and, as the baseline, numpy's Philox filling a float32 array of the same size."""
+    width = bw.HIDDEN
+    hidden = torch.zeros(1, tokens, len(bw.LAYERS), width)
+    draws = tokens * (len(bw.LAYERS) - 1) * width
+    t0 = time.perf_counter()
+    add_noise_(hidden, ["seq"], [tokens], NoiseConfig(), 0, 1000)
+    ours = time.perf_counter() - t0
+    out = np.empty(draws, np.float32)
+    t0 = time.perf_counter()
+    np.random.Generator(np.random.Philox(0)).random(out=out, dtype=np.float32)
+    philox = time.perf_counter() - t0
+    return ours / draws * 1e9, philox / draws * 1e9
+
+
+def batches_loader(url: str, cfg: DataConfig, count: int) -> tuple[float, int]:
     """The training loader as the trainer runs it: TrainStream in a DataLoader, read-ahead on.
     Steady state: (seconds, tokens) from the first batch's arrival to the last's, so worker start-up
     (importing torch in each worker) is left out."""
     cache = open_cache(url)
     state = LoaderState(seed=cfg.seed, manifest_fingerprint=manifest_fingerprint(cache.manifest))
     n, first = 0, None
-    for b, batch in enumerate(train_loader(url, None, cfg, state, ctx)):
+    for b, batch in enumerate(train_loader(url, None, cfg, state)):
         if first is None:
             first = time.perf_counter()
         else:
@@ -136,7 +153,7 @@ def main(argv=None) -> None:
         url = str(tmp / "cache")
         cfg = DataConfig(batch_tokens=BATCH_TOKENS, heldout_fraction=0.0)
         plan = EpochPlan(open_cache(url), cfg).batches(0)
-        noise = StepContext(noise=NoiseConfig(), total_steps=1000, grad_accum=1)  # the default: cosine from 0.1
+        train = TrainConfig(cache=url, out="unused", data=cfg)  # default noise: cosine from 0.1
         print(f"data: {n_tokens:,} tokens in {sum(len(s.ids) for s in shards)} sequences, {len(shards)} shard(s), "
               f"{len(plan)} batches of <= {BATCH_TOKENS} tokens; hidden states {hidden_bytes / 1e9:.2f} GB "
               f"({bw.HIDDEN_BPT} B/token); load average {os.getloadavg()[0]:.2f}")
@@ -146,7 +163,7 @@ def main(argv=None) -> None:
             ("torch.load per sample -> batches", lambda: batches_torch(tmp / "torch", shards, plan)),
             ("dflash load_batch, Zarr read path", lambda: batches_reader(url, cfg, plan, None, zarr_only=True)),
             ("dflash load_batch", lambda: batches_reader(url, cfg, plan, None)),
-            ("dflash load_batch + noise", lambda: batches_reader(url, cfg, plan, noise)),
+            ("dflash load_batch + float32 + noise (CPU)", lambda: batches_reader(url, cfg, plan, train)),
         ]
         times: dict[str, list[tuple[float, float]]] = {}
         for r in range(repeat):
@@ -164,10 +181,13 @@ def main(argv=None) -> None:
             rates = []
             for _ in range(repeat):
                 time.sleep(bw.SETTLE_S)
-                seconds, n = batches_loader(url, wcfg, 4 * len(plan), noise)
+                seconds, n = batches_loader(url, wcfg, 4 * len(plan))
                 rates.append(n / seconds)
-            print(f"{f'dflash train_loader + noise, {w} workers':<54} {max(rates):8,.0f} {np.median(rates):8,.0f} "
+            print(f"{f'dflash train_loader, {w} workers':<54} {max(rates):8,.0f} {np.median(rates):8,.0f} "
                   f"{max(rates) / memmap_tps:7.2f}x")
+        ours, philox = min(noise_ns_per_draw(min(n_tokens, 2048)) for _ in range(repeat))
+        print(f"\nnoise on this CPU: add_noise_ {ours:.2f} ns a draw; numpy Philox into float32 {philox:.2f} ns a draw "
+              f"({philox / ours:.2f}x ours); {(len(bw.LAYERS) - 1) * bw.HIDDEN:,} draws a token")
         print(f"load average at the end {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

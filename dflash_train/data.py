@@ -1,9 +1,10 @@
-"""Streaming training data from a cache: deterministic epoch plans, anchors, noise, batches.
+"""Streaming training data from a cache: deterministic epoch plans, anchors, batches.
 
 Everything that decides *what* a step sees is a pure function of (manifest, seed, epoch, step):
-the held-out split, the epoch's sequence order and its cut into batches, each sequence's
-anchors and its noise. The loader only executes that plan, so a run resumed from a checkpoint's
-loader state sees exactly the batches an uninterrupted run would, whatever the worker count.
+the held-out split, the epoch's sequence order and its cut into batches, and each sequence's
+anchors (its noise, too, but the trainer adds that on its device: dflash_train.noise). The loader
+only executes that plan, so a run resumed from a checkpoint's loader state sees exactly the
+batches an uninterrupted run would, whatever the worker count.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import itertools
 import json
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 import torch
 import xxhash
 
 from dflash_cache import Cache, open_cache
 from dflash_cache.errors import CacheError, ConfigError
-from dflash_train.noise import NoiseConfig, noise_for, noise_scale, noised_layers
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class LoaderState:
 
     epoch: int = 0
     batch_in_epoch: int = 0
-    batches_done: int = 0  # over all epochs: the global batch counter noise is indexed by
+    batches_done: int = 0  # over all epochs: the global batch counter
     seed: int = 0
     manifest_fingerprint: str = ""
 
@@ -149,10 +150,12 @@ class LoaderState:
 
 @dataclass
 class Batch:
-    """Padded tensors for one step. ``anchors`` is -1 in unused slots."""
+    """Padded tensors for one step. ``anchors`` is -1 in unused slots. ``hidden`` leaves the
+    loader in the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after
+    ``to(device)``."""
 
     ids: list[str]
-    hidden: torch.Tensor  # [N, T, L, H] float32
+    hidden: torch.Tensor  # [N, T, L, H]
     input_ids: torch.Tensor  # [N, T] long
     loss_mask: torch.Tensor  # [N, T] bool
     lengths: torch.Tensor  # [N]
@@ -179,17 +182,20 @@ class Batch:
         return Batch(**pinned)
 
     def to(self, device) -> "Batch":
+        """The batch on `device`, hidden states in float32 (converted there, after the copy)."""
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        moved["hidden"] = moved["hidden"].float()
         return Batch(**moved)
 
 
 def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray]) -> Batch:
-    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy)."""
+    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy); the
+    hidden states keep the dtype of the first sequence's."""
     n, width = len(records), max(len(r) for r in records)
     num_anchors = max(1, max(len(a) for a in anchors))
     layers, size = hidden[0].shape[1:]
     k = records[0].topk_ids.shape[1]
-    out_hidden = np.zeros((n, width, layers, size), dtype=np.float32)
+    out_hidden = np.zeros((n, width, layers, size), dtype=hidden[0].dtype)
     input_ids = np.zeros((n, width), dtype=np.int64)
     loss_mask = np.zeros((n, width), dtype=bool)
     topk_ids = np.zeros((n, width, k), dtype=np.int64)
@@ -203,10 +209,17 @@ def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray]) 
         topk_ids[row, :t] = record.topk_ids
         topk_logprobs[row, :t] = record.topk_logprobs
         anchor_ids[row, : len(a)] = a
-    return Batch(ids=[r.id for r in records], hidden=torch.from_numpy(out_hidden),
+    return Batch(ids=[r.id for r in records], hidden=_tensor(out_hidden),
                  input_ids=torch.from_numpy(input_ids), loss_mask=torch.from_numpy(loss_mask),
                  lengths=torch.tensor([len(r) for r in records]), topk_ids=torch.from_numpy(topk_ids),
                  topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids))
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """torch has no numpy bfloat16: ml_dtypes' bf16 crosses as its bit pattern."""
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
@@ -259,51 +272,15 @@ class EpochPlan:
         return [[(s, int(self.index[s][i])) for s, i in batch] for batch in cut]
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What the loader needs to know about the run to noise a batch for the step that takes it."""
-
-    noise: NoiseConfig
-    total_steps: int
-    grad_accum: int
-
-
-def make_batch(records: list, cfg: DataConfig, epoch: int, batch_index: int, ctx: StepContext | None) -> Batch:
-    """Anchor, pad and noise one planned batch of records. ``batch_index`` is the global batch
-    counter. The noise is added in place to the padded float32 batch, which gives the same values
-    as ``apply_noise`` on each sequence without its copies."""
+def make_batch(records: list, cfg: DataConfig, epoch: int) -> Batch:
+    """Anchor and pad one planned batch of records; the hidden states stay in the cache's dtype."""
     anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
-    batch = collate(records, anchors, [r.hidden for r in records])
-    if ctx is not None:
-        step = batch_index // ctx.grad_accum
-        hidden = batch.hidden.numpy()
-        layers = noised_layers(ctx.noise, hidden.shape[2])
-        if layers and noise_scale(ctx.noise, step, ctx.total_steps) > 0:
-            draws = _noise_buffer(hidden.shape[1] * hidden.shape[3])
-            for row, record in enumerate(records):
-                shape = (len(record), hidden.shape[3])
-                for layer in layers:
-                    noise = noise_for(ctx.noise, step, ctx.total_steps, record.id, shape, layer=layer,
-                                      out=draws[:shape[0] * shape[1]].reshape(shape))
-                    hidden[row, :len(record), layer] += noise
-    return batch
+    return collate(records, anchors, [r.hidden for r in records])
 
 
-_NOISE_BUFFER = np.empty(0, dtype=np.float32)
-
-
-def _noise_buffer(size: int) -> np.ndarray:
-    """One float32 buffer per loader process, grown as needed and reused for every draw."""
-    global _NOISE_BUFFER
-    if _NOISE_BUFFER.size < size:
-        _NOISE_BUFFER = np.empty(size, dtype=np.float32)
-    return _NOISE_BUFFER
-
-
-def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int, batch_index: int,
-               ctx: StepContext | None) -> Batch:
-    """Read, anchor, noise and pad one planned batch. ``batch_index`` is the global batch counter."""
-    return make_batch([cache.shards[s][i] for s, i in refs], cfg, epoch, batch_index, ctx)
+def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
+    """Read, anchor and pad one planned batch."""
+    return make_batch([cache.shards[s][i] for s, i in refs], cfg, epoch)
 
 
 def rank_share(refs: list, rank: int, world_size: int) -> list:
@@ -320,9 +297,9 @@ class TrainStream(torch.utils.data.IterableDataset):
     share of every planned batch; a rank whose share is empty gets a batch with no sequences.
     """
 
-    def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext,
+    def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
                  rank: int = 0, world_size: int = 1):
-        self.url, self.storage_options, self.cfg, self.state, self.ctx = url, storage_options, cfg, state, ctx
+        self.url, self.storage_options, self.cfg, self.state = url, storage_options, cfg, state
         self.rank, self.world_size = rank, world_size
 
     def _jobs(self, plan: EpochPlan, worker: int, workers: int):
@@ -355,18 +332,18 @@ class TrainStream(torch.utils.data.IterableDataset):
         try:
             for share, done, epoch, after in jobs:
                 shared = [next(records) for _ in share]
-                batch = make_batch(shared, self.cfg, epoch, done, self.ctx) if share else Batch.empty()
+                batch = make_batch(shared, self.cfg, epoch) if share else Batch.empty()
                 batch.state_after = after
                 yield batch
         finally:
             records.close()
 
 
-def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState, ctx: StepContext,
+def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False):
     """The batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out page-locked
     batches so ``Batch.to(device)`` copies without blocking."""
-    stream = TrainStream(url, storage_options, cfg, state, ctx, rank, world_size)
+    stream = TrainStream(url, storage_options, cfg, state, rank, world_size)
     return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
                                        persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 
@@ -377,4 +354,4 @@ def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = N
     refs = [(s, int(i)) for s, idx in enumerate(plan.index) for i in idx][:max_sequences]
     lengths = [np.array([cache.shards[s].lengths[i] for s, i in refs])]
     for batch in cut_batches([(0, j) for j in range(len(refs))], lengths, cfg.batch_tokens):
-        yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0, batch_index=0, ctx=None)
+        yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0)

@@ -19,7 +19,7 @@ from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_mo
                                      load_full_state)
 from dflash_train.config import TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
-from dflash_train.data import Batch, EpochPlan, LoaderState, StepContext, manifest_fingerprint, train_loader
+from dflash_train.data import Batch, EpochPlan, LoaderState, manifest_fingerprint, train_loader
 from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, init_distributed,
                                       is_sharded, rank_device, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
@@ -27,6 +27,7 @@ from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossOutput
 from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
+from dflash_train.noise import add_noise_
 
 DEFAULT_STEPS = 1000
 
@@ -116,6 +117,17 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     torch.set_rng_state(trainer["rng"]["torch"])
     progress.message(f"resuming from {path} (step {trainer['step']})")
     return int(trainer["step"]), LoaderState(**trainer["loader"])
+
+
+def on_device(batch: Batch, device: torch.device, cfg: TrainConfig, step: int, steps: int) -> Batch:
+    """The batch on the training device in float32, with step `step`'s noise drawn there: the
+    draws are the same on any device, and the loader is left only the reading."""
+    if not batch.ids:
+        return batch
+    lengths = batch.lengths.tolist()
+    batch = batch.to(device)
+    add_noise_(batch.hidden, batch.ids, lengths, cfg.noise, step, steps)
+    return batch
 
 
 def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, info: DistInfo,
@@ -211,8 +223,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         return result
 
     before = held_out("before") if cfg.eval_sequences and step == 0 else {}
-    ctx = StepContext(noise=cfg.noise, total_steps=steps, grad_accum=cfg.optim.grad_accum)
-    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, ctx, info.rank, info.world_size,
+    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, info.rank, info.world_size,
                                 pin_memory=device.type == "cuda"))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
@@ -222,7 +233,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         for _ in range(cfg.optim.grad_accum):
             batch = next(batches)
             loader_state = LoaderState(**batch.state_after)
-            result = micro_step(model, forward, batch.to(device) if batch.ids else batch, cfg, info, device, autocast)
+            result = micro_step(model, forward, on_device(batch, device, cfg, step, steps), cfg, info, device, autocast)
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens

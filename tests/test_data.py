@@ -19,7 +19,6 @@ from dflash_train.data import (
     DataConfig,
     EpochPlan,
     LoaderState,
-    StepContext,
     block_targets,
     cut_batches,
     epoch_order,
@@ -40,7 +39,7 @@ def small_cache(tmp_path_factory, teacher_dir):
             for i in range(120)]
     data = write_jsonl(root / "chat.jsonl", rows)
     cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 3), top_k=4),
+                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="bfloat16", layers=(0, 3), top_k=4),
                       storage=StorageConfig(shard_bytes=12_000))
     build_cache(cfg)
     return str(root / "cache")
@@ -104,8 +103,8 @@ def test_block_targets_match_a_hand_loop():
                     assert torch.equal(out["topk_logprobs"][row * 2 + j, p], batch.topk_logprobs[row, pos - 1])
 
 
-def _take(url, cfg, state, ctx, n):
-    return list(itertools.islice(iter(train_loader(url, None, cfg, state, ctx)), n))
+def _take(url, cfg, state, n):
+    return list(itertools.islice(iter(train_loader(url, None, cfg, state)), n))
 
 
 def _same(a: Batch, b: Batch):
@@ -129,24 +128,34 @@ def test_loader_covers_the_training_split_once_per_epoch(small_cache):
 def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
     cache = open_cache(small_cache)
     cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, num_anchors=3)
-    ctx = StepContext(noise=NoiseConfig(schedule="cosine", start=0.5, end=0.1), total_steps=50, grad_accum=1)
     start = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
     per_epoch = len(EpochPlan(cache, cfg).batches(0))
     n = per_epoch + 4  # crosses an epoch boundary
-    straight = _take(small_cache, cfg, start, ctx, n)
-    two_workers = _take(small_cache, DataConfig(**{**cfg.__dict__, "num_workers": 2}), start, ctx, n)
+    straight = _take(small_cache, cfg, start, n)
+    two_workers = _take(small_cache, DataConfig(**{**cfg.__dict__, "num_workers": 2}), start, n)
     for a, b in zip(straight, two_workers):
         _same(a, b)
-    # resume from the state recorded after batch m: the rest is identical, noise included
+    # resume from the state recorded after batch m: the rest is identical
     m = per_epoch - 2
-    resumed = _take(small_cache, cfg, LoaderState(**straight[m - 1].state_after), ctx, n - m)
+    resumed = _take(small_cache, cfg, LoaderState(**straight[m - 1].state_after), n - m)
     for a, b in zip(straight[m:], resumed):
         _same(a, b)
-    # noise is really applied (and differs per step), on all layers but the last
-    clean = _take(small_cache, cfg, start, StepContext(NoiseConfig(schedule="off"), 50, 1), 1)[0]
-    noisy = straight[0]
-    assert not torch.equal(clean.hidden[:, :, 0], noisy.hidden[:, :, 0])
-    assert torch.equal(clean.hidden[:, :, 1], noisy.hidden[:, :, 1])
+
+
+def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cache):
+    cache = open_cache(small_cache)
+    assert cache.hidden_dtype == "bfloat16"
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1)
+    batch = _take(small_cache, cfg, LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest)), 1)[0]
+    assert batch.hidden.dtype == torch.bfloat16
+    for row, seq_id in enumerate(batch.ids):
+        shard, i = next((s, s.ids.index(seq_id)) for s in cache.shards if seq_id in s.ids)
+        record, t = shard[i], int(batch.lengths[row])
+        stored = torch.from_numpy(np.asarray(record.hidden).view(np.uint16)).view(torch.bfloat16)
+        assert torch.equal(batch.hidden[row, :t], stored)  # bit for bit, no float32 on the way
+        assert not batch.hidden[row, t:].any()  # padding is zero
+    moved = batch.to("cpu")
+    assert moved.hidden.dtype == torch.float32 and torch.equal(moved.hidden, batch.hidden.float())
 
 
 def test_rank_shares_partition_every_planned_batch():
@@ -159,21 +168,26 @@ def test_rank_shares_partition_every_planned_batch():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
+def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
+    """The trainer noises the padded batch on its device; the values are each sequence's own
+    draws at that step, padding and the last tapped layer untouched."""
+    from dflash_train.config import TrainConfig
     from dflash_train.data import collate, load_batch, sample_anchors
     from dflash_train.noise import apply_noise
+    from dflash_train.trainer import on_device
 
     cache = open_cache(small_cache)
-    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.0)
-    refs = EpochPlan(cache, cfg).batches(0)[0]
-    ctx = StepContext(noise=NoiseConfig(start=0.5, distribution="gaussian"), total_steps=10, grad_accum=2)
-    batch = load_batch(cache, cfg, refs, epoch=0, batch_index=7, ctx=ctx)
+    cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(start=0.5, distribution="gaussian"),
+                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0))
+    refs = EpochPlan(cache, cfg.data).batches(0)[0]
+    loaded = load_batch(cache, cfg.data, refs, epoch=0)
+    batch = on_device(loaded, torch.device("cpu"), cfg, step=3, steps=10)
     records = [cache.shards[s][i] for s, i in refs]
-    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, 0, r.id) for r in records]
-    # the reference: each sequence noised on its own at step 7 // 2 = 3, then padded
-    expected = collate(records, anchors, [apply_noise(np.asarray(r.hidden, np.float32), ctx.noise, 3, 10, r.id)
+    anchors = [sample_anchors(r.loss_mask, cfg.data.num_anchors, cfg.data.seed, 0, r.id) for r in records]
+    expected = collate(records, anchors, [apply_noise(np.asarray(r.hidden, np.float32), cfg.noise, 3, 10, r.id)
                                           for r in records])
-    assert torch.equal(batch.hidden, expected.hidden)
-    clean = load_batch(cache, cfg, refs, epoch=0, batch_index=7, ctx=None)
-    assert not torch.equal(batch.hidden[:, :, 0], clean.hidden[:, :, 0])
-    assert torch.equal(batch.hidden[:, :, -1], clean.hidden[:, :, -1])  # the last tapped layer is never noised
+    assert len(refs) > 1 and torch.equal(batch.hidden, expected.hidden)
+    clean = loaded.hidden.float()
+    assert not torch.equal(batch.hidden[:, :, 0], clean[:, :, 0])
+    assert torch.equal(batch.hidden[:, :, -1], clean[:, :, -1])  # the last tapped layer is never noised
+    assert loaded.hidden.dtype == torch.bfloat16  # the loader's batch is not modified

@@ -1,11 +1,17 @@
-"""Tests for dflash_train.noise: schedules (hand values), determinism, distributions, layers."""
+"""Tests for dflash_train.noise: schedules (hand values), the counter-based generator against a
+pure-Python reference, determinism, distributions, layers, batches."""
+
+import math
+import struct
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from dflash_cache.errors import ConfigError
-from dflash_train.noise import NoiseConfig, apply_noise, noise_for, noise_scale, noised_layers
+from dflash_train import noise as noise_module
+from dflash_train.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 
 S = 100
 
@@ -43,9 +49,9 @@ def test_same_key_gives_identical_draw_regardless_of_prior_draws():
     noise_for(cfg, 13, S, "seq-a", (5, 8))
     np.random.default_rng(0).random(1000)
     again = noise_for(cfg, 12, S, "seq-a", (5, 8))
-    assert first.dtype == np.float32 and first.shape == (5, 8)
+    assert first.dtype == torch.float32 and first.shape == (5, 8)
     np.testing.assert_array_equal(first, again)
-    assert np.abs(first).max() > 0
+    assert first.abs().max() > 0
 
 
 def test_draw_is_a_prefix_of_a_longer_draw():
@@ -71,7 +77,7 @@ def test_different_step_id_seed_or_layer_gives_different_draw():
 
 def test_uniform_is_bounded_by_scale_and_fills_the_range():
     cfg = NoiseConfig(schedule="constant", start=0.25)
-    draw = noise_for(cfg, 0, S, "seq", (2000, 64))
+    draw = noise_for(cfg, 0, S, "seq", (2000, 64)).numpy()
     assert draw.min() >= -0.25 and draw.max() <= 0.25
     assert draw.min() < -0.24 and draw.max() > 0.24
     assert abs(draw.mean()) < 0.005
@@ -81,7 +87,7 @@ def test_uniform_is_bounded_by_scale_and_fills_the_range():
 
 def test_gaussian_std_is_scale():
     cfg = NoiseConfig(schedule="constant", start=0.2, distribution="gaussian")
-    draw = noise_for(cfg, 0, S, "seq", (2000, 64))
+    draw = noise_for(cfg, 0, S, "seq", (2000, 64)).numpy()
     assert draw.dtype == np.float32
     assert draw.std() == pytest.approx(0.2, rel=0.01)
     assert abs(draw.mean()) < 0.005
@@ -104,7 +110,7 @@ def test_default_noises_all_layers_but_the_last():
         assert np.abs(delta).max() > 0
         assert np.abs(delta).max() <= 0.1 + 1e-6
     # The added noise is exactly the per-layer draw.
-    expected = hidden[:, 1] + noise_for(NoiseConfig(), 0, S, "seq", (6, 8), layer=1)
+    expected = hidden[:, 1] + noise_for(NoiseConfig(), 0, S, "seq", (6, 8), layer=1).numpy()
     np.testing.assert_array_equal(out[:, 1], expected)
     assert noised_layers(NoiseConfig(), 4) == (0, 1, 2)
 
@@ -147,7 +153,7 @@ def test_torch_input_keeps_type_dtype_and_matches_numpy():
     assert out_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(out_bf16[:, 3], bf16[:, 3], rtol=0, atol=0)
     # The sum is taken in float32 and rounded once.
-    noise = torch.from_numpy(noise_for(NoiseConfig(), 4, S, "seq", (6, 8), layer=0))
+    noise = noise_for(NoiseConfig(), 4, S, "seq", (6, 8), layer=0)
     expected = (bf16[:, 0].float() + noise).to(torch.bfloat16)
     torch.testing.assert_close(out_bf16[:, 0], expected, rtol=0, atol=0)
     assert not torch.equal(out_bf16[:, 0], bf16[:, 0])
@@ -179,10 +185,81 @@ def test_layers_list_is_stored_as_tuple_and_progress_is_checked():
         noise_scale(NoiseConfig(), 0, 0)
 
 
-def test_noise_into_a_buffer_equals_a_fresh_draw():
-    for cfg in (NoiseConfig(), NoiseConfig(distribution="gaussian"), NoiseConfig(schedule="off")):
-        buffer = np.full((7, 5), 9.0, dtype=np.float32)
-        got = noise_for(cfg, 3, 10, "seq", (7, 5), layer=1, out=buffer)
-        assert got is buffer and np.array_equal(buffer, noise_for(cfg, 3, 10, "seq", (7, 5), layer=1))
-    with pytest.raises(ValueError, match="out must be a C-contiguous float32 array of shape"):
-        noise_for(NoiseConfig(), 0, 10, "seq", (7, 5), out=np.zeros((5, 7), np.float32))
+# The generator's specification in plain Python integers: what any device must reproduce.
+def _mix32_reference(v: int) -> int:
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+def _uniform_reference(seed: int, step: int, seq_id: str, layer: int, index: int, scale: float) -> np.float32:
+    digest = xxhash.xxh128_intdigest(struct.pack("<QQQ", seed, step, layer) + seq_id.encode())
+    key0, key1 = digest & 0xFFFFFFFF, (digest >> 32) & 0xFFFFFFFF
+    bits = _mix32_reference(_mix32_reference(index ^ key0) ^ key1)
+    top24 = (bits >> 8) - (1 << 24 if bits >> 31 else 0)  # signed, in [-2**23, 2**23)
+    return np.float32(np.float32(top24 * 2.0**-23) * np.float32(scale))
+
+
+def test_mix32_equals_the_uint32_reference_on_every_kind_of_word():
+    rng = np.random.default_rng(0)
+    words = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, *range(2, 70), *rng.integers(0, 2**32, 2000).tolist()]
+    as_int32 = torch.tensor([w - 2**32 if w >= 2**31 else w for w in words], dtype=torch.int32)
+    got = mix32(as_int32.clone()).numpy().view(np.uint32)  # odd lengths exercise the vector tails too
+    assert got.tolist() == [_mix32_reference(w) for w in words]
+
+
+def test_uniform_draws_equal_the_reference_including_past_2_to_the_31():
+    cfg = NoiseConfig(seed=11, schedule="constant", start=0.3)
+    draw = noise_for(cfg, 5, S, "seq-x", (7, 9), layer=2).numpy().ravel()
+    expected = [_uniform_reference(11, 5, "seq-x", 2, i, 0.3) for i in range(63)]
+    assert draw.tolist() == expected
+    # element indices beyond int32's positive range wrap to the same 32-bit patterns
+    wrapped = noise_module._wrap_int32(torch.tensor([2**31, 2**31 + 5, 2**32 - 1]))
+    assert wrapped.tolist() == [-2**31, -2**31 + 5, -1]
+    keys = noise_module.stream_keys(11, 5, "seq-x", 2)
+    far = noise_module._draws(wrapped, keys, "uniform", 0.3).tolist()
+    assert far == [_uniform_reference(11, 5, "seq-x", 2, i, 0.3) for i in (2**31, 2**31 + 5, 2**32 - 1)]
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
+def test_draws_do_not_depend_on_the_chunking(monkeypatch, distribution):
+    """CPU and CUDA cut a stream into different chunks; the values must not change."""
+    cfg = NoiseConfig(distribution=distribution)
+    whole = noise_for(cfg, 2, S, "seq", (300, 24), layer=1)
+    for elements in (1, 24 * 7, 1000):
+        monkeypatch.setattr(noise_module, "_chunk_elements", lambda device, n=elements: n)
+        assert torch.equal(noise_for(cfg, 2, S, "seq", (300, 24), layer=1), whole)
+
+
+def test_gaussian_tails_and_shape_are_normal():
+    cfg = NoiseConfig(schedule="constant", start=1.0, distribution="gaussian")
+    draw = noise_for(cfg, 0, S, "seq", (4000, 64)).double()
+    assert float(((draw - draw.mean()) ** 4).mean() / draw.var() ** 2) == pytest.approx(3.0, abs=0.05)
+    beyond_two = float((draw.abs() > 2).double().mean())
+    assert beyond_two == pytest.approx(math.erfc(2 / math.sqrt(2)), rel=0.05)
+
+
+def test_neighbouring_draws_are_uncorrelated():
+    draw = noise_for(NoiseConfig(schedule="constant", start=1.0), 0, S, "seq", (4000, 64)).double().ravel()
+    for lag in (1, 2, 64):
+        assert abs(float(torch.corrcoef(torch.stack([draw[:-lag], draw[lag:]]))[0, 1])) < 0.01
+
+
+def test_batch_noise_is_each_rows_stream_and_leaves_padding_alone():
+    cfg = NoiseConfig(layers=(0, 2))
+    ids, lengths = ["a", "b", "c"], [5, 9, 1]
+    batch = torch.zeros(3, 9, 3, 4)
+    add_noise_(batch, ids, lengths, cfg, 7, S)
+    for row, (seq_id, t) in enumerate(zip(ids, lengths)):
+        for layer in (0, 2):
+            assert torch.equal(batch[row, :t, layer], noise_for(cfg, 7, S, seq_id, (t, 4), layer=layer))
+        assert not batch[row, t:].any() and not batch[row, :, 1].any()
+    with pytest.raises(ValueError, match="float32"):
+        add_noise_(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), ["a"], [2], cfg, 0, S)
+
+
+def test_a_stream_longer_than_the_counter_is_refused():
+    with pytest.raises(ConfigError, match="noise draws per layer"):
+        noise_for(NoiseConfig(), 0, S, "long", (2**21, 2**12))

@@ -63,7 +63,7 @@ def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
     cfg = TrainConfig(cache=cache_url, out="unused", model=ModelOptions(num_layers=2, block_size=4),
                       data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
-    offline = load_batch(cache, cfg.data, refs, epoch=0, batch_index=0, ctx=None)
+    offline = load_batch(cache, cfg.data, refs, epoch=0).to("cpu")
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir("qwen3"), dtype=torch.float32).eval()
     width, n = offline.input_ids.shape[1], len(refs)
