@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -84,10 +84,16 @@ class ChunkFiles:
         key = self.separator.join(["c", str(index)] + ["0"] * (len(self.shape) - 1))
         return os.path.join(self.path, *key.split("/"))
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop (clipped to the array, as a slice is)."""
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
+        C-contiguous array of those rows' shape and this array's item size)."""
         start, stop = max(0, start), min(stop, self.shape[0])
-        out = np.empty((max(0, stop - start), *self.shape[1:]), dtype=self.dtype)
+        shape = (max(0, stop - start), *self.shape[1:])
+        if out is None:
+            out = np.empty(shape, dtype=self.dtype)
+        elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
+                             f"got {out.dtype} {out.shape}")
         view = memoryview(out.reshape(-1).view(np.uint8))
         row = start
         while row < stop:
@@ -179,12 +185,20 @@ class Shard:
             return self._chunk_files.read(start, stop)
         return self.hidden_array[start:stop]
 
-    def read_hidden(self, start: int, stop: int) -> np.ndarray:
+    def read_hidden(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Hidden states of token rows start..stop of this shard, in their true dtype (fp8 shards
-        decoded with their scales)."""
+        decoded with their scales). With ``out`` (that shape and dtype) they are written there:
+        uncompressed lossless local shards read straight into it, with no copy in between."""
         cache = self.cache
+        if out is not None and cache.hidden_format == fmt.LOSSLESS and self._chunk_files is not None:
+            self._chunk_files.read(start, stop, out)
+            return out
         scales = self._tokens[fmt.SCALE_COLUMN][start:stop] if cache.hidden_format != fmt.LOSSLESS else None
-        return fmt.decode_hidden(self.read_stored(start, stop), scales, cache.hidden_dtype, cache.hidden_format)
+        hidden = fmt.decode_hidden(self.read_stored(start, stop), scales, cache.hidden_dtype, cache.hidden_format)
+        if out is None:
+            return hidden
+        out[...] = hidden
+        return out
 
     def _record(self, i: int, hidden: np.ndarray) -> SequenceRecord:
         start, length = int(self.offsets[i]), int(self.lengths[i])
@@ -199,8 +213,13 @@ class Shard:
         )
 
     def __getitem__(self, i: int) -> SequenceRecord:
+        return self.read(i)
+
+    def read(self, i: int, out: np.ndarray | None = None) -> SequenceRecord:
+        """Sequence i, its hidden states read into ``out`` when given ([T, n_layers, H], the
+        reader's dtype: e.g. a row of a padded batch)."""
         start, length = int(self.offsets[i]), int(self.lengths[i])
-        return self._record(i, self.read_hidden(start, start + length))
+        return self._record(i, self.read_hidden(start, start + length, out))
 
     def records(self, window_bytes: int = 64 * 2**20) -> Iterator[SequenceRecord]:
         """All sequences in order, reading hidden states in large windows rather than per sequence."""
@@ -246,6 +265,12 @@ class Cache:
     def hidden_bytes_per_token(self) -> int:
         return fmt.hidden_bytes_per_token(len(self.layer_ids), self.hidden_size, self.hidden_dtype)
 
+    def padded_hidden(self, lengths: Sequence[int]) -> np.ndarray:
+        """Zeros [len(lengths), max(lengths), n_layers, H] in the dtype the reader hands out: a
+        batch to read sequences straight into, ``shard.read(i, out=batch[row, :length])``."""
+        shape = (len(lengths), max(lengths, default=0), len(self.layer_ids), self.hidden_size)
+        return np.zeros(shape, dtype=fmt.HIDDEN_NUMPY[self.hidden_dtype])
+
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)
 
@@ -257,8 +282,9 @@ class Cache:
         for shard in self.shards:
             yield from shard.records()
 
-    def read_ahead(self, refs: Iterable[tuple[int, int]], max_bytes: int = 256 * 2**20, threads: int = 4) -> "ReadAhead":
-        """The records of ``refs`` ((shard index, sequence index) pairs), in order. Background
+    def read_ahead(self, refs: Iterable[tuple], max_bytes: int = 256 * 2**20, threads: int = 4) -> "ReadAhead":
+        """The records of ``refs`` ((shard index, sequence index) pairs, or (shard, sequence, out)
+        to read the hidden states into ``out`` as ``Shard.read`` does), in order. Background
         threads read the upcoming ones while the caller works on earlier ones: on an object store
         this is the prefetch of what comes next, locally it overlaps the reads with the caller's
         work. ``max_bytes`` bounds the hidden-state bytes read but not yet handed out (a sequence
@@ -342,8 +368,8 @@ class ReadAhead:
     def close(self) -> None:
         self._run.close()
 
-    def _read(self, shard: int, i: int) -> SequenceRecord:
-        return self.cache.shards[shard][i]
+    def _read(self, shard: int, i: int, out: np.ndarray | None = None) -> SequenceRecord:
+        return self.cache.shards[shard].read(i, out)
 
     def _records(self) -> Iterator[SequenceRecord]:
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dflash-read-ahead")
@@ -357,7 +383,7 @@ class ReadAhead:
                         if upcoming is None:
                             exhausted = True
                             break
-                    size = self.cache.sequence_bytes(*upcoming)
+                    size = self.cache.sequence_bytes(*upcoming[:2])
                     if pending and held + size > self.max_bytes:
                         break
                     pending.append((pool.submit(self._read, *upcoming), size))

@@ -9,6 +9,7 @@ batches an uninterrupted run would, whatever the worker count.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -41,10 +42,11 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes reading shards (0 = in the training process)."""
 
-    read_ahead_bytes: int = 256 * 2**20
+    read_ahead_bytes: int = 2**30
     """Hidden-state bytes each loader process reads ahead of the batch it is building, on
-    background threads: the prefetch from object stores. Memory per loader process grows by
-    about this much; 0 reads each sequence when it is needed."""
+    background threads: the prefetch from object stores, and locally the reads that overlap the
+    training step. 1 GiB holds two default batches at production width (51 KB a token). Memory
+    per loader process grows by about this much; 0 reads each sequence when it is needed."""
 
     read_threads: int = 4
     """Threads per loader process that read ahead (more help on high-latency object stores)."""
@@ -63,7 +65,7 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.read_ahead_bytes < 0:
-            raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 268435456 (256 MiB)")
+            raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 1073741824 (1 GiB)")
         if self.read_threads < 1:
             raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
         if not all(isinstance(n, str) and n for n in self.skip_shards):
@@ -188,22 +190,24 @@ class Batch:
         return Batch(**moved)
 
 
-def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray]) -> Batch:
-    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy); the
-    hidden states keep the dtype of the first sequence's."""
+def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray) -> Batch:
+    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy).
+    ``hidden`` is each sequence's hidden states, padded here in the first one's dtype, or the
+    padded batch already filled (the loader reads into it: ``Cache.padded_hidden``)."""
     n, width = len(records), max(len(r) for r in records)
     num_anchors = max(1, max(len(a) for a in anchors))
-    layers, size = hidden[0].shape[1:]
     k = records[0].topk_ids.shape[1]
-    out_hidden = np.zeros((n, width, layers, size), dtype=hidden[0].dtype)
+    filled = isinstance(hidden, np.ndarray)
+    out_hidden = hidden if filled else np.zeros((n, width, *hidden[0].shape[1:]), dtype=hidden[0].dtype)
     input_ids = np.zeros((n, width), dtype=np.int64)
     loss_mask = np.zeros((n, width), dtype=bool)
     topk_ids = np.zeros((n, width, k), dtype=np.int64)
     topk_logprobs = np.zeros((n, width, k), dtype=np.float32)
     anchor_ids = np.full((n, num_anchors), -1, dtype=np.int64)
-    for row, (record, a, h) in enumerate(zip(records, anchors, hidden)):
+    for row, (record, a) in enumerate(zip(records, anchors)):
         t = len(record)
-        out_hidden[row, :t] = h
+        if not filled:
+            out_hidden[row, :t] = hidden[row]
         input_ids[row, :t] = record.input_ids
         loss_mask[row, :t] = record.loss_mask
         topk_ids[row, :t] = record.topk_ids
@@ -272,15 +276,18 @@ class EpochPlan:
         return [[(s, int(self.index[s][i])) for s, i in batch] for batch in cut]
 
 
-def make_batch(records: list, cfg: DataConfig, epoch: int) -> Batch:
-    """Anchor and pad one planned batch of records; the hidden states stay in the cache's dtype."""
+def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
+    """Anchor and pad one planned batch of records; the hidden states stay in the cache's dtype.
+    ``hidden``: the padded batch the records' hidden states were read into, if they were."""
     anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
-    return collate(records, anchors, [r.hidden for r in records])
+    return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden)
 
 
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
-    """Read, anchor and pad one planned batch."""
-    return make_batch([cache.shards[s][i] for s, i in refs], cfg, epoch)
+    """Read, anchor and pad one planned batch, each sequence read straight into its row."""
+    hidden = cache.padded_hidden([int(cache.shards[s].lengths[i]) for s, i in refs])
+    records = [cache.shards[s].read(i, hidden[row, :int(cache.shards[s].lengths[i])]) for row, (s, i) in enumerate(refs)]
+    return make_batch(records, cfg, epoch, hidden)
 
 
 def rank_share(refs: list, rank: int, world_size: int) -> list:
@@ -325,14 +332,24 @@ class TrainStream(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         cache = open_cache(self.url, self.storage_options)
         plan = EpochPlan(cache, self.cfg)
-        # the plan says which sequences come next, so they are read ahead while a batch is built
+        # the plan says which sequences come next, so they are read ahead while a batch is built,
+        # each straight into its row of the batch it belongs to
         jobs, ahead = itertools.tee(self._jobs(plan, worker, workers))
-        records = cache.read_ahead((ref for share, *_ in ahead for ref in share), self.cfg.read_ahead_bytes,
-                                   self.cfg.read_threads)
+        padded: collections.deque = collections.deque()  # the batches being read into, in job order
+
+        def rows():
+            for share, *_ in ahead:
+                if share:
+                    lengths = [int(cache.shards[s].lengths[i]) for s, i in share]
+                    hidden = cache.padded_hidden(lengths)
+                    padded.append(hidden)
+                    yield from ((s, i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(share, lengths)))
+
+        records = cache.read_ahead(rows(), self.cfg.read_ahead_bytes, self.cfg.read_threads)
         try:
             for share, done, epoch, after in jobs:
                 shared = [next(records) for _ in share]
-                batch = make_batch(shared, self.cfg, epoch) if share else Batch.empty()
+                batch = make_batch(shared, self.cfg, epoch, padded.popleft()) if share else Batch.empty()
                 batch.state_after = after
                 yield batch
         finally:

@@ -178,8 +178,11 @@ def test_fp8_build_reads_back_as_bfloat16_within_fp8_error_at_half_the_bytes(bui
     ratio = _hidden_bytes(built["fp8"]) / _hidden_bytes(built["lossless"])
     assert 0.49 < ratio < 0.51, ratio
     assert lossy.manifest["totals"]["bytes"] / exact.manifest["totals"]["bytes"] < 0.62
-    # random access decodes the same rows as the windowed reader
+    # random access decodes the same rows as the windowed reader, and so does a read into a batch row
     np.testing.assert_array_equal(lossy["f-005"].hidden.view(np.uint16), b[5].hidden.view(np.uint16))
+    shard, i = lossy.locate("f-005")
+    row = lossy.padded_hidden([len(b[5])])[0]
+    assert shard.read(i, out=row).hidden is row and np.array_equal(row.view(np.uint16), b[5].hidden.view(np.uint16))
 
 
 def test_info_and_verify_know_the_format(built):

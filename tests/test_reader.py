@@ -113,3 +113,25 @@ def test_read_ahead_returns_records_in_order_within_the_byte_budget(caches):
     next(unbounded)
     assert unbounded.peak_bytes == everything  # with room for all, all were requested at once
     unbounded.close()
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float32", "zstd"])
+def test_reading_into_a_padded_batch_equals_a_plain_read(caches, kind):
+    """The loader reads each sequence straight into its batch row; any store and codec gives the
+    same values, the padding stays zero and read-ahead passes the rows along."""
+    cache = open_cache(caches[kind])
+    refs = [(s, i) for s in range(len(cache.shards)) for i in range(len(cache.shards[s]))][:7]
+    lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
+    batch = cache.padded_hidden(lengths)
+    assert batch.shape == (7, max(lengths), len(cache.layer_ids), cache.hidden_size)
+    rows = [(s, i, batch[row, :t]) for row, ((s, i), t) in enumerate(zip(refs, lengths))]
+    records = list(cache.read_ahead(rows, max_bytes=0, threads=2))
+    for row, (record, (s, i), t) in enumerate(zip(records, refs, lengths)):
+        plain = cache.shards[s][i].hidden
+        assert record.hidden.base is not None and np.shares_memory(record.hidden, batch)
+        assert batch.dtype == plain.dtype and np.array_equal(batch[row, :t].view(np.uint8), plain.view(np.uint8))
+        assert not batch[row, t:].view(np.uint8).any()
+    files = cache.shards[0]._chunk_files
+    if files is not None:
+        with pytest.raises(ValueError, match="out must be C-contiguous"):
+            files.read(0, 4, out=np.zeros((4, 2), dtype=files.dtype))
