@@ -11,12 +11,13 @@ a byte budget: the prefetch from object stores.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -49,9 +50,15 @@ class ChunkFiles:
 
     Zarr's read path costs ~4x a plain read of the same bytes (measured 0.65-0.94 GB/s against
     2.9-3.7 GB/s, benchmarks/RESULTS.md), and an uncompressed little-endian chunk file is just
-    the chunk's rows in C order, so the rows can be read into the caller's buffer directly. Only
+    the chunk's rows in C order, so the rows can be copied into the caller's buffer directly. Only
     the layout the writer makes (chunked along the first axis, ``bytes`` codec alone) qualifies;
     ``open`` returns None for anything else and the caller uses Zarr.
+
+    The files are memory-mapped rather than read with ``preadv``: measured 0.9x a raw memmap's
+    copy with a warm page cache against 0.6x, and faster cold too (benchmarks/RESULTS.md). Maps
+    are keyed by the file's identity (inode, size, mtime), so a replaced, truncated or removed
+    chunk file is seen at the next read; a size too small for the rows asked for is an error
+    naming the file before anything is copied.
     """
 
     def __init__(self, path: str, shape: tuple[int, ...], chunk_rows: int, dtype: np.dtype, separator: str):
@@ -94,27 +101,36 @@ class ChunkFiles:
         elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
                              f"got {out.dtype} {out.shape}")
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        dest = out.reshape(-1).view(np.uint8)
         row = start
         while row < stop:
             index, lo = divmod(row, self.chunk_rows)
             hi = min(self.chunk_rows, lo + stop - row)
-            dest = view[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes]
             path = self.chunk_path(index)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                info = os.stat(path)
             except FileNotFoundError:
                 raise CacheError(f"{path}: a chunk file of a committed shard is missing; the shard is damaged "
                                  "(run `dflash-cache verify --deep`, then rebuild or skip the shard)") from None
-            try:
-                got = os.preadv(fd, [dest], lo * self.row_bytes)
-            finally:
-                os.close(fd)
-            if got != len(dest):
-                raise CacheError(f"{path}: chunk file is short ({got} of {len(dest)} bytes at row {lo}); the shard "
-                                 "is damaged (run `dflash-cache verify --deep`, then rebuild or skip the shard)")
+            data = _mapped(path, info.st_ino, info.st_size, info.st_mtime_ns)
+            first, last = lo * self.row_bytes, hi * self.row_bytes
+            if len(data) < last:
+                raise CacheError(f"{path}: chunk file is short ({max(0, len(data) - first)} of {last - first} bytes at "
+                                 f"row {lo}); the shard is damaged (run `dflash-cache verify --deep`, then rebuild "
+                                 "or skip the shard)")
+            dest[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes] = data[first:last]
             row += hi - lo
         return out
+
+
+@lru_cache(maxsize=64)
+def _mapped(path: str, inode: int, size: int, mtime_ns: int) -> np.ndarray:
+    """A read-only map of a whole chunk file as uint8, kept for the next reads of the same file
+    (the identity arguments make a changed file a new entry)."""
+    if size == 0:
+        return np.empty(0, dtype=np.uint8)  # mmap refuses empty files
+    with open(path, "rb") as f:
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 def _open_ipc(fs, path: str) -> pa.Table:
