@@ -13,7 +13,7 @@ Parts, each with a time budget for its timed loop so the whole run stays under 8
    already on the GPU. tokens/s = batch tokens / step time.
 2. loader: a synthetic cache at production width written with dflash_cache's `write_shard` on
    local disk (`--tmp`), streamed through `dflash_train.data.train_loader` with `--loader-workers`
-   workers (default 4) and pinned memory on CUDA, each batch then taken to the device with the
+   workers (default 0, the README's recommendation) and pinned memory on CUDA, each batch then taken to the device with the
    step's noise drawn there (`trainer.on_device`), as the trainer does, until the budget. The page
    cache is warm (just written). A third row checks the device's noise against the CPU's (uniform
    must be bit-identical) and times the noise alone.
@@ -289,7 +289,7 @@ def bench_loader(s: Sizes, device: torch.device, tmp: Path, workers: int, budget
 
 def bench_noise(s: Sizes, device: torch.device, budget: float, max_steps: int) -> Row:
     """The trainer's noise alone on `device` (a float32 batch of the drafter's size), and whether the
-    device draws what the CPU draws: uniform bit for bit, Gaussian within a few float32 ulps."""
+    device draws what the CPU draws: uniform bit for bit, Gaussian up to float32 rounding."""
     t0 = time.perf_counter()
     uniform, gaussian = NoiseConfig(), NoiseConfig(distribution="gaussian")
     shape = (min(s.seq_len, 4096), s.hidden)
@@ -297,7 +297,7 @@ def bench_noise(s: Sizes, device: torch.device, budget: float, max_steps: int) -
                                noise_for(uniform, 3, 1000, "seq-0", shape, 1))
     g_device = noise_for(gaussian, 3, 1000, "seq-0", shape, 1, device).cpu()
     g_cpu = noise_for(gaussian, 3, 1000, "seq-0", shape, 1)
-    gaussian_ulps = float(((g_device - g_cpu).abs() / torch.finfo(torch.float32).eps / g_cpu.abs().clamp_min(1e-30)).max())
+    gaussian_diff = float((g_device - g_cpu).abs().max())
     rows = s.batch_tokens // s.seq_len
     hidden = torch.zeros(rows, s.seq_len, len(s.tapped), s.hidden, device=device)
     ids, lengths = [f"seq-{i}" for i in range(rows)], [s.seq_len] * rows
@@ -311,7 +311,7 @@ def bench_noise(s: Sizes, device: torch.device, budget: float, max_steps: int) -
         sync(device)
         rates.append(rows * s.seq_len / (time.perf_counter() - t))
     draws = (len(s.tapped) - 1) * s.hidden
-    note = (f"uniform on {device.type} == CPU: {same_uniform}; gaussian max diff {gaussian_ulps:.1f} ulp; "
+    note = (f"uniform on {device.type} == CPU: {same_uniform}; gaussian max |diff| {gaussian_diff:.1e} at scale 0.1; "
             f"{draws:,} draws/token, best {max(rates) * draws / 1e9:.1f} G draws/s")
     del hidden
     release(device)
@@ -412,7 +412,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: runs on CPU in seconds")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
     parser.add_argument("--tmp", default=str(HERE.parent / ".bench-tmp"), help="local scratch folder for the loader's cache")
-    parser.add_argument("--loader-workers", type=int, default=None, help="DataLoader workers (default 4; --tiny 1)")
+    parser.add_argument("--loader-workers", type=int, default=None, help="DataLoader workers (default 0, as the README recommends; --tiny 1)")
     parser.add_argument("--teacher-layers", type=int, default=None, help="decoder layers of the random teacher")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds for each part's timed loop")
     parser.add_argument("--limit-s", type=float, default=450.0, help="the whole run's deadline")
@@ -425,7 +425,7 @@ def main(argv=None) -> None:
         sizes = dataclasses.replace(sizes, cut_layers=args.teacher_layers)
     budget = args.budget_s if args.budget_s is not None else (0.5 if args.tiny else 60.0)
     max_steps = min(args.max_steps, 6) if args.tiny else args.max_steps
-    workers = args.loader_workers if args.loader_workers is not None else (1 if args.tiny else 4)
+    workers = args.loader_workers if args.loader_workers is not None else (1 if args.tiny else 0)
     device = resolve_device(args.device)
     tmp = Path(args.tmp)
     tmp.mkdir(parents=True, exist_ok=True)
