@@ -266,26 +266,44 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
         raise CacheError(f"{url}: the bucket {root.split('/', 1)[0]!r} does not exist; create it or fix --out")
 
 
+# A single-process build's live manifest is rewritten after every commit while it lists fewer
+# shards than this (under ~1 MB of JSON); past it, see manifest_due.
+LIVE_MANIFEST_SHARDS = 1000
+
+
+def manifest_due(shards: int, since_last_s: float, last_write_s: float) -> bool:
+    """Whether a single-process build rewrites its live manifest after a commit: always while it
+    is small, then only once the time since the last rewrite is 100x what that rewrite took, so
+    rewrites stay under ~1% of the build. Rewriting per shard would be quadratic: a production
+    build of ~100k shards has a ~100 MB manifest. Resume reads the commit records, not this."""
+    return shards < LIVE_MANIFEST_SHARDS or since_last_s >= 100 * last_write_s
+
+
 class _ManifestKeeper:
-    """Keeps manifest.json up to date: rewritten (atomically) after each committed shard when one
-    process builds; with several ranks only the finalize step writes it, from all commit records."""
+    """Keeps manifest.json up to date: rewritten (atomically) after committed shards when one
+    process builds (each one while the manifest is small, see manifest_due); with several ranks
+    only the finalize step writes it, from all commit records."""
 
     def __init__(self, fs, root: str, header: dict, records: list[dict], live: bool):
         self.fs, self.root, self.header, self.live = fs, root, header, live
         self.records = list(records)
         self.lock = threading.Lock()
+        self.last_written, self.last_write_s = time.perf_counter(), 0.0
         if live or not fs.exists(fmt.join(root, fmt.MANIFEST)):
             self.write(complete=False)
 
     def commit(self, record: dict) -> None:
         with self.lock:
             self.records.append(record)
-            if self.live:
+            if self.live and manifest_due(len(self.records), time.perf_counter() - self.last_written, self.last_write_s):
                 self.write(complete=False)
 
     def write(self, complete: bool, **extra) -> dict:
+        started = time.perf_counter()
         manifest = dict(self.header, complete=complete, totals=fmt.totals(self.records), shards=self.records, **extra)
         fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest, fault_point="during_manifest_write")
+        self.last_written = time.perf_counter()
+        self.last_write_s = self.last_written - started
         return manifest
 
 

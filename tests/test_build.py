@@ -330,3 +330,33 @@ def test_device_map_loading_gives_the_same_cache(tmp_path, teacher_dir):
 
     build_cache(dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, device_map="cpu")))
     assert_same_content(cache_content(tmp_path / "plain"), cache_content(tmp_path / "mapped"))
+
+
+def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypatch):
+    """A single-process build rewrites manifest.json after each commit only while it is small;
+    beyond that, only when the rewrites stay under ~1% of the time. The final write lists all."""
+    from dflash_cache import build
+    from dflash_cache import format as fmt
+
+    assert build.manifest_due(999, 0.0, 10.0) and not build.manifest_due(1000, 99.0, 1.0)
+    assert build.manifest_due(10**5, 100.0, 1.0) and build.manifest_due(10**5, 0.5, 0.004)
+
+    monkeypatch.setattr(build, "LIVE_MANIFEST_SHARDS", 3)
+    fs, root = fmt.url_to_fs(str(tmp_path))
+    keeper = build._ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME}, [], live=True)
+
+    def shard(i: int) -> dict:
+        return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
+
+    def listed() -> int:
+        return len(json.loads((tmp_path / fmt.MANIFEST).read_text())["shards"])
+
+    keeper.commit(shard(0))
+    keeper.commit(shard(1))
+    assert listed() == 2  # small: every commit
+    keeper.last_write_s = 3600.0  # as if the last rewrite had taken an hour
+    keeper.commit(shard(2))
+    keeper.commit(shard(3))
+    assert listed() == 2 and len(keeper.records) == 4
+    final = keeper.write(complete=True)
+    assert listed() == 4 and final["complete"] and final["totals"]["bytes"] == 400
