@@ -45,8 +45,9 @@ class DataConfig:
     read_ahead_bytes: int = 2**30
     """Hidden-state bytes each loader process reads ahead of the batch it is building, on
     background threads: the prefetch from object stores, and locally the reads that overlap the
-    training step. 1 GiB holds two default batches at production width (51 KB a token). Memory
-    per loader process grows by about this much; 0 reads each sequence when it is needed."""
+    training step. 1 GiB holds two default batches at production width (51 KB a token); never
+    more than four batches are read ahead. Memory per loader process grows by about this much;
+    0 reads each sequence when it is needed."""
 
     read_threads: int = 4
     """Threads per loader process that read ahead (more help on high-latency object stores)."""
@@ -296,6 +297,16 @@ def rank_share(refs: list, rank: int, world_size: int) -> list:
     return refs[rank::world_size]
 
 
+READ_AHEAD_BATCHES = 4
+
+
+def read_ahead_budget(cfg: DataConfig, hidden_bytes_per_token: int) -> int:
+    """Hidden-state bytes a loader process reads ahead: data.read_ahead_bytes, but never more
+    than READ_AHEAD_BATCHES full batches. On a small cache the byte budget alone would read
+    epochs ahead of the trainer, on threads that compete with it for the cores."""
+    return min(cfg.read_ahead_bytes, READ_AHEAD_BATCHES * cfg.batch_tokens * hidden_bytes_per_token)
+
+
 class TrainStream(torch.utils.data.IterableDataset):
     """Batches from a loader state onwards, forever (epoch after epoch).
 
@@ -345,7 +356,8 @@ class TrainStream(torch.utils.data.IterableDataset):
                     padded.append(hidden)
                     yield from ((s, i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(share, lengths)))
 
-        records = cache.read_ahead(rows(), self.cfg.read_ahead_bytes, self.cfg.read_threads)
+        records = cache.read_ahead(rows(), read_ahead_budget(self.cfg, cache.hidden_bytes_per_token),
+                                   self.cfg.read_threads)
         try:
             for share, done, epoch, after in jobs:
                 shared = [next(records) for _ in share]

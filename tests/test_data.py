@@ -158,6 +158,16 @@ def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cach
     assert moved.hidden.dtype == torch.float32 and torch.equal(moved.hidden, batch.hidden.float())
 
 
+def test_read_ahead_is_bounded_by_bytes_and_by_batches():
+    from dflash_train.data import READ_AHEAD_BATCHES, read_ahead_budget
+
+    production = 5 * 5120 * 2  # bytes of hidden states a token
+    assert read_ahead_budget(DataConfig(), production) == 2**30  # 1 GiB: ~2.5 batches of 8,192 tokens
+    quickstart = 3 * 128 * 2
+    assert read_ahead_budget(DataConfig(batch_tokens=1600), quickstart) == READ_AHEAD_BATCHES * 1600 * quickstart
+    assert read_ahead_budget(DataConfig(read_ahead_bytes=0), production) == 0
+
+
 def test_rank_shares_partition_every_planned_batch():
     from dflash_train.data import rank_share
 
