@@ -246,6 +246,12 @@ def _writing(what: str, url: str):
 
 def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
     manifest_path = fmt.join(root, fmt.MANIFEST)
+    if not fs.exists(manifest_path) and fs.exists(root):
+        others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p)]
+        # checked again after the listing: another rank of this build writes the manifest first,
+        # and may have done so since the first check (then the listing shows it, or its shards)
+        if others and not fs.exists(manifest_path):
+            raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
     if fs.exists(manifest_path):
         existing = fmt.read_json(fs, manifest_path)
         problem = _mismatch(existing, header) if existing.get("format_version") == fmt.FORMAT_VERSION else "format version differs"
@@ -256,8 +262,6 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
                 if fs.exists(fmt.join(root, sub)):
                     fs.rm(fmt.join(root, sub), recursive=True)
             fs.rm(manifest_path)
-    elif fs.exists(root) and not all(_is_manifest_leftover(p) for p in fs.ls(root, detail=False)):
-        raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
     if fmt.is_local(fs):
         # only the root: the manifest is the first thing a build writes, so a build killed before
         # it leaves at most a temporary manifest, which the rerun accepts (see _is_manifest_leftover)

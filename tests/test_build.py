@@ -360,3 +360,40 @@ def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypat
     assert listed() == 2 and len(keeper.records) == 4
     final = keeper.write(complete=True)
     assert listed() == 4 and final["complete"] and final["totals"]["bytes"] == 400
+
+
+def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_manifest(tmp_path):
+    """A folder of other files is refused; a manifest that another rank of the same build renames
+    into place between this rank's checks is not mistaken for one (a torchrun start-up race)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from dflash_cache import build
+    from dflash_cache import format as fmt
+
+    header = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a cache")
+    fs, root = fmt.url_to_fs(str(foreign))
+    with pytest.raises(CacheError, match="non-empty folder without a dflash manifest"):
+        build._prepare_output(fs, root, str(foreign), header, overwrite=False)
+
+    class OtherRankWritesFirst(LocalFileSystem):
+        """The real local filesystem; the first look for the manifest misses the rank that is
+        renaming it into place (with its teacher files) at that moment."""
+
+        raced = False
+
+        def exists(self, path, **kwargs):
+            found = super().exists(path, **kwargs)
+            if path.endswith(fmt.MANIFEST) and not self.raced:
+                self.raced = True
+                fmt.write_json_atomic(self, path, header)
+                self.makedirs(path.rsplit("/", 1)[0] + "/" + fmt.TEACHER_DIR, exist_ok=True)
+            return found
+
+    racing = tmp_path / "racing"
+    racing.mkdir()
+    fs = OtherRankWritesFirst(skip_instance_cache=True)
+    build._prepare_output(fs, str(racing), str(racing), header, overwrite=False)
+    assert fs.raced and (racing / fmt.MANIFEST).exists()

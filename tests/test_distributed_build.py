@@ -41,6 +41,12 @@ def _torchrun(teacher, data, out) -> list[str]:
             CLI, *_args(teacher, data, out)]
 
 
+def _failure(done: subprocess.CompletedProcess) -> str:
+    """The ranks' own error lines first (torchrun's summary at the end only says which rank failed)."""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:") or "Error" in line.split(":")[0]]
+    return "\n".join(errors[:20]) + "\n...\n" + done.stderr[-1500:]
+
+
 def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DFLASH_FAULT", "DFLASH_FAULT_GATE")}
 
@@ -60,7 +66,7 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, corpus40):
     two = tmp_path / "two"
     done = subprocess.run(_torchrun(corpus40["teacher"], corpus40["data"], two), cwd=ROOT, env=_clean_env(),
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, _failure(done)
     cache = open_cache(str(two))
     assert cache.complete and {s.record["rank"] for s in cache.shards} == {0, 1}
     assert_same_content(corpus40["content"], _by_id(cache_content(two)))
