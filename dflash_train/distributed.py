@@ -115,6 +115,15 @@ def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
     return float(t.item())
 
 
+def global_sum_tensor(t: torch.Tensor, info: DistInfo, device: torch.device) -> torch.Tensor:
+    """``t`` summed over all ranks (every rank calls this at the same point), on the CPU."""
+    if not info.active:
+        return t
+    t = t.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
+
+
 def barrier(info: DistInfo) -> None:
     if info.active:
         dist.barrier()

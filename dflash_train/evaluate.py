@@ -40,6 +40,19 @@ class AcceptanceMeter:
             for total, part in zip((self.alpha, self.greedy, self.count, self.loss), parts):
                 total += part.double()
 
+    def stacked(self, positions: int) -> torch.Tensor:
+        """The sums as one [4, positions] float64 tensor (zeros when nothing was added): what
+        ranks all-reduce so that rank 0 logs the whole global batch."""
+        if self.count is None:
+            return torch.zeros(4, positions, dtype=torch.float64)
+        return torch.stack([self.alpha, self.greedy, self.count, self.loss]).cpu()
+
+    @classmethod
+    def from_stacked(cls, stats: torch.Tensor) -> "AcceptanceMeter":
+        meter = cls()
+        meter.alpha, meter.greedy, meter.count, meter.loss = (row.clone() for row in stats.double().cpu())
+        return meter
+
     def summary(self) -> dict:
         if self.count is None or self.count.sum() == 0:
             return {}

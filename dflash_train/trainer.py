@@ -20,8 +20,8 @@ from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_mo
 from dflash_train.config import TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, manifest_fingerprint, train_loader
-from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, init_distributed,
-                                      is_sharded, rank_device, release_gathered, shutdown)
+from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, global_sum_tensor,
+                                      init_distributed, is_sharded, rank_device, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
 from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
@@ -146,6 +146,15 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     return out
 
 
+def global_train_metrics(meter: AcceptanceMeter, tokens: int, seconds: float, drafter_cfg: DrafterConfig,
+                         info: DistInfo, device: torch.device) -> tuple[dict, float]:
+    """Loss, acceptance and tau since the last log over every rank's share of the batches, and
+    the session's tokens/s over all ranks. Every rank calls this at the same steps."""
+    stats = torch.cat([meter.stacked(drafter_cfg.block_size - 1).flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
+    stats = global_sum_tensor(stats, info, device)
+    return AcceptanceMeter.from_stacked(stats[:-1].view(4, -1)).summary(), float(stats[-1]) / max(seconds, 1e-9)
+
+
 def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torch.Tensor:
     """A zero loss through a whole forward, for a rank whose share of a global batch is empty: its
     backward joins the other ranks' collectives (DDP's all-reduce, FSDP's gathers and
@@ -242,12 +251,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if info.is_main and (step % cfg.log_every == 0 or step == steps):
-            summary, rate = meter.summary(), tokens * info.world_size / max(time.perf_counter() - started, 1e-9)
-            norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
-            metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, **norm, **summary})
-            shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
-                     "tok/s": f"{rate:,.0f}"}
+        if step % cfg.log_every == 0 or step == steps:
+            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, model.cfg, info, device)
+            if info.is_main:
+                norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
+                metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
+                               **norm, **summary})
+                shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
+                         "tok/s": f"{rate:,.0f}"}
             meter = AcceptanceMeter()
         progress.advance(1, **shown)
         if step % cfg.save_every == 0 or step == steps:

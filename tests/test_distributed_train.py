@@ -84,6 +84,17 @@ def _metrics(run: Path, kind: str) -> list[dict]:
     return [r for r in lines if r.get("kind") == kind]
 
 
+def _same_train_metrics(single: Path, run: Path):
+    """Rank 0 logs the whole global batch (all ranks' positions), as one process does."""
+    ours, theirs = _metrics(run, "train"), _metrics(single, "train")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, 7))
+    for a, b in zip(ours, theirs):
+        assert a["positions"] == b["positions"] > 0
+        for key in ("loss", "tau"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3), (a["step"], key)  # weights agree to ~1e-4
+        assert a["alpha"] == pytest.approx(b["alpha"], rel=1e-3, abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache_url):  # noqa: F811
     run = tmp_path_factory.mktemp("single") / "run"
@@ -105,6 +116,7 @@ def test_ddp_equals_one_process_and_resumes_across_world_sizes(tmp_path, cache_u
     _close(_params(single, 3), _params(ddp, 3))
     _close(_params(single, 6), _params(ddp, 6))
     assert (ddp / "drafter" / "model.safetensors").exists()
+    _same_train_metrics(single, ddp)
 
     # a two-rank run resumed by one process continues the same global sequence order
     two_then_one = _resumed(ddp, tmp_path / "two_then_one")
@@ -122,6 +134,7 @@ def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(t
     _torchrun("run", "--cache", cache_url, "--out", str(fsdp), "--strategy", "fsdp", *ARGS)
     _close(_params(single, 3), _params(fsdp, 3))
     _close(_params(single, 6), _params(fsdp, 6))
+    _same_train_metrics(single, fsdp)
     # clipping saw the global gradient norm (over both ranks' shards), and it clipped
     norms = [r["grad_norm"] for r in _metrics(single, "train")]
     assert [r["grad_norm"] for r in _metrics(fsdp, "train")] == pytest.approx(norms, rel=1e-4) and min(norms) > 0.005
