@@ -9,15 +9,16 @@ Layout of ``out``::
 
     sweep.json  results.csv  results.md  loss_curves.png  acceptance_by_position.png
     runs/<name>/   a normal `dflash-train run` folder per combination
-    runs/<name>/train.log   the run's output when it ran in its own process (see below)
+    runs/<name>/train.log   the run's output when it ran in its own process, or its error when
+                            it failed in this one (see below)
 
 With ``parallel = 1`` and no ``devices`` (the default) runs are trained one after the other in this
-process, and the first failure stops the sweep. Otherwise each run is trained in a fresh Python
-process (``python -m dflash_train.sweep_worker``), at most ``parallel`` at once, each in a device
-slot of its own (``device_slots``: one per listed device or visible GPU; on CPU each takes its share
-of the cores); ``assign_runs`` (pure) decides which waiting run starts in which free slot. A run
-that fails does not stop the others: the report is written from the runs that finished, then the
-sweep raises a SweepError naming every failed run and its log.
+process. Otherwise each run is trained in a fresh Python process (``python -m
+dflash_train.sweep_worker``), at most ``parallel`` at once, each in a device slot of its own
+(``device_slots``: one per listed device or visible GPU; on CPU each takes its share of the cores);
+``assign_runs`` (pure) decides which waiting run starts in which free slot. Either way a run that
+fails does not stop the others: the report is written from the runs that finished, then the sweep
+raises a SweepError naming every failed run and its log.
 
 The pieces are separate so other launchers (a cluster scheduler) can reuse them: ``plan_runs``
 (pure: every combination's name and TrainConfig), ``run_status`` (what a run folder already
@@ -39,6 +40,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -742,8 +744,23 @@ class RunFailure:
     """One line from its log (see failure_reason)."""
 
 
+def record_failure(run: SweepRun, err: Exception) -> RunFailure:
+    """A run that failed in this process: its error (with the traceback for anything but the
+    package's own one-line errors) appended to the run's log, as a run in a process of its own
+    leaves it there."""
+    folder = Path(run.config.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    detail = "" if isinstance(err, DFlashError) else "".join(traceback.format_exception(err))
+    with open(folder / LOG_FILE, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {run.name} failed in the sweep's process\n"
+                  f"{detail}error: {reason}\n")
+    return RunFailure(name=run.name, log=folder / LOG_FILE, exit_code=1,
+                      reason=reason if len(reason) <= 300 else reason[:297] + "...")
+
+
 class SweepError(DFlashError):
-    """Runs of a parallel sweep failed; the others finished and the report was written."""
+    """Runs of a sweep failed; the others finished and the report was written."""
 
     def __init__(self, failures: Sequence[RunFailure]):
         self.failures = tuple(failures)
@@ -859,8 +876,8 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
     """Train every unfinished combination, then rewrite the comparison.
 
     One after the other in this process by default; with ``cfg.in_processes``, each run in a
-    process of its own, ``cfg.parallel`` at once, and a failed run raises SweepError only after
-    the others finished and the report was written. Rerunning the same sweep skips finished runs
+    process of its own, ``cfg.parallel`` at once. Either way a failed run raises SweepError only
+    after the others finished and the report was written. Rerunning the same sweep skips finished runs
     and resumes interrupted or failed ones from their newest checkpoints. Every run folder is
     checked before anything trains, so a folder made with other settings stops the sweep at once
     rather than after hours of training.
@@ -888,7 +905,11 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
         for i, run in enumerate(todo, 1):
             action = "resuming" if statuses[run.name].resumable else "training"
             progress.message(f"[{i}/{len(todo)}] {action} {run.name}")
-            train_run(run, progress)
+            try:
+                train_run(run, progress)
+            except Exception as err:  # noqa: BLE001 - one failed run must not cost the others theirs
+                failures.append(record_failure(run, err))
+                progress.message(f"{run.name} failed ({failures[-1].reason}); the other runs go on")
     report = write_report(cfg, runs)
     progress.message(f"results: {out / 'results.csv'}, {out / 'results.md'}, {out / 'loss_curves.png'}, "
                      f"{out / 'acceptance_by_position.png'}")

@@ -380,7 +380,8 @@ def test_parallel_sweep_equals_the_serial_sweep(swept, cache_url, tmp_path):
     assert all(_png_size(out / png)[0] > 300 for png in ("loss_curves.png", "acceptance_by_position.png"))
 
 
-def test_parallel_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cache_url, tmp_path):
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+def test_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cache_url, tmp_path, mode):
     original, _ = swept
     out = tmp_path / "sw"
     shutil.copytree(original, out)
@@ -394,9 +395,10 @@ def test_parallel_sweep_names_a_failed_run_and_its_log_while_the_others_finish(s
     (out / "runs" / broken / "checkpoints" / "step-000003" / "model.safetensors").unlink()  # and damaged
     finished = {p.name: _snapshot(p) for p in (out / "runs").iterdir() if p.name not in (broken, resumed)}
 
-    result = _sweep(cache_url, out, "--parallel", "2")
+    result = _sweep(cache_url, out, *(["--parallel", "2"] if mode == "parallel" else []))
     assert result.exit_code == 1, result.output
-    assert "2 finished, 2 to train" in result.output and f"resuming {resumed} on cpu" in result.output
+    assert "2 finished, 2 to train" in result.output
+    assert (f"resuming {resumed} on cpu" if mode == "parallel" else f"resuming {resumed}") in result.output
     error = result.output.strip().splitlines()[-1]
     log = out / "runs" / broken / "train.log"
     assert error.startswith(f"error: 1 sweep run(s) failed: {broken} (exit 1: checkpoint ")
