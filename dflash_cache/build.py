@@ -291,6 +291,7 @@ class _ManifestKeeper:
     def __init__(self, fs, root: str, header: dict, records: list[dict], live: bool):
         self.fs, self.root, self.header, self.live = fs, root, header, live
         self.records = list(records)
+        self.bytes = sum(int(r["bytes"]) for r in self.records)  # kept up to date: read per progress update
         self.lock = threading.Lock()
         self.last_written, self.last_write_s = time.perf_counter(), 0.0
         if live or not fs.exists(fmt.join(root, fmt.MANIFEST)):
@@ -299,6 +300,7 @@ class _ManifestKeeper:
     def commit(self, record: dict) -> None:
         with self.lock:
             self.records.append(record)
+            self.bytes += int(record["bytes"])
             if self.live and manifest_due(len(self.records), time.perf_counter() - self.last_written, self.last_write_s):
                 self.write(complete=False)
 
@@ -435,7 +437,7 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     stats = {"tokens": 0, "padded": 0, "progress": progress}
     stats["show"] = lambda: {
         "tok/s": f"{stats['tokens'] / max(time.perf_counter() - started, 1e-9):,.0f}",
-        "written": f"{sum(r['bytes'] for r in keeper.records) / 1e6:,.1f}MB",
+        "written": f"{keeper.bytes / 1e6:,.1f}MB",
     }
     writer = BackgroundWriter(lambda shard: write_shard(fs, root, shard, cfg.storage, cfg.teacher.dtype), keeper.commit)
     progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
