@@ -369,7 +369,7 @@ class ReadAhead:
     """Iterator of records read ahead on a thread pool within a byte budget (``Cache.read_ahead``).
     ``peak_bytes`` is the most that was ever read ahead and not yet handed out."""
 
-    def __init__(self, cache: Cache, refs: Iterable[tuple[int, int]], max_bytes: int, threads: int):
+    def __init__(self, cache: Cache, refs: Iterable[tuple], max_bytes: int, threads: int):
         if max_bytes < 0 or threads < 1:
             raise ValueError(f"read-ahead needs max_bytes >= 0 and threads >= 1, got {max_bytes} and {threads}")
         self.cache, self.refs, self.max_bytes, self.threads = cache, iter(refs), max_bytes, threads

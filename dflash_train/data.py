@@ -286,8 +286,9 @@ def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | 
 
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
     """Read, anchor and pad one planned batch, each sequence read straight into its row."""
-    hidden = cache.padded_hidden([int(cache.shards[s].lengths[i]) for s, i in refs])
-    records = [cache.shards[s].read(i, hidden[row, :int(cache.shards[s].lengths[i])]) for row, (s, i) in enumerate(refs)]
+    lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
+    hidden = cache.padded_hidden(lengths)
+    records = [cache.shards[s].read(i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(refs, lengths))]
     return make_batch(records, cfg, epoch, hidden)
 
 

@@ -108,11 +108,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor | None:
 
 
 def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
-    if not info.active:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
+    return float(global_sum_tensor(torch.tensor([float(value)], dtype=torch.float64), info, device)[0])
 
 
 def global_sum_tensor(t: torch.Tensor, info: DistInfo, device: torch.device) -> torch.Tensor:

@@ -186,8 +186,10 @@ def _add_stream_(target: torch.Tensor, keys: tuple[int, int, int, int], distribu
     per_chunk = max(1, _chunk_elements(target.device) // max(width, 1))
     for t0 in range(0, tokens, per_chunk):
         t1 = min(tokens, t0 + per_chunk)
-        counter = torch.arange(t0 * width, t1 * width, dtype=torch.int64, device=target.device)
-        counter = counter.to(torch.int32) if t1 * width < 2**31 else _wrap_int32(counter)
+        if t1 * width <= 2**31:
+            counter = torch.arange(t0 * width, t1 * width, dtype=torch.int32, device=target.device)
+        else:
+            counter = _wrap_int32(torch.arange(t0 * width, t1 * width, dtype=torch.int64, device=target.device))
         target[t0:t1] += _draws(counter, keys, distribution, scale).view(t1 - t0, width)
 
 

@@ -49,6 +49,8 @@ from typing import Any, Collection, Iterable, Sequence
 from dflash_cache.errors import CacheError, ConfigError, DFlashError
 from dflash_cache.progress import Progress
 from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
+from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 
 # Short grid keys -> config field paths. One short name per path, so a run's name is the same
 # whether the user typed the short name or the dotted path.
@@ -92,8 +94,8 @@ SHARED_FIELDS: dict[tuple[str, ...], str] = {
 # Settings that change how a run is executed or logged, not what it learns: a finished run made
 # with other values of these still counts as this combination.
 OPERATIONAL_FIELDS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
-                                "data.num_workers", "data.read_ahead_bytes", "data.read_threads",
-                                "loss.chunk_positions", "loss.chunk_bytes"})
+                                *(f"data.{name}" for name in DATA_OPERATIONAL),
+                                *(f"loss.{name}" for name in LOSS_OPERATIONAL)})
 
 ALPHA_POSITIONS = (1, 2, 4)
 """Block positions whose held-out alpha gets a table column (plus the last position)."""
@@ -730,18 +732,22 @@ def failure_reason(log_text: str, exit_code: int) -> str:
         reason = "no output"
     if exit_code < 0:
         reason = f"killed by signal {-exit_code} (out of memory?); last output: {reason}"
+    return _clipped(reason)
+
+
+def _clipped(reason: str) -> str:
     return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
 @dataclass(frozen=True)
 class RunFailure:
-    """A run whose process failed."""
+    """A failed run: its process exited non-zero, or (serial sweeps) its training raised."""
 
     name: str
     log: Path
     exit_code: int
     reason: str
-    """One line from its log (see failure_reason)."""
+    """One line from its log (see failure_reason) or its error (see record_failure)."""
 
 
 def record_failure(run: SweepRun, err: Exception) -> RunFailure:
@@ -755,8 +761,7 @@ def record_failure(run: SweepRun, err: Exception) -> RunFailure:
     with open(folder / LOG_FILE, "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {run.name} failed in the sweep's process\n"
                   f"{detail}error: {reason}\n")
-    return RunFailure(name=run.name, log=folder / LOG_FILE, exit_code=1,
-                      reason=reason if len(reason) <= 300 else reason[:297] + "...")
+    return RunFailure(name=run.name, log=folder / LOG_FILE, exit_code=1, reason=_clipped(reason))
 
 
 class SweepError(DFlashError):

@@ -1,5 +1,5 @@
 """The issue #6 benchmark scripts run end to end in their tiny modes and print their tables, so they
-cannot silently rot. The three run at once (each is mostly process start-up and imports)."""
+cannot silently rot. The four run at once (each is mostly process start-up and imports)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "gpu": [sys.executable, "benchmarks/bench_gpu.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
         "trainer": [sys.executable, "benchmarks/bench_trainer.py", "--tiny"],
         "online": [sys.executable, "benchmarks/bench_online.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
+        "read": [sys.executable, "benchmarks/bench_read.py", "--quick", "--workers", "0", "--tmp", str(tmp / "read")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
@@ -52,6 +53,8 @@ def test_gpu_script_table(outputs):
         best, median, ratio = (float(n.replace(",", "")) for n in numbers[:3])
         assert best > 0 and median > 0 and ratio > 0, _row(text, label)
         assert best >= median
+    noise = _row(text, "noise alone (add_noise_)")
+    assert "uniform on cpu == CPU: True" in noise and "gaussian max |diff| 0.0e+00" in noise, noise
     drafter = _row(text, "drafter training")
     assert float(re.findall(NUMBER, drafter[len("drafter training (5 layers)"):])[2]) == 1.0  # its own baseline
     assert re.search(r"^total wall time \d+\.\d s$", text, re.M)
@@ -80,3 +83,13 @@ def test_online_script_same_data_both_paths(outputs):
     match = re.search(r"same sequences and anchors (\w+); hidden max \|diff\| (\S+);", text)
     assert match and match.group(1) == "yes", text
     assert float(match.group(2)) < 1e-3
+
+
+def test_read_script_compares_the_reader_with_its_baselines(outputs):
+    text = outputs["read"]
+    for label in ("raw np.memmap -> batches", "torch.load per sample -> batches", "dflash load_batch, Zarr read path",
+                  "dflash load_batch  ", "dflash load_batch + float32 + noise (CPU)", "dflash train_loader, 0 workers"):
+        numbers = re.findall(NUMBER, _row(text, label)[len(label):])
+        assert numbers and all(float(n.replace(",", "")) > 0 for n in numbers[:3]), _row(text, label)
+    assert float(re.findall(NUMBER, _row(text, "raw np.memmap -> batches")[24:])[4]) == 1.0  # its own baseline
+    assert re.search(r"^noise on this CPU: add_noise_ \d+\.\d+ ns a draw; numpy Philox", text, re.M), text
