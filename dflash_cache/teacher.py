@@ -40,7 +40,7 @@ class TeacherConfig:
     over the GPUs of a node; use one process per node then. Overrides device."""
 
     layers: tuple[int, ...] | None = None
-    """0-based decoder layers to tap; None picks DESIGN.md's default for num_drafter_layers."""
+    """0-based decoder layers to tap, never the last one; None picks the default spread for num_drafter_layers."""
 
     num_drafter_layers: int = 5
     """How many layers the default layer choice is spread for."""
@@ -172,6 +172,7 @@ def resolve_layers(cfg: TeacherConfig, num_layers: int) -> list[int]:
         raise ConfigError(f"--layers {','.join(map(str, layers))}: layers {bad} do not exist in a {num_layers}-layer teacher (use 0..{num_layers - 1})")
     if len(set(layers)) != len(layers):
         raise ConfigError(f"--layers lists a layer twice: {layers}")
+    fmt.check_servable_layers(layers, num_layers, "--layers")
     return layers
 
 

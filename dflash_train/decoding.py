@@ -84,6 +84,16 @@ def offline_estimate(teacher: Teacher, drafter: DFlashDrafter, prompt: Prompt, o
     return replay_batch(drafter, batch, torch.zeros(drafter.cfg.block_size + 1, dtype=torch.long))
 
 
+def offline_accepted_length(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt],
+                            outputs: list[list[int]]) -> float:
+    """The greedy replay's accepted length over prompts and the teacher's greedy outputs for them."""
+    produced = rounds = 0
+    for prompt, output in zip(prompts, outputs):
+        p, r = offline_estimate(teacher, drafter, prompt, output)
+        produced, rounds = produced + p, rounds + r
+    return produced / max(rounds, 1)
+
+
 def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt], cfg: SpecConfig,
                   progress=None) -> dict:
     """Teacher alone vs speculative decoding on each prompt, plus the offline estimate."""
@@ -121,6 +131,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         "matched_teacher": all(r["matched_teacher"] for r in rows) if cfg.temperature == 0 else None,
         "offline_accepted_length": produced / max(rounds, 1) if cfg.temperature == 0 else None,
         "per_prompt": rows,
+        "teacher_outputs": [r.tokens for r in base_results],
     }
     report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
     return report

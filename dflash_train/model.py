@@ -3,7 +3,8 @@
 Contract (see DESIGN.md, "The drafter"): context features `c = hidden_norm(fc(concat of the tapped
 layers' hidden states))`; every layer attends from the block states to keys/values
 `[proj(c) ; proj(block)]`; a block anchored at `a` is `[x_a, MASK, ..., MASK]`, sits at rotary
-positions `a..a+B-1`, sees context positions `< a` and its own block (bidirectionally).
+positions `a..a+B-1`, sees context positions `< a` and its own block (bidirectionally on
+full-attention layers, causally on sliding-window layers, as the serving engines run them).
 
 Parameter names are exactly the export names, so `state_dict()` is the exported tensor set; the
 teacher's embedding and LM head are non-persistent buffers and never part of it.
@@ -67,6 +68,9 @@ class DrafterConfig:
     """Per layer, "full_attention" or "sliding_attention"; None means all full attention."""
     sliding_window: int | None = None
     """Key window of sliding layers: a key at position p is seen by a query at q when p > q - window."""
+    mask_token: str | None = None
+    """The tokenizer's token at mask_token_id (e.g. "<|MASK|>"), None when that id is a spare embedding row;
+    exported as dflash_config.mask_token, which SGLang checks against the tokenizer."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -225,6 +229,7 @@ class DrafterConfig:
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
                 "block_size": self.block_size,
+                **({"mask_token": self.mask_token} if self.mask_token is not None else {}),
             },
             "layer_types": list(self.layer_types),
             # transformers 4.x drops sliding_window unless use_sliding_window is true.
@@ -273,6 +278,7 @@ class DrafterConfig:
             layer_types=layer_types,
             # A Qwen3 config may carry an unused window; it only matters when a layer slides.
             sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
+            mask_token=dflash.get("mask_token"),
         )
 
 
@@ -303,6 +309,14 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
             return float(params["rope_theta"])
     # transformers' default base when a config names none.
     return 10000.0
+
+
+def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
+    """The token the tokenizer has at mask_token_id, or None for an id beyond its vocabulary."""
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id == mask_token_id:
+            return token
+    return None
 
 
 def resolve_mask_token_id(tokenizer: Any, num_embedding_rows: int, override: int | None = None) -> int:
@@ -349,8 +363,13 @@ def _visible(query_anchor: Tensor, q_idx: Tensor, kv_idx: Tensor, seq_len: int, 
         q_idx, block_size, rounding_mode="floor")
     visible = (in_context & (kv_idx < query_anchor)) | (~in_context & same_block)
     if sliding_window is not None:
-        query_pos = query_anchor + q_idx % block_size
-        key_pos = torch.where(in_context, kv_idx, query_anchor + block_offset % block_size)
+        # Sliding layers are causal inside the block, as vLLM, SGLang, SpecForge and speculators
+        # serve them; a drafter trained bidirectionally there would be served attention it never saw.
+        query_offset = q_idx % block_size
+        key_offset = block_offset % block_size
+        visible = visible & (in_context | (key_offset <= query_offset))
+        query_pos = query_anchor + query_offset
+        key_pos = torch.where(in_context, kv_idx, query_anchor + key_offset)
         visible = visible & (key_pos > query_pos - sliding_window)
     return visible
 
@@ -360,7 +379,8 @@ def block_attention_mask(anchors: Tensor, seq_len: int, block_size: int,
     """Boolean attention mask [N, A*B, T + A*B] (True = may attend) for many blocks per sequence.
 
     anchors: [N, A] long, -1 for unused slots. Block j's queries see context positions t < a_j and
-    all of block j; sliding layers also require key position > query position - sliding_window.
+    all of block j; sliding layers see only the block positions up to their own (causal inside
+    the block) and require key position > query position - sliding_window.
     """
     num_anchors = anchors.shape[1]
     num_queries = num_anchors * block_size

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dflash_cache import open_cache
+from dflash_cache.format import check_servable_layers
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import resolve_device
@@ -26,7 +27,7 @@ from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
 from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossOutput
-from dflash_train.model import DFlashDrafter, DrafterConfig, resolve_mask_token_id
+from dflash_train.model import DFlashDrafter, DrafterConfig, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
 
 DEFAULT_STEPS = 1000
@@ -44,12 +45,15 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
     """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
     head = cache.load_teacher_head()
     embed, lm_head = head["embed_tokens.weight"].float(), head["lm_head.weight"].float()
-    mask_id = resolve_mask_token_id(cache.load_tokenizer(), embed.shape[0], cfg.model.mask_token_id)
+    tokenizer = cache.load_tokenizer()
+    mask_id = resolve_mask_token_id(tokenizer, embed.shape[0], cfg.model.mask_token_id)
     drafter_cfg = DrafterConfig.from_teacher(
         cache.teacher_config(), tuple(cache.layer_ids), mask_id, block_size=cfg.model.block_size,
         num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
-        sliding_layers=cfg.model.sliding_layers, **cfg.model.overrides(),
+        sliding_layers=cfg.model.sliding_layers, mask_token=mask_token_text(tokenizer, mask_id), **cfg.model.overrides(),
     )
+    check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
+                          f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
     torch.manual_seed(cfg.seed)
     return DFlashDrafter(drafter_cfg, embed, lm_head).to(device)
 

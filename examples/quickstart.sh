@@ -3,7 +3,8 @@
 #   0. the teacher rewrites the corpus answers in its own words (dflash-cache regenerate)
 #   1. the teacher runs once over that corpus into a cache      (dflash-cache build)
 #   2. a drafter trains from the cache                          (dflash-train run)
-#   3. the drafter is measured: offline and in real speculative decoding (dflash-train eval)
+#   3. the drafter is measured: offline and in real speculative decoding (dflash-train eval),
+#      in vLLM too when `make serving` has made .venv-vllm
 # Run it with `make demo`; every step resumes if interrupted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +28,12 @@ echo "== 2. dflash-train run: train a 3-layer drafter (B=8) from the cache =="
 rm -rf "$OUT/run"
 dflash-train run --cache "$OUT/cache" --out "$OUT/run" --config examples/quickstart.toml --steps "$STEPS"
 
+# With `make serving` done, step 3 also serves the drafter in vLLM and reports vLLM's accepted length.
+ENGINE=dflash
+if [ -x .venv-vllm/bin/python ] || [ -n "${DFLASH_VLLM_PYTHON:-}" ]; then ENGINE=both; fi
+
 echo
-echo "== 3. dflash-train eval: held-out acceptance, offline and with the teacher =="
+echo "== 3. dflash-train eval: held-out acceptance, offline and with the teacher (engine: $ENGINE) =="
 dflash-train eval --checkpoint "$OUT/run/drafter" --cache "$OUT/cache" --heldout-fraction 0.05 \
     --teacher examples/teacher --prompts examples/data/heldout_prompts.jsonl --max-prompts 40 \
-    --max-new-tokens 128 --out "$OUT/run/eval.json" --quiet
+    --max-new-tokens 128 --out "$OUT/run/eval.json" --engine "$ENGINE" --quiet

@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_cache import format as fmt
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.errors import CacheError
+from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.teacher import TeacherConfig, padding_fraction, plan_batches
 from dflash_cache.writer import StorageConfig
 
@@ -40,7 +41,7 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def make_config(data, out, teacher, dtype="float32", layers=(0, 2, 3), top_k=8, batch_tokens=256,
+def make_config(data, out, teacher, dtype="float32", layers=(0, 1, 2), top_k=8, batch_tokens=256,
                 shard_bytes=40_000, **kw) -> BuildConfig:
     return BuildConfig(
         out=str(out), corpus=CorpusConfig(data=str(data)),
@@ -68,13 +69,13 @@ def test_cache_equals_direct_teacher_forward_fp32(tmp_path, teacher_dir, arch):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
     build_cache(make_config(data, tmp_path / "cache", teacher))
     cache = open_cache(str(tmp_path / "cache"))
-    assert cache.complete and len(cache) == 12 and cache.layer_ids == [0, 2, 3]
+    assert cache.complete and len(cache) == 12 and cache.layer_ids == [0, 1, 2]
     model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     for seq_id in ["chat-0000", "chat-0005", "chat-0011"]:
         record = cache[seq_id]
         with torch.no_grad():
             out = model(input_ids=torch.from_numpy(record.input_ids.astype(np.int64))[None], output_hidden_states=True)
-        for i, layer in enumerate(cache.layer_ids[:-1]):  # the last entry of hidden_states is normed
+        for i, layer in enumerate(cache.layer_ids):
             np.testing.assert_allclose(record.hidden[:, i], out.hidden_states[layer + 1][0].numpy(), rtol=1e-5, atol=1e-5)
         logprobs = torch.log_softmax(out.logits[0].float(), -1)
         values, ids = logprobs.topk(8, -1)
@@ -82,18 +83,33 @@ def test_cache_equals_direct_teacher_forward_fp32(tmp_path, teacher_dir, arch):
         np.testing.assert_array_equal(record.topk_ids, ids.numpy())
 
 
-def test_last_tapped_layer_is_the_decoder_layer_output(tmp_path, teacher_dir):
-    """A hook on the final decoder layer sees its output before the model's final norm."""
+def test_last_decoder_layer_is_refused(tmp_path, teacher_dir):
+    """vLLM and SGLang cannot serve the last layer's output, so a cache never holds it."""
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
-    build_cache(make_config(data, tmp_path / "cache", teacher, layers=(3,)))
-    record = open_cache(str(tmp_path / "cache"))["chat-0001"]
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
-    captured = {}
-    model.model.layers[3].register_forward_hook(lambda m, i, o: captured.update(h=o[0] if isinstance(o, tuple) else o))
-    with torch.no_grad():
-        model(input_ids=torch.from_numpy(record.input_ids.astype(np.int64))[None])
-    np.testing.assert_allclose(record.hidden[:, 0], captured["h"][0].numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"--layers 1,3: layer 3 is the teacher's last decoder layer.*use layers in 0\.\.2"):
+        build_cache(make_config(data, tmp_path / "cache", teacher, layers=(1, 3)))
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+    result = CliRunner().invoke(app, ["build", "--teacher", teacher, "--data", data, "--out", str(tmp_path / "c2"),
+                                            "--layers", "3", "--quiet"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "last decoder layer" in lines[0] and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("num_layers", [3, 4, 6, 8, 16, 64])
+@pytest.mark.parametrize("drafter_layers", [1, 2, 3, 5])
+def test_default_layers_never_tap_the_first_or_last_layer(num_layers, drafter_layers):
+    layers = fmt.default_layer_ids(num_layers, drafter_layers)
+    assert layers and len(set(layers)) == len(layers) == min(drafter_layers, num_layers - 2)
+    assert 0 not in layers and num_layers - 1 not in layers and all(0 < i < num_layers - 1 for i in layers)
+    if (num_layers, drafter_layers) == (64, 5):
+        assert layers == [1, 16, 31, 46, 61]
+
+
+def test_default_layers_of_a_two_layer_teacher_are_refused():
+    with pytest.raises(ConfigError, match="2-layer teacher.*pass --layers 0"):
+        fmt.default_layer_ids(2, 5)
 
 
 def test_bfloat16_cache_within_rounding_and_lossless_storage(tmp_path, teacher_dir):
@@ -226,7 +242,7 @@ def _records(out: Path) -> list[Path]:
 def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_dir):
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(120, seed=3))
-    args = ["build", "--teacher", teacher, "--data", data, "--dtype", "float32", "--layers", "0,2,3",
+    args = ["build", "--teacher", teacher, "--data", data, "--dtype", "float32", "--layers", "0,1,2",
             "--top-k", "8", "--batch-tokens", "64", "--shard-size", "12kB", "--quiet"]
     clean = tmp_path / "clean"
     assert CliRunner().invoke(app, args + ["--out", str(clean)]).exit_code == 0
@@ -262,12 +278,12 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     out = tmp_path / "cache"
     runner = CliRunner()
     base = ["build", "--teacher", teacher, "--data", data, "--out", str(out), "--dtype", "float32",
-            "--layers", "0,3", "--top-k", "4", "--shard-size", "20kB", "--quiet"]
+            "--layers", "0,2", "--top-k", "4", "--shard-size", "20kB", "--quiet"]
     dry = runner.invoke(app, base + ["--dry-run"])
     assert dry.exit_code == 0 and "sequences 30" in dry.output and not out.exists()
     assert runner.invoke(app, base).exit_code == 0
     info = runner.invoke(app, ["info", str(out)])
-    assert info.exit_code == 0 and "sequences    30" in info.output and "layers       0,3" in info.output
+    assert info.exit_code == 0 and "sequences    30" in info.output and "layers       0,2" in info.output
     tokens = open_cache(str(out)).num_tokens
     assert f"tokens {tokens:,}" in dry.output
     assert runner.invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
@@ -307,7 +323,7 @@ def test_bad_rows_fail_with_one_line_or_are_skipped_and_counted(tmp_path, teache
     path = tmp_path / "bad.jsonl"
     path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "caf\xe9"}\n' + json.dumps(good[3]).encode() + b"\n")
     runner = CliRunner()
-    args = ["build", "--teacher", teacher, "--data", str(path), "--dtype", "float32", "--layers", "0,3",
+    args = ["build", "--teacher", teacher, "--data", str(path), "--dtype", "float32", "--layers", "0,2",
             "--top-k", "4", "--quiet"]
     failed = runner.invoke(app, args + ["--out", str(tmp_path / "fail")])
     assert failed.exit_code == 1

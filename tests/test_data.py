@@ -39,7 +39,7 @@ def small_cache(tmp_path_factory, teacher_dir):
             for i in range(120)]
     data = write_jsonl(root / "chat.jsonl", rows)
     cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="bfloat16", layers=(0, 3), top_k=4),
+                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="bfloat16", layers=(0, 2), top_k=4),
                       storage=StorageConfig(shard_bytes=12_000))
     build_cache(cfg)
     return str(root / "cache")

@@ -24,7 +24,7 @@ def test_offline_replay_agrees_with_measured_accepted_length(tmp_path, teacher_d
                                       "--batch-size", "32", "--quiet"])
     assert regen.exit_code == 0, regen.output
     build = runner.invoke(cache_app, ["build", "--teacher", teacher, "--data", str(tmp_path / "regen.jsonl"),
-                                      "--out", str(tmp_path / "cache"), "--dtype", "float32", "--layers", "1,3",
+                                      "--out", str(tmp_path / "cache"), "--dtype", "float32", "--layers", "1,2",
                                       "--top-k", "8", "--quiet"])
     assert build.exit_code == 0, build.output
     run = runner.invoke(train_app, ["run", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
@@ -49,3 +49,18 @@ def test_offline_replay_agrees_with_measured_accepted_length(tmp_path, teacher_d
     assert abs(decoding["offline_accepted_length"] - decoding["kept_per_forward"]) < 0.05
     assert decoding["kept_per_forward"] <= decoding["accepted_length"]
     assert "measured accepted length" in result.output and "offline estimate, same prompts" in result.output
+
+
+def test_engine_vllm_without_vllm_names_the_install(tmp_path, teacher_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    monkeypatch.delenv("DFLASH_VLLM_PYTHON", raising=False)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello"}])
+    args = ["eval", "--checkpoint", str(tmp_path / "drafter"), "--teacher", teacher_dir("qwen3"),
+            "--prompts", str(tmp_path / "prompts.jsonl"), "--quiet"]
+    for extra in (["--engine", "vllm"], ["--engine", "both"], ["--engine", "vllm", "--vllm-python", str(tmp_path / "nope")]):
+        result = CliRunner().invoke(train_app, args + extra)
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "make serving" in lines[0] and "Traceback" not in result.output, result.output
+    unknown = CliRunner().invoke(train_app, args + ["--engine", "sglang"])
+    assert unknown.exit_code == 1 and "--engine 'sglang' is unknown" in unknown.output

@@ -27,7 +27,7 @@ CLI = str(Path(sys.executable).with_name("dflash-cache"))
 
 
 def _args(teacher, data, out):
-    return ["build", "--teacher", teacher, "--data", data, "--out", str(out), "--dtype", "float32", "--layers", "0,3",
+    return ["build", "--teacher", teacher, "--data", data, "--out", str(out), "--dtype", "float32", "--layers", "0,2",
             "--top-k", "4", "--batch-tokens", "128", "--shard-size", "10kB", "--quiet"]
 
 

@@ -76,7 +76,9 @@ def plain_block_logits(export_dir, embed, lm_head, context_hidden, block_ids):
         v = (both @ w[p + "self_attn.v_proj.weight"].T).view(a + b, nkv, d).repeat_interleave(nh // nkv, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
         if cfg["layer_types"][i] == "sliding_attention":
-            scores = scores.masked_fill(kv_pos[None, :] <= q_pos[:, None] - cfg["sliding_window"], -math.inf)
+            # sliding layers: windowed and causal (inside the block too), as vLLM and SGLang run them
+            hidden_key = (kv_pos[None, :] <= q_pos[:, None] - cfg["sliding_window"]) | (kv_pos[None, :] > q_pos[:, None])
+            scores = scores.masked_fill(hidden_key, -math.inf)
         attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(b, nh * d)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, w[p + "post_attention_layernorm.weight"])

@@ -25,7 +25,7 @@ from dflash_cache.teacher import TeacherConfig
 from dflash_cache.verify import scale_problems
 from dflash_cache.writer import StorageConfig
 
-LAYERS = (0, 2, 3)
+LAYERS = (0, 1, 2)
 
 
 

@@ -14,6 +14,7 @@ from dflash_train.model import (
     DFlashDrafter,
     DrafterConfig,
     block_attention_mask,
+    mask_token_text,
     resolve_mask_token_id,
 )
 
@@ -74,7 +75,9 @@ def brute_force_mask(anchors, seq_len, block_size, window):
                     mask[row, query, t] = t < anchor and (window is None or t > query_pos - window)
                 for k2 in range(block_size):
                     key_pos = anchor + k2
-                    mask[row, query, seq_len + j * block_size + k2] = window is None or key_pos > query_pos - window
+                    # sliding layers: causal inside the block and windowed; full layers: the whole block
+                    mask[row, query, seq_len + j * block_size + k2] = window is None or (
+                        k2 <= k and key_pos > query_pos - window)
     return mask
 
 
@@ -86,6 +89,29 @@ def test_block_attention_mask_matches_brute_force(window):
     assert torch.equal(got, brute_force_mask(anchors, 11, 4, window))
     # Every query sees at least one key, so no softmax row is empty (no NaN), unused slots included.
     assert got.any(-1).all()
+
+
+def test_sliding_layers_are_causal_inside_the_block():
+    anchors = torch.tensor([[4]])
+    full = block_attention_mask(anchors, 6, 4, None)[0, :, 6:]
+    sliding = block_attention_mask(anchors, 6, 4, 100)[0, :, 6:]
+    assert full.all()  # full attention: every block position sees the whole block
+    assert torch.equal(sliding, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("layer_types, causal", [(("sliding_attention",) * 2, True), (None, False)])
+def test_block_position_sees_later_positions_only_on_full_layers(layer_types, causal):
+    cfg = make_cfg(layer_types=layer_types, sliding_window=None if layer_types is None else 64)
+    model = make_model(cfg)
+    hidden, _ = make_batch(cfg, lengths=(12,))
+    block = torch.full((1, cfg.block_size), cfg.mask_token_id)
+    block[0, 0] = 3
+    changed = block.clone()
+    changed[0, 2:] = 7  # tokens after block position 1
+    with torch.no_grad():
+        base, other = model.forward_block(hidden[:, :8], block), model.forward_block(hidden[:, :8], changed)
+    assert torch.equal(base[:, :2], other[:, :2]) == causal
+    assert not torch.equal(base[:, 2:], other[:, 2:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,3 +391,19 @@ def test_resolve_mask_token_id_errors():
         resolve_mask_token_id(plain, 4)
     with pytest.raises(ConfigError, match="outside the teacher's 10 embedding rows"):
         resolve_mask_token_id(plain, 10, override=10)
+
+
+def test_mask_token_is_exported_when_the_tokenizer_has_it():
+    """SGLang refuses a mask_token_id that disagrees with the tokenizer's <|MASK|>: the export names the token."""
+    with_mask = PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(["a", "b", "c"], added=["<|MASK|>"]))
+    plain = PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(["a", "b", "c"]))
+    teacher = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                          intermediate_size=128, vocab_size=10).to_dict()
+    for tokenizer, want in ((with_mask, "<|MASK|>"), (plain, None)):
+        mask_id = resolve_mask_token_id(tokenizer, 10)
+        cfg = DrafterConfig.from_teacher(teacher, [1], mask_id, num_hidden_layers=1,
+                                         mask_token=mask_token_text(tokenizer, mask_id))
+        exported = cfg.to_hf_config()["dflash_config"]
+        assert exported.get("mask_token") == want and exported["mask_token_id"] == mask_id == 4
+        assert DrafterConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    assert mask_token_text(with_mask, 2) == "b"

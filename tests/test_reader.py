@@ -26,7 +26,7 @@ def _build(root: Path, teacher: str, dtype: str, compression: str = "none") -> s
     data = write_jsonl(root / "chat.jsonl", rows)
     out = str(root / f"cache-{dtype}-{compression}")
     build_cache(BuildConfig(out=out, corpus=CorpusConfig(data=data),
-                            teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=(0, 2, 3), top_k=4),
+                            teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=(0, 1, 2), top_k=4),
                             storage=StorageConfig(shard_bytes=40_000, chunk_bytes=3_000, compression=compression)))
     return out
 

@@ -95,7 +95,7 @@ def build_case(tmp_path_factory, teacher_dir):
     """A tiny corpus, the build arguments, and a clean build of it to compare against."""
     root = tmp_path_factory.mktemp("fault_build")
     data = write_jsonl(root / "chat.jsonl", chat_rows(16, seed=5))
-    args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,3",
+    args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,2",
             "--top-k", "4", "--batch-tokens", "128", "--shard-size", "40kB", "--quiet"]
     clean = root / "clean"
     result = CliRunner().invoke(cache_app, args + ["--out", str(clean)])
@@ -206,7 +206,7 @@ def full_case(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("diskfull")
     data = write_jsonl(root / "chat.jsonl", chat_rows(12, seed=7))
     target = root / "cache"
-    args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,3",
+    args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,2",
             "--top-k", "4", "--shard-size", "40kB", "--quiet", "--out", f"fullfs://{target}"]
     _disk(None)
     result = CliRunner().invoke(cache_app, args)
@@ -353,7 +353,7 @@ def test_deep_verify_finds_a_shard_holding_another_teachers_outputs(tmp_path, te
     teacher = teacher_dir("qwen3")
     other = build_teacher(tmp_path / "other_teacher", "qwen3", tokenizer_dir, seed=1)  # same shape, other weights
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8, seed=11))
-    base = ["--data", data, "--dtype", "float32", "--layers", "0,3", "--top-k", "4", "--shard-size", "40kB", "--quiet"]
+    base = ["--data", data, "--dtype", "float32", "--layers", "0,2", "--top-k", "4", "--shard-size", "40kB", "--quiet"]
     for name, model in (("cache", teacher), ("foreign", other)):
         result = CliRunner().invoke(cache_app, ["build", "--teacher", model, "--out", str(tmp_path / name), *base])
         assert result.exit_code == 0, result.output
@@ -387,7 +387,7 @@ def test_deep_verify_finds_a_shard_holding_another_teachers_outputs(tmp_path, te
 def test_deep_verify_passes_a_bfloat16_cache_within_rounding(tmp_path, teacher_dir):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6, seed=12))
     built = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3", torch.bfloat16), "--data", data,
-                                           "--out", str(tmp_path / "cache"), "--layers", "0,3", "--top-k", "4",
+                                           "--out", str(tmp_path / "cache"), "--layers", "0,2", "--top-k", "4",
                                            "--batch-tokens", "1000", "--shard-size", "20kB", "--quiet"])
     assert built.exit_code == 0, built.output
     # the build batched each shard's sequences, the rerun batches the sample across shards: bf16

