@@ -1,7 +1,7 @@
 """Production-size throughput on one GPU (issue #6, item 6): drafter training, loader, teacher extraction.
 
 NOT YET RUN ON AN H200: written and smoke-tested (`--tiny`, CPU) on a machine without a GPU. The
-sizes are the production ones of DESIGN.md: hidden 5120, 5 tapped layers (1,16,31,46,61 of 64),
+sizes are the production ones of docs/design.md: hidden 5120, 5 tapped layers (1,16,31,46,61 of 64),
 vocab 248,320, B = 16, 5 drafter layers, top-64, and Qwen3.6-27B's attention/MLP shape (24 query
 heads, 4 key/value heads, head dim 256, MLP 17,408).
 

@@ -1,4 +1,4 @@
-"""The drafter's training objective (DESIGN.md, "Training objective").
+"""The drafter's training objective (docs/design.md, "The objective").
 
 Every function here is a pure tensor function over one batch of blocks laid out per block
 position: column `p` of an `[M, P]` input is block position `k = p + 1`, `P = block_size - 1`.
@@ -27,7 +27,7 @@ LOSS_KINDS = ("kl", "ce", "mix")
 OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
 WEIGHTINGS = ("streak", "decay", "none")
 
-# DESIGN.md's (block size, gamma) pairs; other block sizes interpolate between them.
+# docs/design.md's (block size, gamma) pairs; other block sizes interpolate between them.
 _GAMMA_ANCHORS = ((8, 4.0), (10, 5.0), (16, 7.0))
 
 
@@ -147,7 +147,7 @@ def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
 
 
 def default_gamma(block_size: int) -> float:
-    """Decay length for a block size: 4 at B=8, 5 at B=10, 7 at B=16 (DESIGN.md), linear
+    """Decay length for a block size: 4 at B=8, 5 at B=10, 7 at B=16 (docs/design.md), linear
     between those points and extended beyond them with the nearest segment's slope
     (B=4 -> 2, B=12 -> 5.67, B=32 -> 12.33), never below 1."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:

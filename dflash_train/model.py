@@ -1,6 +1,6 @@
 """The DFlash drafter: a few Qwen3-style layers that draft a block of tokens from teacher features.
 
-Contract (see DESIGN.md, "The drafter"): context features `c = hidden_norm(fc(concat of the tapped
+Contract (see docs/design.md, "The drafter"): context features `c = hidden_norm(fc(concat of the tapped
 layers' hidden states))`; every layer attends from the block states to keys/values
 `[proj(c) ; proj(block)]`; a block anchored at `a` is `[x_a, MASK, ..., MASK]`, sits at rotary
 positions `a..a+B-1`, sees context positions `< a` and its own block (bidirectionally on

@@ -1,4 +1,4 @@
-"""Step-indexed noise on the tapped hidden states as they are loaded (DESIGN.md, "Noise on load").
+"""Step-indexed noise on the tapped hidden states as they are loaded (docs/design.md, "Noise on load").
 
 Every draw is a pure function of (seed, global step, sequence id, tapped-layer index, element
 index): element ``c`` of a stream is an integer hash of ``c`` keyed by a 128-bit digest of the

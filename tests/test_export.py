@@ -44,7 +44,7 @@ def documented_names(num_layers):
 
 
 def plain_block_logits(export_dir, embed, lm_head, context_hidden, block_ids):
-    """Inference forward of one block written only from config.json, the tensor names and DESIGN.md.
+    """Inference forward of one block written only from config.json, the tensor names and docs/design.md.
 
     context_hidden [a, n_layers, H] holds positions 0..a-1; block_ids [B] sits at a..a+B-1.
     """
