@@ -1,7 +1,7 @@
 """Checkpoints: `step-NNNNNN/` folders written whole under a temporary name, then renamed.
 
 A folder holds `model.safetensors` (drafter weights), `trainer.pt` (optimizer, scheduler,
-loader and RNG state, step), `config.json` (the full train config) and `COMPLETE`, written last
+loader and RNG state, step: tensors and plain values only, loaded with `weights_only=True` on the CPU), `config.json` (the full train config) and `COMPLETE`, written last
 before the rename. Only folders with `COMPLETE` count, so a crash during a save leaves the
 previous checkpoint as the newest.
 
@@ -145,8 +145,16 @@ class CheckpointManager:
         try:
             return {
                 "model": safetensors.torch.load_file(str(path / "model.safetensors")),
-                "trainer": torch.load(path / "trainer.pt", weights_only=False),
+                # weights_only: a checkpoint is shared like any download, and unpickling arbitrary
+                # objects runs code; ours holds only tensors and plain values. map_location: one
+                # saved on a GPU must load on a CPU node, and under DDP not all onto cuda:0.
+                "trainer": torch.load(path / "trainer.pt", weights_only=True, map_location="cpu"),
                 "config": json.loads((path / "config.json").read_text()),
             }
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError) as err:
+        except pickle.UnpicklingError as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"checkpoint {path} holds {path / 'trainer.pt'} with objects other than tensors and "
+                                  f"plain values ({reason[:200]}); it was not loaded, since unpickling them could run "
+                                  "code: use a checkpoint written by dflash-train") from None
+        except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as err:
             raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older step-* folder") from None

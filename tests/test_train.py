@@ -189,3 +189,60 @@ def test_run_refuses_an_old_cache_holding_the_last_layer(tmp_path, teacher_dir, 
     assert len(lines) == 1 and "holds layers 1,3: layer 3 is the teacher's last decoder layer" in lines[0]
     assert "rebuild it with --layers in 0..2" in lines[0]
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+class _Payload:
+    """Unpickling this creates a file: what a hostile trainer.pt would do with os.system instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _three_step_run(tmp_path, cache_url) -> Path:
+    run_dir = tmp_path / "run"
+    args = ["run", "--cache", cache_url, "--out", str(run_dir), "--steps", "3", "--num-layers", "1", "--block-size", "4",
+            "--eval-sequences", "0", "--heldout-fraction", "0.05", "--save-every", "3", "--quiet"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    return run_dir
+
+
+def test_a_pickle_payload_in_trainer_pt_never_runs(tmp_path, cache_url):
+    run_dir = _three_step_run(tmp_path, cache_url)
+    step = run_dir / "checkpoints" / "step-000003"
+    marker = tmp_path / "pwned"
+    state = torch.load(step / "trainer.pt", weights_only=True)
+    torch.save({**state, "extra": _Payload(marker)}, step / "trainer.pt")
+    commands = {
+        "export": ["export", str(step), str(tmp_path / "exp")],
+        "eval": ["eval", "--checkpoint", str(step), "--cache", cache_url, "--heldout-fraction", "0.05", "--quiet",
+                 "--out", str(tmp_path / "eval.json")],
+        "resume": ["run", "--cache", cache_url, "--out", str(run_dir), "--resume", "--steps", "4", "--num-layers", "1",
+                   "--block-size", "4", "--eval-sequences", "0", "--heldout-fraction", "0.05", "--quiet"],
+    }
+    for name, args in commands.items():
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1, (name, result.output)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "could run code" in lines[0] and "trainer.pt" in lines[0], (name, result.output)
+        assert not marker.exists(), name
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_and_exports_on_cpu(tmp_path, cache_url, monkeypatch):
+    """trainer.pt written on CUDA carries cuda:0 location tags; a CPU node must still read it."""
+    run_dir = _three_step_run(tmp_path, cache_url)
+    step = run_dir / "checkpoints" / "step-000003"
+    state = torch.load(step / "trainer.pt", weights_only=True)
+    with monkeypatch.context() as gpu:
+        gpu.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, step / "trainer.pt")
+    with pytest.raises(RuntimeError, match="CUDA"):  # what a plain torch.load does on this machine
+        torch.load(step / "trainer.pt", weights_only=True)
+    out = CliRunner().invoke(app, ["export", str(step), str(tmp_path / "exp")])
+    assert out.exit_code == 0, out.output
+    resumed = CliRunner().invoke(app, ["run", "--cache", cache_url, "--out", str(run_dir), "--resume", "--steps", "4",
+                                       "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
+                                       "--heldout-fraction", "0.05", "--save-every", "3", "--quiet"])
+    assert resumed.exit_code == 0, resumed.output
