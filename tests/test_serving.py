@@ -120,3 +120,21 @@ def test_untrained_and_sliding_drafters_serve_as_decoded(drafters, vllm_python):
     assert drafter.cfg.layer_types == ("sliding_attention",) * 3 and drafter.cfg.sliding_window == SLIDING_WINDOW
     # the sliding drafter learned something, so agreement is tested where acceptance varies
     assert spec_summary(runs["sliding"], BLOCK)["accepted_length"] > 1.3
+
+
+def test_bench_serving_quick_runs(drafters, vllm_python, tmp_path):
+    """The serving benchmark cannot rot: its quick mode on the trained drafter, every number present."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"),
+                           "--quick", "--drafter", str(drafters["trained"]), "--vllm-python", vllm_python,
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    assert numbers["outputs_equal"]
+    for engine in ("builtin", "vllm"):
+        assert numbers[engine]["teacher"] > 0 and numbers[engine]["drafter"] > 0
+    assert numbers["vllm"]["accepted_length"] == pytest.approx(numbers["builtin"]["accepted_length"], rel=0.02)
+    assert "| vLLM (all prompts batched) |" in proc.stdout
