@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cli.common import BarProgress, run, split_ints
+from cli.common import BarProgress, json_option, run, split_ints
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
@@ -38,11 +38,12 @@ def _build_config(**o):
                             min_length=o["min_length"], on_bad_row=o["on_bad_row"]),
         teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]), device_map=o["device_map"],
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
-                              top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"]),
+                              top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"],
+                              trust_remote_code=o["trust_remote_code"]),
         storage=StorageConfig(shard_bytes=parse_size(o["shard_size"]), chunk_bytes=parse_size(o["chunk_size"]),
                               compression=o["compression"], hidden_format=o["hidden_format"]),
         overwrite=o["overwrite"],
-        storage_options=json.loads(o["storage_options"]) if o["storage_options"] else None,
+        storage_options=json_option(o["storage_options"], "--storage-options"),
         rank=int(os.environ.get("RANK", 0)),
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
     )
@@ -63,6 +64,7 @@ def build(
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     device_map: Optional[str] = typer.Option(None, help="Spread a teacher too large for one GPU over the node's GPUs (transformers device_map, e.g. auto); one process per node."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
+    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
     batch_tokens: int = typer.Option(8192, help="Padded tokens per teacher forward (sequences are bucketed by length)."),
     logits_chunk: int = typer.Option(2048, help="Positions per LM-head chunk (bounds fp32 logits memory)."),
     shard_size: str = typer.Option("512MB", help="Hidden-state bytes per shard, e.g. 512MB, 2GiB."),
@@ -109,7 +111,7 @@ def finalize(
     def action():
         from dflash_cache.build import finalize_cache
 
-        m = finalize_cache(url, json.loads(storage_options) if storage_options else None)
+        m = finalize_cache(url, json_option(storage_options, "--storage-options"))
         typer.echo(f"finalized {url}: {m['totals']['shards']} shard(s), {m['totals']['sequences']:,} sequences")
 
     run(action, debug)
@@ -127,7 +129,7 @@ def info(
     def action():
         from dflash_cache import open_cache
 
-        cache = open_cache(url, json.loads(storage_options) if storage_options else None)
+        cache = open_cache(url, json_option(storage_options, "--storage-options"))
         m = cache.manifest
         if as_json:
             typer.echo(json.dumps(m, indent=1))
@@ -169,7 +171,7 @@ def verify(
         from dflash_cache import open_cache
         from dflash_cache.verify import verify_cache
 
-        cache = open_cache(url, json.loads(storage_options) if storage_options else None)
+        cache = open_cache(url, json_option(storage_options, "--storage-options"))
         report = verify_cache(cache, BarProgress(enabled=not quiet))
         for name in report.uncommitted:
             typer.echo(f"note: {name} is not listed in the manifest (left by an interrupted build; rerun the build to finish it)", err=True)
@@ -213,6 +215,7 @@ def regenerate(
     dtype: str = typer.Option("bfloat16", help="Teacher compute dtype: bfloat16 or float32."),
     device: str = typer.Option("auto", help="auto (each torchrun rank its LOCAL_RANK GPU), cpu, cuda or cuda:N."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
+    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
     overwrite: bool = typer.Option(False, help="Delete an earlier OUT and OUT.parts and start over (default: resume)."),
     merge_only: bool = typer.Option(False, help="Only concatenate the committed parts into OUT (after every rank finished)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -232,7 +235,8 @@ def regenerate(
             rank, world_size = ranks_from_env()
             cfg = RegenerateConfig(
                 data=data, out=out,
-                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype, device=_device(device)),
+                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype, device=_device(device),
+                                      trust_remote_code=trust_remote_code),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,
                 keep_turns=keep_turns, on_bad_row=on_bad_row, seed=seed, rows_per_part=rows_per_part,
                 overwrite=overwrite, rank=rank, world_size=world_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -56,7 +57,7 @@ class BarProgress(Progress):
             self.bar = None
 
 
-def run(action: Callable[[], object], debug: bool) -> object:
+def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the same command to resume") -> object:
     """Run a command's one call; expected errors become one line on stderr and exit code 1."""
     quiet_transformers()
     try:
@@ -67,8 +68,24 @@ def run(action: Callable[[], object], debug: bool) -> object:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
-        typer.echo("interrupted; rerun the same command to resume", err=True)
+        typer.echo(f"interrupted; {resume_hint}", err=True)
         raise typer.Exit(130)
+
+
+def json_option(text: str | None, option: str) -> dict | None:
+    """A JSON-object option such as --storage-options, or None when not given."""
+    from dflash_cache.errors import ConfigError
+
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{option} {text!r} is not valid JSON ({err.msg} at character {err.pos}); "
+                          f"pass an object, e.g. {option} '{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} {text!r} is a JSON {type(value).__name__}, not an object; pass {{\"key\": value, ...}}")
+    return value
 
 
 def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:

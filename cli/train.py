@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from cli.common import BarProgress, run, split_ints
+from cli.common import BarProgress, json_option, run, split_ints
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
@@ -65,12 +65,16 @@ def _train_config(cache, out, config, resume, options, sets, storage_options):
             overrides[name] = value
         else:
             overrides.setdefault(section, {})[name] = value
-    if options.get("epochs") is not None:
+    if options.get("epochs") is not None and options.get("steps") is not None:
+        from dflash_cache.errors import ConfigError
+
+        raise ConfigError(f"--steps {options['steps']} and --epochs {options['epochs']} both set the run length; give one")
+    if options.get("epochs") is not None:  # an option replaces the other one set in --config
         overrides["steps"] = None
     elif options.get("steps") is not None:
         overrides["epochs"] = None
     values = merge(merge(base, overrides), _parse_set(sets))
-    values["storage_options"] = json.loads(storage_options) if storage_options else None
+    values["storage_options"] = json_option(storage_options, "--storage-options")
     return config_from_dict(values)
 
 
@@ -138,7 +142,7 @@ def run_(
         if result.export_dir.exists():
             _echo_serve_commands(result.export_dir)
 
-    run(action, debug)
+    run(action, debug, resume_hint="rerun the same command with --resume to continue from the last checkpoint")
 
 
 @app.command()
@@ -189,6 +193,7 @@ def eval_(
                                "proposer, greedy) or both side by side."),
     vllm_python: Optional[str] = typer.Option(None, help="Python of an environment with vLLM (default: $DFLASH_VLLM_PYTHON, "
                                               "else .venv-vllm/bin/python from `make serving`)."),
+    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
     out: Optional[str] = typer.Option(None, help="JSON report (default: eval.json next to the checkpoint); a PNG goes beside it."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
@@ -206,6 +211,9 @@ def eval_(
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
         if split != "heldout":
             raise ConfigError(f"--split {split!r} is not supported; use heldout")
+        if max_sequences < 1 or (max_prompts is not None and max_prompts < 1):
+            raise ConfigError(f"--max-sequences {max_sequences} and --max-prompts {max_prompts} must be at least 1 "
+                              "(leave --max-prompts unset for every prompt)")
         dev = resolve_device(device)
         report: dict = {"checkpoint": checkpoint}
         lines: list[tuple[str, str]] = []
@@ -218,7 +226,7 @@ def eval_(
         path = Path(out) if out else Path(checkpoint) / "eval.json"
         if teacher and prompts:
             real, real_lines = _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens,
-                                     temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet)
+                                     temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet, trust_remote_code)
             report.update(real)
             lines += real_lines
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +251,7 @@ ENGINES = ("dflash", "vllm", "both")
 
 
 def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperature, top_p,
-          vllm_python, vllm_log, quiet) -> tuple[dict, list[tuple[str, str]]]:
+          vllm_python, vllm_log, quiet, trust_remote_code=False) -> tuple[dict, list[tuple[str, str]]]:
     """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
     from dflash_cache.errors import ConfigError
     from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts, stop_ids
@@ -258,7 +266,7 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
 
         find_vllm_python(vllm_python)  # fail before loading anything
     dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
-    t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
+    t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
     prompt_list = read_prompts(prompts, t.tokenizer, max_prompts)
     spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
     report: dict = {}
@@ -315,7 +323,7 @@ def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchor
     from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for
     from dflash_train.loss import LossConfig
 
-    c = open_cache(cache, json.loads(storage_options) if storage_options else None)
+    c = open_cache(cache, json_option(storage_options, "--storage-options"))
     model = load_drafter_for(checkpoint, c, dev)
     data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction)
     return {"cache": cache, "offline": evaluate(model, c, data, LossConfig(), max_sequences, dev),
@@ -332,6 +340,7 @@ def generate(
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
     teacher_dtype: str = typer.Option("auto", help="auto = bfloat16 on CUDA, float32 on CPU."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ):
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
@@ -343,7 +352,7 @@ def generate(
 
         dev = resolve_device(device)
         dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
-        t, drafter = load_pair(checkpoint, teacher, dtype, str(dev))
+        t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
         ids = t.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                               tokenize=True, return_dict=True)["input_ids"]
         spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))

@@ -8,6 +8,7 @@ an uninterrupted build would: committed shards are kept, everything else is redo
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import Counter
@@ -132,7 +133,7 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
     files = list_corpus_files(cfg.corpus.data)
     tokenizer = load_tokenizer(cfg.teacher)
     teacher_config = load_config(cfg.teacher)
-    layers = resolve_layers(cfg.teacher, int(teacher_config.num_hidden_layers))
+    layers = resolve_layers(cfg.teacher, int(teacher_config.num_hidden_layers), exact_count=True)
     per_token_hidden = fmt.hidden_bytes_per_token(len(layers), int(teacher_config.hidden_size), cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
     per_token = per_token_hidden + fmt.token_bytes_per_token(cfg.teacher.top_k)
@@ -244,8 +245,35 @@ def _writing(what: str, url: str):
         raise CacheError(f"writing {what} to {url} failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
 
 
+# Names a build writes under shards/: shard folders, their commit records and temporaries.
+_SHARD_ENTRY = re.compile(r"^\.?(tmp-)?shard-r\d{5}-\d{6}(\.json)?(-[0-9a-f]{8})?(\.tmp-[0-9a-f]+)?$")
+
+
+def _delete_cache(fs, root: str, url: str) -> None:
+    """--overwrite on a dflash cache: delete what a build wrote (manifest, shards/, teacher/,
+    ranks/); anything else in those folders stops it before a file is deleted."""
+    doomed = []
+    for sub, ours in ((fmt.SHARDS_DIR, lambda name, kind: bool(_SHARD_ENTRY.match(name))),
+                      (fmt.TEACHER_DIR, lambda name, kind: kind == "file"),
+                      (RANKS_DIR, lambda name, kind: kind == "file" and name.startswith("rank-"))):
+        folder = fmt.join(root, sub)
+        if not fs.exists(folder):
+            continue
+        for entry in fs.ls(folder, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if not ours(name, entry.get("type")):
+                raise CacheError(f"{url}: {sub}/{name} is not a file dflash writes; --overwrite deletes only what a build "
+                                 "made, so nothing was deleted: move it out of the cache and rerun")
+        doomed.append(folder)
+    for folder in doomed:
+        fs.rm(folder, recursive=True)
+    fs.rm(fmt.join(root, fmt.MANIFEST))
+
+
 def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
     manifest_path = fmt.join(root, fmt.MANIFEST)
+    if fs.isfile(root):
+        raise CacheError(f"--out {url} is a file, not a folder; choose a new or empty folder for the cache")
     if not fs.exists(manifest_path) and fs.exists(root):
         others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p)]
         # checked again after the listing: another rank of this build writes the manifest first,
@@ -253,15 +281,18 @@ def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> N
         if others and not fs.exists(manifest_path):
             raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
     if fs.exists(manifest_path):
-        existing = fmt.read_json(fs, manifest_path)
+        try:
+            existing = fmt.read_json(fs, manifest_path)
+        except ValueError:
+            existing = None
+        if not isinstance(existing, dict) or existing.get("format") != fmt.FORMAT_NAME:
+            raise CacheError(f"{url} holds a manifest.json that is not a dflash cache's; choose another --out "
+                             "(--overwrite deletes only dflash caches)")
         problem = _mismatch(existing, header) if existing.get("format_version") == fmt.FORMAT_VERSION else "format version differs"
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
         if overwrite:
-            for sub in (fmt.SHARDS_DIR, fmt.TEACHER_DIR):
-                if fs.exists(fmt.join(root, sub)):
-                    fs.rm(fmt.join(root, sub), recursive=True)
-            fs.rm(manifest_path)
+            _delete_cache(fs, root, url)
     if fmt.is_local(fs):
         # only the root: the manifest is the first thing a build writes, so a build killed before
         # it leaves at most a temporary manifest, which the rerun accepts (see _is_manifest_leftover)
@@ -407,6 +438,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     if total_rows == 0:
         raise ConfigError(f"the corpus {cfg.corpus.data!r} has no rows; point --data at a non-empty file")
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
+    # the layer choice is refused from the config alone, before a large teacher is loaded
+    resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
     teacher = load_teacher(cfg.teacher)
     header = _header(cfg, teacher, files)
     _prepare_output(fs, root, cfg.out, header, cfg.overwrite)

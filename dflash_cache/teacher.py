@@ -54,6 +54,10 @@ class TeacherConfig:
     logits_chunk: int = 2048
     """Positions per LM-head chunk: bounds the fp32 logits to logits_chunk x vocab."""
 
+    trust_remote_code: bool = False
+    """Run modeling or tokenizer code that the teacher's folder ships (transformers' auto_map).
+    Off unless the user asks (--trust-remote-code); never taken from a cache's manifest."""
+
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use bfloat16 or float32")
@@ -94,9 +98,22 @@ def padding_fraction(lengths: np.ndarray, batches: list[np.ndarray]) -> float:
 
 
 def resolve_device(device: str) -> torch.device:
+    """'auto', 'cpu', 'cuda' or 'cuda:N' as a torch device this machine has."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"--device {device} but this machine has no CUDA GPU; use --device cpu (or auto)")
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError(f"--device {device} but this machine has {count} GPU(s); use cuda:0..cuda:{count - 1}")
+    return resolved
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -147,26 +164,45 @@ def teacher_identity(model, name_or_path: str, revision: str | None) -> dict:
     }
 
 
+def _pretrained(cfg: TeacherConfig) -> dict:
+    """Keyword arguments of every from_pretrained call on a teacher. trust_remote_code is always
+    explicit: left unset, transformers asks on stdin, and `yes |` would run the folder's code."""
+    return {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+
+
+def _load_error(cfg: TeacherConfig, what: str, err: Exception) -> TeacherError:
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
+        return TeacherError(f"the {what} of {cfg.name_or_path!r} needs code shipped in its folder, which dflash does "
+                            "not run unless asked: pass --trust-remote-code if you trust that code")
+    return TeacherError(f"cannot load the {what} of {cfg.name_or_path!r}: {first}")
+
+
 def load_tokenizer(cfg: TeacherConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision)
+        return AutoTokenizer.from_pretrained(cfg.name_or_path, **_pretrained(cfg))
     except (OSError, ValueError) as err:
-        raise TeacherError(f"cannot load the tokenizer of {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+        raise _load_error(cfg, "tokenizer", err) from None
 
 
 def load_config(cfg: TeacherConfig):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision).get_text_config()
+        return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg)).get_text_config()
     except (OSError, ValueError) as err:
-        raise TeacherError(f"cannot load the teacher config of {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+        raise _load_error(cfg, "teacher config", err) from None
 
 
-def resolve_layers(cfg: TeacherConfig, num_layers: int) -> list[int]:
+def resolve_layers(cfg: TeacherConfig, num_layers: int, exact_count: bool = False) -> list[int]:
+    """The tapped layers; `exact_count` (a build) refuses a default spread shorter than asked."""
     layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_drafter_layers)
+    if exact_count and cfg.layers is None and len(layers) < cfg.num_drafter_layers:
+        raise ConfigError(f"--drafter-layers {cfg.num_drafter_layers} asks for more tapped layers than a {num_layers}-layer "
+                          f"teacher has between its first and last (layers 1..{num_layers - 2}); use --drafter-layers "
+                          f"{len(layers)} or list them with --layers")
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(f"--layers {','.join(map(str, layers))}: layers {bad} do not exist in a {num_layers}-layer teacher (use 0..{num_layers - 1})")
@@ -271,9 +307,9 @@ def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
 
     extra = {"device_map": cfg.device_map} if cfg.device_map else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, revision=cfg.revision, dtype=DTYPES[cfg.dtype], **extra)
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype], **_pretrained(cfg), **extra)
     except (OSError, ValueError) as err:
-        raise TeacherError(f"cannot load the teacher {cfg.name_or_path!r}: {str(err).splitlines()[0]}") from None
+        raise _load_error(cfg, "model", err) from None
     if cfg.device_map:  # inputs go where the embedding lives
         device = model.get_input_embeddings().weight.device
     else:

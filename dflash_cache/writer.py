@@ -8,6 +8,7 @@ without rename.
 
 from __future__ import annotations
 
+import math
 import queue
 import tempfile
 import threading
@@ -72,9 +73,11 @@ def parse_size(text: str | int) -> int:
     try:
         value = float(number)
     except ValueError:
-        value = -1.0
-    if value <= 0 or unit not in units:
+        value = None
+    if value is None or unit not in units:
         raise ConfigError(f"cannot read the size {text!r}; write it like 512MB, 2GiB or 1000000")
+    if not math.isfinite(value) or value * units[unit] < 1:
+        raise ConfigError(f"the size {text!r} must be a finite number of at least one byte; write it like 512MB or 2GiB")
     return int(value * units[unit])
 
 

@@ -32,6 +32,8 @@ from dflash_cache.faults import maybe_fault
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
+# What trainer.pt holds (see trainer.py, where it is written).
+TRAINER_KEYS = ("step", "optimizer", "scheduler", "loader", "rng", "drafter")
 
 
 class CheckpointError(DFlashError):
@@ -143,7 +145,7 @@ class CheckpointManager:
         if not (path / COMPLETE).exists():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); pick another step-* folder")
         try:
-            return {
+            state = {
                 "model": safetensors.torch.load_file(str(path / "model.safetensors")),
                 # weights_only: a checkpoint is shared like any download, and unpickling arbitrary
                 # objects runs code; ours holds only tensors and plain values. map_location: one
@@ -158,3 +160,10 @@ class CheckpointManager:
                                   "code: use a checkpoint written by dflash-train") from None
         except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as err:
             raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older step-* folder") from None
+        trainer = state["trainer"]
+        missing = [k for k in TRAINER_KEYS if not isinstance(trainer, dict) or k not in trainer]
+        if missing:
+            raise CheckpointError(f"checkpoint {path}: trainer.pt lacks {missing[0]!r} (it holds "
+                                  f"{type(trainer).__name__}{' ' + str(sorted(trainer))[:120] if isinstance(trainer, dict) else ''}), "
+                                  "so dflash-train did not write it; use another step-* folder")
+        return state

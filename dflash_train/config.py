@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,12 @@ class OptimConfig:
             raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be 0 or more (or unset for 4% of the run), got {self.warmup_steps}")
+        if not self.grad_clip >= 0:
+            raise ConfigError(f"--grad-clip must be 0 (off) or a positive norm, got {self.grad_clip}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,11 @@ class TrainConfig:
             raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}; use ddp, or fsdp for drafters too large to replicate on every rank")
         if self.log_every < 1 or self.save_every < 1:
             raise ConfigError(f"--log-every and --save-every must be at least 1, got {self.log_every}, {self.save_every}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints must be at least 1 (the newest checkpoint is what --resume needs), "
+                              f"got {self.keep_checkpoints}")
+        if self.eval_sequences < 0:
+            raise ConfigError(f"--eval-sequences must be 0 (no held-out evaluation) or more, got {self.eval_sequences}")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -164,17 +178,65 @@ class TrainConfig:
 _SECTIONS = {"model": ModelOptions, "loss": LossConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
 
 
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """What is wrong with a plain config value for a field annotation, or None when it fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(value, arg) for arg in args]
+        return None if any(p is None for p in problems) else next(p for p in problems if p)
+    if hint is type(None):
+        return None if value is None else "must be empty (null)"
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be a whole number"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "must be a string"
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return "must be a list"
+        element_hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(element_hints) != len(value):
+            return f"must be a list of {len(element_hints)}"
+        for element, element_hint in zip(value, element_hints):
+            problem = _type_problem(element, element_hint)
+            if problem:
+                return f"must be a list whose entries {problem.removeprefix('must be ')}"
+        return None
+    if origin is dict or hint is dict:
+        return None if isinstance(value, dict) else "must be a table (a JSON object)"
+    return None  # Any and other annotations are the dataclass's own business
+
+
 def _build(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"the {where} settings are {values!r}, not a table of options; write them as [{where}] in "
+                          f"TOML or an object in JSON, e.g. {where}.{dataclasses.fields(cls)[0].name}=...")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown {where} option(s) {unknown}; known: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in _SECTIONS and cls is TrainConfig:
+            continue
+        problem = _type_problem(value, hints[name])
+        if problem:
+            prefix = "" if where == "train" else f"{where}."
+            raise ConfigError(f"{prefix}{name} = {value!r} {problem}; fix it in the config file or --set {prefix}{name}=...")
     fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**fixed)
 
 
 def config_from_dict(values: dict) -> TrainConfig:
     """A TrainConfig from nested plain values (a config file, or a saved config.json)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"a train config is a table of options, not {type(values).__name__} {values!r}; "
+                          "write a TOML file or a JSON object")
     values = dict(values)
     sections = {name: _build(cls, values.pop(name, {}) or {}, name) for name, cls in _SECTIONS.items()}
     return _build(TrainConfig, {**values, **sections}, "train")
@@ -185,10 +247,17 @@ def read_config_file(path: str) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if p.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {path} is neither .toml nor .json; write the config as TOML or JSON "
+                          "(YAML is not read)")
     try:
-        return tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+        values = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"config file {path} cannot be parsed: {err}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} holds a JSON {type(values).__name__}, not a table of options; write an "
+                          'object such as {"optim": {"lr": 0.001}}')
+    return values
 
 
 def merge(base: dict, overrides: dict) -> dict:
@@ -197,6 +266,9 @@ def merge(base: dict, overrides: dict) -> dict:
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
+        elif isinstance(value, dict) and out.get(key) is not None:
+            raise ConfigError(f"the {key} settings are {out[key]!r}, not a table of options; write them as [{key}] "
+                              "in TOML or an object in JSON")
         else:
             out[key] = value
     return out

@@ -60,9 +60,11 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
-def load_pair(checkpoint: str, teacher_path: str, dtype: str, device: str) -> tuple[Teacher, DFlashDrafter]:
+def load_pair(checkpoint: str, teacher_path: str, dtype: str, device: str,
+              trust_remote_code: bool = False) -> tuple[Teacher, DFlashDrafter]:
     """The teacher (tapping the drafter's layers) and the trained drafter with the teacher's head."""
-    teacher = load_teacher(TeacherConfig(name_or_path=teacher_path, dtype=dtype, device=device, top_k=1))
+    teacher = load_teacher(TeacherConfig(name_or_path=teacher_path, dtype=dtype, device=device, top_k=1,
+                                         trust_remote_code=trust_remote_code))
     model = teacher.model
     drafter = load_trained_drafter(checkpoint, model.get_input_embeddings().weight.detach(),
                                    model.get_output_embeddings().weight.detach(), teacher.device)

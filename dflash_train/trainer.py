@@ -189,7 +189,36 @@ def check_shards(cache, skip: tuple[str, ...]) -> int:
     return sum(listed[name] for name in set(skip))
 
 
+# What a run folder may hold before its config.json exists: a sweep writes the run's log first.
+_BEFORE_CONFIG = {"train.log"}
+
+
+def check_run_folder(out: Path) -> None:
+    """Refuse an --out that is not ours to write into: a file, or a non-empty folder that is not a
+    dflash-train run (a run writes config.json first), since training replaces config.json and
+    drafter/ there."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; choose a new or empty folder for the run")
+    if not out.is_dir():
+        return
+    config = out / "config.json"
+    if config.is_file():
+        try:
+            values = json.loads(config.read_text())
+        except (OSError, ValueError):
+            values = None
+        if isinstance(values, dict) and {"cache", "model", "loss", "optim"} <= set(values):
+            return
+        raise ConfigError(f"--out {out} holds a config.json that is not a dflash-train run's; choose a new or empty "
+                          "folder (training would overwrite it and replace drafter/)")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _BEFORE_CONFIG)
+    if foreign:
+        raise ConfigError(f"--out {out} is a non-empty folder that is not a dflash-train run (it holds {foreign[0]!r}"
+                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); choose a new or empty folder")
+
+
 def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None) -> TrainResult:
+    check_run_folder(Path(cfg.out))
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")

@@ -1,0 +1,130 @@
+"""Every bad input is one line: exit 1, the problem, the value and the fix, no traceback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import qa_rows, write_jsonl
+from typer.testing import CliRunner
+
+from cli.cache import app as cache_app
+from cli.train import app as train_app
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, teacher_dir):
+    root = tmp_path_factory.mktemp("bad_input")
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(root / "chat.jsonl", qa_rows(12, seed=5, prefix="bad-"))
+    build = ["build", "--teacher", teacher, "--data", data, "--out", str(root / "cache"), "--dtype", "float32",
+             "--layers", "0,2", "--top-k", "4", "--quiet"]
+    assert CliRunner().invoke(cache_app, build).exit_code == 0
+    run = ["run", "--cache", str(root / "cache"), "--out", str(root / "run"), "--steps", "2", "--num-layers", "1",
+           "--block-size", "4", "--eval-sequences", "0", "--heldout-fraction", "0.1", "--quiet"]
+    assert CliRunner().invoke(train_app, run).exit_code == 0
+    files = {
+        "lr_fast.toml": '[optim]\nlr = "fast"\n', "model_3.toml": "model = 3\n", "list.json": "[1, 2]",
+        "anchors_true.toml": "[data]\nnum_anchors = true\n", "skip_string.toml": '[data]\nskip_shards = "shard-a"\n',
+        "config.yaml": "optim:\n  lr: 0.001\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / "plain-file").write_text("x")
+    bad_ckpt = root / "bad-ckpt"
+    bad_ckpt.mkdir()
+    step = root / "run" / "checkpoints" / "step-000002"
+    for name in ("model.safetensors", "config.json", "COMPLETE"):
+        (bad_ckpt / name).write_bytes((step / name).read_bytes())
+    torch.save([1, 2, 3], bad_ckpt / "trainer.pt")  # a loadable pickle of the wrong structure
+    return {"root": root, "teacher": teacher, "data": data, "cache": str(root / "cache")}
+
+
+def _cases(s) -> dict[str, tuple[object, list[str], str]]:
+    root, cache, teacher, data = s["root"], s["cache"], s["teacher"], s["data"]
+    run = ["run", "--cache", cache, "--steps", "2", "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
+           "--quiet"]
+    fresh = ["--out", str(root / "fresh-run")]
+    build = ["build", "--teacher", teacher, "--data", data, "--dtype", "float32", "--top-k", "4", "--quiet"]
+    return {
+        "storage options not JSON": (cache_app, ["info", cache, "--storage-options", "{bad"], "is not valid JSON"),
+        "storage options a list": (cache_app, ["info", cache, "--storage-options", "[1]"], "not an object"),
+        "train storage options": (train_app, run + fresh + ["--storage-options", "{"], "is not valid JSON"),
+        "device tpu": (cache_app, build + ["--out", str(root / "c-tpu"), "--layers", "0", "--device", "tpu"],
+                       "--device 'tpu' is not supported"),
+        "device cuda without one": (cache_app, build + ["--out", str(root / "c-cuda"), "--layers", "0", "--device", "cuda"],
+                                    "no CUDA GPU"),
+        "train device cuda": (train_app, run + fresh + ["--device", "cuda"], "no CUDA GPU"),
+        "config lr string": (train_app, run + fresh + ["--config", str(root / "lr_fast.toml")], "optim.lr = 'fast' must be a number"),
+        "config model not a table": (train_app, run + fresh + ["--config", str(root / "model_3.toml")], "model settings are 3"),
+        "config a JSON list": (train_app, run + fresh + ["--config", str(root / "list.json")], "holds a JSON list"),
+        "config bool for int": (train_app, run + fresh + ["--config", str(root / "anchors_true.toml")],
+                                "data.num_anchors = True must be a whole number"),
+        "set bool for int": (train_app, run + fresh + ["--set", "data.num_anchors=true"], "must be a whole number"),
+        "lr nan": (train_app, run + fresh + ["--lr", "nan"], "optim.lr = nan must be a finite number"),
+        "skip_shards a string": (train_app, run + fresh + ["--config", str(root / "skip_string.toml")],
+                                 "data.skip_shards = 'shard-a' must be a list"),
+        "yaml config": (train_app, run + fresh + ["--config", str(root / "config.yaml")], "neither .toml nor .json"),
+        "steps and epochs": (train_app, run + fresh + ["--epochs", "1"], "both set the run length"),
+        "keep checkpoints 0": (train_app, run + fresh + ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+        "keep checkpoints -1": (train_app, run + fresh + ["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 1"),
+        "eval sequences -1": (train_app, run + fresh + ["--eval-sequences", "-1"], "--eval-sequences must be 0"),
+        "warmup -1": (train_app, run + fresh + ["--warmup-steps", "-1"], "--warmup-steps must be 0 or more"),
+        "grad clip -1": (train_app, run + fresh + ["--grad-clip", "-1"], "--grad-clip must be 0"),
+        "run out a file": (train_app, run + ["--out", str(root / "plain-file")], "is a file, not a folder"),
+        "build out a file": (cache_app, build + ["--out", str(root / "plain-file"), "--layers", "0"], "is a file, not a folder"),
+        "shard size nan": (cache_app, build + ["--out", str(root / "c-nan"), "--layers", "0", "--shard-size", "nan"],
+                           "must be a finite number"),
+        "shard size inf": (cache_app, build + ["--out", str(root / "c-inf"), "--layers", "0", "--shard-size", "inf"],
+                           "must be a finite number"),
+        "shard size 0": (cache_app, build + ["--out", str(root / "c-0"), "--layers", "0", "--shard-size", "0"],
+                         "at least one byte"),
+        "drafter layers beyond the teacher": (cache_app, build + ["--out", str(root / "c-deep"), "--drafter-layers", "7"],
+                                              "--drafter-layers 7 asks for more tapped layers than a 4-layer teacher"),
+        "eval max sequences 0": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
+                                             "--max-sequences", "0", "--quiet"], "--max-sequences 0"),
+        "trainer.pt of the wrong structure": (train_app, ["export", str(root / "bad-ckpt"), str(root / "bad-export")],
+                                              "trainer.pt lacks 'step'"),
+    }
+
+
+CASE_NAMES = list(_cases({"root": Path("."), "cache": "", "teacher": "", "data": ""}))
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_is_one_line(setup, name):
+    app, args, expected = _cases(setup)[name]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, (name, result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, result.output)
+    assert expected in lines[0], (name, lines[0])
+    assert "Traceback" not in result.output and not isinstance(result.exception, (AttributeError, KeyError, TypeError))
+
+
+def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):
+    """Ctrl-C during `dflash-train run`: the hint says --resume, and that command does continue."""
+    out = tmp_path / "run"
+    args = [str(BIN / "dflash-train"), "run", "--cache", setup["cache"], "--out", str(out), "--steps", "100000",
+            "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--save-every", "1", "--quiet"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((out / "checkpoints").glob("step-*/COMPLETE")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "rerun the same command with --resume" in err
+    resumed = CliRunner().invoke(train_app, ["run", "--cache", setup["cache"], "--out", str(out), "--resume", "--steps", "3",
+                                             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
+                                             "--save-every", "1", "--quiet"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((out / "config.json").read_text())["steps"] == 3
