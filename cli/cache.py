@@ -134,7 +134,10 @@ def info(
         if as_json:
             typer.echo(json.dumps(m, indent=1))
             return
-        t, teacher = m.get("totals", {}), m["teacher"]
+        from dflash_cache import format as fmt
+
+        # totals are a sum the build writes last; an older or hand-made manifest may lack them
+        t, teacher = m.get("totals") or fmt.totals(cache.manifest.get("shards", [])), m["teacher"]
         tokens = max(t.get("tokens", 0), 1)
         lines = [
             f"cache        {url} ({'complete' if cache.complete else 'INCOMPLETE: rerun the build to finish it'})",

@@ -84,6 +84,7 @@ def run_(
     out: str = typer.Option(..., help="Run folder: checkpoints, metrics.jsonl, config.json, drafter/."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config; options below override it."),
     resume: bool = typer.Option(False, help="Continue from the newest complete checkpoint in --out."),
+    resume_from: Optional[str] = typer.Option(None, help="Continue from this step-NNNNNN checkpoint folder instead (e.g. an older one when the newest is damaged)."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps (default 1000)."),
     epochs: Optional[float] = typer.Option(None, help="Passes over the training split, instead of --steps."),
     num_layers: Optional[int] = typer.Option(None, help="Drafter layers (default 5)."),
@@ -134,8 +135,8 @@ def run_(
     def action():
         from dflash_train.trainer import train
 
-        cfg = _train_config(cache, out, config, resume, options, sets, storage_options)
-        result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet))
+        cfg = _train_config(cache, out, config, resume or resume_from is not None, options, sets, storage_options)
+        result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet), resume_from=resume_from)
         if result.before and result.after:
             typer.echo(f"held-out tau: {result.before['tau']:.3f} before -> {result.after['tau']:.3f} after {result.steps} steps")
         typer.echo(f"drafter exported to {result.export_dir}")

@@ -445,6 +445,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
 
     records = committed_records(fs, root, cfg.rank)
+    manifest_path = fmt.join(root, fmt.MANIFEST)
+    previous_run = fmt.read_json(fs, manifest_path).get("last_run") if fs.exists(manifest_path) else None
     with _writing("the manifest", cfg.out):  # first: it marks the folder as a cache under construction
         keeper = _ManifestKeeper(fs, root, header, records, live=cfg.world_size == 1)
     if cfg.world_size == 1:  # other ranks may be writing a manifest of their own right now
@@ -519,6 +521,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         "tokens": stats["tokens"],
         "padding_fraction": round(1 - stats["tokens"] / stats["padded"], 4) if stats["padded"] else 0.0,
     }
+    if not stats["padded"] and previous_run:  # a rerun of a finished build ran no teacher: keep what the last one did
+        last_run = previous_run
     if cfg.world_size == 1:
         with _writing("the manifest", cfg.out):
             manifest = keeper.write(complete=True, last_run=last_run)

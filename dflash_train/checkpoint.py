@@ -159,7 +159,8 @@ class CheckpointManager:
                                   f"plain values ({reason[:200]}); it was not loaded, since unpickling them could run "
                                   "code: use a checkpoint written by dflash-train") from None
         except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as err:
-            raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older step-* folder") from None
+            raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older one with "
+                                  f"--resume-from {path.parent}/step-NNNNNN") from None
         trainer = state["trainer"]
         missing = [k for k in TRAINER_KEYS if not isinstance(trainer, dict) or k not in trainer]
         if missing:

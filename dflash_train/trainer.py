@@ -96,8 +96,8 @@ class MetricsLog:
 
 
 def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint: str, current: dict,
-            progress: Progress) -> tuple[int, LoaderState]:
-    path = manager.latest()
+            progress: Progress, resume_from: str | Path | None = None) -> tuple[int, LoaderState]:
+    path = Path(resume_from) if resume_from is not None else manager.latest()
     if path is None:
         progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
         return 0, LoaderState(manifest_fingerprint=fingerprint)
@@ -217,7 +217,11 @@ def check_run_folder(out: Path) -> None:
                           f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); choose a new or empty folder")
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None) -> TrainResult:
+def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None,
+          resume_from: str | Path | None = None) -> TrainResult:
+    """Train (or with `resume`, continue from the newest complete checkpoint in cfg.out, or from
+    the checkpoint folder `resume_from`) and export the drafter."""
+    resume = resume or resume_from is not None
     check_run_folder(Path(cfg.out))
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
@@ -243,7 +247,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     if not resume and manager.latest() is not None:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
     step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint,
-                                  json.loads(json.dumps(cfg.to_dict())), progress) if resume
+                                  json.loads(json.dumps(cfg.to_dict())), progress, resume_from) if resume
                           else (0, LoaderState(manifest_fingerprint=fingerprint)))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)

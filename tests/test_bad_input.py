@@ -128,3 +128,37 @@ def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):
                                              "--save-every", "1", "--quiet"])
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((out / "config.json").read_text())["steps"] == 3
+
+
+def test_info_counts_sequences_without_totals_and_a_rerun_keeps_last_run(setup, tmp_path):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    sequences, last_run = manifest["totals"]["sequences"], manifest["last_run"]
+    assert sequences == 12 and last_run["tokens"] > 0
+    # a rerun of the finished build runs no teacher; it must not replace what the build measured
+    build = ["build", "--teacher", setup["teacher"], "--data", setup["data"], "--out", str(cache), "--dtype", "float32",
+             "--layers", "0,2", "--top-k", "4", "--quiet"]
+    assert CliRunner().invoke(cache_app, build).exit_code == 0
+    assert json.loads((cache / "manifest.json").read_text())["last_run"] == last_run
+    del manifest["totals"]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    info = CliRunner().invoke(cache_app, ["info", str(cache)])
+    assert info.exit_code == 0 and f"sequences    {sequences}" in info.output, info.output
+
+
+def test_a_damaged_newest_checkpoint_names_resume_from_and_it_works(setup, tmp_path):
+    out = tmp_path / "run"
+    base = ["run", "--cache", setup["cache"], "--out", str(out), "--num-layers", "1", "--block-size", "4",
+            "--eval-sequences", "0", "--save-every", "1", "--quiet"]
+    assert CliRunner().invoke(train_app, base + ["--steps", "3"]).exit_code == 0
+    newest = out / "checkpoints" / "step-000003" / "trainer.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # a torn write on a flaky disk
+    refused = CliRunner().invoke(train_app, base + ["--steps", "4", "--resume"])
+    assert refused.exit_code == 1 and "--resume-from" in refused.output, refused.output
+    older = out / "checkpoints" / "step-000002"
+    resumed = CliRunner().invoke(train_app, base + ["--steps", "4", "--resume-from", str(older)])
+    assert resumed.exit_code == 0, resumed.output
+    assert (out / "checkpoints" / "step-000004" / "COMPLETE").exists()
