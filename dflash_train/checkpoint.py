@@ -1,7 +1,8 @@
 """Checkpoints: `step-NNNNNN/` folders written whole under a temporary name, then renamed.
 
 A folder holds `model.safetensors` (drafter weights), `trainer.pt` (optimizer, scheduler,
-loader and RNG state, step: tensors and plain values only, loaded with `weights_only=True` on the CPU), `config.json` (the full train config) and `COMPLETE`, written last
+loader and RNG state, step: tensors and plain values only, loaded with `weights_only=True` on the
+CPU), `config.json` (the full train config) and `COMPLETE`, written last
 before the rename. Only folders with `COMPLETE` count, so a crash during a save leaves the
 previous checkpoint as the newest.
 
@@ -154,9 +155,14 @@ class CheckpointManager:
                 "config": json.loads((path / "config.json").read_text()),
             }
         except pickle.UnpicklingError as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            detail = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line
+                           or line.strip().startswith("Unsupported")), str(err).splitlines()[0] if str(err) else "")
+            if "Unsupported global" not in str(err):  # not a refused object: damaged bytes
+                raise CheckpointError(f"checkpoint {path} cannot be read ({detail[:200]}); resume from an older one "
+                                      f"with --resume-from {path.parent}/step-NNNNNN") from None
+            reason = detail.split("Unsupported global:", 1)[-1].split(" was not", 1)[0].strip()
             raise CheckpointError(f"checkpoint {path} holds {path / 'trainer.pt'} with objects other than tensors and "
-                                  f"plain values ({reason[:200]}); it was not loaded, since unpickling them could run "
+                                  f"plain values (it names {reason[:120]}); it was not loaded, since unpickling them could run "
                                   "code: use a checkpoint written by dflash-train") from None
         except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as err:
             raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older one with "
