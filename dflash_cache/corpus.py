@@ -7,6 +7,24 @@ or stream format), a folder or glob of those, and a Hugging Face `datasets` fold
 A row is a chat (`messages` of {role, content}, or ShareGPT `conversations` of {from, value})
 or plain `text`. Chats are rendered with the tokenizer's chat template and learn only the
 assistant turns; plain text learns every token.
+
+Limits that keep one bad row from taking the build down (each is a bad row naming file, row and
+problem, so `--on-bad-row skip` skips and counts it):
+
+- Nesting: a row may nest lists and objects at most MAX_ROW_DEPTH (100) levels deep, the row
+  object itself being level 1. Real chat rows (messages, content parts, tool calls and their
+  JSON-schema arguments) stay far below; a deeper row is almost surely generated garbage, and
+  parsing or hashing it would recurse until Python's RecursionError. JSON Lines rows are
+  measured on the raw line before parsing; Parquet and Arrow rows by their file's schema (Arrow
+  itself refuses schemas much deeper than 64 levels).
+- Size: a row may be at most row_byte_limit(max_length) bytes: the larger of 64 MiB and 64 bytes
+  per token of max_length. That is hundreds of times what a row that fills max_length needs (a
+  200k-token conversation is a few MB of JSON), so only absurd rows hit it; those are never held
+  in memory whole (a JSON line over the limit is streamed past, not read). Measured as the JSON
+  line's bytes, or the row's Arrow data for Parquet and Arrow.
+- Overlong rows: only the start of a long text is tokenized, so the tokenizer's memory follows
+  max_length, not the row's size (see _encode_prefix); the kept tokens are those the whole
+  text's tokenization would give.
 """
 
 from __future__ import annotations
@@ -15,6 +33,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +57,15 @@ _ROWS_PER_SLICE = 1024
 _MIB = 1 << 20
 _FINGERPRINT_VERSION = b"dflash-corpus-fingerprint-v1"
 
+MAX_ROW_DEPTH = 100
+"""Deepest nesting of lists and objects in a row (the row object is level 1); deeper is a bad row."""
+MIN_ROW_BYTE_LIMIT = 64 * _MIB
+"""The row size limit never goes below this many bytes (see row_byte_limit)."""
+ROW_BYTES_PER_TOKEN = 64
+"""Bytes of row allowed per token of max_length (see row_byte_limit)."""
+# JSON Lines files are read in pieces this long, so a huge line is never read whole unless kept.
+_READ_CHUNK = _MIB
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -58,7 +86,8 @@ class CorpusConfig:
     data: str
     """A corpus file, a folder of files (searched recursively), or a glob pattern."""
     max_length: int = 4096
-    """Longest sequence kept, in tokens."""
+    """Longest sequence kept, in tokens. It also sets the row size limit, row_byte_limit(max_length)
+    bytes (64 MiB up to max_length 1M), and bounds how much of a long row is tokenized."""
     overlong: str = "truncate"
     """What to do with a row longer than max_length: "truncate" (keep the first max_length
     tokens) or "drop" (skip the row)."""
@@ -86,6 +115,25 @@ class CorpusConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def row_byte_limit(max_length: int) -> int:
+    """The largest row accepted, in bytes: max(MIN_ROW_BYTE_LIMIT, ROW_BYTES_PER_TOKEN * max_length).
+
+    64 MiB for any max_length up to 1M tokens. A row that fills max_length takes a few bytes of
+    JSON per token (up to ~20 for escaped CJK or emoji), so real conversations, however long, fit
+    with a wide margin, while a row of hundreds of MB, which costs a multiple of its size to
+    parse and render, is refused. Longer rows within the limit are truncated as usual.
+    """
+    return max(MIN_ROW_BYTE_LIMIT, ROW_BYTES_PER_TOKEN * max_length)
+
+
+def _size_problem(size: int, limit: int) -> str:
+    return f"{size:,} bytes long (limit {limit:,} bytes)"
+
+
+def _depth_problem(depth: int) -> str | None:
+    return f"nested {depth:,} levels deep (limit {MAX_ROW_DEPTH})" if depth > MAX_ROW_DEPTH else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,56 +294,153 @@ class CorpusRow:
     data: dict | None
     """The parsed row; None when `problem` is set."""
     problem: str | None
-    """Why the row could not be read (invalid JSON, not an object, not UTF-8), else None."""
+    """Why the row could not be read (invalid JSON, not an object, not UTF-8, nested too deep,
+    too large), else None."""
 
 
 _JSON_TYPE_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
+# A JSON string (the unrolled form of "(?:[^"\\]|\\.)*", linear and fast), and every byte but
+# brackets: what is left of a line without them is its nesting structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(line: bytes) -> int:
+    """How deeply the JSON text `line` nests arrays and objects (`{}` is 1, `{"a": [1]}` is 2).
+
+    Counted on the raw bytes without parsing (strings removed, then a running count of the
+    brackets left), so it is linear and safe on any input; for invalid JSON it is a best guess.
+    """
+    brackets = _JSON_STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), np.int32(1), np.int32(-1))
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
 
 def parse_json_line(line: bytes) -> tuple[dict | None, str | None]:
-    """Parse one JSON Lines line into (object, None) or (None, problem)."""
+    """Parse one JSON Lines line into (object, None) or (None, problem).
+
+    A line nested more than MAX_ROW_DEPTH levels is a problem, found before parsing (so a
+    RecursionError from the parser cannot happen; one would still become a problem).
+    """
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
         return None, f"not valid UTF-8 at byte {err.start + 1}"
+    if line.count(b"[") + line.count(b"{") > MAX_ROW_DEPTH:  # else it cannot nest that deep
+        problem = _depth_problem(json_depth(line))
+        if problem:
+            return None, problem
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         return None, f"invalid JSON: {err.msg} at column {err.colno}"
+    except RecursionError:
+        return None, f"nested too deeply to parse (limit {MAX_ROW_DEPTH})"
     if not isinstance(value, dict):
         kind = "null" if value is None else _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
         return None, f"not a JSON object (got a JSON {kind})"
     return value, None
 
 
-def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes) of every non-blank line."""
+def _jsonl_lines(path: str, max_bytes: int, skip: int = 0) -> Iterator[tuple[int, bytes | int]]:
+    """(1-based line number, line) of every non-blank line after the first `skip` of them.
+
+    The file is read in pieces of at most _READ_CHUNK bytes. A line longer than one piece is
+    measured first and read whole only when it is at most `max_bytes` long (not counting its
+    line break); a longer one comes back as its length, an int, and is never held.
+    """
     with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if number == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
-            if line.strip():
+        number = position = 0
+        while True:
+            begin = f.tell()
+            piece = f.readline(_READ_CHUNK)
+            if not piece:
+                return
+            number += 1
+            bom = 3 if number == 1 and piece.startswith(b"\xef\xbb\xbf") else 0
+            first, size, blank, tail = piece, len(piece), not piece[bom:].strip(), piece[-2:]
+            while not piece.endswith(b"\n"):  # a line longer than one piece: measure it
+                piece = f.readline(_READ_CHUNK)
+                if not piece:
+                    break
+                size += len(piece)
+                blank = blank and not piece.strip()
+                tail = piece[-2:] if len(piece) >= 2 else (tail + piece)[-2:]
+            if blank:
+                continue
+            position += 1
+            if position <= skip:
+                continue
+            length = size - bom - (2 if tail == b"\r\n" else 1 if tail.endswith(b"\n") else 0)
+            if length > max_bytes:
+                yield number, length
+            elif size == len(first):
+                yield number, first[bom:]
+            else:
+                end = f.tell()
+                f.seek(begin + bom)
+                line = f.read(size - bom)
+                f.seek(end)
                 yield number, line
+                del line
 
 
 def _count_jsonl(path: str) -> int:
-    return sum(1 for _ in _jsonl_lines(path))
+    return sum(1 for _ in _jsonl_lines(path, max_bytes=0))
 
 
-def _iter_jsonl(path: str, skip: int) -> Iterator[tuple[int, dict | None, str | None]]:
-    for position, (number, line) in enumerate(_jsonl_lines(path)):
-        if position < skip:
+def _iter_jsonl(path: str, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
+    for number, line in _jsonl_lines(path, max_bytes, skip):
+        if isinstance(line, int):
+            yield number, None, _size_problem(line, max_bytes)
             continue
         data, problem = parse_json_line(line)
+        del line  # the parsed row is all that is needed while it is tokenized
         yield number, data, problem
 
 
-def _rows_of_batch(batch, skip: int) -> Iterator[dict]:
+def _schema_depth(schema) -> int:
+    """How deeply a row of the Arrow `schema` can nest (the row is level 1; a list column is 2)."""
+    depth, stack = 1, [(field.type, 1) for field in schema]
+    while stack:
+        kind, level = stack.pop()
+        if kind.num_fields:  # list, struct, map, union: one level more
+            depth = max(depth, level + 1)
+            stack.extend((kind.field(i).type, level + 1) for i in range(kind.num_fields))
+    return depth
+
+
+def _oversize_rows(part, max_bytes: int) -> dict[int, int]:
+    """{offset: bytes} of the rows of an Arrow table or batch whose data is over `max_bytes`."""
+    if part.nbytes <= max_bytes:
+        return {}
+    sizes = ((i, part.slice(i, 1).nbytes) for i in range(part.num_rows))
+    return {i: size for i, size in sizes if size > max_bytes}
+
+
+def _rows_of_batch(batch, skip: int, max_bytes: int) -> Iterator[tuple[dict | None, str | None]]:
+    problem = _depth_problem(_schema_depth(batch.schema))
     for start in range(skip, batch.num_rows, _ROWS_PER_SLICE):
-        yield from batch.slice(start, _ROWS_PER_SLICE).to_pylist()
+        part = batch.slice(start, _ROWS_PER_SLICE)
+        if problem:  # never converted: that is what would recurse
+            yield from ((None, problem) for _ in range(part.num_rows))
+            continue
+        oversize = _oversize_rows(part, max_bytes)
+        if not oversize:
+            yield from ((data, None) for data in part.to_pylist())
+            continue
+        for i in range(part.num_rows):
+            if i in oversize:
+                yield None, _size_problem(oversize[i], max_bytes)
+            else:
+                yield part.slice(i, 1).to_pylist()[0], None
 
 
-def _iter_batches(batches, skip: int) -> Iterator[tuple[int, dict | None, str | None]]:
+def _iter_batches(batches, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
     """Rows of consecutive record batches, skipping the first `skip` without converting them."""
     number = 0
     for batch in batches:
@@ -304,9 +449,9 @@ def _iter_batches(batches, skip: int) -> Iterator[tuple[int, dict | None, str | 
             number += batch.num_rows
             continue
         number += skip
-        for data in _rows_of_batch(batch, skip):
+        for data, problem in _rows_of_batch(batch, skip, max_bytes):
             number += 1
-            yield number, data, None
+            yield number, data, problem
         skip = 0
 
 
@@ -324,7 +469,7 @@ def _parquet_file(path: str):
         raise _open_failure(path, err) from err
 
 
-def _iter_parquet(path: str, skip: int) -> Iterator[tuple[int, dict | None, str | None]]:
+def _iter_parquet(path: str, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
     parquet = _parquet_file(path)
     groups = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
     first, skipped = 0, 0
@@ -334,7 +479,7 @@ def _iter_parquet(path: str, skip: int) -> Iterator[tuple[int, dict | None, str 
     if first == len(groups):
         return
     batches = parquet.iter_batches(batch_size=_ROWS_PER_SLICE, row_groups=range(first, len(groups)))
-    for number, data, problem in _iter_batches(batches, skip - skipped):
+    for number, data, problem in _iter_batches(batches, skip - skipped, max_bytes):
         yield number + skipped, data, problem
 
 
@@ -368,10 +513,24 @@ def _load_saved_dataset(folder: str):
     return dataset
 
 
-def _iter_saved_dataset(folder: str, skip: int) -> Iterator[tuple[int, dict | None, str | None]]:
+def _iter_saved_dataset(folder: str, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
     dataset = _load_saved_dataset(folder)
+    problem = _depth_problem(_schema_depth(dataset.data.schema))
+    as_arrow = dataset.with_format("arrow")
     for start in range(skip, len(dataset), _ROWS_PER_SLICE):
-        columns = dataset[start : start + _ROWS_PER_SLICE]
+        stop = min(start + _ROWS_PER_SLICE, len(dataset))
+        if problem:
+            yield from ((number + 1, None, problem) for number in range(start, stop))
+            continue
+        oversize = _oversize_rows(as_arrow[start:stop], max_bytes)
+        if oversize:
+            for offset in range(stop - start):
+                if offset in oversize:
+                    yield start + offset + 1, None, _size_problem(oversize[offset], max_bytes)
+                else:
+                    yield start + offset + 1, dataset[start + offset], None
+            continue
+        columns = dataset[start:stop]
         names = list(columns)
         for offset, values in enumerate(zip(*columns.values())):
             yield start + offset + 1, dict(zip(names, values)), None
@@ -396,26 +555,29 @@ def count_rows(files: Sequence[str]) -> int:
     return sum(_count_rows(entry) for entry in files)
 
 
-def _iter_entry(entry: str, skip: int) -> Iterator[tuple[int, dict | None, str | None]]:
+def _iter_entry(entry: str, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
     if os.path.isdir(entry):
-        return _iter_saved_dataset(entry, skip)
+        return _iter_saved_dataset(entry, skip, max_bytes)
     if entry.endswith(JSONL_SUFFIXES):
-        return _iter_jsonl(entry, skip)
+        return _iter_jsonl(entry, skip, max_bytes)
     if entry.endswith(PARQUET_SUFFIXES):
-        return _iter_parquet(entry, skip)
-    return _iter_batches(_arrow_batches(entry), skip)
+        return _iter_parquet(entry, skip, max_bytes)
+    return _iter_batches(_arrow_batches(entry), skip, max_bytes)
 
 
 def iter_rows(cfg: CorpusConfig, start_row: int = 0) -> Iterator[CorpusRow]:
     """Stream every corpus row in order, starting at global row index `start_row`.
 
     Rows before `start_row` are counted, not parsed, so a resumed build restarts cheaply.
-    Blank JSON Lines lines are not rows. Unreadable rows come back with `problem` set.
+    Blank JSON Lines lines are not rows. Unreadable rows come back with `problem` set, and so
+    do rows nested more than MAX_ROW_DEPTH levels deep or larger than
+    row_byte_limit(cfg.max_length) bytes (those are never parsed or converted).
     """
     if not _is_int(start_row) or start_row < 0:
         raise ConfigError(f"start_row={start_row!r} must be a non-negative integer")
     skip = start_row
     index = 0
+    max_bytes = row_byte_limit(cfg.max_length)
     for entry in list_corpus_files(cfg.data):
         if skip:
             count = _count_rows(entry)
@@ -424,7 +586,7 @@ def iter_rows(cfg: CorpusConfig, start_row: int = 0) -> Iterator[CorpusRow]:
                 index += count
                 continue
             index += skip
-        for number, data, problem in _iter_entry(entry, skip):
+        for number, data, problem in _iter_entry(entry, skip, max_bytes):
             yield CorpusRow(index=index, path=entry, row=number, data=data, problem=problem)
             index += 1
         skip = 0
@@ -564,7 +726,7 @@ def _search_start(messages: list[dict], i: int, text: str, render: Render, curso
 
 
 def assistant_char_spans(
-    messages: list[dict], text: str, render: Render, end_of_turn: Callable[[], str]
+    messages: list[dict], text: str, render: Render, end_of_turn: Callable[[], str], stop_at: int | None = None
 ) -> list[tuple[int, int]]:
     """Character spans [start, end) of `text` (the rendered chat) written by the assistant.
 
@@ -575,12 +737,17 @@ def assistant_char_spans(
     that rewrite earlier turns (Qwen3 strips old reasoning) break that; then the turn's content
     is located in `text` and extended by `end_of_turn()` when that text follows it. Raises
     ValueError when a turn cannot be located.
+
+    With `stop_at`, only spans starting before that character are wanted (a long chat is
+    tokenized only that far): the search ends at the first turn found to start at or after it.
     """
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        if stop_at is not None and cursor >= stop_at:
+            break
         # With no earlier message there is no generation prompt to measure the header by.
         prefix = None
         if i:
@@ -588,13 +755,15 @@ def assistant_char_spans(
                 prefix = render(messages[:i], True)
             except Exception:  # noqa: BLE001 - a template may refuse partial chats; fall back below
                 prefix = None
+        start = len(prefix) if prefix is not None and text.startswith(prefix) else None
+        if start is not None and start < cursor:
+            start = None
+        if stop_at is not None and start is not None and start >= stop_at:
+            break
         try:
             through = render(messages[: i + 1], False)
         except Exception:  # noqa: BLE001
             through = None
-        start = len(prefix) if prefix is not None and text.startswith(prefix) else None
-        if start is not None and start < cursor:
-            start = None
         if start is not None and through is not None and through.startswith(prefix) and text.startswith(through):
             end = len(through)
         else:
@@ -615,6 +784,8 @@ def assistant_char_spans(
                 end += len(marker)
             if start is None:
                 start = found[0]
+            if stop_at is not None and start >= stop_at:
+                break
         if end > start:
             spans.append((start, end))
         cursor = max(cursor, end)
@@ -661,7 +832,76 @@ def _chat_renderer(tokenizer) -> Render:
     return render
 
 
-def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+# A long text is first cut at this many characters per token of max_length, and at most at
+# _MAX_CUT_CHARS_PER_TOKEN (see _encode_prefix).
+_CUT_CHARS_PER_TOKEN = 32
+_MAX_CUT_CHARS_PER_TOKEN = 512
+
+Encode = Callable[[str, bool], tuple[np.ndarray, "np.ndarray | None"]]
+
+
+def _encoder(tokenizer, add_special_tokens: bool | None) -> Encode:
+    """encode(text, with_offsets) -> (int32 ids [T], int64 offsets [T, 2] or None).
+
+    add_special_tokens None means the tokenizer's default. Offsets come only from fast
+    tokenizers (None otherwise).
+    """
+    options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    fast = getattr(tokenizer, "is_fast", False)
+
+    def encode(text: str, with_offsets: bool):
+        if with_offsets and fast:
+            encoding = tokenizer(text, return_offsets_mapping=True, **options)
+            offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            return np.asarray(encoding["input_ids"], dtype=np.int32), offsets
+        return np.asarray(tokenizer(text, **options)["input_ids"], dtype=np.int32), None
+
+    return encode
+
+
+def _settled(ids: np.ndarray, offsets: np.ndarray | None, half: int) -> int:
+    """How many leading tokens of a cut text are those of the whole text: the tokens before the
+    first one that ends past `half` (the cut's middle). Special tokens added at the end end at
+    0, so they never count. Without offsets (slow tokenizers, plain text only) a heuristic: the
+    first half of the tokens."""
+    if offsets is None:
+        return len(ids) // 2
+    past = np.flatnonzero(offsets[:, 1] > half)
+    return int(past[0]) if len(past) else 0
+
+
+def _encode_prefix(text: str, encode: Encode, max_length: int, with_offsets: bool):
+    """Tokenize `text`, or only as much of its start as it takes to know its first max_length + 1
+    tokens, so a huge row costs the tokenizer memory in proportion to max_length, not to its size.
+
+    A text over 32 characters per token of max_length (8-16 times what typical tokens of 2-4
+    characters need) is cut there and its start tokenized. Tokens of a text's start are the
+    whole text's, except near the cut, where the last word may be split differently; so when
+    the first max_length + 1 tokens all end in the first half of the cut text, the text is
+    known to be longer than max_length and those are exactly its first max_length + 1 tokens.
+    Otherwise (tokens averaging over 16 characters) the cut doubles, up to 512 characters per
+    token, past the longest token of real vocabularies; a text still short of settled tokens
+    there keeps what is settled and counts as overlong. The tokenizer never sees more than
+    512 * max_length characters.
+
+    Returns (ids, offsets or None, cut): `cut` is how much of the text was tokenized, len(text)
+    when all of it was (then ids may be longer than max_length); with a shorter cut the row is
+    overlong and ids has at most max_length + 1 tokens.
+    """
+    cut = _CUT_CHARS_PER_TOKEN * max_length
+    while cut < len(text):
+        ids, offsets = encode(text[:cut], True)
+        settled = _settled(ids, offsets, cut // 2)
+        if settled > max_length or cut >= _MAX_CUT_CHARS_PER_TOKEN * max_length:
+            keep = min(settled, max_length + 1)
+            return ids[:keep], None if offsets is None else offsets[:keep], cut
+        cut *= 2
+    ids, offsets = encode(text, with_offsets)
+    return ids, offsets, len(text)
+
+
+def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(input ids, loss mask, whether the chat was cut): see _encode_prefix for the cut."""
     template = tokenizer.chat_template
     if not template:
         raise ConfigError("the tokenizer has no chat template, so chat rows cannot be rendered; use a chat tokenizer")
@@ -676,14 +916,14 @@ def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer) -> tuple[np.
         text = render(messages, False)
     except Exception as err:  # noqa: BLE001 - template errors (e.g. unsupported roles) are per row
         raise BadRowError(row.path, row.row, f"chat template failed: {err}") from None
+    input_ids, offsets, cut = _encode_prefix(text, _encoder(tokenizer, False), max_length, with_offsets=True)
+    was_cut = cut < len(text)
     try:
-        spans = assistant_char_spans(messages, text, render, lambda: _end_of_turn_text(render, cache_key))
+        spans = assistant_char_spans(messages, text, render, lambda: _end_of_turn_text(render, cache_key),
+                                     stop_at=cut if was_cut else None)
     except ValueError as err:
         raise BadRowError(row.path, row.row, str(err)) from None
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = np.asarray(encoding["input_ids"], dtype=np.int32)
-    offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    return input_ids, token_mask_from_spans(offsets, spans)
+    return input_ids, token_mask_from_spans(offsets, spans), was_cut
 
 
 def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSequence | str:
@@ -693,14 +933,20 @@ def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSeque
     than min_length tokens, or a chat with no assistant token left after truncation). Chats
     are rendered with the chat template and tokenized without adding special tokens again;
     plain text is tokenized with the tokenizer's defaults. Raises BadRowError for unusable rows.
+
+    A text far longer than max_length is not tokenized whole: only its start, as far as it
+    takes to know the first max_length + 1 tokens (see _encode_prefix), which are the tokens
+    the whole text would give. So truncation keeps the same tokens, and "drop" drops the same
+    rows, with tokenizer memory bounded by max_length.
     """
     content = parse_messages(row)
     if isinstance(content, str):
-        input_ids = np.asarray(tokenizer(content)["input_ids"], dtype=np.int32)
+        input_ids, _, cut = _encode_prefix(content, _encoder(tokenizer, None), cfg.max_length, with_offsets=False)
         loss_mask = np.ones(len(input_ids), dtype=np.uint8)
+        was_cut = cut < len(content)
     else:
-        input_ids, loss_mask = _tokenize_chat(row, content, tokenizer)
-    truncated = len(input_ids) > cfg.max_length
+        input_ids, loss_mask, was_cut = _tokenize_chat(row, content, tokenizer, cfg.max_length)
+    truncated = was_cut or len(input_ids) > cfg.max_length
     if truncated:
         if cfg.overlong == "drop":
             return "too_long"
