@@ -204,8 +204,16 @@ def verify(
 
 @app.command()
 def regenerate(
-    teacher: str = typer.Option(..., help="Teacher that writes the answers: a local folder or hub name of a chat model."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher that writes the answers: a local folder or hub name of a chat model (or use --endpoint)."),
     data: str = typer.Option(..., help="Source corpus (chat `messages` or ShareGPT `conversations`): file, folder or glob."),
+    endpoint: list[str] = typer.Option([], "--endpoint", help="Base URL of an OpenAI-compatible server (vLLM, SGLang) serving the teacher, e.g. http://127.0.0.1:8000/v1; repeat to spread requests over several."),
+    served_model: Optional[str] = typer.Option(None, help="With --endpoint: the model name the servers serve the teacher under."),
+    concurrency: int = typer.Option(8, help="With --endpoint: requests in flight at once, over all endpoints."),
+    api_key_env: Optional[str] = typer.Option(None, help="With --endpoint: environment variable holding the servers' API key."),
+    request_timeout: float = typer.Option(600.0, help="With --endpoint: seconds one request may take before it is retried."),
+    max_retries: int = typer.Option(5, help="With --endpoint: retries of a request after connection errors, timeouts, 429 or 5xx."),
+    on_truncated: str = typer.Option("keep", help="Answers cut at --max-new-tokens: keep (written, counted) or drop (row left out, counted)."),
+    reasoning: str = typer.Option("drop", help="Reasoning a server returns apart from the answer (reasoning_content): drop or keep."),
     out: str = typer.Option(..., help="Regenerated corpus, a .jsonl file; its parts go to OUT.parts/ until the merge."),
     max_new_tokens: int = typer.Option(2048, help="Longest answer per assistant turn, in tokens (longer ones are cut and counted)."),
     temperature: float = typer.Option(0.0, help="0 for greedy (the teacher's argmax), else the sampling temperature."),
@@ -228,6 +236,8 @@ def regenerate(
     progress = BarProgress(enabled=not quiet)
 
     def action():
+        from dflash_cache.chat_server import ServerConfig
+        from dflash_cache.errors import ConfigError
         from dflash_cache.regenerate import RegenerateConfig, merge_parts, ranks_from_env
         from dflash_cache.regenerate import regenerate as regenerate_corpus
         from dflash_cache.teacher import TeacherConfig
@@ -235,11 +245,20 @@ def regenerate(
         if merge_only:
             result = merge_parts(out, progress)
         else:
+            if bool(teacher) == bool(endpoint):
+                raise ConfigError("give --teacher (generate here with transformers) or --endpoint with --served-model "
+                                  "(ask inference servers), not both or neither")
+            if endpoint and not served_model:
+                raise ConfigError("--endpoint needs --served-model, the name the server serves the teacher under "
+                                  "(see its /v1/models)")
             rank, world_size = ranks_from_env()
+            server = ServerConfig(endpoints=tuple(endpoint), served_model=served_model, concurrency=concurrency,
+                                  api_key_env=api_key_env, request_timeout=request_timeout,
+                                  max_retries=max_retries) if endpoint else None
             cfg = RegenerateConfig(
-                data=data, out=out,
-                teacher=TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype, device=_device(device),
-                                      trust_remote_code=trust_remote_code),
+                data=data, out=out, server=server, on_truncated=on_truncated, reasoning=reasoning,
+                teacher=None if server else TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype,
+                                                          device=_device(device), trust_remote_code=trust_remote_code),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,
                 keep_turns=keep_turns, on_bad_row=on_bad_row, seed=seed, rows_per_part=rows_per_part,
                 overwrite=overwrite, rank=rank, world_size=world_size,

@@ -46,6 +46,7 @@ from itertools import groupby
 import torch
 import xxhash
 
+from dflash_cache.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
 from dflash_cache.corpus import (
     BAD_ROW_POLICIES,
     CorpusConfig,
@@ -62,14 +63,18 @@ from dflash_cache.progress import Progress
 from dflash_cache.teacher import TeacherConfig, load_teacher, tokenizer_hashes
 
 KEEP_TURNS = ("first", "all")
+TRUNCATED_POLICIES = ("keep", "drop")
+REASONING_POLICIES = ("drop", "keep")
 SETTINGS = ".settings.json"
 # A part's or record's temporary name (see _write_atomic): ".part-000003.jsonl.tmp-1a2b3c4d".
 _PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
 _SETTINGS_FORMAT = "dflash-regenerate"
 _SETTINGS_VERSION = 1
 # Settings that change what is written; a resume must match all of them.
-RESUME_KEYS = ("teacher", "tokenizer", "dtype", "corpus", "rows_per_part", "max_new_tokens",
-               "keep_turns", "sampling")
+RESUME_KEYS = ("backend", "teacher", "tokenizer", "dtype", "corpus", "rows_per_part", "max_new_tokens",
+               "keep_turns", "sampling", "on_truncated", "reasoning")
+# What settings files written before a key existed meant by its absence.
+_SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop"}
 
 
 def _is_int(value) -> bool:
@@ -87,8 +92,9 @@ class RegenerateConfig:
     out: str
     """The regenerated corpus, a local `.jsonl` file; its parts go to the sibling `.parts` folder."""
 
-    teacher: TeacherConfig
-    """Which model writes the answers (name_or_path, revision, dtype and device are used)."""
+    teacher: TeacherConfig | None
+    """Which model writes the answers (name_or_path, revision, dtype and device are used); None
+    with `server`, whose endpoints serve it."""
 
     max_new_tokens: int = 2048
     """Longest answer per assistant turn, in tokens; longer answers are cut and counted."""
@@ -128,13 +134,31 @@ class RegenerateConfig:
     world_size: int = 1
     """Number of processes sharing the work (torchrun's WORLD_SIZE)."""
 
+    server: ServerConfig | None = None
+    """Ask OpenAI-compatible inference servers (vLLM, SGLang) instead of loading the teacher here."""
+
+    on_truncated: str = "keep"
+    """An answer cut at max_new_tokens (finish_reason 'length'): 'keep' writes it and counts it as
+    truncated; 'drop' leaves its row out, counted as skipped 'truncated'."""
+
+    reasoning: str = "drop"
+    """Reasoning a server returns apart from the answer (reasoning_content): 'drop' it, or 'keep'
+    it as the message's reasoning_content, which chat templates render the teacher's way."""
+
     def __post_init__(self):
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"data={self.data!r} is empty; pass the source corpus file, folder or glob")
         if not isinstance(self.out, str) or not self.out.endswith(".jsonl"):
             raise ConfigError(f"out={self.out!r} must be a .jsonl file path; e.g. regenerated.jsonl")
-        if not isinstance(self.teacher, TeacherConfig):
-            raise ConfigError(f"teacher={self.teacher!r} must be a TeacherConfig; e.g. TeacherConfig('Qwen/Qwen3-8B')")
+        if self.server is None and not isinstance(self.teacher, TeacherConfig):
+            raise ConfigError(f"teacher={self.teacher!r} must be a TeacherConfig; e.g. TeacherConfig('Qwen/Qwen3-8B'), "
+                              "or ask servers with --endpoint and --served-model")
+        if self.server is not None and not isinstance(self.server, ServerConfig):
+            raise ConfigError(f"server={self.server!r} must be a ServerConfig")
+        if self.on_truncated not in TRUNCATED_POLICIES:
+            raise ConfigError(f"on_truncated={self.on_truncated!r} is unknown; use 'keep' or 'drop'")
+        if self.reasoning not in REASONING_POLICIES:
+            raise ConfigError(f"reasoning={self.reasoning!r} is unknown; use 'drop' or 'keep'")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer; e.g. 2048")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -306,8 +330,9 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def settings_mismatch(existing: dict, current: dict, keys: Iterable[str] = RESUME_KEYS) -> str | None:
     """The first of `keys` whose value differs, said for a user, or None."""
     for key in keys:
-        if existing.get(key) != current.get(key):
-            return f"{key} differs (earlier run: {_short(existing.get(key))}, this run: {_short(current.get(key))})"
+        before = existing.get(key, _SETTINGS_DEFAULTS.get(key))
+        if before != current.get(key):
+            return f"{key} differs (earlier run: {_short(before)}, this run: {_short(current.get(key))})"
     return None
 
 
@@ -456,6 +481,70 @@ class TeacherGenerator:
     def decode(self, ids: list[int]) -> str:
         return strip_end_of_turn(self.tokenizer.decode(ids, skip_special_tokens=True), self.end_of_turn)
 
+    def answer_rounds(self, pending: list["_Conversation"], cfg: RegenerateConfig):
+        """(batch, answers) per generate call over the pending conversations; an answer is a
+        Completion, or a problem string for a row whose chat template fails."""
+        rendered = []
+        for conversation in pending:
+            try:
+                rendered.append((conversation, self.render(conversation.messages)))
+            except Exception as err:  # noqa: BLE001 - template errors are per row
+                first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+                yield [conversation], [f"chat template failed: {first_line}"]
+        # Longest first, stable: similar lengths share a batch and the order is reproducible.
+        rendered.sort(key=lambda item: -len(item[1]))
+        for start in range(0, len(rendered), cfg.batch_size):
+            batch = rendered[start:start + cfg.batch_size]
+            sampler = None
+            if not cfg.greedy:
+                generators = []
+                for conversation, _ in batch:
+                    g = torch.Generator(device=self.device)
+                    g.manual_seed(sample_seed(cfg.seed, conversation.id, conversation.turn))
+                    generators.append(g)
+                sampler = RowSampler(generators, cfg.temperature, cfg.top_p)
+            answers = self.generate([prompt for _, prompt in batch], cfg.max_new_tokens, sampler)
+            yield [c for c, _ in batch], [
+                Completion(text=self.decode(ids), reasoning=None, tokens=len(ids) + (1 if stopped else 0),
+                           finish_reason="stop" if stopped else "length") for ids, stopped in answers]
+
+
+@dataclass
+class ServerGenerator:
+    """OpenAI-compatible servers answering for the teacher (`dflash_cache.chat_server`)."""
+
+    servers: ChatServers
+    identity: dict
+
+    def answer_rounds(self, pending: list["_Conversation"], cfg: RegenerateConfig):
+        """(batch, answers) per group of requests; `concurrency` of them are in flight at once."""
+        group = cfg.server.concurrency * 4
+        for start in range(0, len(pending), group):
+            batch = pending[start:start + group]
+            bodies = [self.body(c, cfg) for c in batch]
+            answers = self.servers.complete_many(bodies)
+            yield batch, [str(a) if isinstance(a, RequestRefused) else a for a in answers]
+
+    @staticmethod
+    def body(conversation: "_Conversation", cfg: RegenerateConfig) -> dict:
+        """The chat-completions request of a conversation's next answer."""
+        body = {"messages": conversation.messages, "max_tokens": cfg.max_new_tokens,
+                "temperature": float(cfg.temperature), "top_p": float(cfg.top_p) if not cfg.greedy else 1.0}
+        if not cfg.greedy:  # each answer its own stream, as the local backend draws it
+            body["seed"] = sample_seed(cfg.seed, conversation.id, conversation.turn) & 0x7FFFFFFF
+        return body
+
+
+def load_server_generator(cfg: ServerConfig, on_retry=lambda url, error: None) -> ServerGenerator:
+    """Servers ready to answer; refuses a --served-model the first endpoint does not serve."""
+    servers = ChatServers(cfg, on_retry)
+    served = servers.model_ids()
+    if cfg.served_model not in served:
+        servers.close()
+        raise ConfigError(f"--served-model {cfg.served_model!r} is not served at {cfg.endpoints[0]} (it serves "
+                          f"{', '.join(served) or 'nothing'}); pass one of those names")
+    return ServerGenerator(servers=servers, identity={"served_model": cfg.served_model})
+
 
 def load_generator(cfg: TeacherConfig) -> TeacherGenerator:
     """Load the teacher for generation, with none of its shipped sampling defaults.
@@ -494,12 +583,32 @@ def _bad(cfg: RegenerateConfig, err: BadRowError, skipped: Counter) -> None:
     skipped["bad_row"] += 1
 
 
-def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: TeacherGenerator,
+def _accept(cfg: RegenerateConfig, conversation: _Conversation, text: str, reasoning: str | None, stopped: bool,
+            skipped: Counter) -> tuple[bool, bool]:
+    """Record one answer; returns (the conversation is finished now, the answer was cut)."""
+    cut = not stopped
+    if cut and cfg.on_truncated == "drop":
+        conversation.failed = "truncated"
+        skipped["truncated"] += 1
+        return True, cut
+    message = {"role": "assistant", "content": text}
+    if reasoning and cfg.reasoning == "keep":
+        message["reasoning_content"] = reasoning
+    conversation.messages.append(message)
+    conversation.turn += 1
+    if conversation.turn < len(conversation.groups):
+        conversation.messages.extend(conversation.groups[conversation.turn])
+        return False, cut
+    return True, cut
+
+
+def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGenerator",
                     on_batch=lambda rows_done, tokens: None) -> _PartOutcome:
     """Regenerate the answers of `rows` and return the output rows in source order.
 
-    Every pending answer of a round is generated in batches of similar prompt length; round
-    j answers turn j of every conversation that has one, so turn j sees regenerated turns < j.
+    Every pending answer of a round is generated in batches (of similar prompt length for the
+    local teacher; `concurrency` requests in flight for servers); round j answers turn j of every
+    conversation that has one, so turn j sees regenerated turns < j.
     """
     skipped: Counter = Counter()
     conversations: list[_Conversation] = []
@@ -511,42 +620,21 @@ def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: TeacherGe
             on_batch(1, 0)
     tokens = truncated = 0
     while True:
-        pending = []
-        for conversation in conversations:
-            if conversation.done:
-                continue
-            try:
-                pending.append((conversation, gen.render(conversation.messages)))
-            except Exception as err:  # noqa: BLE001 - template errors are per row
-                first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-                conversation.failed = f"chat template failed: {first_line}"
-                _bad(cfg, BadRowError(conversation.row.path, conversation.row.row, conversation.failed), skipped)
-                on_batch(1, 0)
+        pending = [c for c in conversations if not c.done]
         if not pending:
             break
-        # Longest first, stable: similar lengths share a batch and the order is reproducible.
-        pending.sort(key=lambda item: -len(item[1]))
-        for start in range(0, len(pending), cfg.batch_size):
-            batch = pending[start:start + cfg.batch_size]
-            sampler = None
-            if not cfg.greedy:
-                generators = []
-                for conversation, _ in batch:
-                    g = torch.Generator(device=gen.device)
-                    g.manual_seed(sample_seed(cfg.seed, conversation.id, conversation.turn))
-                    generators.append(g)
-                sampler = RowSampler(generators, cfg.temperature, cfg.top_p)
-            answers = gen.generate([prompt for _, prompt in batch], cfg.max_new_tokens, sampler)
+        for batch, answers in gen.answer_rounds(pending, cfg):
             finished = batch_tokens = 0
-            for (conversation, _), (ids, stopped) in zip(batch, answers):
-                conversation.messages.append({"role": "assistant", "content": gen.decode(ids)})
-                conversation.turn += 1
-                if conversation.turn < len(conversation.groups):
-                    conversation.messages.extend(conversation.groups[conversation.turn])
-                else:
+            for conversation, answer in zip(batch, answers):
+                if isinstance(answer, str):  # a problem of this row
+                    conversation.failed = answer
+                    _bad(cfg, BadRowError(conversation.row.path, conversation.row.row, answer), skipped)
                     finished += 1
-                batch_tokens += len(ids) + (1 if stopped else 0)
-                truncated += 0 if stopped else 1
+                    continue
+                done, cut = _accept(cfg, conversation, answer.text, answer.reasoning, answer.stopped, skipped)
+                finished += done
+                truncated += cut
+                batch_tokens += answer.tokens
             tokens += batch_tokens
             on_batch(finished, batch_tokens)
     out = [{"id": c.id, "messages": c.messages} for c in conversations if c.failed is None]
@@ -719,20 +807,27 @@ def _plain_settings(cfg: RegenerateConfig, files: list[str], total_rows: int) ->
     # Greedy decoding ignores seed and top-p, so changing them does not change the output.
     sampling = ({"temperature": 0.0} if cfg.greedy else
                 {"temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "seed": cfg.seed})
+    server = cfg.server
     return {
         "format": _SETTINGS_FORMAT,
         "version": _SETTINGS_VERSION,
-        "teacher_name": cfg.teacher.name_or_path,
-        "dtype": cfg.teacher.dtype,
+        "backend": "server" if server else "transformers",
+        # the endpoints may move (other hosts, ports); the served model and the settings define the output
+        "teacher_name": server.served_model if server else cfg.teacher.name_or_path,
+        "dtype": None if server else cfg.teacher.dtype,
         "corpus": {"fingerprint": corpus_fingerprint(files), "rows": total_rows},
         "rows_per_part": cfg.rows_per_part,
         "max_new_tokens": cfg.max_new_tokens,
         "keep_turns": cfg.keep_turns,
         "sampling": sampling,
+        "on_truncated": cfg.on_truncated,
+        "reasoning": cfg.reasoning,
     }
 
 
-def _teacher_settings(gen: TeacherGenerator) -> dict:
+def _teacher_settings(gen: "TeacherGenerator | ServerGenerator") -> dict:
+    if isinstance(gen, ServerGenerator):
+        return {"teacher": gen.identity, "tokenizer": None}
     identity = {k: v for k, v in gen.identity.items() if k not in ("name", "revision")}  # hashes name it; paths move
     return {"teacher": identity, "tokenizer": tokenizer_hashes(gen.tokenizer)}
 
@@ -813,7 +908,18 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     existing = None if cfg.overwrite else _read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
     if existing is not None:  # refuse what can be refused before spending minutes loading a large teacher
         _refuse_mismatch(cfg, existing, settings, [k for k in RESUME_KEYS if k in settings])
-    gen = load_generator(cfg.teacher)
+    if cfg.server is not None:
+        gen = load_server_generator(cfg.server, on_retry=lambda url, error: progress.message(
+            f"retrying a request to {url} ({error[:160]})"))
+        try:
+            return _regenerate_with(cfg, gen, settings, files, total_rows, progress)
+        finally:
+            gen.servers.close()
+    return _regenerate_with(cfg, load_generator(cfg.teacher), settings, files, total_rows, progress)
+
+
+def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGenerator", settings: dict,
+                     files: list[str], total_rows: int, progress: Progress) -> RegenerateResult:
     merged = _prepare(cfg, {**settings, **_teacher_settings(gen)})
     if merged is not None:
         result = _complete_result(cfg.out, merged)
@@ -839,8 +945,10 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
         stats["rows"] += rows_done
         stats["tokens"] += tokens
         elapsed = max(time.perf_counter() - started, 1e-9)
-        progress.advance(rows_done, **{"rows/s": f"{stats['rows'] / elapsed:,.2f}",
-                                       "tok/s": f"{stats['tokens'] / elapsed:,.0f}"})
+        rates = {"rows/s": f"{stats['rows'] / elapsed:,.2f}", "tok/s": f"{stats['tokens'] / elapsed:,.0f}"}
+        if isinstance(gen, ServerGenerator):
+            rates["retries"] = str(gen.servers.retries)
+        progress.advance(rows_done, **rates)
 
     written = 0
     spans = [part_rows(i, cfg.rows_per_part, total_rows) for i in todo]
