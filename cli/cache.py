@@ -35,7 +35,8 @@ def _build_config(**o):
     return BuildConfig(
         out=o["out"],
         corpus=CorpusConfig(data=o["data"], max_length=o["max_length"], overlong=o["overlong"],
-                            min_length=o["min_length"], on_bad_row=o["on_bad_row"]),
+                            min_length=o["min_length"], on_bad_row=o["on_bad_row"],
+                            chat_template_kwargs=json_option(o["chat_template_kwargs"], "--chat-template-kwargs")),
         teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]), device_map=o["device_map"],
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
                               top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"],
@@ -72,6 +73,7 @@ def build(
     compression: str = typer.Option("none", help="Hidden-state compression: none or zstd."),
     hidden_format: str = typer.Option("lossless", help="Hidden-state storage: lossless (the --dtype's exact bits) or fp8_e4m3 (half of bf16's bytes, ~2.7% relative error, read back as --dtype)."),
     on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}'; build, regenerate, eval and serving must agree."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
     overwrite: bool = typer.Option(False, help="Delete an existing cache at --out and build from scratch (default: resume it)."),
     dry_run: bool = typer.Option(False, help="Tokenize only and estimate sequences, tokens, bytes and shards."),
@@ -214,6 +216,7 @@ def regenerate(
     max_retries: int = typer.Option(5, help="With --endpoint: retries of a request after connection errors, timeouts, 429 or 5xx."),
     on_truncated: str = typer.Option("keep", help="Answers cut at --max-new-tokens: keep (written, counted) or drop (row left out, counted)."),
     reasoning: str = typer.Option("drop", help="Reasoning a server returns apart from the answer (reasoning_content): drop or keep."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}'; build, regenerate, eval and serving must agree."),
     out: str = typer.Option(..., help="Regenerated corpus, a .jsonl file; its parts go to OUT.parts/ until the merge."),
     max_new_tokens: int = typer.Option(2048, help="Longest answer per assistant turn, in tokens (longer ones are cut and counted)."),
     temperature: float = typer.Option(0.0, help="0 for greedy (the teacher's argmax), else the sampling temperature."),
@@ -257,6 +260,7 @@ def regenerate(
                                   max_retries=max_retries) if endpoint else None
             cfg = RegenerateConfig(
                 data=data, out=out, server=server, on_truncated=on_truncated, reasoning=reasoning,
+                chat_template_kwargs=json_option(chat_template_kwargs, "--chat-template-kwargs"),
                 teacher=None if server else TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype,
                                                           device=_device(device), trust_remote_code=trust_remote_code),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,

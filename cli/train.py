@@ -195,6 +195,8 @@ def eval_(
     vllm_python: Optional[str] = typer.Option(None, help="Python of an environment with vLLM (default: $DFLASH_VLLM_PYTHON, "
                                               "else .venv-vllm/bin/python from `make serving`)."),
     trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with)."),
+    allow_template_mismatch: bool = typer.Option(False, help="Render prompts with --chat-template-kwargs even when the cache was built with others."),
     out: Optional[str] = typer.Option(None, help="JSON report (default: eval.json next to the checkpoint); a PNG goes beside it."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
@@ -226,8 +228,14 @@ def eval_(
                       ("held-out loss", f"{o['loss']:.4f}")]
         path = Path(out) if out else Path(checkpoint) / "eval.json"
         if teacher and prompts:
+            from dflash_train.decoding import resolve_template_kwargs
+
+            kwargs = resolve_template_kwargs(checkpoint, cache, json_option(chat_template_kwargs, "--chat-template-kwargs"),
+                                             allow_template_mismatch, json_option(storage_options, "--storage-options"))
+            report["chat_template_kwargs"] = kwargs
             real, real_lines = _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens,
-                                     temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet, trust_remote_code)
+                                     temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet, trust_remote_code,
+                                     kwargs)
             report.update(real)
             lines += real_lines
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -252,7 +260,7 @@ ENGINES = ("dflash", "vllm", "both")
 
 
 def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperature, top_p,
-          vllm_python, vllm_log, quiet, trust_remote_code=False) -> tuple[dict, list[tuple[str, str]]]:
+          vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None) -> tuple[dict, list[tuple[str, str]]]:
     """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
     from dflash_cache.errors import ConfigError
     from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts, stop_ids
@@ -268,7 +276,7 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
         find_vllm_python(vllm_python)  # fail before loading anything
     dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
     t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
-    prompt_list = read_prompts(prompts, t.tokenizer, max_prompts)
+    prompt_list = read_prompts(prompts, t.tokenizer, max_prompts, template_kwargs)
     spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
     report: dict = {}
     lines: list[tuple[str, str]] = []
@@ -342,25 +350,28 @@ def generate(
     teacher_dtype: str = typer.Option("auto", help="auto = bfloat16 on CUDA, float32 on CPU."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
+    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with)."),
+    allow_template_mismatch: bool = typer.Option(False, help="Render prompts with --chat-template-kwargs even when the cache was built with others."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ):
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
 
     def action():
         from dflash_cache.teacher import resolve_device
-        from dflash_train.decoding import load_pair, stop_ids
+        from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs, stop_ids
         from dflash_train.speculative import SpecConfig, speculative_generate
 
         dev = resolve_device(device)
         dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+        kwargs = resolve_template_kwargs(checkpoint, None, json_option(chat_template_kwargs, "--chat-template-kwargs"),
+                                         allow_template_mismatch)
         t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
-        ids = t.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=True)["input_ids"]
+        ids = prompt_ids(t.tokenizer, [{"role": "user", "content": prompt}], kwargs)
         spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
         result = speculative_generate(t.model, drafter, list(ids), spec)
         typer.echo(t.tokenizer.decode(result.tokens, skip_special_tokens=True))
         mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
-        typer.echo(f"[{len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards, accepted length {mean:.2f}, "
+        typer.echo(f"[{len(ids)} prompt tokens, {len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards, accepted length {mean:.2f}, "
                    f"{len(result.tokens) / result.seconds:,.1f} tokens/s; per forward: {result.accepted_lengths}]", err=True)
 
     run(action, debug)

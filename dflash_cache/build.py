@@ -105,8 +105,11 @@ class DryRunEstimate:
 
 def _content_options(cfg: BuildConfig) -> dict:
     c = cfg.corpus
-    return {"max_length": c.max_length, "overlong": c.overlong, "min_length": c.min_length,
-            "shard_bytes": cfg.storage.shard_bytes, "world_size": cfg.world_size}
+    options = {"max_length": c.max_length, "overlong": c.overlong, "min_length": c.min_length,
+               "shard_bytes": cfg.storage.shard_bytes, "world_size": cfg.world_size}
+    if c.chat_template_kwargs:  # absent for caches built before it existed and for none given
+        options["chat_template_kwargs"] = c.chat_template_kwargs
+    return options
 
 
 def _sequence_or_skip(row, tokenizer, cfg: CorpusConfig, seen: dict[str, int]):

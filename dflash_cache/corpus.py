@@ -96,12 +96,16 @@ class CorpusConfig:
     on_bad_row: str = "fail"
     """What the build does with an unusable row: "fail" (stop with its file and row) or
     "skip" (count it and go on)."""
+    chat_template_kwargs: dict | None = None
+    """Extra variables for the chat template (e.g. {"enable_thinking": false}), the same ones the
+    corpus was regenerated with and the drafter will be served with; recorded in the manifest."""
 
     def __post_init__(self):
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"corpus data={self.data!r} is empty; pass a file, folder or glob")
         if not _is_int(self.max_length) or self.max_length < 1:
-            raise ConfigError(f"max_length={self.max_length!r} must be a positive integer; e.g. 4096")
+            raise ConfigError(f"--max-length {self.max_length!r} must be a positive integer; e.g. 4096")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.overlong not in OVERLONG_POLICIES:
             raise ConfigError(f"overlong={self.overlong!r} is unknown; use 'truncate' or 'drop'")
         if not _is_int(self.min_length) or not 1 <= self.min_length <= self.max_length:
@@ -823,11 +827,29 @@ def _end_of_turn_text(render: Render, key: tuple[str, str]) -> str:
     return _end_of_turn_cache[key]
 
 
-def _chat_renderer(tokenizer) -> Render:
+def check_template_kwargs(kwargs) -> None:
+    """Refuse chat-template variables that are not a JSON object of plain values."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError):
+        raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The chat as text through the tokenizer's template: the one rendering build, regenerate,
+    eval and generate share, so the drafter is trained and measured on the prompts it is served."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+
+
+def _chat_renderer(tokenizer, chat_template_kwargs: dict | None = None) -> Render:
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return render_chat(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     return render
 
@@ -900,7 +922,8 @@ def _encode_prefix(text: str, encode: Encode, max_length: int, with_offsets: boo
     return ids, offsets, len(text)
 
 
-def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: int) -> tuple[np.ndarray, np.ndarray, bool]:
+def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: int,
+                   chat_template_kwargs: dict | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
     """(input ids, loss mask, whether the chat was cut): see _encode_prefix for the cut."""
     template = tokenizer.chat_template
     if not template:
@@ -909,9 +932,9 @@ def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: 
         raise ConfigError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer; loss masks need offsets")
     if isinstance(template, dict):  # several named templates: apply_chat_template uses "default"
         template = json.dumps(template, sort_keys=True)
-    render = _chat_renderer(tokenizer)
-    # The template also sees the special tokens (e.g. `{{ eos_token }}`), so they are part of the key.
-    cache_key = (template, str(tokenizer.special_tokens_map))
+    render = _chat_renderer(tokenizer, chat_template_kwargs)
+    # The template also sees the special tokens (e.g. `{{ eos_token }}`) and the kwargs, so they are part of the key.
+    cache_key = (template, str(tokenizer.special_tokens_map) + json.dumps(chat_template_kwargs, sort_keys=True))
     try:
         text = render(messages, False)
     except Exception as err:  # noqa: BLE001 - template errors (e.g. unsupported roles) are per row
@@ -945,7 +968,7 @@ def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSeque
         loss_mask = np.ones(len(input_ids), dtype=np.uint8)
         was_cut = cut < len(content)
     else:
-        input_ids, loss_mask, was_cut = _tokenize_chat(row, content, tokenizer, cfg.max_length)
+        input_ids, loss_mask, was_cut = _tokenize_chat(row, content, tokenizer, cfg.max_length, cfg.chat_template_kwargs)
     truncated = was_cut or len(input_ids) > cfg.max_length
     if truncated:
         if cfg.overlong == "drop":

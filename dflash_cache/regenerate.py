@@ -51,11 +51,13 @@ from dflash_cache.corpus import (
     BAD_ROW_POLICIES,
     CorpusConfig,
     CorpusRow,
+    check_template_kwargs,
     corpus_fingerprint,
     count_rows,
     iter_rows,
     list_corpus_files,
     parse_messages,
+    render_chat,
     row_id,
 )
 from dflash_cache.errors import BadRowError, ConfigError, TeacherError
@@ -72,9 +74,9 @@ _SETTINGS_FORMAT = "dflash-regenerate"
 _SETTINGS_VERSION = 1
 # Settings that change what is written; a resume must match all of them.
 RESUME_KEYS = ("backend", "teacher", "tokenizer", "dtype", "corpus", "rows_per_part", "max_new_tokens",
-               "keep_turns", "sampling", "on_truncated", "reasoning")
+               "keep_turns", "sampling", "on_truncated", "reasoning", "chat_template_kwargs")
 # What settings files written before a key existed meant by its absence.
-_SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop"}
+_SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop", "chat_template_kwargs": None}
 
 
 def _is_int(value) -> bool:
@@ -145,6 +147,10 @@ class RegenerateConfig:
     """Reasoning a server returns apart from the answer (reasoning_content): 'drop' it, or 'keep'
     it as the message's reasoning_content, which chat templates render the teacher's way."""
 
+    chat_template_kwargs: dict | None = None
+    """Extra chat-template variables (e.g. {"enable_thinking": false}): passed to the local
+    template, or sent to servers as chat_template_kwargs; build, eval and serving must use the same."""
+
     def __post_init__(self):
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"data={self.data!r} is empty; pass the source corpus file, folder or glob")
@@ -157,6 +163,7 @@ class RegenerateConfig:
             raise ConfigError(f"server={self.server!r} must be a ServerConfig")
         if self.on_truncated not in TRUNCATED_POLICIES:
             raise ConfigError(f"on_truncated={self.on_truncated!r} is unknown; use 'keep' or 'drop'")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.reasoning not in REASONING_POLICIES:
             raise ConfigError(f"reasoning={self.reasoning!r} is unknown; use 'drop' or 'keep'")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -452,9 +459,9 @@ class TeacherGenerator:
     end_of_turn: str
     identity: dict
 
-    def render(self, messages: list[dict]) -> list[int]:
+    def render(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         # Rendered to text then tokenized without special tokens, as the build tokenizes chats.
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(self.tokenizer, messages, True, chat_template_kwargs)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @torch.inference_mode()
@@ -487,7 +494,7 @@ class TeacherGenerator:
         rendered = []
         for conversation in pending:
             try:
-                rendered.append((conversation, self.render(conversation.messages)))
+                rendered.append((conversation, self.render(conversation.messages, cfg.chat_template_kwargs)))
             except Exception as err:  # noqa: BLE001 - template errors are per row
                 first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
                 yield [conversation], [f"chat template failed: {first_line}"]
@@ -532,6 +539,8 @@ class ServerGenerator:
                 "temperature": float(cfg.temperature), "top_p": float(cfg.top_p) if not cfg.greedy else 1.0}
         if not cfg.greedy:  # each answer its own stream, as the local backend draws it
             body["seed"] = sample_seed(cfg.seed, conversation.id, conversation.turn) & 0x7FFFFFFF
+        if cfg.chat_template_kwargs:
+            body["chat_template_kwargs"] = cfg.chat_template_kwargs
         return body
 
 
@@ -822,6 +831,7 @@ def _plain_settings(cfg: RegenerateConfig, files: list[str], total_rows: int) ->
         "sampling": sampling,
         "on_truncated": cfg.on_truncated,
         "reasoning": cfg.reasoning,
+        "chat_template_kwargs": cfg.chat_template_kwargs,
     }
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from dflash_cache import format as fmt
-from dflash_cache.errors import ConfigError
+from dflash_cache.corpus import render_chat
+from dflash_cache.errors import ConfigError, DFlashError
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_train.data import collate
@@ -30,7 +31,14 @@ class Prompt:
     ids: list[int]
 
 
-def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[Prompt]:
+def prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    """A chat's prompt tokens, rendered and tokenized the way the build tokenizes chats."""
+    text = render_chat(tokenizer, messages, True, chat_template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def read_prompts(path: str, tokenizer, limit: int | None = None,
+                 chat_template_kwargs: dict | None = None) -> list[Prompt]:
     """Prompts from JSONL rows with `messages` (system/user turns; trailing assistant turns are
     dropped) or `prompt` (plain text, wrapped as one user turn)."""
     prompts = []
@@ -44,13 +52,52 @@ def read_prompts(path: str, tokenizer, limit: int | None = None) -> list[Prompt]
             raise ConfigError(f"{path} row {number}: expected a JSON object with 'messages' or 'prompt'") from None
         while messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        prompts.append(Prompt(id=str(row.get("id", f"prompt-{number}")), ids=list(ids)))
+        prompts.append(Prompt(id=str(row.get("id", f"prompt-{number}")), ids=prompt_ids(tokenizer, messages, chat_template_kwargs)))
         if limit and len(prompts) >= limit:
             break
     if not prompts:
         raise ConfigError(f"{path} holds no prompts")
     return prompts
+
+
+def recorded_template_kwargs(checkpoint: str, cache_url: str | None, storage_options: dict | None = None
+                             ) -> tuple[dict | None, str | None]:
+    """The chat-template kwargs the drafter's cache was built with, and which cache said so:
+    --cache, else the cache named in the run's config.json (RUN/drafter or a step folder).
+    (None, None) when no cache can be found or opened."""
+    from dflash_cache import open_cache
+
+    if cache_url is None:
+        folder = Path(checkpoint)
+        for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
+            try:
+                values = json.loads(candidate.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(values, dict) and isinstance(values.get("cache"), str) and "optim" in values:
+                cache_url = values["cache"]
+                break
+    if cache_url is None:
+        return None, None
+    try:
+        cache = open_cache(cache_url, storage_options)
+    except DFlashError:
+        return None, None
+    return cache.chat_template_kwargs, cache_url
+
+
+def resolve_template_kwargs(checkpoint: str, cache_url: str | None, given: dict | None, allow_mismatch: bool,
+                            storage_options: dict | None = None) -> dict | None:
+    """The kwargs to render prompts with: the cache's by default; a different --chat-template-kwargs
+    only with allow_mismatch, since the drafter learned prompts rendered the cache's way."""
+    recorded, source = recorded_template_kwargs(checkpoint, cache_url, storage_options)
+    if given is None:
+        return recorded
+    if source is not None and (given or None) != (recorded or None) and not allow_mismatch:
+        raise ConfigError(f"--chat-template-kwargs {json.dumps(given)} differs from {json.dumps(recorded)}, which the "
+                          f"cache {source} was built with, so the drafter is measured on prompts it never learned; drop "
+                          "the option (the cache's setting is the default) or pass --allow-template-mismatch")
+    return given
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
@@ -108,7 +155,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         spec = speculative_generate(teacher.model, drafter, prompt.ids, cfg)
         base_results.append(base)
         spec_results.append(spec)
-        row = {"id": prompt.id, "new_tokens": len(spec.tokens), "accepted_length": _mean(spec),
+        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(spec.tokens), "accepted_length": _mean(spec),
                "matched_teacher": spec.tokens == base.tokens}
         if cfg.temperature == 0:
             p, r = offline_estimate(teacher, drafter, prompt, base.tokens)

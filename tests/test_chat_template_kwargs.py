@@ -1,0 +1,130 @@
+"""One chat-template setting end to end: regenerate, build, eval and generate render with it.
+
+The template here reads `enable_thinking`, as Qwen3's does: with thinking on, the assistant turn
+opens with an empty think block; with it off, it does not. A drafter trained on one rendering
+and served with the other accepts far less (z-lab/dflash #60), so the cache records the setting
+and eval/generate use it by default and refuse another unless told.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import qa_rows, write_jsonl
+from typer.testing import CliRunner
+
+from cli.cache import app as cache_app
+from cli.train import app as train_app
+from dflash_cache import open_cache
+
+BIN = Path(sys.executable).parent
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' and enable_thinking is not false %}{{- 'think: ' }}{%- endif %}"
+    "{{- message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is not false %}{{- 'think: ' }}{%- endif %}{%- endif %}"
+)
+OFF = json.dumps({"enable_thinking": False})
+
+
+@pytest.fixture(scope="module")
+def thinking_teacher(tmp_path_factory, teacher_dir) -> str:
+    folder = tmp_path_factory.mktemp("thinking") / "teacher"
+    shutil.copytree(teacher_dir("qwen3"), folder)
+    (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _build(teacher, data, out, *extra):
+    result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher, "--data", data, "--out", str(out),
+                                            "--dtype", "float32", "--layers", "0,2", "--top-k", "4", "--quiet", *extra])
+    assert result.exit_code == 0, result.output
+    return open_cache(str(out))
+
+
+def test_build_records_and_renders_with_the_kwargs(tmp_path, thinking_teacher):
+    data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(6, seed=7, prefix="tk-"))
+    on, off = _build(thinking_teacher, data, tmp_path / "on"), _build(thinking_teacher, data, tmp_path / "off",
+                                                                     "--chat-template-kwargs", OFF)
+    assert on.chat_template_kwargs is None and off.chat_template_kwargs == {"enable_thinking": False}
+    assert off.manifest["content_options"]["chat_template_kwargs"] == {"enable_thinking": False}
+    record_on, record_off = next(iter(on.sequences())), next(iter(off.sequences()))
+    assert record_on.id == record_off.id
+    assert len(record_on.input_ids) > len(record_off.input_ids)  # "think: " tokens only with thinking on
+    refused = CliRunner().invoke(cache_app, ["build", "--teacher", thinking_teacher, "--data", data, "--out",
+                                             str(tmp_path / "off"), "--dtype", "float32", "--layers", "0,2",
+                                             "--top-k", "4", "--quiet"])
+    assert refused.exit_code == 1 and "chat_template_kwargs" in refused.output, refused.output
+
+
+def test_regenerate_renders_with_the_kwargs_and_records_them(tmp_path, thinking_teacher):
+    data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(3, seed=8, prefix="rg-"))
+    outs = {}
+    for name, extra in (("on", []), ("off", ["--chat-template-kwargs", OFF])):
+        outs[name] = tmp_path / f"{name}.jsonl"
+        result = CliRunner().invoke(cache_app, ["regenerate", "--teacher", thinking_teacher, "--data", data,
+                                                "--out", str(outs[name]), "--max-new-tokens", "6", "--dtype", "float32",
+                                                "--quiet", *extra])
+        assert result.exit_code == 0, result.output
+    settings = json.loads((tmp_path / "off.parts" / ".settings.json").read_text())
+    assert settings["chat_template_kwargs"] == {"enable_thinking": False}
+    # the teacher saw other prompts, so it wrote other answers
+    assert outs["on"].read_text() != outs["off"].read_text()
+    refused = CliRunner().invoke(cache_app, ["regenerate", "--teacher", thinking_teacher, "--data", data,
+                                             "--out", str(outs["off"]), "--max-new-tokens", "6", "--dtype", "float32",
+                                             "--quiet"])
+    assert refused.exit_code == 1 and "chat_template_kwargs differs" in refused.output
+
+
+def test_eval_and_generate_use_the_caches_kwargs_and_refuse_others(tmp_path, thinking_teacher):
+    data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(10, seed=9, prefix="ev-"))
+    cache = tmp_path / "cache"
+    _build(thinking_teacher, data, cache, "--chat-template-kwargs", OFF)
+    run = tmp_path / "run"
+    trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(run), "--steps", "2",
+                                             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
+                                             "--heldout-fraction", "0.1", "--quiet"])
+    assert trained.exit_code == 0, trained.output
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "what is the river"}])
+    base = ["eval", "--checkpoint", str(run / "drafter"), "--teacher", thinking_teacher, "--prompts", prompts,
+            "--max-new-tokens", "4", "--quiet"]
+
+    def report(*extra):
+        out = tmp_path / "eval.json"
+        result = CliRunner().invoke(train_app, base + ["--out", str(out), *extra])
+        return result, (json.loads(out.read_text()) if result.exit_code == 0 else None)
+
+    result, default = report()  # no option: the cache's setting, found through the run's config.json
+    assert result.exit_code == 0, result.output
+    assert default["chat_template_kwargs"] == {"enable_thinking": False}
+    refused, _ = report("--chat-template-kwargs", json.dumps({"enable_thinking": True}))
+    assert refused.exit_code == 1 and "--allow-template-mismatch" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+    result, mismatched = report("--chat-template-kwargs", json.dumps({"enable_thinking": True}), "--allow-template-mismatch")
+    assert result.exit_code == 0, result.output
+    assert mismatched["decoding"]["per_prompt"][0]["prompt_tokens"] > default["decoding"]["per_prompt"][0]["prompt_tokens"]
+
+    def generate(*extra):
+        proc = subprocess.run([str(BIN / "dflash-train"), "generate", "--checkpoint", str(run / "drafter"),
+                               "--teacher", thinking_teacher, "--prompt", "what is the river", "--max-new-tokens", "4",
+                               *extra], capture_output=True, text=True, timeout=300)
+        return proc
+
+    plain, thinking = generate(), generate("--chat-template-kwargs", json.dumps({"enable_thinking": True}),
+                                           "--allow-template-mismatch")
+    assert plain.returncode == 0 and thinking.returncode == 0, plain.stderr + thinking.stderr
+    count = [int(p.stderr.split("[", 1)[1].split(" prompt tokens")[0]) for p in (plain, thinking)]
+    assert count[1] > count[0]
+    no = generate("--chat-template-kwargs", json.dumps({"enable_thinking": True}))
+    assert no.returncode == 1 and "--allow-template-mismatch" in no.stderr
