@@ -202,3 +202,71 @@ def serve_commands(export_dir: str | os.PathLike[str], block_size: int, teacher:
         "sglang": (f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm DFLASH "
                    f"--speculative-draft-model-path {drafter} --speculative-num-draft-tokens {block_size}"),
     }
+
+
+class VllmServer:
+    """vLLM's OpenAI server (what `vllm serve` runs) for a model, on a free loopback port.
+
+    `start()` waits until `/v1/models` answers; `stop()` ends the server's whole process group.
+    The tests and benchmarks of the server backend of `dflash-cache regenerate` use it.
+    """
+
+    def __init__(self, model: str, served_model: str, cfg: VllmConfig, log: str | os.PathLike[str],
+                 max_model_len: int = 1024):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.model, self.served_model, self.cfg, self.log = model, served_model, cfg, Path(log)
+        self.max_model_len = max_model_len
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        import time
+
+        import httpx
+
+        python = find_vllm_python(self.cfg.python)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gib))
+        env.pop("PYTHONPATH", None)
+        # `python -m` rather than the `vllm` script: vllm-cpu's script looks up a distribution named vllm
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                   "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--dtype", self.cfg.dtype, "--max-model-len", str(self.max_model_len), "--enforce-eager"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServingError(f"vLLM's server exited with code {self.proc.returncode} ({_last_error(self.log)}); "
+                                   f"its log is {self.log}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServingError(f"vLLM's server did not answer within {timeout_s:.0f} s; its log is {self.log}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from dflash_train.serving import find_vllm_python
+from dflash_train.serving import VllmConfig, VllmServer, find_vllm_python
 
 pytestmark = pytest.mark.serving
 
@@ -29,54 +28,13 @@ BIN = Path(sys.executable).parent
 MAX_NEW = "40"
 
 
-class VllmServer:
-    """vLLM's OpenAI server on a free loopback port; start() waits until /v1/models answers."""
-
-    def __init__(self, python: str, log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.python, self.log, self.proc = python, log, None
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> None:
-        import httpx
-
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen(
-            [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", TEACHER, "--served-model-name", "tiny",
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024",
-             "--enforce-eager"], stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vLLM's server did not answer in 600 s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     try:
         python = str(find_vllm_python())
     except Exception as err:  # the serving suite must not pass without the engine it tests
         pytest.fail(f"{err}")
-    s = VllmServer(python, tmp_path_factory.mktemp("vllm") / "server.log")
+    s = VllmServer(TEACHER, "tiny", VllmConfig(python=python), tmp_path_factory.mktemp("vllm") / "server.log")
     s.start()
     yield s
     s.stop()
