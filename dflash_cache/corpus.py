@@ -643,14 +643,22 @@ def _normalise_chat(field: str, messages: Any) -> list[dict]:
             raise ValueError(f"{where} has unknown role {raw_role!r} (known roles: {known})")
         if not isinstance(content, str):
             raise ValueError(f"{where} content must be a string, got {_type_name(content)}")
-        normalised.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        reasoning = message.get("reasoning_content")
+        if role == "assistant" and reasoning is not None:
+            # kept (regenerate --reasoning keep): the chat template renders it the teacher's way
+            if not isinstance(reasoning, str):
+                raise ValueError(f"{where} reasoning_content must be a string, got {_type_name(reasoning)}")
+            entry["reasoning_content"] = reasoning
+        normalised.append(entry)
     if not any(m["role"] == "assistant" for m in normalised):
         raise ValueError(f"conversation in '{field}' has no assistant turn (nothing to learn)")
     return normalised
 
 
 def parse_messages(row: CorpusRow) -> list[dict] | str:
-    """The row's chat as [{role, content}] (roles system/user/assistant/tool), or its text.
+    """The row's chat as [{role, content}] (roles system/user/assistant/tool; an assistant turn's
+    reasoning_content is kept), or its text.
 
     Reads `messages` ({role, content}), else ShareGPT `conversations` ({from, value}; human ->
     user, gpt/chatgpt/bot/model -> assistant), else `text`. A field holding None counts as

@@ -140,8 +140,8 @@ class RegenerateConfig:
     """Ask OpenAI-compatible inference servers (vLLM, SGLang) instead of loading the teacher here."""
 
     on_truncated: str = "keep"
-    """An answer cut at max_new_tokens (finish_reason 'length'): 'keep' writes it and counts it as
-    truncated; 'drop' leaves its row out, counted as skipped 'truncated'."""
+    """An answer cut at max_new_tokens (finish_reason 'length') or empty: 'keep' writes it and
+    counts it (truncated, empty); 'drop' leaves its row out, counted as skipped 'truncated'/'empty'."""
 
     reasoning: str = "drop"
     """Reasoning a server returns apart from the answer (reasoning_content): 'drop' it, or 'keep'
@@ -212,6 +212,8 @@ class RegenerateResult:
     """Generated tokens (when complete: over the whole run)."""
     truncated: int = 0
     """Answers cut at max_new_tokens (when complete: over the whole run)."""
+    empty: int = 0
+    """Answers the teacher ended at once, with no text (when complete: over the whole run)."""
     parts_written: int = 0
     """Parts this call generated."""
     parts_missing: int = 0
@@ -584,6 +586,7 @@ class _PartOutcome:
     skipped: Counter
     tokens: int
     truncated: int
+    empty: int = 0
 
 
 def _bad(cfg: RegenerateConfig, err: BadRowError, skipped: Counter) -> None:
@@ -596,9 +599,9 @@ def _accept(cfg: RegenerateConfig, conversation: _Conversation, text: str, reaso
             skipped: Counter) -> tuple[bool, bool]:
     """Record one answer; returns (the conversation is finished now, the answer was cut)."""
     cut = not stopped
-    if cut and cfg.on_truncated == "drop":
-        conversation.failed = "truncated"
-        skipped["truncated"] += 1
+    if (cut or not text.strip()) and cfg.on_truncated == "drop":
+        conversation.failed = "truncated" if cut else "empty"
+        skipped[conversation.failed] += 1
         return True, cut
     message = {"role": "assistant", "content": text}
     if reasoning and cfg.reasoning == "keep":
@@ -627,7 +630,7 @@ def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherG
         except BadRowError as err:
             _bad(cfg, err, skipped)
             on_batch(1, 0)
-    tokens = truncated = 0
+    tokens = truncated = empty = 0
     while True:
         pending = [c for c in conversations if not c.done]
         if not pending:
@@ -643,11 +646,12 @@ def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherG
                 done, cut = _accept(cfg, conversation, answer.text, answer.reasoning, answer.stopped, skipped)
                 finished += done
                 truncated += cut
+                empty += not cut and not answer.text.strip()
                 batch_tokens += answer.tokens
             tokens += batch_tokens
             on_batch(finished, batch_tokens)
     out = [{"id": c.id, "messages": c.messages} for c in conversations if c.failed is None]
-    return _PartOutcome(rows=out, skipped=skipped, tokens=tokens, truncated=truncated)
+    return _PartOutcome(rows=out, skipped=skipped, tokens=tokens, truncated=truncated, empty=empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -688,7 +692,7 @@ def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: _P
     data = _rows_bytes(outcome.rows)
     _write_atomic(os.path.join(folder, part_name(index)), data)
     record = {"index": index, "rows": list(rows_span), "written": len(outcome.rows), "skipped": dict(outcome.skipped),
-              "tokens": outcome.tokens, "truncated": outcome.truncated, "bytes": len(data),
+              "tokens": outcome.tokens, "truncated": outcome.truncated, "empty": outcome.empty, "bytes": len(data),
               "checksum": xxhash.xxh64_hexdigest(data)}
     _write_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
     return record
@@ -704,14 +708,15 @@ def committed_parts(folder: str, num_parts: int) -> dict[int, dict]:
     return committed
 
 
-def _sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int]:
-    rows, skipped, tokens, truncated = 0, Counter(), 0, 0
+def _sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int, int]:
+    rows, skipped, tokens, truncated, empty = 0, Counter(), 0, 0, 0
     for record in records:
         rows += record["written"]
         skipped.update(record["skipped"])
         tokens += record["tokens"]
         truncated += record["truncated"]
-    return rows, skipped, tokens, truncated
+        empty += record.get("empty", 0)  # records written before it was counted
+    return rows, skipped, tokens, truncated, empty
 
 
 def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
@@ -760,8 +765,8 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    rows, skipped, tokens, truncated = _sum_records(records.values())
-    merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated,
+    rows, skipped, tokens, truncated, empty = _sum_records(records.values())
+    merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated, "empty": empty,
               "checksum": _file_checksum(out)}
     _write_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
     for index in range(num_parts):  # the merged file holds it all now; keep only the settings
@@ -785,7 +790,7 @@ def _file_checksum(path: str) -> str:
 
 def _complete_result(out: str, merged: dict) -> RegenerateResult:
     return RegenerateResult(out=out, complete=True, rows=merged["rows"], skipped=dict(merged["skipped"]),
-                            tokens=merged["tokens"], truncated=merged["truncated"])
+                            tokens=merged["tokens"], truncated=merged["truncated"], empty=merged.get("empty", 0))
 
 
 def _summary(result: RegenerateResult) -> str:
@@ -794,6 +799,8 @@ def _summary(result: RegenerateResult) -> str:
         parts.append("skipped " + ", ".join(f"{k}: {v}" for k, v in sorted(result.skipped.items())))
     if result.truncated:
         parts.append(f"{result.truncated:,} answer(s) cut at --max-new-tokens")
+    if result.empty:
+        parts.append(f"{result.empty:,} empty answer(s)")
     return ("; " + "; ".join(parts)) if parts else ""
 
 
@@ -985,9 +992,9 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
     if missing:
         progress.message(f"rank {cfg.rank} finished its parts; {missing} part(s) of other ranks are still missing. "
                          f"The last rank to finish merges them, or rerun with --merge-only once all are done")
-        rows, skipped, tokens, truncated = _sum_records(done[i] for i in mine if i in done)
+        rows, skipped, tokens, truncated, empty = _sum_records(done[i] for i in mine if i in done)
         return RegenerateResult(out=cfg.out, complete=False, rows=rows, skipped=dict(skipped), tokens=tokens,
-                                truncated=truncated, parts_written=written, parts_missing=missing)
+                                truncated=truncated, empty=empty, parts_written=written, parts_missing=missing)
     result = merge_parts(cfg.out, progress)
     result.parts_written = written
     return result

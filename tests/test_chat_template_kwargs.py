@@ -26,7 +26,8 @@ BIN = Path(sys.executable).parent
 THINKING_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' and enable_thinking is not false %}{{- 'think: ' }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and enable_thinking is not false %}{{- 'think: ' }}"
+    "{%- if message.get('reasoning_content') %}{{- message['reasoning_content'] + ' / ' }}{%- endif %}{%- endif %}"
     "{{- message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -128,3 +129,17 @@ def test_eval_and_generate_use_the_caches_kwargs_and_refuse_others(tmp_path, thi
     assert count[1] > count[0]
     no = generate("--chat-template-kwargs", json.dumps({"enable_thinking": True}))
     assert no.returncode == 1 and "--allow-template-mismatch" in no.stderr
+
+
+def test_kept_reasoning_is_rendered_by_the_template_and_learned(tmp_path, thinking_teacher):
+    """regenerate --reasoning keep writes reasoning_content; the build renders it inside the answer."""
+    from transformers import AutoTokenizer
+
+    row = {"id": "think-1", "messages": [{"role": "user", "content": "why"},
+                                         {"role": "assistant", "content": "because", "reasoning_content": "the river runs"}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [row])
+    cache = _build(thinking_teacher, data, tmp_path / "cache")
+    record = next(iter(cache.sequences()))
+    tokenizer = AutoTokenizer.from_pretrained(thinking_teacher)
+    learned = tokenizer.decode(record.input_ids[record.loss_mask.astype(bool)])
+    assert "the river runs" in learned and "because" in learned

@@ -51,7 +51,8 @@ class ScriptedServer:
                     if status != 200:
                         return self._send(status, reply)
                 user = [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
-                self._send(200, {"choices": [{"message": {"role": "assistant", "content": f"echo: {user}",
+                self._send(200, {"choices": [{"message": {"role": "assistant",
+                                                          "content": "" if "empty" in user else f"echo: {user}",
                                                           "reasoning_content": "thinking"},
                                               "finish_reason": "length" if "long" in user else "stop"}],
                                  "usage": {"completion_tokens": 3}})
@@ -201,3 +202,14 @@ def test_bad_server_options_are_one_line(tmp_path, teacher_dir):
                                         "--out", str(tmp_path / "o.jsonl")])
     assert no_model.exit_code == 1 and "--endpoint needs --served-model" in no_model.output
     assert not Path(tmp_path / "o.jsonl").exists()
+
+
+def test_an_empty_answer_is_counted_and_can_be_dropped(tmp_path, server):
+    s = server()
+    data = write_jsonl(tmp_path / "in.jsonl", rows(2) + [{"id": "r2", "messages": [{"role": "user", "content": "empty please"}]}])
+    kept = regen(data, tmp_path / "kept.jsonl", s.url)
+    assert kept.exit_code == 0 and "1 empty answer(s)" in kept.output, kept.output
+    assert len((tmp_path / "kept.jsonl").read_text().splitlines()) == 3
+    dropped = regen(data, tmp_path / "dropped.jsonl", s.url, "--on-truncated", "drop")
+    assert dropped.exit_code == 0 and "empty: 1" in dropped.output, dropped.output
+    assert [json.loads(line)["id"] for line in (tmp_path / "dropped.jsonl").read_text().splitlines()] == ["r0", "r1"]
