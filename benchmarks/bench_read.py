@@ -7,6 +7,11 @@ bf16 batches of hidden states (what the loader hands the trainer); tokens/s and 
 hidden-state bytes as stored (bf16). One more row adds what a CPU trainer then does to each batch
 (float32 and the step's noise, `trainer.on_device`); a GPU trainer does that on the GPU.
 
+The loader checks each shard's checksums before it hands out the shard's first sequence, once per
+process (`Shard.checksum_problems`). The "load_batch" rows after the first round find the shards
+already checked in this process; the "checksums hashed" row forgets them before every round, as a
+new training process starts, and so do the steady-state loader rows.
+
     .venv/bin/python benchmarks/bench_read.py             # ~12k tokens (0.6 GB of hidden states), 3 rounds
     .venv/bin/python benchmarks/bench_read.py --quick     # ~3k tokens, 1 round: a smoke test
     .venv/bin/python benchmarks/bench_read.py --workers 0,1,2   # DataLoader worker counts for the loader rows
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import bench_write as bw  # noqa: E402  (same folder)
 
 from dflash_cache import open_cache  # noqa: E402
+from dflash_cache import reader  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, manifest_fingerprint, train_loader  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
@@ -71,10 +77,19 @@ def batches_torch(torch_dir: Path, shards, plan: list) -> int:
     return n
 
 
+def forget_checksums() -> None:
+    """Forget which shards this process has hashed, as a new training process starts."""
+    with reader._VERIFIED_LOCK:
+        reader._VERIFIED.clear()
+
+
 def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,
-                   zarr_only: bool = False) -> int:
-    """The package: dflash_train.data.load_batch (reader, anchors, padding), then with `train` the
-    CPU trainer's float32 conversion and noise."""
+                   zarr_only: bool = False, cold: bool = False) -> int:
+    """The package: dflash_train.data.load_batch (reader, anchors, padding, and the shards'
+    checksums the first time this process reads them: every time with ``cold``), then with
+    `train` the CPU trainer's float32 conversion and noise."""
+    if cold:
+        forget_checksums()
     cache = open_cache(url)
     if zarr_only:  # the read path before the chunk-file fast path, for comparison
         for shard in cache.shards:
@@ -110,6 +125,7 @@ def batches_loader(url: str, cfg: DataConfig, count: int) -> tuple[float, int]:
     (importing torch in each worker) is left out."""
     cache = open_cache(url)
     state = LoaderState(seed=cfg.seed, manifest_fingerprint=manifest_fingerprint(cache.manifest))
+    forget_checksums()  # a training process hashes the shards it reads, once
     n, first = 0, None
     for b, batch in enumerate(train_loader(url, None, cfg, state)):
         if first is None:
@@ -163,6 +179,7 @@ def main(argv=None) -> None:
             ("torch.load per sample -> batches", lambda: batches_torch(tmp / "torch", shards, plan)),
             ("dflash load_batch, Zarr read path", lambda: batches_reader(url, cfg, plan, None, zarr_only=True)),
             ("dflash load_batch", lambda: batches_reader(url, cfg, plan, None)),
+            ("dflash load_batch, checksums hashed", lambda: batches_reader(url, cfg, plan, None, cold=True)),
             ("dflash load_batch + float32 + noise (CPU)", lambda: batches_reader(url, cfg, plan, train)),
         ]
         times: dict[str, list[tuple[float, float]]] = {}

@@ -289,3 +289,48 @@ def totals(shards: list[dict]) -> dict[str, int]:
     out["skipped"] = skipped
     out["shards"] = len(shards)
     return out
+
+
+def check_shard_paths(record: Any, url: str, source: str = MANIFEST) -> dict:
+    """Refuse a shard record (from manifest.json or a commit record) whose paths could leave the
+    cache: the shard name must be a plain ``shard-rRRRRR-IIIIII`` (see `shard_name`) and every file
+    it lists a relative path inside the shard, with no ``..``, absolute path, URL scheme, empty
+    part or backslash. The one check of untrusted names; the reader and verify call it before any
+    name becomes a path."""
+    import re
+
+    def problem(path: Any, shard: bool) -> str | None:
+        if not isinstance(path, str) or not path:
+            return "is empty" if path == "" else f"is not a string ({type(path).__name__})"
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", path):
+            return "has a URL scheme"
+        if "\\" in path or "\0" in path:
+            return "has a backslash or NUL character"
+        if path.startswith("/"):
+            return "is an absolute path"
+        parts = path.split("/")
+        if ".." in parts:
+            return "has a '..' component"
+        if shard and len(parts) > 1:
+            return "has a path separator"
+        if "" in parts or "." in parts:
+            return "has an empty or '.' component"
+        if shard and not re.fullmatch(r"shard-r\d{5,}-\d{6,}", path):
+            return "is not a shard name (shard-rRRRRR-IIIIII)"
+        return None
+
+    what = "the manifest" if source == MANIFEST else f"the commit record {source}"
+    fix = (f"{what} is not trustworthy (edited or damaged): rebuild the cache with `dflash-cache build ... "
+           f"--overwrite`, or restore or fix {source}")
+    if not isinstance(record, dict):
+        raise CacheError(f"{url}: {source} lists a shard that is a {type(record).__name__}, not a record; {fix}")
+    name = record.get("name")
+    bad = problem(name, shard=True)
+    if bad:
+        raise CacheError(f"{url}: {source} names a shard {name!r}, which {bad}; {fix}")
+    files = record.get("files", {})
+    for path in files if isinstance(files, dict) else [files]:
+        bad = problem(path, shard=False) if isinstance(files, dict) else "is not a table of files"
+        if bad:
+            raise CacheError(f"{url}: {source} lists a file {path!r} of shard {name}, which {bad}; {fix}")
+    return record

@@ -6,6 +6,12 @@ memory-mapped Arrow files on local storage. Hidden states of uncompressed local 
 straight from their Zarr chunk files (``ChunkFiles``); compressed or remote ones go through Zarr.
 ``Cache.read_ahead`` reads the sequences a caller will ask for next on background threads, within
 a byte budget: the prefetch from object stores.
+
+Nothing read from manifest.json is trusted as a path: every shard record is checked by
+``format.check_shard_paths`` when the cache is opened, and on local storage a shard folder or
+file that is a symlink resolving outside the cache is refused. ``Shard.checksum_problems``
+compares a shard's bytes with the checksums of its commit record, hashing each shard's files once
+per process (the training loader calls it before it hands out anything of a shard).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +29,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 import zarr
 
 from dflash_cache import format as fmt
@@ -150,6 +158,28 @@ class Shard:
     def __init__(self, cache: "Cache", record: dict):
         self.cache, self.record, self.name = cache, record, record["name"]
         self.path = fmt.join(cache.root, fmt.SHARDS_DIR, self.name)
+        self._checked: dict[str, list[str]] = {}  # part -> its problems, once checked
+        self._check_lock = threading.Lock()
+
+    def checksum_problems(self, parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden")) -> list[str]:
+        """What differs between this shard's files and the checksums of its commit record (empty
+        when intact): ``parts`` of sequences.arrow, tokens.arrow and "hidden" (the hidden-state
+        array as stored, its shape and dtype included). Each part is hashed once per shard object
+        and, on local storage, once per process while its files stay the same (a file replaced or
+        rewritten since is hashed again). Thread-safe; files are streamed, never loaded whole."""
+        problems = []
+        for part in parts:
+            with self._check_lock:
+                if part not in self._checked:
+                    self._checked[part] = _check_part(self, part)
+                problems += self._checked[part]
+        return problems
+
+    def ensure_intact(self, parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden")) -> None:
+        """Raise ShardIntegrityError when ``checksum_problems(parts)`` finds any."""
+        problems = self.checksum_problems(parts)
+        if problems:
+            raise ShardIntegrityError(self.cache.url, self.name, problems)
 
     @cached_property
     def _sequences(self) -> pa.Table:
@@ -272,7 +302,27 @@ class Cache:
         self.hidden_dtype: str = self.manifest["hidden_dtype"]
         self.hidden_format: str = fmt.hidden_format_of(self.manifest)
         self.top_k: int = int(self.manifest["top_k"])
-        self.shards = [Shard(self, record) for record in self.manifest["shards"]]
+        records = self.manifest["shards"]
+        if not isinstance(records, list):
+            raise CacheError(f"{url}: manifest.json's shards is a {type(records).__name__}, not a list; the manifest is "
+                             "not trustworthy, rebuild the cache with `dflash-cache build ... --overwrite`")
+        for record in records:  # names become paths below: none may leave the cache
+            fmt.check_shard_paths(record, url)
+        self.shards = [Shard(self, record) for record in records]
+        if fmt.is_local(self.fs):
+            self._refuse_outside_links()
+
+    def _refuse_outside_links(self) -> None:
+        """On local storage: refuse a shards folder, shard folder or commit record that is a
+        symlink resolving outside the cache (one lstat a shard; the files inside a shard are
+        checked where they are read: ``refuse_outside_links``)."""
+        root = os.path.realpath(self.root)
+        shards_dir = os.path.join(self.root, fmt.SHARDS_DIR)
+        _inside(root, shards_dir, self.url)
+        for shard in self.shards:
+            for path in (os.path.join(shards_dir, shard.name), os.path.join(shards_dir, f"{shard.name}.json")):
+                if os.path.islink(path):
+                    _inside(root, path, self.url)
 
     @property
     def complete(self) -> bool:
@@ -299,14 +349,28 @@ class Cache:
         for shard in self.shards:
             yield from shard.records()
 
-    def read_ahead(self, refs: Iterable[tuple], max_bytes: int = 256 * 2**20, threads: int = 4) -> "ReadAhead":
+    def read_ahead(self, refs: Iterable[tuple], max_bytes: int = 256 * 2**20, threads: int = 4,
+                   check: bool = False) -> "ReadAhead":
         """The records of ``refs`` ((shard index, sequence index) pairs, or (shard, sequence, out)
         to read the hidden states into ``out`` as ``Shard.read`` does), in order. Background
         threads read the upcoming ones while the caller works on earlier ones: on an object store
         this is the prefetch of what comes next, locally it overlaps the reads with the caller's
         work. ``max_bytes`` bounds the hidden-state bytes read but not yet handed out (a sequence
-        larger than that is still read, alone)."""
-        return ReadAhead(self, refs, max_bytes, threads)
+        larger than that is still read, alone). With ``check`` no record of a shard is handed out
+        before the shard passed ``Shard.ensure_intact`` (hashed on the reading threads, once)."""
+        return ReadAhead(self, refs, max_bytes, threads, check)
+
+    def checksum_problems(self, shards: Iterable[int], parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden"),
+                          threads: int = 4) -> dict[str, list[str]]:
+        """``Shard.checksum_problems`` of the shards at these indices, several hashed at once:
+        shard name -> problems, for the damaged ones only."""
+        shards = [self.shards[i] for i in dict.fromkeys(shards)]
+        if sum(not s._checked.keys() >= set(parts) for s in shards) > 1 and threads > 1:
+            with ThreadPoolExecutor(min(threads, len(shards)), thread_name_prefix="dflash-checksum") as pool:
+                found = list(pool.map(lambda s: s.checksum_problems(parts), shards))
+        else:
+            found = [s.checksum_problems(parts) for s in shards]
+        return {s.name: p for s, p in zip(shards, found) if p}
 
     def sequence_bytes(self, shard: int, i: int) -> int:
         """Bytes of one sequence's hidden states as the reader hands them out."""
@@ -339,6 +403,11 @@ class Cache:
     def teacher_path(self, name: str) -> str:
         return fmt.join(self.root, fmt.TEACHER_DIR, name)
 
+    @property
+    def chat_template_kwargs(self) -> dict | None:
+        """The chat-template variables the corpus was rendered with at build (None: the template's defaults)."""
+        return (self.manifest.get("content_options") or {}).get("chat_template_kwargs")
+
     def teacher_config(self) -> dict:
         return json.loads(self.fs.cat_file(self.teacher_path("config.json")))
 
@@ -369,10 +438,10 @@ class ReadAhead:
     """Iterator of records read ahead on a thread pool within a byte budget (``Cache.read_ahead``).
     ``peak_bytes`` is the most that was ever read ahead and not yet handed out."""
 
-    def __init__(self, cache: Cache, refs: Iterable[tuple], max_bytes: int, threads: int):
+    def __init__(self, cache: Cache, refs: Iterable[tuple], max_bytes: int, threads: int, check: bool = False):
         if max_bytes < 0 or threads < 1:
             raise ValueError(f"read-ahead needs max_bytes >= 0 and threads >= 1, got {max_bytes} and {threads}")
-        self.cache, self.refs, self.max_bytes, self.threads = cache, iter(refs), max_bytes, threads
+        self.cache, self.refs, self.max_bytes, self.threads, self.check = cache, iter(refs), max_bytes, threads, check
         self.peak_bytes = 0
         self._run = self._records()
 
@@ -386,6 +455,8 @@ class ReadAhead:
         self._run.close()
 
     def _read(self, shard: int, i: int, out: np.ndarray | None = None) -> SequenceRecord:
+        if self.check:
+            self.cache.shards[shard].ensure_intact()
         return self.cache.shards[shard].read(i, out)
 
     def _records(self) -> Iterator[SequenceRecord]:
@@ -416,6 +487,139 @@ class ReadAhead:
             for future, _ in pending:
                 future.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ShardIntegrityError(CacheError):
+    """A shard's bytes differ from its commit record (``Shard.ensure_intact``); ``problems`` say how."""
+
+    def __init__(self, url: str, shard: str, problems: list[str]):
+        self.url, self.shard, self.problems = url, shard, list(problems)
+        super().__init__(f"{url}: shard {shard} fails its integrity check ({'; '.join(problems)}); run "
+                         f"`dflash-cache verify {url}` and rebuild the cache, or leave the shard out (--skip-shards {shard})")
+
+
+def _inside(root: str, path: str, url: str) -> None:
+    """Refuse ``path`` when it resolves (symlinks followed) outside the real folder ``root``."""
+    target = os.path.realpath(path)
+    if os.path.commonpath([root, target]) != root:
+        raise CacheError(f"{url}: {path} is a symlink to {target}, outside the cache; the cache is not trustworthy "
+                         "(a cache holds its own files): replace the link with the files it points to, or rebuild the "
+                         "cache with `dflash-cache build ... --overwrite`")
+
+
+def refuse_outside_links(cache: Cache, path: str) -> None:
+    """On local storage: refuse any symlink at or under ``path`` of ``cache`` (files and folders,
+    at any depth) that resolves outside the cache."""
+    if fmt.is_local(cache.fs):
+        _local_files(cache, path)
+
+
+def _local_files(cache: Cache, path: str) -> list[tuple]:
+    """(path, inode, size, mtime) of the local file ``path`` or of every file under the folder
+    ``path``, in one pass that refuses any symlink resolving outside the cache. A missing path is
+    FileNotFoundError."""
+    root = os.path.realpath(cache.root)
+    if os.path.islink(path):
+        _inside(root, path, cache.url)
+    if not os.path.isdir(path):
+        return [(path, *_identity(path))]
+    found, folders = [], [path]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    _inside(root, entry.path, cache.url)
+                if entry.is_dir():
+                    folders.append(entry.path)
+                else:
+                    info = entry.stat()
+                    found.append((entry.path, info.st_ino, info.st_size, info.st_mtime_ns))
+    return sorted(found)
+
+
+# Parts of local shards already hashed in this process: (part, path, identity of its files,
+# expected checksum) -> problems. The identity is a hash of (inode, size, mtime) of every file, so
+# a file rewritten or replaced since is hashed again.
+_VERIFIED: dict[tuple, list[str]] = {}
+_VERIFIED_LOCK = threading.Lock()
+HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go through Zarr
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    info = os.stat(path)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _check_part(shard: Shard, part: str) -> list[str]:
+    """Problems of one part of a shard (see ``Shard.checksum_problems``); errors become problems."""
+    cache, record = shard.cache, shard.record
+    expected = (record.get("checksums") or {}).get(part)
+    local = fmt.is_local(cache.fs)
+    try:
+        key = None
+        if local:  # the files' identities, symlinks leaving the cache refused on the way
+            files = _local_files(cache, fmt.join(shard.path, fmt.HIDDEN if part == "hidden" else part))
+            key = (part, shard.path, xxhash.xxh64_hexdigest(repr(files).encode()), expected)
+            with _VERIFIED_LOCK:
+                if key in _VERIFIED:
+                    return _VERIFIED[key]
+        problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
+    except CacheError:
+        raise  # a symlink out of the cache: refused, not a damaged shard
+    except FileNotFoundError as err:
+        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
+    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
+        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+    if key is not None:
+        with _VERIFIED_LOCK:
+            _VERIFIED[key] = problems
+    return problems
+
+
+def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
+    path = fmt.join(shard.path, name)
+    fs = shard.cache.fs
+    if fmt.is_local(fs):
+        with pa.memory_map(path, "r") as f:  # hashed in place, not copied
+            digest = xxhash.xxh64(f.read_buffer()).hexdigest()
+    else:
+        digest = fmt.checksum(fs.cat_file(path))
+    return [] if digest == expected else [f"{name} checksum mismatch"]
+
+
+def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
+    """The stored hidden-state array against the record: shape, dtype, then xxh64 of its bytes in
+    C order (what the writer hashed), streamed from the chunk files or, through Zarr, a window at
+    a time."""
+    cache, record = shard.cache, shard.record
+    want_shape = tuple(record.get("hidden_shape") or ())
+    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
+    digest = xxhash.xxh64()
+    files = shard._chunk_files
+    if files is not None:
+        shape, dtype = files.shape, files.dtype
+    else:
+        array = shard.hidden_array
+        shape, dtype = tuple(array.shape), array.dtype
+    if shape != want_shape:
+        return [f"hidden shape {shape} differs from {want_shape}"]
+    if dtype != want_dtype:
+        return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
+                f"{cache.hidden_dtype} ({cache.hidden_format})"]
+    rows = shape[0]
+    if files is not None:
+        for index in range(-(-rows // files.chunk_rows) if rows else 0):
+            path = files.chunk_path(index)
+            needed = min(files.chunk_rows, rows - index * files.chunk_rows) * files.row_bytes
+            data = _mapped(path, *_identity(path))
+            if len(data) < needed:
+                return [f"file {os.path.relpath(path, shard.path)} is short ({len(data)} of {needed} bytes)"]
+            digest.update(data[:needed])
+    else:
+        step = max(1, HASH_WINDOW // max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize))
+        for lo in range(0, rows, step):
+            digest.update(np.ascontiguousarray(array[lo:lo + step]).view(np.uint8).reshape(-1))
+    return [] if digest.hexdigest() == expected else ["hidden states checksum mismatch"]
 
 
 def open_cache(url: str, storage_options: dict[str, Any] | None = None) -> Cache:

@@ -9,7 +9,7 @@ import numpy as np
 from dflash_cache import format as fmt
 from dflash_cache import fp8
 from dflash_cache.progress import Progress
-from dflash_cache.reader import Cache, _open_ipc
+from dflash_cache.reader import Cache, _open_ipc, refuse_outside_links
 
 
 @dataclass
@@ -68,8 +68,10 @@ def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> lis
 
 def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
     """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
-    missing folders and files, and sizes that differ from the commit records. Cheap enough to
-    run whenever a cache is opened for training; checksums are verify's job."""
+    missing folders and files, and sizes that differ from the commit records; a symlink in it
+    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
+    for training; the loader checks a shard's checksums when it first reads it
+    (``Shard.checksum_problems``), verify checks everything."""
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
     try:
         listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
@@ -78,6 +80,8 @@ def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> 
     found: dict[str, dict[str, int]] = {}
     prefix = len(shards_dir) + 1
     for path, info in listing.items():
+        if info.get("islink"):  # the listing names links without following them: none may leave the cache
+            refuse_outside_links(cache, path)
         shard, _, rest = path[prefix:].partition("/")
         if rest:
             found.setdefault(shard, {})[rest] = int(info["size"])
@@ -91,16 +95,28 @@ def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> 
 
 
 def check_shard(cache: Cache, record: dict) -> list[str]:
-    """Problems of one shard (empty when it is intact)."""
+    """Problems of one shard (empty when it is intact). ``record`` comes from the cache's
+    manifest, whose paths the reader checked when it opened the cache; the commit record on disk
+    is checked the same way before it is compared, and a symlink in the shard that leaves the
+    cache is refused (CacheError), not reported as damage."""
     fs, problems = cache.fs, []
+    fmt.check_shard_paths(record, cache.url)
     shard_dir = fmt.join(cache.root, fmt.SHARDS_DIR, record["name"])
     record_path = f"{shard_dir}.json"
     if not fs.exists(record_path):
         problems.append("commit record missing")
-    elif fmt.read_json(fs, record_path) != record:
-        problems.append("commit record differs from the manifest")
+    else:
+        try:
+            on_disk = fmt.read_json(fs, record_path)
+        except ValueError:
+            problems.append("commit record is not valid JSON")
+        else:
+            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{record['name']}.json")
+            if on_disk != record:
+                problems.append("commit record differs from the manifest")
     if not fs.exists(shard_dir):
         return problems + ["shard folder missing"]
+    refuse_outside_links(cache, shard_dir)
     found = {p[len(shard_dir) + 1:]: int(i["size"]) for p, i in fs.find(shard_dir, detail=True).items()}
     problems += size_problems(record["files"], found)
     if problems:

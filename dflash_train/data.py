@@ -5,6 +5,11 @@ the held-out split, the epoch's sequence order and its cut into batches, and eac
 anchors (its noise, too, but the trainer adds that on its device: dflash_train.noise). The loader
 only executes that plan, so a run resumed from a checkpoint's loader state sees exactly the
 batches an uninterrupted run would, whatever the worker count.
+
+Nothing of a shard is used before its bytes match the checksums of its commit record: the plan
+checks each shard's sequences.arrow, and the loader its tokens.arrow and hidden states before it
+hands out the shard's first sequence (``Shard.checksum_problems``: each shard hashed once per
+process). A damaged shard stops the run with one line naming it and ``--skip-shards``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch
 import xxhash
 
 from dflash_cache import Cache, open_cache
-from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache import format as fmt
+from dflash_cache.errors import CacheError, ConfigError, DFlashError
+from dflash_cache.reader import ShardIntegrityError
 
 
 @dataclass(frozen=True)
@@ -251,13 +258,29 @@ def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
     }
 
 
+def refuse_damaged(cache: Cache, problems: dict[str, list[str]]) -> None:
+    """Raise the trainer's one-line error for damaged shards (shard name -> problems), if any."""
+    if problems:
+        from dflash_train.trainer import damaged_shards_message  # the trainer owns the message
+
+        raise CacheError(damaged_shards_message(cache.url, problems))
+
+
+def check_intact(cache: Cache, shards, parts=(fmt.SEQUENCES, fmt.TOKENS, "hidden"), threads: int = 4) -> None:
+    """Refuse (one line, with the --skip-shards hint) any of these shard indices whose ``parts``
+    differ from the checksums of its commit record; each shard is hashed once per process."""
+    refuse_damaged(cache, cache.checksum_problems(shards, parts, threads))
+
+
 class EpochPlan:
-    """The training split of a cache and its batches per epoch (pure functions of the manifest)."""
+    """The training split of a cache and its batches per epoch (pure functions of the manifest).
+    The sequence tables it reads are checked against their checksums first."""
 
     def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
         self.cache, self.cfg = cache, cfg
         self.lengths, self.index = [], []
         skip = set(cfg.skip_shards)
+        check_intact(cache, [s for s, shard in enumerate(cache.shards) if shard.name not in skip], (fmt.SEQUENCES,))
         for shard in cache.shards:
             # a skipped shard keeps its place (shard indices stay those of the cache) but is never
             # read: its files may be missing or damaged
@@ -285,7 +308,9 @@ def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | 
 
 
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
-    """Read, anchor and pad one planned batch, each sequence read straight into its row."""
+    """Read, anchor and pad one planned batch, each sequence read straight into its row, once
+    the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
+    check_intact(cache, [s for s, _ in refs])
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     hidden = cache.padded_hidden(lengths)
     records = [cache.shards[s].read(i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(refs, lengths))]
@@ -340,6 +365,16 @@ class TrainStream(torch.utils.data.IterableDataset):
             epoch, start = epoch + 1, 0
 
     def __iter__(self):
+        try:
+            yield from self._batches()
+        except DFlashError as err:
+            if torch.utils.data.get_worker_info() is None:
+                raise
+            # a DataLoader re-raises a worker's error with its traceback in the message: hand the
+            # training process the error itself, which train_loader raises there
+            yield LoaderFailure(type(err), str(err))
+
+    def _batches(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         cache = open_cache(self.url, self.storage_options)
@@ -357,11 +392,16 @@ class TrainStream(torch.utils.data.IterableDataset):
                     padded.append(hidden)
                     yield from ((s, i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(share, lengths)))
 
+        # check: a shard's checksums are verified on the reading threads before any of it is handed
+        # out, so the hashing overlaps the training step
         records = cache.read_ahead(rows(), read_ahead_budget(self.cfg, cache.hidden_bytes_per_token),
-                                   self.cfg.read_threads)
+                                   self.cfg.read_threads, check=True)
         try:
             for share, done, epoch, after in jobs:
-                shared = [next(records) for _ in share]
+                try:
+                    shared = [next(records) for _ in share]
+                except ShardIntegrityError as err:
+                    refuse_damaged(cache, {err.shard: err.problems})
                 batch = make_batch(shared, self.cfg, epoch, padded.popleft()) if share else Batch.empty()
                 batch.state_after = after
                 yield batch
@@ -369,13 +409,37 @@ class TrainStream(torch.utils.data.IterableDataset):
             records.close()
 
 
+@dataclass
+class LoaderFailure:
+    """A typed error in a loader worker, carried to the training process as an item of the stream."""
+
+    kind: type
+    message: str
+
+    def error(self) -> Exception:
+        try:
+            return self.kind(self.message)
+        except TypeError:  # an error type built from other arguments
+            return CacheError(self.message)
+
+
+class _BatchLoader(torch.utils.data.DataLoader):
+    """A DataLoader that raises a worker's typed error (LoaderFailure) as itself: one line."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            if isinstance(item, LoaderFailure):
+                raise item.error()
+            yield item
+
+
 def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False):
     """The batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out page-locked
     batches so ``Batch.to(device)`` copies without blocking."""
     stream = TrainStream(url, storage_options, cfg, state, rank, world_size)
-    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
-                                       persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
+    return _BatchLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
+                        persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 
 
 def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = None):

@@ -178,10 +178,14 @@ def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, 
     return model.to(device).eval()
 
 
-def load_drafter_for(path: str, cache: Cache, device: torch.device) -> DFlashDrafter:
-    """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers."""
+def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards: tuple[str, ...] = ()) -> DFlashDrafter:
+    """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers and,
+    as `dflash-train run` does before training, a cache with damaged shards not in ``skip_shards``
+    (the shards' checksums are checked as evaluation first reads them: data.load_batch)."""
     from dflash_cache.errors import CacheError
+    from dflash_train.trainer import check_shards  # the trainer's own check, so eval refuses what run refuses
 
+    check_shards(cache, tuple(skip_shards))
     head = cache.load_teacher_head()
     model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"], device)
     if list(model.cfg.target_layer_ids) != list(cache.layer_ids):
