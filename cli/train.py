@@ -183,6 +183,7 @@ def eval_(
     split: str = typer.Option("heldout", help="Offline mode: only 'heldout' (the split training never sees)."),
     heldout_fraction: float = typer.Option(0.02, help="Held-out fraction used in training."),
     max_sequences: int = typer.Option(512, help="Offline mode: held-out sequences to evaluate."),
+    skip_shards: Optional[str] = typer.Option(None, help="Offline mode: evaluate without these (damaged) shards: NAME[,NAME...]."),
     num_anchors: int = typer.Option(8, help="Offline mode: sampled anchors per sequence."),
     batch_tokens: int = typer.Option(8192, help="Offline mode: sequence tokens per batch."),
     max_prompts: Optional[int] = typer.Option(None, help="Real mode: use the first N prompts."),
@@ -221,7 +222,9 @@ def eval_(
         report: dict = {"checkpoint": checkpoint}
         lines: list[tuple[str, str]] = []
         if cache:
-            report.update(_offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options))
+            skip = tuple(n.strip() for n in (skip_shards or "").split(",") if n.strip())
+            report.update(_offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens,
+                                   storage_options, skip))
             o = report["offline"]
             lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
                       ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
@@ -326,15 +329,17 @@ def _vllm(checkpoint, teacher, block_size, prompt_list, spec, dtype, vllm_python
                            spec.stop_token_ids, cfg, reference)
 
 
-def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options) -> dict:
+def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens, storage_options,
+             skip_shards=()) -> dict:
     from dflash_cache import open_cache
     from dflash_train.data import DataConfig
     from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for
     from dflash_train.loss import LossConfig
 
     c = open_cache(cache, json_option(storage_options, "--storage-options"))
-    model = load_drafter_for(checkpoint, c, dev)
-    data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction)
+    model = load_drafter_for(checkpoint, c, dev, skip_shards)
+    data = DataConfig(batch_tokens=batch_tokens, num_anchors=num_anchors, heldout_fraction=heldout_fraction,
+                      skip_shards=skip_shards)
     return {"cache": cache, "offline": evaluate(model, c, data, LossConfig(), max_sequences, dev),
             "greedy_replay": greedy_replay(model, c, data, max_sequences, dev)}
 

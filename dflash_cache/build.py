@@ -207,7 +207,8 @@ def committed_records(fs, root: str, rank: int) -> list[dict]:
     prefix = fmt.shard_name(rank, 0)[:-6]
     records = []
     for path in sorted(fs.glob(fmt.join(shards_dir, f"{prefix}*.json"))):
-        records.append(fmt.read_json(fs, path))
+        # a record's name becomes a path (resume, finalize): the same check as the reader's
+        records.append(fmt.check_shard_paths(fmt.read_json(fs, path), root, f"{fmt.SHARDS_DIR}/{path.rsplit('/', 1)[-1]}"))
     records.sort(key=lambda r: r["index"])
     # The writer commits in order, so committed shards are a prefix 0..n-1.
     for expected, record in enumerate(records):

@@ -8,6 +8,7 @@ import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
+from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.reader import Cache, _open_ipc, refuse_outside_links
 
@@ -300,3 +301,24 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
         progress.advance(len(batch))
     progress.close()
     return report
+
+
+def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
+    """One line naming every damaged shard, its first problem, and both ways out."""
+    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
+                      for name, bad in problems.items())
+    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
+            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
+
+
+def check_shards(cache, skip: tuple[str, ...]) -> int:
+    """Refuse unknown --skip-shards names and damaged shards not skipped; returns the number of
+    sequences the skipped shards hold."""
+    listed = {s.name: len(s) for s in cache.shards}
+    unknown = [name for name in skip if name not in listed]
+    if unknown:
+        raise ConfigError(f"--skip-shards names {unknown}, which {cache.url} does not list; take names from `dflash-cache verify` or `dflash-cache info --json`")
+    damaged = quick_check(cache, set(skip))
+    if damaged:
+        raise CacheError(damaged_shards_message(cache.url, damaged))
+    return sum(listed[name] for name in set(skip))

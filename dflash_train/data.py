@@ -261,7 +261,7 @@ def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
 def refuse_damaged(cache: Cache, problems: dict[str, list[str]]) -> None:
     """Raise the trainer's one-line error for damaged shards (shard name -> problems), if any."""
     if problems:
-        from dflash_train.trainer import damaged_shards_message  # the trainer owns the message
+        from dflash_cache.verify import damaged_shards_message
 
         raise CacheError(damaged_shards_message(cache.url, problems))
 

@@ -15,7 +15,7 @@ from dflash_cache.format import check_servable_layers
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import resolve_device
-from dflash_cache.verify import quick_check
+from dflash_cache.verify import check_shards
 from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
                                      load_full_state)
 from dflash_train.config import TrainConfig
@@ -166,27 +166,6 @@ def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torc
     hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     return forward(hidden, ids, torch.full((1, 1), -1, device=device)).sum() * 0.0
-
-
-def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
-    """One line naming every damaged shard, its first problem, and both ways out."""
-    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
-                      for name, bad in problems.items())
-    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
-            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
-
-
-def check_shards(cache, skip: tuple[str, ...]) -> int:
-    """Refuse unknown --skip-shards names and damaged shards not skipped; returns the number of
-    sequences the skipped shards hold."""
-    listed = {s.name: len(s) for s in cache.shards}
-    unknown = [name for name in skip if name not in listed]
-    if unknown:
-        raise ConfigError(f"--skip-shards names {unknown}, which {cache.url} does not list; take names from `dflash-cache verify` or `dflash-cache info --json`")
-    damaged = quick_check(cache, set(skip))
-    if damaged:
-        raise CacheError(damaged_shards_message(cache.url, damaged))
-    return sum(listed[name] for name in set(skip))
 
 
 # What a run folder may hold before its config.json exists: a sweep writes the run's log first.

@@ -261,6 +261,12 @@ def test_flipped_hidden_state_bytes_stop_run_and_eval_until_the_shard_is_skipped
                                              "--skip-shards", shard])
     assert skipped.exit_code == 0, skipped.output
     assert (tmp_path / "skipping" / "drafter").exists()
+    # the hint holds for eval too: it evaluates on the rest of the held-out split
+    evaluated = CliRunner().invoke(train_app, ["eval", "--checkpoint", str(drafter), "--cache", str(cache),
+                                               "--heldout-fraction", str(EVAL_FRACTION), "--out", str(tmp_path / "e.json"),
+                                               "--skip-shards", shard])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads((tmp_path / "e.json").read_text())["offline"]["positions"] > 0
 
 
 def test_loader_workers_report_a_damaged_shard_in_one_line(built, tmp_path):
