@@ -446,7 +446,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
     teacher = load_teacher(cfg.teacher)
     header = _header(cfg, teacher, files)
-    _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
+    with fmt.reaching(cfg.out):
+        _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
 
     records = committed_records(fs, root, cfg.rank)
     manifest_path = fmt.join(root, fmt.MANIFEST)

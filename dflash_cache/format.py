@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
@@ -22,7 +23,7 @@ import pyarrow as pa
 import xxhash
 
 from dflash_cache import fp8
-from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.errors import CacheError, ConfigError, DFlashError
 from dflash_cache.faults import maybe_fault
 
 FORMAT_NAME = "dflash-cache"
@@ -246,8 +247,15 @@ def read_json(fs, path: str) -> Any:
 # --- manifest --------------------------------------------------------------------------------
 
 
+# Fields of a shard record that readers use; a record without one is damaged.
+SHARD_RECORD_FIELDS = ("name", "sequences", "tokens", "bytes", "files", "checksums")
+
+
 def check_manifest(manifest: dict, url: str) -> dict:
     """Refuse manifests this code cannot read, naming the fix."""
+    if not isinstance(manifest, dict):
+        raise CacheError(f"{url}: manifest.json holds a JSON {type(manifest).__name__}, not an object; the cache is "
+                         "damaged or not a dflash cache: rebuild it")
     if manifest.get("format") != FORMAT_NAME:
         raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={manifest.get('format')!r})")
     version = manifest.get("format_version")
@@ -256,9 +264,23 @@ def check_manifest(manifest: dict, url: str) -> dict:
             f"{url}: cache format version {version} is not supported by this dflash "
             f"(reads version {FORMAT_VERSION}); rebuild the cache or install a matching dflash"
         )
-    for key in ("layer_ids", "hidden_size", "hidden_dtype", "top_k", "shards"):
+    for key in ("teacher", "layer_ids", "hidden_size", "hidden_dtype", "top_k", "shards"):
         if key not in manifest:
             raise CacheError(f"{url}: manifest.json lacks the field {key!r}; the cache is damaged, rebuild it")
+    expected = {"teacher": (dict, "an object"), "layer_ids": (list, "a list of layer ids"), "shards": (list, "a list"),
+                "hidden_size": (int, "a whole number"), "top_k": (int, "a whole number")}
+    for key, (kind, what) in expected.items():
+        value = manifest[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
+            raise CacheError(f"{url}: manifest.json field {key!r} is {value!r}, not {what}; the cache is damaged, "
+                             "rebuild it")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in manifest["layer_ids"]):
+        raise CacheError(f"{url}: manifest.json layer_ids {manifest['layer_ids']!r} are not layer numbers; rebuild the cache")
+    for position, record in enumerate(manifest["shards"]):
+        missing = [f for f in SHARD_RECORD_FIELDS if not isinstance(record, dict) or f not in record]
+        if missing:
+            raise CacheError(f"{url}: manifest.json shard entry {position} lacks {missing[0]!r}; the cache is damaged, "
+                             "rebuild it (or restore manifest.json)")
     if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
         raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
     if hidden_format_of(manifest) not in HIDDEN_FORMATS:
@@ -267,12 +289,30 @@ def check_manifest(manifest: dict, url: str) -> dict:
     return manifest
 
 
+@contextmanager
+def reaching(url: str):
+    """A store's first contact: an unreachable endpoint, refused credentials or an option its client
+    does not take become one line. The clients' errors share no base class (botocore's, aiohttp's,
+    TypeError for an unknown option), so anything but our own errors is caught here, and only here."""
+    try:
+        yield
+    except DFlashError:
+        raise
+    except Exception as err:  # noqa: BLE001 - see above
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        raise CacheError(f"{url}: the storage cannot be reached or refused the request ({type(err).__name__}: {first}); "
+                         "check the endpoint, the credentials and --storage-options") from None
+
+
 def read_manifest(fs, root: str, url: str | None = None) -> dict:
     path = join(root, MANIFEST)
-    if not fs.exists(path):
+    with reaching(url or root):
+        exists = fs.exists(path)
+    if not exists:
         raise CacheError(f"{url or root}: no manifest.json; not a dflash cache (build one with `dflash-cache build`)")
     try:
-        manifest = read_json(fs, path)
+        with reaching(url or root):
+            manifest = read_json(fs, path)
     except json.JSONDecodeError as err:
         raise CacheError(f"{url or root}: manifest.json is not valid JSON ({err}); rebuild the cache") from None
     return check_manifest(manifest, url or root)

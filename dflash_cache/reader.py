@@ -428,10 +428,11 @@ class Cache:
         from transformers import AutoTokenizer
 
         if fmt.is_local(self.fs):
-            return AutoTokenizer.from_pretrained(self.teacher_path(""))
+            # a cache may come from anyone: its tokenizer folder never runs code
+            return AutoTokenizer.from_pretrained(self.teacher_path(""), trust_remote_code=False)
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(self.teacher_path("") + "/", tmp + "/", recursive=True)
-            return AutoTokenizer.from_pretrained(tmp)
+            return AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
 
 
 class ReadAhead:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,9 +81,13 @@ def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> 
         listing = {}
     found: dict[str, dict[str, int]] = {}
     prefix = len(shards_dir) + 1
+    linked = {}
     for path, info in listing.items():
         if info.get("islink"):  # the listing names links without following them: none may leave the cache
             refuse_outside_links(cache, path)
+            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
+                linked.update(cache.fs.find(path, detail=True))
+    for path, info in {**listing, **linked}.items():
         shard, _, rest = path[prefix:].partition("/")
         if rest:
             found.setdefault(shard, {})[rest] = int(info["size"])

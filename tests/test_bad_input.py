@@ -162,3 +162,46 @@ def test_a_damaged_newest_checkpoint_names_resume_from_and_it_works(setup, tmp_p
     resumed = CliRunner().invoke(train_app, base + ["--steps", "4", "--resume-from", str(older)])
     assert resumed.exit_code == 0, resumed.output
     assert (out / "checkpoints" / "step-000004" / "COMPLETE").exists()
+
+
+@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float"])
+def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    if damage == "a list":
+        manifest = [manifest]
+    elif damage == "no teacher":
+        del manifest["teacher"]
+    elif damage == "record without files":
+        del manifest["shards"][0]["files"]
+    else:
+        manifest["top_k"] = "4" if damage == "top_k a string" else 4.5
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    for app, args in ((cache_app, ["info", str(cache)]), (cache_app, ["verify", str(cache)]),
+                      (train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--quiet"]),
+                      (train_app, ["eval", "--checkpoint", str(setup["root"] / "run" / "drafter"), "--cache", str(cache),
+                                   "--quiet"])):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1, (damage, args, result.output, result.exception)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "manifest.json" in lines[0] and "rebuild" in lines[0], (damage, args, result.output)
+
+
+def test_a_shard_folder_linked_from_inside_the_cache_is_read_by_verify_and_run_alike(setup, tmp_path):
+    import os
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    shard = sorted(p for p in (cache / "shards").iterdir() if p.is_dir())[0]
+    (cache / "moved").mkdir()
+    shutil.move(str(shard), cache / "moved" / shard.name)
+    os.symlink(f"../moved/{shard.name}", shard)
+    verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verified.exit_code == 0, verified.output
+    trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--steps", "1",
+                                             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--quiet"])
+    assert trained.exit_code == 0, trained.output

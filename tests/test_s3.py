@@ -213,3 +213,26 @@ def test_read_ahead_from_s3_is_bounded_and_equal_to_local(s3_server, built):  # 
         np.testing.assert_array_equal(record.hidden.view(np.uint16), expected.hidden.view(np.uint16))
         np.testing.assert_array_equal(record.topk_logprobs, expected.topk_logprobs)
     assert 0 < ahead.peak_bytes <= budget
+
+
+def test_unreachable_endpoint_and_unknown_option_are_one_line(s3_server, teacher_dir, tmp_path):  # noqa: F811
+    reset_s3_clients()
+    down = json.dumps({"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
+                       "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    bogus = json.dumps({"endpoint_url": s3_server.endpoint, "no_such_option": 1})
+    data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(2, seed=1, prefix="x-"))
+    cases = [
+        (cache_app, ["info", s3_server.url("nowhere"), "--storage-options", down]),
+        (cache_app, ["verify", s3_server.url("nowhere"), "--storage-options", down]),
+        (cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--out", s3_server.url("new"),
+                     "--layers", "0", "--quiet", "--storage-options", down]),
+        (train_app, ["run", "--cache", s3_server.url("nowhere"), "--out", str(tmp_path / "run"), "--storage-options", down]),
+        (cache_app, ["info", s3_server.url("nowhere"), "--storage-options", bogus]),
+    ]
+    for app, args in cases:
+        reset_s3_clients()
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1, (args, result.output, result.exception)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "the storage cannot be reached" in lines[0] and "--storage-options" in lines[0], \
+            (args, result.output)
