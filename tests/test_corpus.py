@@ -278,8 +278,8 @@ def test_fingerprint_sees_the_tail_of_large_files(tmp_path):
     "kwargs, fragment",
     [
         ({"data": ""}, "data"),
-        ({"max_length": 0}, "max_length=0"),
-        ({"max_length": True}, "max_length=True"),
+        ({"max_length": 0}, "--max-length 0"),
+        ({"max_length": True}, "--max-length True"),
         ({"overlong": "cut"}, "overlong='cut'"),
         ({"min_length": 0}, "min_length=0"),
         ({"min_length": 10, "max_length": 5}, "min_length=10"),

@@ -22,6 +22,9 @@ from dflash_cache.errors import ConfigError
 from dflash_cache.faults import parse_faults
 from dflash_cache.verify import size_problems, verify_cache
 
+# real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-cache"))
 

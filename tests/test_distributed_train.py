@@ -26,6 +26,9 @@ from dflash_train.data import DataConfig, EpochPlan
 from dflash_train.distributed import shard_drafter
 from dflash_train.trainer import build_drafter
 
+# real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-train"))
 # 100-token batches of 36-58-token sequences: global batches of one sequence (one rank's share is
