@@ -13,7 +13,7 @@ Timings are interleaved in --rounds rounds (teacher, drafter, teacher, drafter, 
 process and one built-in process, and the best round of each is reported (this machine is noisy).
 
     .venv/bin/python benchmarks/bench_serving.py            # 40 prompts x 128 tokens, 2 rounds (~5 min)
-    .venv/bin/python benchmarks/bench_serving.py --quick    # 4 prompts x 24 tokens, 1 round
+    .venv/bin/python benchmarks/bench_serving.py --quick    # 4 prompts x 64 tokens, 1 round
 """
 
 from __future__ import annotations
@@ -105,11 +105,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-python", default=None)
-    parser.add_argument("--quick", action="store_true", help="4 prompts x 24 tokens, 1 round (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 64 tokens, 1 round (a smoke test)")
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
     if args.quick:
-        args.prompts, args.max_new_tokens, args.rounds, args.train_steps = 4, 24, 1, 30
+        args.prompts, args.max_new_tokens, args.rounds, args.train_steps = 4, 64, 1, 30
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         drafter = Path(args.drafter)
