@@ -105,7 +105,12 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
-        log_path = Path(cfg.log) if cfg.log else Path(tempfile.mkstemp(prefix="dflash-vllm-", suffix=".log")[1])
+        if cfg.log:
+            log_path = Path(cfg.log)
+        else:
+            handle, name = tempfile.mkstemp(prefix="dflash-vllm-", suffix=".log")
+            os.close(handle)  # reopened below; the descriptor itself would leak
+            log_path = Path(name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             try:
