@@ -13,17 +13,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
 
 
-def _device(device: str) -> str:
-    """Under torchrun each process of a node takes its own GPU."""
-    import os
-
-    import torch
-
-    if device == "auto" and torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        return f"cuda:{os.environ['LOCAL_RANK']}"
-    return device
-
-
 def _build_config(**o):
     import os
 
@@ -37,7 +26,7 @@ def _build_config(**o):
         corpus=CorpusConfig(data=o["data"], max_length=o["max_length"], overlong=o["overlong"],
                             min_length=o["min_length"], on_bad_row=o["on_bad_row"],
                             chat_template_kwargs=json_option(o["chat_template_kwargs"], "--chat-template-kwargs")),
-        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=_device(o["device"]), device_map=o["device_map"],
+        teacher=TeacherConfig(name_or_path=o["teacher"], revision=o["revision"], dtype=o["dtype"], device=o["device"], device_map=o["device_map"],
                               layers=split_ints(o["layers"], "--layers"), num_drafter_layers=o["drafter_layers"],
                               top_k=o["top_k"], batch_tokens=o["batch_tokens"], logits_chunk=o["logits_chunk"],
                               trust_remote_code=o["trust_remote_code"]),
@@ -62,7 +51,7 @@ def build(
     overlong: str = typer.Option("truncate", help="Sequences over --max-length: truncate or drop."),
     min_length: int = typer.Option(2, help="Drop sequences shorter than this many tokens."),
     dtype: str = typer.Option("bfloat16", help="Teacher compute and hidden-state storage dtype: bfloat16 or float32."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    device: str = typer.Option("auto", help="auto or cuda (each torchrun rank its LOCAL_RANK GPU), cpu, or cuda:N."),
     device_map: Optional[str] = typer.Option(None, help="Spread a teacher too large for one GPU over the node's GPUs (transformers device_map, e.g. auto); one process per node."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
     trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
@@ -186,7 +175,7 @@ def verify(
         if deep:
             from dflash_cache.verify import deep_verify
 
-            deep_report = deep_verify(cache, sample, teacher, _device(device), BarProgress(enabled=not quiet),
+            deep_report = deep_verify(cache, sample, teacher, device, BarProgress(enabled=not quiet),
                                       skip=set(report.bad_shards))
             for seq, problem in deep_report.mismatches.items():
                 typer.echo(f"MISMATCH {seq}: {problem}", err=True)
@@ -227,7 +216,7 @@ def regenerate(
     seed: int = typer.Option(0, help="Sampling seed; each (seed, row id, turn) draws its own random stream."),
     rows_per_part: int = typer.Option(256, help="Source rows per part file (the unit of resuming and of splitting across ranks)."),
     dtype: str = typer.Option("bfloat16", help="Teacher compute dtype: bfloat16 or float32."),
-    device: str = typer.Option("auto", help="auto (each torchrun rank its LOCAL_RANK GPU), cpu, cuda or cuda:N."),
+    device: str = typer.Option("auto", help="auto or cuda (each torchrun rank its LOCAL_RANK GPU), cpu, or cuda:N."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
     trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
     overwrite: bool = typer.Option(False, help="Delete an earlier OUT and OUT.parts and start over (default: resume)."),
@@ -262,7 +251,7 @@ def regenerate(
                 data=data, out=out, server=server, on_truncated=on_truncated, reasoning=reasoning,
                 chat_template_kwargs=json_option(chat_template_kwargs, "--chat-template-kwargs"),
                 teacher=None if server else TeacherConfig(name_or_path=teacher, revision=revision, dtype=dtype,
-                                                          device=_device(device), trust_remote_code=trust_remote_code),
+                                                          device=device, trust_remote_code=trust_remote_code),
                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, batch_size=batch_size,
                 keep_turns=keep_turns, on_bad_row=on_bad_row, seed=seed, rows_per_part=rows_per_part,
                 overwrite=overwrite, rank=rank, world_size=world_size,

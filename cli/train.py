@@ -209,7 +209,7 @@ def eval_(
 
     def action():
         from dflash_cache.errors import ConfigError
-        from dflash_cache.teacher import resolve_device
+        from dflash_cache.devices import resolve_device
 
         if not cache and not (teacher and prompts):
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
@@ -362,7 +362,7 @@ def generate(
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
 
     def action():
-        from dflash_cache.teacher import resolve_device
+        from dflash_cache.devices import resolve_device
         from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs, stop_ids
         from dflash_train.speculative import SpecConfig, speculative_generate
 

@@ -332,11 +332,19 @@ class Cache:
     def hidden_bytes_per_token(self) -> int:
         return fmt.hidden_bytes_per_token(len(self.layer_ids), self.hidden_size, self.hidden_dtype)
 
-    def padded_hidden(self, lengths: Sequence[int]) -> np.ndarray:
+    def padded_hidden(self, lengths: Sequence[int], pinned: bool = False) -> np.ndarray:
         """Zeros [len(lengths), max(lengths), n_layers, H] in the dtype the reader hands out: a
-        batch to read sequences straight into, ``shard.read(i, out=batch[row, :length])``."""
+        batch to read sequences straight into, ``shard.read(i, out=batch[row, :length])``.
+        ``pinned`` allocates it in page-locked memory (needs CUDA), so a CUDA trainer copies it to
+        the GPU as it is instead of pinning a second copy of every batch."""
         shape = (len(lengths), max(lengths, default=0), len(self.layer_ids), self.hidden_size)
-        return np.zeros(shape, dtype=fmt.HIDDEN_NUMPY[self.hidden_dtype])
+        dtype = np.dtype(fmt.HIDDEN_NUMPY[self.hidden_dtype])
+        if not pinned:
+            return np.zeros(shape, dtype=dtype)
+        import torch
+
+        raw = torch.zeros((*shape, dtype.itemsize), dtype=torch.uint8, pin_memory=True)
+        return raw.numpy().view(dtype).reshape(shape)
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from dflash_cache import format as fmt
+from dflash_cache.devices import bind_device, resolve_device
 from dflash_cache.errors import ConfigError, TeacherError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -95,25 +96,6 @@ def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
 def padding_fraction(lengths: np.ndarray, batches: list[np.ndarray]) -> float:
     padded = sum(int(lengths[b].max()) * len(b) for b in batches)
     return 1.0 - float(np.sum(lengths)) / padded if padded else 0.0
-
-
-def resolve_device(device: str) -> torch.device:
-    """'auto', 'cpu', 'cuda' or 'cuda:N' as a torch device this machine has."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        resolved = None
-    if resolved is None or resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r} is not supported; use auto, cpu, cuda or cuda:N")
-    if resolved.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ConfigError(f"--device {device} but this machine has no CUDA GPU; use --device cpu (or auto)")
-        if resolved.index is not None and resolved.index >= count:
-            raise ConfigError(f"--device {device} but this machine has {count} GPU(s); use cuda:0..cuda:{count - 1}")
-    return resolved
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -266,12 +248,13 @@ class Teacher:
         finally:
             for h in handles:
                 h.remove()
-        last = out.last_hidden_state[real]  # [N, H]
+        # with a device_map the final norm sits on the last GPU, the mask on the embedding's
+        last = out.last_hidden_state[real.to(out.last_hidden_state.device)]  # [N, H]
         # with a device_map the tapped layers may sit on different GPUs
         hidden = torch.stack([captured[i].to(last.device) for i in self.layer_ids], dim=1)  # [N, L, H]
         topk_ids, topk_logprobs = self._topk(last)
 
-        token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1)
+        token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1).to(hidden.device)
         seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths).to(token_finite.device)
         finite = torch.ones(len(sequences), dtype=torch.bool, device=token_finite.device)
         finite.scatter_reduce_(0, seq_of_token, token_finite, reduce="amin")
@@ -291,15 +274,43 @@ class Teacher:
     def _topk(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.model.get_output_embeddings()
         softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        last = last.to(head.weight.device)  # the head may sit on another GPU than the final norm
         ids, logprobs = [], []
         for start in range(0, last.shape[0], self.cfg.logits_chunk):
-            logits = head(last[start:start + self.cfg.logits_chunk]).float()
+            logits = fp32_logits(last[start:start + self.cfg.logits_chunk], head.weight, head.bias)
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
             values, indices = torch.log_softmax(logits, dim=-1).topk(self.cfg.top_k, dim=-1, sorted=True)
             ids.append(indices)
             logprobs.append(values)
         return torch.cat(ids), torch.cat(logprobs)
+
+
+def fp32_logits(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                vocab_chunk: int = 32768) -> torch.Tensor:
+    """states @ weight.T with float32 output for a bf16 (or fp32) LM head. A bf16 result would be
+    rounded to bf16 before the softmax: 0.125 apart at |logit| 16-32, up to 0.06 of error in the
+    stored log-probs the KL loss learns from. CUDA accumulates in fp32 and returns it directly
+    (mm's out_dtype); elsewhere the head is upcast a slice of the vocabulary at a time, so no fp32
+    copy of the whole head exists."""
+    if weight.dtype == torch.float32:
+        out = states.float() @ weight.T
+    elif states.is_cuda and weight.dtype == states.dtype:
+        try:
+            out = torch.mm(states, weight.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without out_dtype for this pair
+            out = _sliced_fp32_logits(states, weight, vocab_chunk)
+    else:
+        out = _sliced_fp32_logits(states, weight, vocab_chunk)
+    return out + bias.float() if bias is not None else out
+
+
+def _sliced_fp32_logits(states: torch.Tensor, weight: torch.Tensor, vocab_chunk: int) -> torch.Tensor:
+    x = states.float()
+    out = torch.empty(states.shape[0], weight.shape[0], dtype=torch.float32, device=states.device)
+    for start in range(0, weight.shape[0], vocab_chunk):
+        out[:, start:start + vocab_chunk] = x @ weight[start:start + vocab_chunk].float().T
+    return out
 
 
 def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
@@ -314,6 +325,7 @@ def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
         device = model.get_input_embeddings().weight.device
     else:
         device = resolve_device(cfg.device)
+        bind_device(device)
         model.to(device)
     model.eval()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)

@@ -16,6 +16,7 @@ from dflash_cache.errors import ConfigError
 from dflash_train.data import DataConfig
 from dflash_train.distributed import STRATEGIES
 from dflash_train.loss import LossConfig
+from dflash_train.model import ATTENTION_CHOICES
 from dflash_train.noise import NoiseConfig
 
 
@@ -50,15 +51,27 @@ class ModelOptions:
     intermediate_size: int | None = None
     """MLP width (default: the teacher's)."""
 
+    attention_backend: str = "auto"
+    """Attention kernel of training: "sdpa" (dense boolean mask), "flex" (flex_attention with a
+    block mask; CUDA only for training) or "auto" (flex on CUDA, sdpa elsewhere). Both compute the
+    same attention; export and serving do not depend on it."""
+
     def __post_init__(self):
         if self.num_layers < 1:
             raise ConfigError(f"--num-layers must be at least 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ConfigError(f"--block-size must be at least 2, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_CHOICES:
+            raise ConfigError(f"model.attention_backend {self.attention_backend!r} is unknown; use one of "
+                              f"{', '.join(ATTENTION_CHOICES)}")
 
     def overrides(self) -> dict:
         names = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+# How a run computes, not what it learns: a resumed run may change these.
+MODEL_OPERATIONAL = ("attention_backend",)
 
 
 @dataclass(frozen=True)

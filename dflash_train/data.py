@@ -342,9 +342,12 @@ class TrainStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, pinned: bool = False):
         self.url, self.storage_options, self.cfg, self.state = url, storage_options, cfg, state
         self.rank, self.world_size = rank, world_size
+        # batches read in this process go straight into page-locked memory; a worker's batches
+        # cross to this process through shared memory and are pinned by the DataLoader there
+        self.pinned = pinned and cfg.num_workers == 0
 
     def _jobs(self, plan: EpochPlan, worker: int, workers: int):
         """(this rank's share, global batch counter, epoch, loader state after it) of every planned
@@ -388,7 +391,7 @@ class TrainStream(torch.utils.data.IterableDataset):
             for share, *_ in ahead:
                 if share:
                     lengths = [int(cache.shards[s].lengths[i]) for s, i in share]
-                    hidden = cache.padded_hidden(lengths)
+                    hidden = cache.padded_hidden(lengths, pinned=self.pinned)
                     padded.append(hidden)
                     yield from ((s, i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(share, lengths)))
 
@@ -437,7 +440,7 @@ def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state:
                  rank: int = 0, world_size: int = 1, pin_memory: bool = False):
     """The batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out page-locked
     batches so ``Batch.to(device)`` copies without blocking."""
-    stream = TrainStream(url, storage_options, cfg, state, rank, world_size)
+    stream = TrainStream(url, storage_options, cfg, state, rank, world_size, pinned=pin_memory)
     return _BatchLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 

@@ -35,21 +35,24 @@ class DistInfo:
 
 
 def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes in the environment (no-op for one process)."""
+    """Join the process group torchrun describes in the environment (no-op for one process),
+    with this process bound to `device` (its LOCAL_RANK GPU, from resolve_device)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return DistInfo()
     info = DistInfo(rank=int(os.environ["RANK"]), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(**process_group_options(device))
     return info
 
 
-def rank_device(device: torch.device, info: DistInfo) -> torch.device:
-    """Each process of a node takes its own GPU."""
-    if device.type == "cuda" and info.active and device.index is None:
-        return torch.device("cuda", info.local_rank)
-    return device
+def process_group_options(device: torch.device) -> dict:
+    """init_process_group arguments: NCCL bound to this rank's GPU (device_id also makes NCCL
+    create its communicator eagerly there, instead of guessing GPU 0 at the first barrier), gloo
+    on CPU."""
+    if device.type == "cuda":
+        return {"backend": "nccl", "device_id": device}
+    return {"backend": "gloo"}
 
 
 def data_parallel(model: nn.Module, info: DistInfo, strategy: str, device: torch.device) -> nn.Module:
@@ -60,8 +63,6 @@ def data_parallel(model: nn.Module, info: DistInfo, strategy: str, device: torch
         return model
     if strategy == "ddp":
         return DDP(model, broadcast_buffers=False)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # FSDP2 communicates on the current device
     shard_drafter(model, init_device_mesh(device.type, (info.world_size,)))
     return model
 

@@ -171,8 +171,8 @@ def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, 
     embed, lm_head = embed.float(), lm_head.float()
     if (Path(path) / COMPLETE).exists():
         state = CheckpointManager.load(path)
-        model = DFlashDrafter(DrafterConfig.from_hf_config(state["trainer"]["drafter"]), embed, lm_head)
-        model.load_state_dict(state["model"])
+        model = DFlashDrafter.build(DrafterConfig.from_hf_config(state["trainer"]["drafter"]), embed, lm_head, "cpu",
+                                    state=state["model"])
     else:
         model = load_drafter(path, embed, lm_head, dtype=torch.float32)
     return model.to(device).eval()

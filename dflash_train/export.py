@@ -119,7 +119,7 @@ def load_drafter(export_dir: str | os.PathLike[str], embed_weight: Tensor, lm_he
         loaded = load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise ExportError(f"{path} is not a readable safetensors file ({err}); export the drafter again") from err
-    model = DFlashDrafter(cfg, embed_weight, lm_head_weight)
-    _check_tensors(path, loaded, model.state_dict())
-    model.load_state_dict(loaded)
-    return model.to(dtype)
+    with torch.device("meta"):
+        expected = DFlashDrafter(cfg, embed_weight.to("meta"), lm_head_weight.to("meta")).state_dict()
+    _check_tensors(path, loaded, expected)
+    return DFlashDrafter.build(cfg, embed_weight, lm_head_weight, embed_weight.device, state=loaded).to(dtype)

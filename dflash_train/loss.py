@@ -26,6 +26,7 @@ LOSS_KINDS = ("kl", "ce", "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.
 OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
 WEIGHTINGS = ("streak", "decay", "none")
+HEAD_MATMULS = ("fp32", "tf32")
 
 # docs/design.md's (block size, gamma) pairs; other block sizes interpolate between them.
 _GAMMA_ANCHORS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -67,6 +68,11 @@ class LossConfig:
     """With chunk_positions None: one chunk's fp32 logits stay under this many bytes (256 MiB is
     270 positions at a 248,320-token vocabulary, and a whole batch at small vocabularies)."""
 
+    head_matmul: str = "fp32"
+    """Precision of the loss's LM-head matmul on CUDA: "fp32" (exact) or "tf32" (tensor cores,
+    10-bit mantissa inputs with fp32 accumulation; by FLOP count most of a production step at
+    fp32). CPU always computes fp32. The accuracy and speed of both are in benchmarks/RESULTS.md."""
+
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
             raise ConfigError(f"loss kind {self.kind!r} is unknown (use one of {', '.join(LOSS_KINDS)})")
@@ -98,6 +104,8 @@ class LossConfig:
             raise ConfigError(
                 f"chunk_positions {self.chunk_positions!r} is not a positive integer or None (pass e.g. 256)"
             )
+        if self.head_matmul not in HEAD_MATMULS:
+            raise ConfigError(f"loss head_matmul {self.head_matmul!r} is unknown (use one of {', '.join(HEAD_MATMULS)})")
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r} is not a positive integer (pass e.g. 268435456)")
 
@@ -106,6 +114,12 @@ class LossConfig:
         if self.chunk_positions is not None:
             return self.chunk_positions
         return max(1, self.chunk_bytes // (4 * vocab_size))
+
+
+def set_head_matmul(head_matmul: str, device: torch.device) -> None:
+    """Let CUDA's fp32 matmuls (under bf16 autocast only the LM head in the loss) use TF32."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = head_matmul == "tf32"
 
 
 def _is_real(value: object) -> bool:

@@ -27,6 +27,7 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MASK_TOKEN = "<|MASK|>"
 ATTENTION_BACKENDS = ("sdpa", "flex")
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
 
 # HF-style initialisation, the same the reference drafters start from.
 INIT_STD = 0.02
@@ -345,6 +346,20 @@ def resolve_mask_token_id(tokenizer: Any, num_embedding_rows: int, override: int
         "pass --mask-token-id with a rarely used token id")
 
 
+def attention_backend(choice: str, device: torch.device, training: bool = True) -> str:
+    """The kernel for model.attention_backend on `device`: "auto" is flex_attention on CUDA
+    (compiled, it skips the fully masked tiles of the block mask) and SDPA with a dense mask
+    elsewhere. flex_attention has no backward on CPU, so training there refuses it."""
+    if choice not in ATTENTION_CHOICES:
+        raise ConfigError(f"model.attention_backend {choice!r} is unknown; use one of {', '.join(ATTENTION_CHOICES)}")
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if choice == "flex" and training and device.type != "cuda":
+        raise ConfigError(f"model.attention_backend flex cannot train on {device.type}: flex_attention has no "
+                          "backward there; use sdpa or auto")
+    return choice
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention masks
 
@@ -481,7 +496,9 @@ class DrafterAttention(nn.Module):
         block_keys, block_values = self.keys_values(x, cos, sin)
         keys = torch.cat((context_kv[0], block_keys), dim=2)
         values = torch.cat((context_kv[1], block_values), dim=2)
-        out = attend(queries, keys, values)
+        # Under bf16 autocast the projections are bf16 but the fp32 q/k norms return fp32: SDPA
+        # casts them itself, flex_attention refuses mixed dtypes. Both get v's dtype here.
+        out = attend(queries.to(values.dtype), keys.to(values.dtype), values)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], self.num_heads * self.head_dim))
 
 
@@ -575,6 +592,25 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.reset_parameters()
+
+    @classmethod
+    def build(cls, cfg: DrafterConfig, embed_weight: Tensor, lm_head_weight: Tensor, device: torch.device | str,
+              attention_backend: str = "sdpa", state: Mapping[str, Tensor] | None = None) -> "DFlashDrafter":
+        """The drafter with its parameters allocated once, on `device`: built on the meta device,
+        then initialised there (seeded by the global RNG) or given `state`'s tensors. A
+        production drafter (1.8B parameters) built on the host and moved costs ~22 GB of host
+        memory per rank and minutes of start-up; this costs the frozen head's copy only."""
+        device = torch.device(device)
+        with torch.device("meta"):
+            model = cls(cfg, embed_weight.to("meta"), lm_head_weight.to("meta"), attention_backend)
+        if state is not None:
+            model.load_state_dict(state, assign=True)
+        else:
+            model.to_empty(device=device)
+            model.reset_parameters()
+        model.embed_weight = embed_weight.detach().to(device)
+        model.lm_head_weight = lm_head_weight.detach().to(device)
+        return model.to(device)
 
     def reset_parameters(self) -> None:
         """Linear weights ~ N(0, 0.02), norm weights 1 (the HF Qwen3 initialisation)."""

@@ -217,7 +217,9 @@ class _LayerTaps:
 
     def take(self) -> Tensor:
         """Features [1, S, n_layers, H] of the latest forward (and forget them)."""
-        hidden = torch.stack([self.captured[i] for i in self.layer_ids], dim=2)
+        # with a device_map the tapped layers may sit on different GPUs
+        device = self.captured[self.layer_ids[0]].device
+        hidden = torch.stack([self.captured[i].to(device) for i in self.layer_ids], dim=2)
         self.captured.clear()
         return hidden
 
@@ -292,8 +294,15 @@ class _CacheRollback:
             _crop_layer(layer, 0)
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def _input_device(model: torch.nn.Module) -> torch.device:
+    """Where token ids go in: the embedding's device (the first GPU of a device_map)."""
+    return model.get_input_embeddings().weight.device
+
+
+def _output_device(model: torch.nn.Module) -> torch.device:
+    """Where logits come out, and so where the sampler and its generator live: the LM head's
+    device (the last GPU of a device_map)."""
+    return model.get_output_embeddings().weight.device
 
 
 def _check_prompt(teacher: torch.nn.Module, prompt_ids: Sequence[int]) -> int:
@@ -325,8 +334,8 @@ def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) ->
 def teacher_generate(teacher: torch.nn.Module, prompt_ids: Sequence[int], cfg: SpecConfig) -> SpecResult:
     """The teacher alone, one token per forward on its own KV cache (the reference output)."""
     _check_prompt(teacher, prompt_ids)
-    device = _model_device(teacher)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    device = _input_device(teacher)
+    generator = torch.Generator(device=_output_device(teacher)).manual_seed(cfg.seed)
     keyword = _cache_keyword(type(teacher))
     start = time.perf_counter()
     with torch.inference_mode():
@@ -353,9 +362,9 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     """
     vocab = _check_prompt(teacher, prompt_ids)
     _check_pair(teacher, drafter, vocab)
-    device = _model_device(teacher)
+    device, logits_device = _input_device(teacher), _output_device(teacher)
     drafter_device = drafter.fc.weight.device
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    generator = torch.Generator(device=logits_device).manual_seed(cfg.seed)
     keyword = _cache_keyword(type(teacher))
     block_size = drafter.cfg.block_size
     mask_block = torch.full((block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter_device)
@@ -377,7 +386,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         while not done:
             block = torch.cat((torch.tensor([anchor], device=drafter_device), mask_block))
             states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
-            draft_logits = drafter.logits(states[0, 1:]).float().to(device)
+            draft_logits = drafter.logits(states[0, 1:]).float().to(logits_device)
             if cfg.greedy:
                 q = None
                 drafts = draft_logits.argmax(dim=-1)
@@ -385,7 +394,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
                 q = probs_from_logits(draft_logits, cfg.temperature, cfg.top_p)
                 drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1)
 
-            verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts))
+            verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
             logits, cache = _run(teacher, verify_ids, cache, keyword)
             hidden = taps.take()

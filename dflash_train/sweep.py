@@ -48,7 +48,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 from dflash_cache.errors import CacheError, ConfigError, DFlashError
 from dflash_cache.progress import Progress
-from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.config import MODEL_OPERATIONAL, TrainConfig, config_from_dict, merge
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 
@@ -95,7 +95,8 @@ SHARED_FIELDS: dict[tuple[str, ...], str] = {
 # with other values of these still counts as this combination.
 OPERATIONAL_FIELDS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
                                 *(f"data.{name}" for name in DATA_OPERATIONAL),
-                                *(f"loss.{name}" for name in LOSS_OPERATIONAL)})
+                                *(f"loss.{name}" for name in LOSS_OPERATIONAL),
+                                *(f"model.{name}" for name in MODEL_OPERATIONAL)})
 
 ALPHA_POSITIONS = (1, 2, 4)
 """Block positions whose held-out alpha gets a table column (plus the last position)."""

@@ -14,20 +14,20 @@ from dflash_cache import open_cache
 from dflash_cache.format import check_servable_layers
 from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.progress import Progress
-from dflash_cache.teacher import resolve_device
+from dflash_cache.devices import bind_device, resolve_device
 from dflash_cache.verify import check_shards
 from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
                                      load_full_state)
-from dflash_train.config import TrainConfig
+from dflash_train.config import MODEL_OPERATIONAL, TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, manifest_fingerprint, train_loader
 from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, global_sum_tensor,
-                                      init_distributed, is_sharded, rank_device, release_gathered, shutdown)
+                                      init_distributed, is_sharded, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
 from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
-from dflash_train.loss import LossOutput
-from dflash_train.model import DFlashDrafter, DrafterConfig, mask_token_text, resolve_mask_token_id
+from dflash_train.loss import LossOutput, set_head_matmul
+from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
 
 DEFAULT_STEPS = 1000
@@ -44,7 +44,9 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafter:
     """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
     head = cache.load_teacher_head()
-    embed, lm_head = head["embed_tokens.weight"].float(), head["lm_head.weight"].float()
+    # the embedding is a lookup and keeps the cache's dtype (bf16: half of 2.5 GB at production
+    # size); the LM head is fp32 because the loss's logits are
+    embed, lm_head = head["embed_tokens.weight"].to(device), head["lm_head.weight"].to(device).float()
     tokenizer = cache.load_tokenizer()
     mask_id = resolve_mask_token_id(tokenizer, embed.shape[0], cfg.model.mask_token_id)
     drafter_cfg = DrafterConfig.from_teacher(
@@ -55,7 +57,7 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
     check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
     torch.manual_seed(cfg.seed)
-    return DFlashDrafter(drafter_cfg, embed, lm_head).to(device)
+    return DFlashDrafter.build(drafter_cfg, embed, lm_head, device, attention_backend(cfg.model.attention_backend, device))
 
 
 def total_steps(cfg: TrainConfig, cache) -> int:
@@ -112,7 +114,7 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
         saved = {**defaults[section], **state["config"].get(section, {})}
         now = dict(current[section])
         # the stream is the same for any worker count and read-ahead, the loss for any chunking
-        for key in {"data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ()):
+        for key in {"model": MODEL_OPERATIONAL, "data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ()):
             saved.pop(key, None), now.pop(key, None)
         if saved != now:
             raise ConfigError(f"the {section} settings differ from checkpoint {path} ({saved} vs {now}); resume with the original settings or use a new --out")
@@ -143,8 +145,10 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     with autocast:
         out = batch_loss(model, batch, cfg.loss, forward) if batch.ids else None
         idle = idle_loss(model.cfg, forward, device) if out is None else None
-    local = float(out.count.sum()) if out is not None else 0.0
-    scale = local / max(global_sum(local, info, device), 1.0) * info.world_size if info.active else 1.0
+    scale = 1.0
+    if info.active:  # the count crosses to the host only when the ranks need it
+        local = float(out.count.sum()) if out is not None else 0.0
+        scale = local / max(global_sum(local, info, device), 1.0) * info.world_size
     loss = out.loss * scale if out is not None else idle
     (loss / cfg.optim.grad_accum).backward()
     return out
@@ -208,15 +212,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     # sizes against the commit records, before any work: a damaged shard would otherwise stop
     # training with a decoder error hours in, whenever the epoch plan first reaches it
     skipped_sequences = check_shards(cache, cfg.data.skip_shards)
-    info = init_distributed(resolve_device(cfg.device))
-    device = rank_device(resolve_device(cfg.device), info)
+    device = resolve_device(cfg.device)
+    bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
+    info = init_distributed(device)
     progress = (progress or Progress()) if info.is_main else Progress()
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
     forward = data_parallel(model, info, cfg.strategy, device)
     sharded = is_sharded(model)
+    # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                  weight_decay=cfg.optim.weight_decay)
+                                  weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
+    set_head_matmul(cfg.loss.head_matmul, device)
     steps = total_steps(cfg, cache)
     warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
