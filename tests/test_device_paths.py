@@ -1,0 +1,159 @@
+"""The CUDA paths' logic that a CPU can show: device choice per rank, the process group's device,
+fp32 log-probs from a bf16 teacher, the drafter built on the meta device, the attention kernel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import build_teacher
+from test_model import make_batch, make_cfg, make_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_cache.devices import select_device
+from dflash_cache.errors import ConfigError
+from dflash_cache.teacher import TeacherConfig, fp32_logits, load_teacher
+from dflash_train.distributed import process_group_options
+from dflash_train.model import DFlashDrafter, attention_backend
+
+
+def test_cuda_and_auto_take_the_local_rank_gpu_and_cuda_n_is_kept():
+    assert select_device("cuda", cuda_count=8, rank_on_node=3) == torch.device("cuda", 3)
+    assert select_device("auto", cuda_count=8, rank_on_node=5) == torch.device("cuda", 5)
+    assert select_device("auto", cuda_count=2, rank_on_node=None) == torch.device("cuda", 0)
+    assert select_device("cuda:6", cuda_count=8, rank_on_node=3) == torch.device("cuda", 6)
+    assert select_device("auto", cuda_count=0, rank_on_node=3) == torch.device("cpu")
+    assert select_device("cpu", cuda_count=8, rank_on_node=3) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 4.*2 GPU\(s\)"):
+        select_device("cuda", cuda_count=2, rank_on_node=4)
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        select_device("cuda", cuda_count=0, rank_on_node=None)
+    with pytest.raises(ConfigError, match="not supported"):
+        select_device("tpu", cuda_count=0, rank_on_node=None)
+
+
+def test_the_process_group_is_bound_to_the_ranks_gpu():
+    assert process_group_options(torch.device("cuda", 3)) == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
+    assert process_group_options(torch.device("cpu")) == {"backend": "gloo"}
+
+
+@pytest.fixture(scope="module")
+def loud_bf16_teacher(tmp_path_factory, tokenizer_dir):
+    """A bf16 teacher whose logits reach |16-32|, where bf16 logits are 0.125 apart."""
+    path = tmp_path_factory.mktemp("loud_teacher")
+    build_teacher(path, "qwen3", AutoTokenizer.from_pretrained(tokenizer_dir), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_stored_logprobs_of_a_bf16_teacher_match_an_fp32_head_within_1e3(loud_bf16_teacher):
+    teacher = load_teacher(TeacherConfig(name_or_path=loud_bf16_teacher, dtype="bfloat16", device="cpu",
+                                         layers=(0, 1), top_k=16, logits_chunk=5))
+    ids = torch.tensor([teacher.tokenizer("The cat sees the answer, and the dog reads it twice.")["input_ids"]])
+    with torch.no_grad():
+        last = teacher.model.model(input_ids=ids).last_hidden_state[0]
+    weight = teacher.model.lm_head.weight
+    reference = torch.log_softmax(last.float() @ weight.float().T, dim=-1)
+    assert reference.abs().max() > 16  # the regime where bf16 logits lose the signal
+    topk_ids, topk_logprobs = teacher._topk(last)
+    torch.testing.assert_close(topk_logprobs, reference.gather(1, topk_ids), atol=1e-3, rtol=0)
+    # what the stored values were before: bf16 logits, then float
+    rounded = torch.log_softmax((last @ weight.T).float(), dim=-1)
+    assert (rounded.gather(1, topk_ids) - reference.gather(1, topk_ids)).abs().max() > 1e-3
+
+
+def test_fp32_logits_slices_the_vocabulary_without_changing_the_result():
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(7, 32, generator=gen).bfloat16()
+    weight = torch.randn(1000, 32, generator=gen).bfloat16()
+    bias = torch.randn(1000, generator=gen)
+    exact = states.float() @ weight.float().T + bias
+    torch.testing.assert_close(fp32_logits(states, weight, bias, vocab_chunk=96), exact, atol=1e-5, rtol=1e-6)
+    assert fp32_logits(states, weight).dtype == torch.float32
+
+
+def test_a_production_width_drafter_builds_on_the_meta_device_without_host_memory():
+    """5 layers at hidden 5120, 24/4 heads of 256, MLP 17408, vocab 248,320: 1.8B parameters and
+    a 10 GB fp32 head, ~22 GB if built on the host. Measured in a fresh process."""
+    script = textwrap.dedent("""
+        import resource, torch
+        from dflash_train.model import DFlashDrafter, DrafterConfig
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cfg = DrafterConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                            intermediate_size=17408, vocab_size=248320, mask_token_id=248077,
+                            target_layer_ids=(1, 16, 31, 46, 61), num_target_layers=64, num_hidden_layers=5)
+        head = torch.empty(248320, 5120, device="meta")
+        model = DFlashDrafter.build(cfg, head, head, "meta")
+        params = sum(p.numel() for p in model.parameters())
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(params, (peak - before) / 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    params, grown_mib = int(out[0]), float(out[1])
+    assert params > 1.7e9
+    assert grown_mib < 200, f"building on meta grew host memory by {grown_mib:.0f} MiB"
+
+
+def test_build_on_a_device_is_seeded_and_loads_a_state_exactly():
+    cfg = make_cfg()
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen).bfloat16()
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    torch.manual_seed(3)
+    first = DFlashDrafter.build(cfg, embed, head, "cpu")
+    torch.manual_seed(3)
+    second = DFlashDrafter.build(cfg, embed, head, "cpu")
+    torch.manual_seed(4)
+    other = DFlashDrafter.build(cfg, embed, head, "cpu")
+    for name, value in first.state_dict().items():
+        assert torch.equal(value, second.state_dict()[name]), name
+    assert not torch.equal(first.fc.weight, other.fc.weight)
+    assert first.embed_weight.dtype == torch.bfloat16 and first.lm_head_weight.dtype == torch.float32
+    loaded = DFlashDrafter.build(cfg, embed, head, "cpu", state=first.state_dict())
+    hidden, ids = make_batch(cfg)
+    anchors = torch.tensor([[0, 5], [3, -1], [1, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(hidden, ids, anchors), first(hidden, ids, anchors), atol=0, rtol=0)
+
+
+def test_attention_backend_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert attention_backend("auto", cpu) == "sdpa" and attention_backend("auto", cuda) == "flex"
+    assert attention_backend("sdpa", cuda) == "sdpa" and attention_backend("flex", cuda) == "flex"
+    assert attention_backend("flex", cpu, training=False) == "flex"
+    with pytest.raises(ConfigError, match="flex cannot train on cpu.*use sdpa or auto"):
+        attention_backend("flex", cpu)
+    with pytest.raises(ConfigError, match="unknown"):
+        attention_backend("xformers", cpu)
+
+
+def test_flex_under_bf16_autocast_gets_one_dtype_and_equals_sdpa(monkeypatch):
+    """Under autocast the q/k norms return fp32 and v is bf16; compiled flex_attention on CUDA
+    refuses that mix (eager CPU flex accepts it, so the dtypes it is handed are checked)."""
+    import dflash_train.model as model_module
+
+    seen, flex_attend = [], model_module._flex_attend
+
+    def recording(*args, **kwargs):
+        attend = flex_attend(*args, **kwargs)
+
+        def checked(q, k, v):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return attend(q, k, v)
+        return checked
+
+    monkeypatch.setattr(model_module, "_flex_attend", recording)
+    cfg = make_cfg()
+    sdpa, flex = make_model(cfg), make_model(cfg, backend="flex")
+    hidden, ids = make_batch(cfg)
+    anchors = torch.tensor([[0, 5], [3, -1], [1, 2]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = flex(hidden, ids, anchors), sdpa(hidden, ids, anchors)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
