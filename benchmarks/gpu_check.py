@@ -1,0 +1,352 @@
+"""The parts of benchmarks/gpu_check.sh: every CUDA path of the toolkit, one part per process.
+
+    python benchmarks/gpu_check.py PART --out DIR     # one part; writes DIR/PART.json
+    python benchmarks/gpu_check.py table --out DIR    # the table of every part's result
+
+GPU_CHECK_DEVICE=cpu runs the same parts on the CPU at tiny sizes (the test suite's dry run), so the
+script cannot rot on machines without a GPU. A part that raises records its error and the others
+still run; the shell script gives each part its own time limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+from bench_gpu import PRODUCTION, TINY, peak_memory, sync  # noqa: E402
+from bench_trainer import synthetic_batch  # noqa: E402
+
+from dflash_train.config import TrainConfig  # noqa: E402
+from dflash_train.distributed import DistInfo  # noqa: E402
+from dflash_train.loss import LossConfig, set_head_matmul  # noqa: E402
+from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
+from dflash_train.trainer import micro_step  # noqa: E402
+
+PARTS = ("env", "noise", "step", "flex", "build", "loader", "train", "ddp", "bench")
+TEACHER = ROOT / "examples" / "teacher"
+CORPUS = ROOT / "examples" / "data" / "chat.jsonl"
+PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"
+
+
+def device() -> torch.device:
+    return torch.device(os.environ.get("GPU_CHECK_DEVICE") or "cuda")
+
+
+def on_cpu() -> bool:
+    return device().type == "cpu"
+
+
+def sizes():
+    return TINY if on_cpu() else PRODUCTION
+
+
+def cli(*args: str, env: dict | None = None, torchrun: bool = False) -> str:
+    """A dflash command from this checkout (no install needed); its output, or an error with its tail."""
+    module = "cli.cache" if args[0] == "cache" else "cli.train"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m"] if torchrun else [sys.executable, "-m"]
+    full_env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+                "PYTHONPATH": str(ROOT), **(env or {})}
+    done = subprocess.run([*launcher, module, *args[1:]], cwd=ROOT, env=full_env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args[:2])} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return done.stdout
+
+
+# --- parts: each returns (summary, details) and raises on failure -------------------------------------------
+
+
+def part_env(out: Path):
+    missing = []
+    for module in ("zarr", "numcodecs", "pyarrow", "safetensors", "xxhash", "ml_dtypes", "typer", "fsspec",
+                   "transformers", "httpx", "matplotlib"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise RuntimeError(f"missing modules {missing}: run `make gpu-bundle` and carry .whl")
+    dev = device()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    import transformers
+    return f"{name}, torch {torch.__version__}, transformers {transformers.__version__}", {}
+
+
+def part_noise(out: Path):
+    """The noise drawn on the device equals the CPU's: uniform bit for bit, gaussian to rounding."""
+    s = sizes()
+    worst = {}
+    for distribution in ("uniform", "gaussian"):
+        cfg = NoiseConfig(schedule="constant", start=0.05, distribution=distribution)
+        base = torch.zeros(2, s.seq_len, len(s.tapped), s.hidden)
+        on_host, on_dev = base.clone(), base.clone().to(device())
+        add_noise_(on_host, ["a", "b"], [s.seq_len, s.seq_len // 2], cfg, 7, 100)
+        add_noise_(on_dev, ["a", "b"], [s.seq_len, s.seq_len // 2], cfg, 7, 100)
+        worst[distribution] = float((on_dev.cpu() - on_host).abs().max())
+    if worst["uniform"] != 0.0 or worst["gaussian"] > 1e-6:
+        raise RuntimeError(f"device noise differs from CPU noise: {worst}")
+    return f"uniform identical, gaussian max diff {worst['gaussian']:.1e}", worst
+
+
+def _drafter(s, dev, backend="sdpa"):
+    cfg = DrafterConfig(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                        head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
+                        mask_token_id=s.vocab - 1, target_layer_ids=s.tapped, num_target_layers=s.teacher_layers,
+                        num_hidden_layers=s.drafter_layers, block_size=s.block_size)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        embed = (torch.randn(s.vocab, s.hidden) * 0.02).bfloat16()
+        head = torch.randn(s.vocab, s.hidden) * 0.02
+    return DFlashDrafter.build(cfg, embed, head, dev, backend)
+
+
+def part_step(out: Path):
+    """A production-size bf16 training step: finite, the loss falls on a repeated batch, its peak
+    memory and tokens/s; then the TF32 LM head against fp32 on the same batch."""
+    s, dev = sizes(), device()
+    t0 = time.perf_counter()
+    model = _drafter(s, dev)
+    build_s = time.perf_counter() - t0
+    train_cfg = TrainConfig(cache="", out="")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=dev.type == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    batch = synthetic_batch(s.batch_tokens // s.seq_len, s.seq_len, s.vocab, len(s.tapped), s.hidden, s.top_k,
+                            s.num_anchors).to(dev)
+    losses, times = [], []
+    for _ in range(8):
+        t = time.perf_counter()
+        result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(dev)
+        times.append(time.perf_counter() - t)
+        losses.append(float(result.loss))
+    if not all(map(lambda v: v == v and abs(v) < float("inf"), losses)) or not losses[-1] < losses[0]:
+        raise RuntimeError(f"losses {losses} are not finite or do not fall")
+    step_s = min(times[2:])
+    peak = peak_memory(dev)
+    model.eval()
+    head = {}
+    for mode in ("fp32", "tf32"):
+        set_head_matmul(mode, dev)
+        with torch.no_grad(), autocast:
+            t = time.perf_counter()
+            from dflash_train.evaluate import batch_loss
+            value = batch_loss(model, batch, LossConfig(), model)
+            sync(dev)
+            head[mode] = (float(value.loss), time.perf_counter() - t)
+    set_head_matmul("fp32", dev)
+    tf32_error = abs(head["tf32"][0] - head["fp32"][0]) / abs(head["fp32"][0])
+    details = {"losses": losses, "step_s": step_s, "build_s": build_s, "peak": peak,
+               "tokens_per_s": batch.num_tokens / step_s, "tf32_relative_loss_error": tf32_error,
+               "tf32_eval_speedup": head["fp32"][1] / head["tf32"][1]}
+    return (f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {step_s:.3f} s/step, {batch.num_tokens / step_s:,.0f} tok/s, "
+            f"peak {peak}, built in {build_s:.1f} s; tf32 head loss rel. err {tf32_error:.1e}"), details
+
+
+def part_flex(out: Path):
+    """flex_attention against SDPA, forward and backward, at head_dim 256 and GQA 24/4 (CPU: forward only)."""
+    s, dev = sizes(), device()
+    s = s.__class__(**{**s.__dict__, "drafter_layers": 1, "vocab": min(s.vocab, 4096)})
+    results = {}
+    hidden = torch.randn(2, 512 if dev.type == "cuda" else 64, len(s.tapped), s.hidden, device=dev)
+    ids = torch.randint(0, s.vocab - 1, hidden.shape[:2], device=dev)
+    anchors = torch.tensor([[3, 40, 17, 60], [9, 25, -1, 50]], device=dev)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    for backend in ("sdpa", "flex"):
+        model = _drafter(s, dev, backend)
+        grad = dev.type == "cuda"
+        with torch.set_grad_enabled(grad), autocast:
+            states = model(hidden, ids, anchors)
+        grads = None
+        if grad:
+            states.float().square().mean().backward()
+            grads = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        results[backend] = (states.detach().float(), grads)
+    forward = float((results["flex"][0] - results["sdpa"][0]).abs().max())
+    scale = float(results["sdpa"][0].abs().max())
+    backward = None
+    if results["sdpa"][1] is not None:
+        backward = float((results["flex"][1] - results["sdpa"][1]).norm() / results["sdpa"][1].norm())
+    if forward > 0.05 * scale or (backward is not None and backward > 0.05):
+        raise RuntimeError(f"flex differs from sdpa: forward max {forward:.3e} of {scale:.3e}, backward rel {backward}")
+    return f"forward max diff {forward:.1e} (of {scale:.1e}), backward rel diff {backward if backward is None else f'{backward:.1e}'}", {
+        "forward": forward, "backward": backward}
+
+
+def _corpus(out: Path, rows: int) -> Path:
+    path = out / "corpus.jsonl"
+    with open(CORPUS) as f, open(path, "w") as g:
+        for _, line in zip(range(rows), f):
+            g.write(line)
+    return path
+
+
+def part_build(out: Path):
+    """A cache built on the device (bf16 and fp32) equals the CPU build within rounding."""
+    import numpy as np
+
+    from dflash_cache import open_cache
+
+    data = _corpus(out, 32 if on_cpu() else 256)
+    dev = str(device())
+    urls = {}
+    for name, where, dtype in (("cpu-fp32", "cpu", "float32"), ("dev-fp32", dev, "float32"), ("dev-bf16", dev, "bfloat16")):
+        urls[name] = out / f"cache-{name}"
+        cli("cache", "build", "--teacher", str(TEACHER), "--data", str(data), "--out", str(urls[name]), "--layers", "0,1",
+            "--top-k", "16", "--dtype", dtype, "--device", where, "--overwrite")
+    reference = {r.id: r for r in open_cache(str(urls["cpu-fp32"])).sequences()}
+    worst = {}
+    for name in ("dev-fp32", "dev-bf16"):
+        hidden = logprob = 0.0
+        for record in open_cache(str(urls[name])).sequences():
+            ref = reference[record.id]
+            scale = np.abs(np.asarray(ref.hidden, np.float32)).max()
+            hidden = max(hidden, float(np.abs(np.asarray(record.hidden, np.float32) - np.asarray(ref.hidden, np.float32)).max() / scale))
+            same = record.topk_ids[:, 0] == ref.topk_ids[:, 0]
+            logprob = max(logprob, float(np.abs(record.topk_logprobs[same, 0] - ref.topk_logprobs[same, 0]).max()))
+        worst[name] = {"hidden_rel": hidden, "top1_logprob": logprob}
+    if worst["dev-fp32"]["hidden_rel"] > 1e-3 or worst["dev-bf16"]["hidden_rel"] > 2 ** -5 or worst["dev-bf16"]["top1_logprob"] > 0.1:
+        raise RuntimeError(f"device caches differ from the CPU cache: {worst}")
+    return (f"fp32 hidden rel {worst['dev-fp32']['hidden_rel']:.1e}, bf16 hidden rel {worst['dev-bf16']['hidden_rel']:.1e}, "
+            f"bf16 top-1 log-prob {worst['dev-bf16']['top1_logprob']:.1e}"), worst
+
+
+def part_loader(out: Path):
+    """The pinned loader on the built cache: batches straight into page-locked memory, GB/s."""
+    from dflash_cache import open_cache
+    from dflash_train.data import DataConfig, LoaderState, manifest_fingerprint, train_loader
+
+    url = str(out / "cache-dev-bf16")
+    state = LoaderState(manifest_fingerprint=manifest_fingerprint(open_cache(url).manifest))
+    dev = device()
+    batches = iter(train_loader(url, None, DataConfig(batch_tokens=4096, heldout_fraction=0.05), state,
+                                pin_memory=dev.type == "cuda"))
+    first = next(batches)
+    pinned = first.hidden.is_pinned() if dev.type == "cuda" else None
+    t, moved, count = time.perf_counter(), 0, 0
+    while count < 20:
+        batch = next(batches)
+        batch.to(dev)
+        moved += batch.hidden.numel() * batch.hidden.element_size()
+        count += 1
+    sync(dev)
+    rate = moved / (time.perf_counter() - t) / 1e9
+    if dev.type == "cuda" and not pinned:
+        raise RuntimeError("the loader's hidden states are not in pinned memory")
+    return f"{rate:.2f} GB/s of hidden states to {dev.type}, pinned {pinned}", {"gb_per_s": rate, "pinned": pinned}
+
+
+RUN = ["--num-layers", "1", "--block-size", "8", "--batch-tokens", "2048", "--heldout-fraction", "0.05",
+       "--log-every", "5", "--eval-sequences", "16", "--quiet"]
+
+
+def part_train(out: Path):
+    """run, resume, export with the GPU hidden, eval and greedy speculative decoding on the device."""
+    cache, run = str(out / "cache-dev-bf16"), out / "run"
+    dev, steps = str(device()), 4 if on_cpu() else 20
+    half = str(steps // 2)
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", half, "--save-every", half, "--device", dev, *RUN)
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", str(steps), "--save-every", half, "--device", dev,
+        "--resume", *RUN)
+    cli("train", "export", str(run / "checkpoints" / f"step-{steps:06d}"), str(out / "exported"),
+        env={"CUDA_VISIBLE_DEVICES": ""})
+    report = out / "eval.json"
+    cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
+        "--prompts", str(PROMPTS), "--max-prompts", "2" if on_cpu() else "8", "--max-new-tokens", "32" if on_cpu() else "96", "--device", dev,
+        "--heldout-fraction", "0.05", "--out", str(report), "--quiet")
+    values = json.loads(report.read_text())
+    decoding = values["decoding"]
+    if not decoding["matched_teacher"]:
+        raise RuntimeError("greedy speculative decoding did not reproduce the teacher's output")
+    accepted = decoding["accepted_length"]
+    return (f"{steps} steps with a resume at {steps // 2}, exported on CPU, greedy spec decode = teacher, accepted "
+            f"{accepted:.2f}, x{decoding['speedup']:.2f} tokens/s"), {"accepted_length": accepted}
+
+
+def part_ddp(out: Path):
+    """1-rank DDP and FSDP2 under torchrun (NCCL on CUDA) against the unwrapped model."""
+    import safetensors.torch
+
+    cache, dev = str(out / "cache-dev-bf16"), str(device())
+    args = ["--steps", "2", "--save-every", "2", "--device", dev, "--seed", "1", "--eval-sequences", "0",
+            *[a for a in RUN if a not in ("--eval-sequences", "16")]]
+    cli("train", "run", "--cache", cache, "--out", str(out / "plain"), *args)
+    weights = {"plain": safetensors.torch.load_file(str(out / "plain" / "drafter" / "model.safetensors"))}
+    for strategy in ("ddp", "fsdp"):
+        cli("train", "run", "--cache", cache, "--out", str(out / strategy), "--strategy", strategy, *args, torchrun=True)
+        weights[strategy] = safetensors.torch.load_file(str(out / strategy / "drafter" / "model.safetensors"))
+    diffs = {s: max(float((weights[s][k].float() - v.float()).abs().max()) for k, v in weights["plain"].items())
+             for s in ("ddp", "fsdp")}
+    if max(diffs.values()) > 1e-2:
+        raise RuntimeError(f"wrapped training differs from unwrapped: {diffs}")
+    return f"max weight diff ddp {diffs['ddp']:.1e}, fsdp {diffs['fsdp']:.1e}", diffs
+
+
+def part_bench(out: Path):
+    limit = float(os.environ.get("GPU_CHECK_BENCH_S", "120"))
+    args = ["--tiny", "--device", "cpu"] if on_cpu() else ["--limit-s", str(max(30.0, limit - 30))]
+    done = subprocess.run([sys.executable, str(HERE / "bench_gpu.py"), *args, "--tmp", str(out / "bench-tmp")],
+                          capture_output=True, text=True, cwd=ROOT)
+    (out / "bench_gpu.txt").write_text(done.stdout + done.stderr)
+    if done.returncode:
+        raise RuntimeError(f"bench_gpu.py failed: {done.stderr.strip().splitlines()[-1:]}")
+    return f"bench_gpu.py: see {out / 'bench_gpu.txt'}", {}
+
+
+# --- driver ---------------------------------------------------------------------------------------------------
+
+
+def run_part(name: str, out: Path) -> dict:
+    start = time.perf_counter()
+    try:
+        summary, details = globals()[f"part_{name}"](out)
+        record = {"part": name, "status": "ok", "summary": summary, "details": details}
+    except Exception as err:  # a part's failure is its row; the next part still runs
+        record = {"part": name, "status": "FAIL", "summary": f"{type(err).__name__}: {err}"[:400],
+                  "traceback": traceback.format_exc()[-3000:]}
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def table(out: Path) -> str:
+    lines = ["| part | status | seconds | result |", "|---|---|---|---|"]
+    for name in PARTS:
+        path = out / f"{name}.json"
+        if not path.exists():
+            status = (out / f"{name}.status").read_text().strip() if (out / f"{name}.status").exists() else "not run"
+            lines.append(f"| {name} | {status} | - | - |")
+            continue
+        record = json.loads(path.read_text())
+        lines.append(f"| {name} | {record['status']} | {record['seconds']} | {record['summary'].replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[1] != "--out" or argv[0] not in (*PARTS, "table"):
+        print(f"usage: gpu_check.py {{{'|'.join(PARTS)}|table}} --out DIR", file=sys.stderr)
+        return 2
+    out = Path(argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    if argv[0] == "table":
+        print(table(out))
+        return 0
+    return 0 if run_part(argv[0], out)["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

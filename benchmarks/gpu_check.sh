@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One prepared device check: every CUDA path, each part in its own process under its own time
+# limit (a failure or a hang does not hide the rest), then one table. Under 8 minutes on one H200.
+#
+#   bash benchmarks/gpu_check.sh                       # on the GPU machine (carry .whl: make gpu-bundle)
+#   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh  # the same parts on CPU at tiny sizes (dry run)
+#
+# GPU_CHECK_OUT (default .gpu-check) receives each part's JSON, the table (table.md) and logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${GPU_CHECK_OUT:-.gpu-check}
+TOTAL_S=${GPU_CHECK_TOTAL_S:-470}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+START=$(date +%s)
+
+# The GPU machine has no network and no zarr: install the carried wheels, never from an index.
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    # by name: pip keeps what the machine already has and takes only the missing ones from .whl
+    names=$(for w in .whl/*.whl; do basename "$w" | cut -d- -f1; done)
+    $PY -m pip install --quiet --no-index --find-links .whl $names >"$OUT/pip.log" 2>&1 \
+        || echo "pip install of .whl failed (see $OUT/pip.log); the env part names what is missing"
+fi
+
+# part:seconds; the benchmark takes what is left of TOTAL_S
+PARTS="env:60 noise:60 step:150 flex:90 build:120 loader:60 train:150 ddp:150"
+for entry in $PARTS; do
+    part=${entry%%:*}; limit=${entry##*:}
+    left=$(( TOTAL_S - ($(date +%s) - START) ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -le 5 ]; then echo "no time left" >"$OUT/$part.status"; continue; fi
+    rm -f "$OUT/$part.json"
+    timeout --kill-after=10 "$limit" $PY benchmarks/gpu_check.py "$part" --out "$OUT" >"$OUT/$part.log" 2>&1
+    rc=$?
+    if [ ! -f "$OUT/$part.json" ]; then
+        if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "TIMEOUT ${limit}s" >"$OUT/$part.status"; else echo "CRASH rc=$rc" >"$OUT/$part.status"; fi
+    fi
+    echo "$part: $(head -c 300 "$OUT/$part.json" 2>/dev/null | grep -o '"status": "[A-Z a-z]*"' || cat "$OUT/$part.status")"
+done
+left=$(( TOTAL_S - ($(date +%s) - START) ))
+if [ "$left" -gt 40 ]; then
+    GPU_CHECK_BENCH_S=$left timeout --kill-after=10 "$left" $PY benchmarks/gpu_check.py bench --out "$OUT" >"$OUT/bench.log" 2>&1 \
+        || [ -f "$OUT/bench.json" ] || echo "TIMEOUT or CRASH" >"$OUT/bench.status"
+else
+    echo "no time left" >"$OUT/bench.status"
+fi
+$PY benchmarks/gpu_check.py table --out "$OUT" | tee "$OUT/table.md"
+[ -f "$OUT/bench_gpu.txt" ] && tail -n 30 "$OUT/bench_gpu.txt"
+! grep -q -E '\| (FAIL|TIMEOUT|CRASH|not run)' "$OUT/table.md"
