@@ -64,7 +64,7 @@ from dflash_cache.devices import resolve_device  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, LoaderState, manifest_fingerprint, train_loader  # noqa: E402
+from dflash_train.data import DataConfig, EpochPlan, LoaderState, train_loader  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
 from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_, noise_for  # noqa: E402
@@ -255,7 +255,7 @@ def bench_loader(s: Sizes, device: torch.device, tmp: Path, workers: int, budget
                           num_workers=workers)
         epoch_batches = len(EpochPlan(cache, data).batches(0))
         train_cfg = TrainConfig(cache=url, out="", data=data)  # default noise: cosine from 0.1
-        state = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
+        state = LoaderState(manifest_fingerprint=cache.fingerprint)
         stream = iter(train_loader(url, None, data, state, pin_memory=device.type == "cuda"))
 
         def take(step: int) -> int:

@@ -54,7 +54,6 @@ from dflash_train.data import (  # noqa: E402
     EpochPlan,
     LoaderState,
     collate,
-    manifest_fingerprint,
     sample_anchors,
     train_loader,
 )
@@ -177,7 +176,7 @@ def main(argv=None) -> None:
                                           heldout_fraction=0.0))
         teacher = load_teacher(TeacherConfig(name_or_path=args.teacher, dtype=args.dtype, device=str(device),
                                              layers=tuple(cache.layer_ids), top_k=cache.top_k))
-        state = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
+        state = LoaderState(manifest_fingerprint=cache.fingerprint)
         offline_batches = iter(train_loader(url, None, cfg.data, state))
         online = OnlineBatches(cache, cfg, teacher)
         paths = {"offline": Trainer(cfg, cache, device), "online": Trainer(cfg, cache, device)}

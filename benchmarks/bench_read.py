@@ -40,7 +40,7 @@ import bench_write as bw  # noqa: E402  (same folder)
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache import reader  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, manifest_fingerprint, train_loader  # noqa: E402
+from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.trainer import on_device  # noqa: E402
 
@@ -124,7 +124,7 @@ def batches_loader(url: str, cfg: DataConfig, count: int) -> tuple[float, int]:
     Steady state: (seconds, tokens) from the first batch's arrival to the last's, so worker start-up
     (importing torch in each worker) is left out."""
     cache = open_cache(url)
-    state = LoaderState(seed=cfg.seed, manifest_fingerprint=manifest_fingerprint(cache.manifest))
+    state = LoaderState(seed=cfg.seed, manifest_fingerprint=cache.fingerprint)
     forget_checksums()  # a training process hashes the shards it reads, once
     n, first = 0, None
     for b, batch in enumerate(train_loader(url, None, cfg, state)):

@@ -34,7 +34,8 @@ from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig  # noqa: E402
-from dflash_train.decoding import read_prompts, stop_ids  # noqa: E402
+from dflash_cache.chat import stop_token_ids  # noqa: E402
+from dflash_train.decoding import read_prompts  # noqa: E402
 from dflash_train.evaluate import load_trained_drafter  # noqa: E402
 from dflash_train.export import read_export_config  # noqa: E402
 from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(TEACHER)
         prompts = read_prompts(str(PROMPTS), tokenizer, args.prompts)
-        spec = SpecConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids(tokenizer))
+        spec = SpecConfig(max_new_tokens=args.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
         builtin = builtin_rounds(drafter, prompts, spec, args.rounds)
         served = vllm_rounds(drafter, prompts, spec, args.rounds, args.vllm_python)
 

@@ -228,10 +228,10 @@ def part_build(out: Path):
 def part_loader(out: Path):
     """The pinned loader on the built cache: batches straight into page-locked memory, GB/s."""
     from dflash_cache import open_cache
-    from dflash_train.data import DataConfig, LoaderState, manifest_fingerprint, train_loader
+    from dflash_train.data import DataConfig, LoaderState, train_loader
 
     url = str(out / "cache-dev-bf16")
-    state = LoaderState(manifest_fingerprint=manifest_fingerprint(open_cache(url).manifest))
+    state = LoaderState(manifest_fingerprint=open_cache(url).fingerprint)
     dev = device()
     batches = iter(train_loader(url, None, DataConfig(batch_tokens=4096, heldout_fraction=0.05), state,
                                 pin_memory=dev.type == "cuda"))

@@ -266,7 +266,7 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
           vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None) -> tuple[dict, list[tuple[str, str]]]:
     """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
     from dflash_cache.errors import ConfigError
-    from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts, stop_ids
+    from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
     from dflash_train.speculative import SpecConfig
 
     if engine not in ENGINES:
@@ -280,7 +280,7 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
     dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
     t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
     prompt_list = read_prompts(prompts, t.tokenizer, max_prompts, template_kwargs)
-    spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
+    spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
     report: dict = {}
     lines: list[tuple[str, str]] = []
     reference = None
@@ -363,7 +363,7 @@ def generate(
 
     def action():
         from dflash_cache.devices import resolve_device
-        from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs, stop_ids
+        from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
         from dflash_train.speculative import SpecConfig, speculative_generate
 
         dev = resolve_device(device)
@@ -372,7 +372,7 @@ def generate(
                                          allow_template_mismatch)
         t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
         ids = prompt_ids(t.tokenizer, [{"role": "user", "content": prompt}], kwargs)
-        spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=stop_ids(t.tokenizer))
+        spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
         result = speculative_generate(t.model, drafter, list(ids), spec)
         typer.echo(t.tokenizer.decode(result.tokens, skip_special_tokens=True))
         mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)

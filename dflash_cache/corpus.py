@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from dflash_cache.chat import Render, end_of_turn_text
 from dflash_cache.errors import BadRowError, ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -703,9 +704,6 @@ class TokenizedSequence:
     """True when the row was longer than max_length and cut to its first max_length tokens."""
 
 
-Render = Callable[[list[dict], bool], str]
-
-
 def _find_assistant_text(text: str, content: str, start: int) -> tuple[int, int] | None:
     """Where the assistant `content`, possibly reformatted by the template, occurs from `start`.
 
@@ -817,21 +815,13 @@ def token_mask_from_spans(offsets: np.ndarray, spans: Sequence[tuple[int, int]])
     return mask.astype(np.uint8)
 
 
-_PROBE = "dflash end-of-turn probe 7c1e"
 _end_of_turn_cache: dict[tuple[str, str], str] = {}
 
 
 def _end_of_turn_text(render: Render, key: tuple[str, str]) -> str:
-    """The text a template writes after an assistant message (e.g. "<|im_end|>\\n"), or ""."""
+    """The template's end-of-turn text (chat.end_of_turn_text), once per template and kwargs."""
     if key not in _end_of_turn_cache:
-        marker = ""
-        try:
-            rendered = render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], False)
-            if _PROBE in rendered:
-                marker = rendered[rendered.rindex(_PROBE) + len(_PROBE) :]
-        except Exception:  # noqa: BLE001 - no marker just means spans end at the content
-            pass
-        _end_of_turn_cache[key] = marker
+        _end_of_turn_cache[key] = end_of_turn_text(render)
     return _end_of_turn_cache[key]
 
 

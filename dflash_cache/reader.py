@@ -328,6 +328,15 @@ class Cache:
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """The cache's identity: teacher, tokenizer, layers, k, dtype and the committed shards'
+        checksums. A checkpoint records it, so a run resumes only on the cache it trained on."""
+        keys = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype")
+        shards = [(s["name"], s["checksums"]) for s in self.manifest["shards"]]
+        payload = json.dumps([{k: self.manifest.get(k) for k in keys}, shards], sort_keys=True)
+        return xxhash.xxh64(payload.encode()).hexdigest()
+
     @property
     def hidden_bytes_per_token(self) -> int:
         return fmt.hidden_bytes_per_token(len(self.layer_ids), self.hidden_size, self.hidden_dtype)

@@ -46,6 +46,7 @@ from itertools import groupby
 import torch
 import xxhash
 
+from dflash_cache.chat import cut_at_stop, end_of_turn_text, strip_end_of_turn, tokenizer_render, top_p_filter
 from dflash_cache.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
 from dflash_cache.corpus import (
     BAD_ROW_POLICIES,
@@ -60,7 +61,7 @@ from dflash_cache.corpus import (
     render_chat,
     row_id,
 )
-from dflash_cache.errors import BadRowError, ConfigError, TeacherError
+from dflash_cache.errors import BadRowError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import TeacherConfig, load_teacher, tokenizer_hashes
 
@@ -308,34 +309,6 @@ def sample_seed(seed: int, row: str, turn: int) -> int:
     return xxhash.xxh64_intdigest(f"{seed}\0{row}\0{turn}".encode()) & ((1 << 63) - 1)
 
 
-def cut_at_stop(ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
-    """(answer ids before the first stop token, whether a stop token ended it)."""
-    stops = set(stop_ids)
-    for position, token in enumerate(ids):
-        if token in stops:
-            return ids[:position], True
-    return ids, False
-
-
-def strip_end_of_turn(text: str, end_of_turn: str) -> str:
-    """Drop a trailing end-of-turn marker that decoding kept (one that is not a special token)."""
-    marker = end_of_turn.strip()
-    if marker and text.endswith(marker):
-        return text[: -len(marker)]
-    return text
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set (most likely first) holding `top_p` of the
-    probability; the most likely token always stays. probs: [B, V], rows summing to 1."""
-    if top_p >= 1:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
 def settings_mismatch(existing: dict, current: dict, keys: Iterable[str] = RESUME_KEYS) -> str | None:
     """The first of `keys` whose value differs, said for a user, or None."""
     for key in keys:
@@ -417,36 +390,6 @@ class RowSampler:
         chosen = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.generators)])
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(-1, chosen[:, None], 0.0)
-
-
-def _end_of_turn_text(tokenizer) -> str:
-    """What the chat template writes right after an assistant message (e.g. "<|im_end|>\\n")."""
-    probe = "dflash regenerate probe 4b2d"
-    try:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], tokenize=False)
-    except Exception:  # noqa: BLE001 - a template without a visible marker just has none
-        return ""
-    return rendered[rendered.rindex(probe) + len(probe):] if probe in rendered else ""
-
-
-def stop_token_ids(tokenizer, model_eos, end_of_turn: str) -> list[int]:
-    """Tokens that end an answer: the tokenizer's eos, the model's configured eos ids, and the
-    template's end-of-turn token when it is a single added token (ChatML's <|im_end|>)."""
-    ids = []
-    candidates = [tokenizer.eos_token_id] + (list(model_eos) if isinstance(model_eos, (list, tuple)) else [model_eos])
-    marker = end_of_turn.strip()
-    if marker:
-        encoded = tokenizer(marker, add_special_tokens=False)["input_ids"]
-        if len(encoded) == 1:
-            candidates.append(encoded[0])
-    for token in candidates:
-        if token is not None and int(token) not in ids:
-            ids.append(int(token))
-    if not ids:
-        raise TeacherError("the teacher's tokenizer has no eos token and its chat template no end-of-turn token; "
-                           "answers could not stop before --max-new-tokens")
-    return ids
 
 
 @dataclass
@@ -571,8 +514,8 @@ def load_generator(cfg: TeacherConfig) -> TeacherGenerator:
     if not tokenizer.chat_template:
         raise ConfigError(f"the tokenizer of {cfg.name_or_path!r} has no chat template, so prompts cannot be "
                           f"rendered; use a chat (instruct) model as the teacher")
-    end_of_turn = _end_of_turn_text(tokenizer)
-    stop_ids = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None), end_of_turn)
+    end_of_turn = end_of_turn_text(tokenizer_render(tokenizer))
+    stop_ids = teacher.stop_token_ids()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id,
                                                bos_token_id=getattr(model.generation_config, "bos_token_id", None))

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from dflash_cache import format as fmt
+from dflash_cache.chat import stop_token_ids
 from dflash_cache.devices import bind_device, resolve_device
 from dflash_cache.errors import ConfigError, TeacherError
 
@@ -98,7 +99,7 @@ def padding_fraction(lengths: np.ndarray, batches: list[np.ndarray]) -> float:
     return 1.0 - float(np.sum(lengths)) / padded if padded else 0.0
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
+def decoder_layers(model) -> torch.nn.ModuleList:
     base = model.base_model
     layers = getattr(base, "layers", None)
     if isinstance(layers, torch.nn.ModuleList):
@@ -108,6 +109,44 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
         if isinstance(module, torch.nn.ModuleList) and len(module) == n:
             return module
     raise TeacherError(f"cannot find the decoder layers of {type(model).__name__}; the model type is not supported")
+
+
+class LayerTaps:
+    """What a tapped hidden state is, for the build and for decoding alike: the output of decoder
+    layer i (before any later layer or the final norm), captured by forward hooks while the
+    context is open. `keep` picks what to keep of each output (the build keeps the real,
+    unpadded positions)."""
+
+    def __init__(self, model, layer_ids, keep=None):
+        self.layers = decoder_layers(model)
+        self.layer_ids = tuple(layer_ids)
+        self.keep = keep
+        self.captured: dict[int, torch.Tensor] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> "LayerTaps":
+        def hook(layer_id: int):
+            def save(_module, _inputs, output):
+                state = output[0] if isinstance(output, tuple) else output
+                self.captured[layer_id] = self.keep(state) if self.keep is not None else state
+            return save
+
+        self.handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def take(self, device: torch.device | None = None) -> torch.Tensor:
+        """The latest forward's states stacked on a new second-to-last axis ([..., L, H]), on
+        `device` (default: the first tapped layer's; with a device_map the layers may sit on
+        different GPUs), and forgotten."""
+        device = device if device is not None else self.captured[self.layer_ids[0]].device
+        hidden = torch.stack([self.captured[i].to(device) for i in self.layer_ids], dim=-2)
+        self.captured.clear()
+        return hidden
 
 
 def tokenizer_hashes(tokenizer) -> dict:
@@ -215,6 +254,10 @@ class Teacher:
     device: torch.device
     identity: dict = field(default_factory=dict)
 
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end this teacher's answers (chat.stop_token_ids)."""
+        return stop_token_ids(self.tokenizer, getattr(self.model.generation_config, "eos_token_id", None))
+
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.get_text_config().hidden_size)
@@ -231,27 +274,14 @@ class Teacher:
         attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         real = attention_mask.bool().to(self.device)
 
-        captured: dict[int, torch.Tensor] = {}
-        layers = _decoder_layers(self.model)
-
-        def hook(layer_id):
-            def save(_module, _inputs, output):
-                state = output[0] if isinstance(output, tuple) else output
-                captured[layer_id] = state[real.to(state.device)]
-            return save
-
-        handles = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
-        try:
+        # only the real positions of each tapped layer are kept, as the layers produce them
+        with LayerTaps(self.model, self.layer_ids, keep=lambda state: state[real.to(state.device)]) as taps:
             out = self.model.base_model(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
             )
-        finally:
-            for h in handles:
-                h.remove()
         # with a device_map the final norm sits on the last GPU, the mask on the embedding's
         last = out.last_hidden_state[real.to(out.last_hidden_state.device)]  # [N, H]
-        # with a device_map the tapped layers may sit on different GPUs
-        hidden = torch.stack([captured[i].to(last.device) for i in self.layer_ids], dim=1)  # [N, L, H]
+        hidden = taps.take(last.device)  # [N, L, H]
         topk_ids, topk_logprobs = self._topk(last)
 
         token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1).to(hidden.device)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -92,14 +91,6 @@ def _unit_hash(text: str, salt: int) -> float:
 def is_heldout(seq_id: str, fraction: float) -> bool:
     """The held-out split depends on the id alone, so it is stable across rebuilds and seeds."""
     return _unit_hash(seq_id, 0x5EED) < fraction
-
-
-def manifest_fingerprint(manifest: dict) -> str:
-    """Identity of a cache's content: teacher, tokenizer, layers, k and committed shards."""
-    keys = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype")
-    shards = [(s["name"], s["checksums"]) for s in manifest["shards"]]
-    payload = json.dumps([{k: manifest.get(k) for k in keys}, shards], sort_keys=True)
-    return xxhash.xxh64(payload.encode()).hexdigest()
 
 
 def _generator(key0: int, key1: int, counter0: int = 0, counter1: int = 0) -> np.random.Generator:

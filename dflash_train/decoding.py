@@ -100,13 +100,6 @@ def resolve_template_kwargs(checkpoint: str, cache_url: str | None, given: dict 
     return given
 
 
-def stop_ids(tokenizer) -> tuple[int, ...]:
-    """End-of-turn ids: the tokenizer's eos and <|im_end|>/<|eot_id|> where they exist."""
-    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
-                                      if t in tokenizer.get_vocab()}
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 def load_pair(checkpoint: str, teacher_path: str, dtype: str, device: str,
               trust_remote_code: bool = False) -> tuple[Teacher, DFlashDrafter]:
     """The teacher (tapping the drafter's layers) and the trained drafter with the teacher's head."""

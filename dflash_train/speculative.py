@@ -41,8 +41,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from dflash_cache.chat import top_p_filter
 from dflash_cache.errors import ConfigError
-from dflash_cache.teacher import _decoder_layers
+from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_train.model import DFlashDrafter
 
 
@@ -128,11 +129,7 @@ def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) ->
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1:
         return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # A token stays when the mass strictly before it is below top_p, so the top token always stays.
-    keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    probs = probs * keep
+    probs = top_p_filter(probs, top_p)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
@@ -190,38 +187,6 @@ def _next_token(logits: Tensor, cfg: SpecConfig, generator: torch.Generator) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Teacher plumbing
-
-
-class _LayerTaps:
-    """Forward hooks keeping the outputs of the tapped decoder layers of the latest teacher forward."""
-
-    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
-        self.layers = _decoder_layers(model)
-        self.layer_ids = tuple(layer_ids)
-        self.captured: dict[int, Tensor] = {}
-        self.handles: list[Any] = []
-
-    def __enter__(self) -> "_LayerTaps":
-        def hook(layer_id: int):
-            def save(_module, _inputs, output):
-                self.captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            return save
-
-        self.handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def take(self) -> Tensor:
-        """Features [1, S, n_layers, H] of the latest forward (and forget them)."""
-        # with a device_map the tapped layers may sit on different GPUs
-        device = self.captured[self.layer_ids[0]].device
-        hidden = torch.stack([self.captured[i].to(device) for i in self.layer_ids], dim=2)
-        self.captured.clear()
-        return hidden
 
 
 @functools.lru_cache(maxsize=None)
@@ -321,7 +286,7 @@ def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) ->
     if vocab != drafter.cfg.vocab_size:
         raise ConfigError(f"the teacher's vocabulary has {vocab} rows, the drafter expects "
                           f"{drafter.cfg.vocab_size}; use the drafter trained for this teacher")
-    num_layers = len(_decoder_layers(teacher))
+    num_layers = len(decoder_layers(teacher))
     if max(drafter.cfg.target_layer_ids) >= num_layers:
         raise ConfigError(f"drafter taps layers {list(drafter.cfg.target_layer_ids)} but the teacher has "
                           f"{num_layers}; use the drafter trained for this teacher")
@@ -374,7 +339,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     accepted_lengths: list[int] = []
     draft_tokens: list[list[int]] = []
     reruns = 0
-    with torch.inference_mode(), _LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
+    with torch.inference_mode(), LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
         prompt = torch.tensor(list(prompt_ids), device=device)
         logits, cache = _run(teacher, prompt, None, keyword, 1)
         rollback = _CacheRollback(cache)

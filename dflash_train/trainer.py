@@ -20,7 +20,7 @@ from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_mo
                                      load_full_state)
 from dflash_train.config import MODEL_OPERATIONAL, TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
-from dflash_train.data import Batch, EpochPlan, LoaderState, manifest_fingerprint, train_loader
+from dflash_train.data import Batch, EpochPlan, LoaderState, train_loader
 from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, global_sum_tensor,
                                       init_distributed, is_sharded, release_gathered, shutdown)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
@@ -228,7 +228,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
 
-    fingerprint = manifest_fingerprint(cache.manifest)
+    fingerprint = cache.fingerprint
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
     if not resume and manager.latest() is not None:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")

@@ -23,7 +23,6 @@ from dflash_train.data import (
     cut_batches,
     epoch_order,
     is_heldout,
-    manifest_fingerprint,
     sample_anchors,
     train_loader,
 )
@@ -128,7 +127,7 @@ def test_loader_covers_the_training_split_once_per_epoch(small_cache):
 def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
     cache = open_cache(small_cache)
     cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, num_anchors=3)
-    start = LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest))
+    start = LoaderState(manifest_fingerprint=cache.fingerprint)
     per_epoch = len(EpochPlan(cache, cfg).batches(0))
     n = per_epoch + 4  # crosses an epoch boundary
     straight = _take(small_cache, cfg, start, n)
@@ -146,7 +145,7 @@ def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cach
     cache = open_cache(small_cache)
     assert cache.hidden_dtype == "bfloat16"
     cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1)
-    batch = _take(small_cache, cfg, LoaderState(manifest_fingerprint=manifest_fingerprint(cache.manifest)), 1)[0]
+    batch = _take(small_cache, cfg, LoaderState(manifest_fingerprint=cache.fingerprint), 1)[0]
     assert batch.hidden.dtype == torch.bfloat16
     for row, seq_id in enumerate(batch.ids):
         shard, i = next((s, s.ids.index(seq_id)) for s in cache.shards if seq_id in s.ids)

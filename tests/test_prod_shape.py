@@ -53,8 +53,14 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     model.save_pretrained(teacher)
     tokenizer.save_pretrained(teacher)
     del model
-    saved = json.loads((teacher / "config.json").read_text())
-    assert saved["model_type"] == "qwen3_5" and saved["text_config"]["hidden_size"] == 5120
+    # the released checkpoints nest the language model's settings in text_config under the
+    # multimodal model_type; save_pretrained writes the flat text config, so nest it back
+    text = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": False,
+        "text_config": {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")},
+    }))
+    assert AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16, device_map="meta").config.model_type == "qwen3_5"
 
     sentences = english_like_sentences(48, seed=3)
     rows = [{"id": f"row-{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},

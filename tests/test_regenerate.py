@@ -32,8 +32,8 @@ from dflash_cache.regenerate import (
     ranks_from_env,
     regenerate,
     sample_seed,
-    top_p_filter,
 )
+from dflash_cache.chat import top_p_filter
 from dflash_cache.teacher import TeacherConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
 from dflash_train.data import DataConfig
-from dflash_train.decoding import read_prompts, stop_ids
+from dflash_train.decoding import read_prompts
 from dflash_train.evaluate import load_trained_drafter
 from dflash_train.export import export_drafter
 from dflash_train.serving import EngineRun, VllmConfig, find_vllm_python, run_vllm, spec_summary
@@ -101,7 +101,7 @@ def test_untrained_and_sliding_drafters_serve_as_decoded(drafters, vllm_python):
     """One vLLM process: the teacher alone, an untrained drafter and an all-sliding one, against ours."""
     teacher = load_teacher(TeacherConfig(name_or_path=TEACHER, dtype="float32", device="cpu", top_k=1))
     prompts = read_prompts(PROMPTS, teacher.tokenizer, NUM_PROMPTS)
-    spec = SpecConfig(max_new_tokens=MAX_NEW, stop_token_ids=stop_ids(teacher.tokenizer))
+    spec = SpecConfig(max_new_tokens=MAX_NEW, stop_token_ids=teacher.stop_token_ids())
     names = ("untrained", "sliding")
     result = run_vllm(VllmConfig(python=vllm_python), TEACHER, [p.ids for p in prompts], MAX_NEW, spec.stop_token_ids,
                       [EngineRun("teacher")] + [EngineRun(n, str(drafters[n]), BLOCK - 1) for n in names])

@@ -1,0 +1,82 @@
+"""Where a chat answer ends, and the nucleus filter: one definition for stage 0's regeneration,
+the build's assistant spans and stage 2's decoding, which must agree on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from dflash_cache.errors import TeacherError
+
+Render = Callable[[list[dict], bool], str]
+"""A chat template as a function: (messages, add_generation_prompt) -> text."""
+
+_PROBE = "dflash end-of-turn probe 7c1e"
+
+
+def end_of_turn_text(render: Render) -> str:
+    """The text a template writes right after an assistant message (e.g. "<|im_end|>\\n"), or ""
+    for a template without a visible marker."""
+    try:
+        rendered = render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], False)
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe just has no marker
+        return ""
+    return rendered[rendered.rindex(_PROBE) + len(_PROBE):] if _PROBE in rendered else ""
+
+
+def tokenizer_render(tokenizer) -> Render:
+    """The tokenizer's own chat template as a Render."""
+    return lambda messages, add_generation_prompt: tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def stop_token_ids(tokenizer, model_eos=None, end_of_turn: str | None = None) -> list[int]:
+    """Tokens that end an answer: the tokenizer's eos, the model's configured eos ids, and the
+    template's end-of-turn token when it is a single token (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>). `end_of_turn` defaults to the tokenizer's template's."""
+    if end_of_turn is None:
+        end_of_turn = end_of_turn_text(tokenizer_render(tokenizer)) if tokenizer.chat_template else ""
+    candidates = [tokenizer.eos_token_id] + (list(model_eos) if isinstance(model_eos, (list, tuple)) else [model_eos])
+    marker = end_of_turn.strip()
+    if marker:
+        encoded = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if len(encoded) == 1:
+            candidates.append(encoded[0])
+    ids: list[int] = []
+    for token in candidates:
+        if token is not None and int(token) not in ids:
+            ids.append(int(token))
+    if not ids:
+        raise TeacherError("the teacher's tokenizer has no eos token and its chat template no end-of-turn token; "
+                           "answers could not stop before --max-new-tokens")
+    return ids
+
+
+def cut_at_stop(ids: list[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """(answer ids before the first stop token, whether a stop token ended it)."""
+    stops = set(stop_ids)
+    for position, token in enumerate(ids):
+        if token in stops:
+            return ids[:position], True
+    return ids, False
+
+
+def strip_end_of_turn(text: str, end_of_turn: str) -> str:
+    """Drop a trailing end-of-turn marker that decoding kept (one that is not a special token)."""
+    marker = end_of_turn.strip()
+    if marker and text.endswith(marker):
+        return text[: -len(marker)]
+    return text
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set (most likely first) holding `top_p` of the
+    probability: a token stays when the mass strictly before it is below top_p, so the most
+    likely token always stays. probs [..., V], rows summing to 1; not renormalised."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
