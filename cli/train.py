@@ -181,7 +181,7 @@ def eval_(
     teacher: Optional[str] = typer.Option(None, help="Real mode: the teacher (folder or hub name) to decode with."),
     prompts: Optional[str] = typer.Option(None, help="Real mode: JSONL prompts ('messages' without the answer, or 'prompt')."),
     split: str = typer.Option("heldout", help="Offline mode: only 'heldout' (the split training never sees)."),
-    heldout_fraction: float = typer.Option(0.02, help="Held-out fraction used in training."),
+    heldout_fraction: Optional[float] = typer.Option(None, help="Held-out fraction (default: the training run's, from its config.json)."),
     max_sequences: int = typer.Option(512, help="Offline mode: held-out sequences to evaluate."),
     skip_shards: Optional[str] = typer.Option(None, help="Offline mode: evaluate without these (damaged) shards: NAME[,NAME...]."),
     num_anchors: int = typer.Option(8, help="Offline mode: sampled anchors per sequence."),
@@ -223,7 +223,10 @@ def eval_(
         lines: list[tuple[str, str]] = []
         if cache:
             skip = tuple(n.strip() for n in (skip_shards or "").split(",") if n.strip())
-            report.update(_offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchors, batch_tokens,
+            from dflash_train.decoding import run_heldout_fraction
+
+            fraction = run_heldout_fraction(checkpoint, heldout_fraction)
+            report.update(_offline(checkpoint, cache, dev, fraction, max_sequences, num_anchors, batch_tokens,
                                    storage_options, skip))
             o = report["offline"]
             lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),

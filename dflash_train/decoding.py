@@ -60,6 +60,32 @@ def read_prompts(path: str, tokenizer, limit: int | None = None,
     return prompts
 
 
+def run_config_of(checkpoint: str) -> dict | None:
+    """The config.json of the training run a checkpoint (RUN/checkpoints/step-N) or an export
+    (RUN/drafter) comes from, or None for a drafter that travelled without its run."""
+    folder = Path(checkpoint)
+    for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
+        try:
+            values = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(values, dict) and "optim" in values and isinstance(values.get("data"), dict):
+            return values
+    return None
+
+
+def run_heldout_fraction(checkpoint: str, given: float | None) -> float:
+    """The held-out fraction to evaluate with: the one given, else the run's, else the default.
+    Evaluating with another fraction than training used would score sequences it trained on."""
+    from dflash_train.data import DataConfig
+
+    if given is not None:
+        return given
+    run = run_config_of(checkpoint)
+    fraction = run["data"].get("heldout_fraction") if run is not None else None
+    return float(fraction) if isinstance(fraction, (int, float)) else DataConfig().heldout_fraction
+
+
 def recorded_template_kwargs(checkpoint: str, cache_url: str | None, storage_options: dict | None = None
                              ) -> tuple[dict | None, str | None]:
     """The chat-template kwargs the drafter's cache was built with, and which cache said so:
@@ -68,15 +94,8 @@ def recorded_template_kwargs(checkpoint: str, cache_url: str | None, storage_opt
     from dflash_cache import open_cache
 
     if cache_url is None:
-        folder = Path(checkpoint)
-        for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
-            try:
-                values = json.loads(candidate.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(values, dict) and isinstance(values.get("cache"), str) and "optim" in values:
-                cache_url = values["cache"]
-                break
+        run = run_config_of(checkpoint)
+        cache_url = run["cache"] if run is not None and isinstance(run.get("cache"), str) else None
     if cache_url is None:
         return None, None
     try:

@@ -34,6 +34,6 @@ if [ -x .venv-vllm/bin/python ] || [ -n "${DFLASH_VLLM_PYTHON:-}" ]; then ENGINE
 
 echo
 echo "== 3. dflash-train eval: held-out acceptance, offline and with the teacher (engine: $ENGINE) =="
-dflash-train eval --checkpoint "$OUT/run/drafter" --cache "$OUT/cache" --heldout-fraction 0.05 \
+dflash-train eval --checkpoint "$OUT/run/drafter" --cache "$OUT/cache" \
     --teacher examples/teacher --prompts examples/data/heldout_prompts.jsonl --max-prompts 40 \
     --max-new-tokens 128 --out "$OUT/run/eval.json" --engine "$ENGINE" --quiet

@@ -49,3 +49,11 @@ def test_eval_command_writes_report_and_plot(tmp_path, cache_url):  # noqa: F811
                                      "--heldout-fraction", "0.2", "--out", str(tmp_path / "e2.json")])
     assert again.exit_code == 0, again.output
     assert abs(json.loads((tmp_path / "e2.json").read_text())["offline"]["tau"] - offline["tau"]) < 0.05
+    # without --heldout-fraction the run's own (0.2, from its config.json) is evaluated, not the default
+    for name, extra in (("run.json", []), ("default.json", ["--heldout-fraction", "0.02"])):
+        done = CliRunner().invoke(app, ["eval", "--checkpoint", str(run_dir / "checkpoints" / "step-000004"),
+                                        "--cache", cache_url, "--out", str(tmp_path / name), *extra])
+        assert done.exit_code == 0, done.output
+    positions = {name: json.loads((tmp_path / name).read_text())["offline"]["positions"]
+                 for name in ("run.json", "default.json")}
+    assert positions["run.json"] == offline["positions"] != positions["default.json"]

@@ -12,7 +12,7 @@ import resource
 import pytest
 import torch
 from helpers import english_like_sentences, write_jsonl
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
@@ -60,7 +60,7 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
         "model_type": "qwen3_5", "architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": False,
         "text_config": {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")},
     }))
-    assert AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16, device_map="meta").config.model_type == "qwen3_5"
+    assert AutoConfig.from_pretrained(teacher).model_type == "qwen3_5"  # the wrapper, as released
 
     sentences = english_like_sentences(48, seed=3)
     rows = [{"id": f"row-{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
