@@ -48,7 +48,7 @@ test-slow: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m slow
 
 # A production-width teacher and drafter through build, train, export and decode on CPU
-# (~6 minutes, ~18 GB of memory): catches shape, dtype and memory mistakes tiny teachers cannot.
+# (~15 minutes, ~18 GB of memory): catches shape, dtype and memory mistakes tiny teachers cannot.
 prod-shape: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m prodshape -s
 

@@ -33,8 +33,17 @@ from dflash_cache.faults import maybe_fault
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
-# What trainer.pt holds (see trainer.py, where it is written).
+# What trainer.pt holds: trainer_state writes exactly these, load refuses a file without them.
 TRAINER_KEYS = ("step", "optimizer", "scheduler", "loader", "rng", "drafter")
+
+
+def trainer_state(step: int, optimizer_state: dict, scheduler_state: dict, loader_state: dict,
+                  drafter_config: dict) -> dict:
+    """trainer.pt's content: everything but the weights that a resume restores, plus the
+    drafter's export config (so a checkpoint exports without the cache). Plain values and
+    tensors only, so it loads with weights_only=True."""
+    return {"step": step, "optimizer": optimizer_state, "scheduler": scheduler_state, "loader": loader_state,
+            "rng": {"torch": torch.get_rng_state()}, "drafter": drafter_config}
 
 
 class CheckpointError(DFlashError):

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from dflash_cache.progress import Progress
 from dflash_cache.devices import bind_device, resolve_device
 from dflash_cache.verify import check_shards
 from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
-                                     load_full_state)
+                                     load_full_state, trainer_state)
 from dflash_train.config import MODEL_OPERATIONAL, TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, train_loader
@@ -200,6 +201,30 @@ def check_run_folder(out: Path) -> None:
                           f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); choose a new or empty folder")
 
 
+@dataclass
+class Session:
+    """One training process between setup and finish: what the loop reads and advances."""
+
+    cfg: TrainConfig
+    cache: Any
+    info: DistInfo
+    device: torch.device
+    model: DFlashDrafter
+    forward: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    manager: CheckpointManager
+    metrics: MetricsLog | None
+    progress: Progress
+    steps: int
+    step: int
+    loader_state: LoaderState
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.model)
+
+
 def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = None,
           resume_from: str | Path | None = None) -> TrainResult:
     """Train (or with `resume`, continue from the newest complete checkpoint in cfg.out, or from
@@ -215,11 +240,28 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     device = resolve_device(cfg.device)
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
     info = init_distributed(device)
-    progress = (progress or Progress()) if info.is_main else Progress()
+    try:
+        session = setup(cfg, cache, info, device, resume, resume_from, progress or Progress(), skipped_sequences)
+        before = held_out(session, "before") if cfg.eval_sequences and session.step == 0 else {}
+        run_steps(session)
+        after = held_out(session, "after") if cfg.eval_sequences else {}
+        model_state = full_model_state(session.model)  # all ranks
+        out = Path(cfg.out)
+        export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
+        barrier(info)
+    finally:
+        shutdown(info)
+    return TrainResult(steps=session.step, export_dir=Path(export_dir), before=before, after=after)
+
+
+def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume: bool,
+          resume_from: str | Path | None, progress: Progress, skipped_sequences: int) -> Session:
+    """The drafter, optimizer, schedule and checkpoint manager of a run, resumed when asked;
+    writes the run's config.json (rank 0)."""
+    progress = progress if info.is_main else Progress()
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
     forward = data_parallel(model, info, cfg.strategy, device)
-    sharded = is_sharded(model)
     # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
@@ -228,13 +270,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
 
-    fingerprint = cache.fingerprint
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
     if not resume and manager.latest() is not None:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
-    step, loader_state = (_resume(manager, model, optimizer, scheduler, fingerprint,
+    step, loader_state = (_resume(manager, model, optimizer, scheduler, cache.fingerprint,
                                   json.loads(json.dumps(cfg.to_dict())), progress, resume_from) if resume
-                          else (0, LoaderState(manifest_fingerprint=fingerprint)))
+                          else (0, LoaderState(manifest_fingerprint=cache.fingerprint)))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
@@ -242,64 +283,71 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     if cfg.data.skip_shards and info.is_main:
         progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")
         metrics.write({"kind": "data", "skipped_shards": list(cfg.data.skip_shards), "skipped_sequences": skipped_sequences})
+    return Session(cfg=cfg, cache=cache, info=info, device=device, model=model, forward=forward, optimizer=optimizer,
+                   scheduler=scheduler, manager=manager, metrics=metrics, progress=progress, steps=steps, step=step,
+                   loader_state=loader_state)
 
-    def held_out(kind: str) -> dict:
-        # a sharded forward gathers parameters from every rank, so under FSDP every rank evaluates
-        result = evaluate(model, cache, cfg.data, cfg.loss, cfg.eval_sequences, device) if info.is_main or sharded else {}
-        if sharded:
-            release_gathered(model)
-        if result and info.is_main:
-            metrics.write({"kind": "eval", "step": step, **result})
-            progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
-        barrier(info)
-        return result
 
-    before = held_out("before") if cfg.eval_sequences and step == 0 else {}
-    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, loader_state, info.rank, info.world_size,
+def held_out(s: Session, kind: str) -> dict:
+    """The held-out evaluation, logged; under FSDP every rank evaluates (a sharded forward
+    gathers parameters from all of them)."""
+    result = (evaluate(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
+              if s.info.is_main or s.sharded else {})
+    if s.sharded:
+        release_gathered(s.model)
+    if result and s.info.is_main:
+        s.metrics.write({"kind": "eval", "step": s.step, **result})
+        s.progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
+    barrier(s.info)
+    return result
+
+
+def run_steps(s: Session) -> None:
+    """The training loop, from s.step to s.steps: micro-steps, optimizer step, logs, checkpoints."""
+    cfg, info, device = s.cfg, s.info, s.device
+    batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, s.loader_state, info.rank, info.world_size,
                                 pin_memory=device.type == "cuda"))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
-    progress.start(steps - step, "training", "step")
-    model.train()
-    while step < steps:
+    s.progress.start(s.steps - s.step, "training", "step")
+    s.model.train()
+    while s.step < s.steps:
         for _ in range(cfg.optim.grad_accum):
             batch = next(batches)
-            loader_state = LoaderState(**batch.state_after)
-            result = micro_step(model, forward, on_device(batch, device, cfg, step, steps), cfg, info, device, autocast)
+            s.loader_state = LoaderState(**batch.state_after)
+            result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info, device,
+                                autocast)
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens
-        grad_norm = clip_gradients(model, cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % cfg.log_every == 0 or step == steps:
-            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, model.cfg, info, device)
+        grad_norm = clip_gradients(s.model, cfg.optim.grad_clip)
+        s.optimizer.step()
+        s.scheduler.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        s.step += 1
+        if s.step % cfg.log_every == 0 or s.step == s.steps:
+            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg, info, device)
             if info.is_main:
                 norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
-                metrics.write({"kind": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
-                               **norm, **summary})
+                s.metrics.write({"kind": "train", "step": s.step, "lr": s.scheduler.get_last_lr()[0],
+                                 "tokens_per_s": rate, **norm, **summary})
                 shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
                          "tok/s": f"{rate:,.0f}"}
             meter = AcceptanceMeter()
-        progress.advance(1, **shown)
-        if step % cfg.save_every == 0 or step == steps:
-            model_state, optimizer_state = full_model_state(model), full_optimizer_state(model, optimizer)  # all ranks
-            if info.is_main:
-                trainer_state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                                 "loader": loader_state.to_dict(), "rng": {"torch": torch.get_rng_state()},
-                                 "drafter": model.cfg.to_hf_config()}
-                manager.save(step, model_state, trainer_state, cfg.to_dict())
-            barrier(info)
-    progress.close()
+        s.progress.advance(1, **shown)
+        if s.step % cfg.save_every == 0 or s.step == s.steps:
+            save_checkpoint(s)
+    s.progress.close()
 
-    after = held_out("after") if cfg.eval_sequences else {}
-    model_state = full_model_state(model)  # all ranks
-    export_dir = export_weights(model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
-    barrier(info)
-    shutdown(info)
-    return TrainResult(steps=step, export_dir=Path(export_dir), before=before, after=after)
+
+def save_checkpoint(s: Session) -> None:
+    """Gather the whole state (every rank: collective under FSDP) and save it on rank 0."""
+    model_state, optimizer_state = full_model_state(s.model), full_optimizer_state(s.model, s.optimizer)
+    if s.info.is_main:
+        state = trainer_state(s.step, optimizer_state, s.scheduler.state_dict(), s.loader_state.to_dict(),
+                              s.model.cfg.to_hf_config())
+        s.manager.save(s.step, model_state, state, s.cfg.to_dict())
+    barrier(s.info)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:

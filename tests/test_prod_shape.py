@@ -2,7 +2,7 @@
 width, heads and vocabulary (hidden 5120, 24/4 heads of 256, MLP 17,408, vocab 248,320, the
 multimodal wrapper's text_config nesting) but 3 decoder layers, through build, training steps of
 the default 5-layer drafter, export and speculative decoding. Tiny teachers cannot show shape,
-dtype and memory mistakes at this width. ~6 minutes and ~18 GB of memory on 2 cores."""
+dtype and memory mistakes at this width. ~15 minutes and ~18 GB of memory on 2 cores."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def _ok(result):
     return result.output
 
 
+@pytest.mark.timeout(2400)
 def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = production_teacher_config()
@@ -62,10 +63,11 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     }))
     assert AutoConfig.from_pretrained(teacher).model_type == "qwen3_5"  # the wrapper, as released
 
-    sentences = english_like_sentences(48, seed=3)
+    # few tokens: a bf16 forward at this width is slow on a CPU, and shapes do not need volume
+    sentences = english_like_sentences(16, seed=3)
     rows = [{"id": f"row-{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
                                                 {"role": "assistant", "content": sentences[2 * i + 1]}]}
-            for i in range(24)]
+            for i in range(8)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     cache = tmp_path / "cache"
     _ok(CliRunner().invoke(cache_app, ["build", "--teacher", str(teacher), "--data", data, "--out", str(cache),
@@ -81,7 +83,7 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     # fp32 weights, gradients and AdamW state fit a 24 GB machine (at 17,408 they need ~30 GB)
     _ok(CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(run), "--steps", "2",
                                        "--batch-tokens", "256", "--num-anchors", "2", "--heldout-fraction", "0.1",
-                                       "--eval-sequences", "2", "--log-every", "1", "--device", "cpu",
+                                       "--eval-sequences", "0", "--log-every", "1", "--device", "cpu",
                                        "--set", "model.intermediate_size=1024", "--quiet"]))
     exported = json.loads((run / "drafter" / "config.json").read_text())
     assert (exported["hidden_size"], exported["num_hidden_layers"], exported["num_attention_heads"],
