@@ -71,7 +71,7 @@ def build_scratch_cache(args, out: Path) -> str:
     # quickstart's build options: 3 tapped layers, top-32, small shards
     build_cache(BuildConfig(out=url, corpus=CorpusConfig(data=str(data)),
                             teacher=TeacherConfig(name_or_path=args.teacher, dtype=args.dtype, device=args.device,
-                                                  num_drafter_layers=args.tapped, top_k=args.top_k),
+                                                  num_tapped_layers=args.tapped, top_k=args.top_k),
                             storage=StorageConfig(shard_bytes=32 * 10**6, chunk_bytes=512 * 2**10)))
     return url
 
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data", default=str(ROOT / "examples" / "data" / "chat.jsonl"))
     parser.add_argument("--rows", type=int, default=200, help="corpus rows cached and trained on")
     parser.add_argument("--dtype", default="float32", help="teacher dtype, for the cache and the online path")
-    parser.add_argument("--tapped", type=int, default=3, help="tapped teacher layers (build --drafter-layers)")
+    parser.add_argument("--tapped", type=int, default=3, help="tapped teacher layers (build --tapped-layers)")
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=3, help="drafter layers")
     parser.add_argument("--block-size", type=int, default=8)

@@ -52,7 +52,7 @@ def quick_drafter(work: Path, steps: int) -> Path:
         rows = list(itertools.islice(f, 600))
     (work / "chat.jsonl").write_text("".join(rows))
     build_cache(BuildConfig(out=str(work / "cache"), corpus=CorpusConfig(data=str(work / "chat.jsonl")),
-                            teacher=TeacherConfig(name_or_path=str(TEACHER), dtype="float32", num_drafter_layers=3, top_k=16)))
+                            teacher=TeacherConfig(name_or_path=str(TEACHER), dtype="float32", num_tapped_layers=3, top_k=16)))
     cfg = TrainConfig(cache=str(work / "cache"), out=str(work / "run"), steps=steps, eval_sequences=0, save_every=steps,
                       model=ModelOptions(num_layers=3, block_size=8), optim=OptimConfig(lr=1e-3),
                       data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))

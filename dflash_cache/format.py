@@ -57,7 +57,7 @@ HIDDEN_FORMATS = (LOSSLESS, fp8.FORMAT)
 SCALE_COLUMN = "hidden_scale_exp"
 
 
-def default_layer_ids(num_teacher_layers: int, num_drafter_layers: int = 5) -> list[int]:
+def default_layer_ids(num_teacher_layers: int, num_tapped_layers: int = 5) -> list[int]:
     """The default tapped layers: spread over 1..L-3, or the middle layer for one.
 
     Never layer 0 nor the last layer (see `check_servable_layers`). Teachers too shallow for that
@@ -67,13 +67,13 @@ def default_layer_ids(num_teacher_layers: int, num_drafter_layers: int = 5) -> l
         raise ConfigError(
             f"a {num_teacher_layers}-layer teacher has no layer between its first and its last to tap by "
             "default; pass --layers 0 (the last layer cannot be served)")
-    if num_drafter_layers == 1:
+    if num_tapped_layers == 1:
         return [num_teacher_layers // 2]
-    step = (num_teacher_layers - 4) / (num_drafter_layers - 1)
-    layers = [round(1 + i * step) for i in range(num_drafter_layers)]
+    step = (num_teacher_layers - 4) / (num_tapped_layers - 1)
+    layers = [round(1 + i * step) for i in range(num_tapped_layers)]
     if len(set(layers)) == len(layers) and min(layers) >= 1:
         return layers
-    n = min(num_drafter_layers, num_teacher_layers - 2)
+    n = min(num_tapped_layers, num_teacher_layers - 2)
     return sorted({round(1 + i * (num_teacher_layers - 3) / max(n - 1, 1)) for i in range(n)})
 
 

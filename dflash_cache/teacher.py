@@ -42,10 +42,11 @@ class TeacherConfig:
     over the GPUs of a node; use one process per node then. Overrides device."""
 
     layers: tuple[int, ...] | None = None
-    """0-based decoder layers to tap, never the last one; None picks the default spread for num_drafter_layers."""
+    """0-based decoder layers to tap, never the last one; None picks the default spread for num_tapped_layers."""
 
-    num_drafter_layers: int = 5
-    """How many layers the default layer choice is spread for."""
+    num_tapped_layers: int = 5
+    """How many teacher layers the default layer choice taps (the drafter's context inputs; not
+    the drafter's own layer count)."""
 
     top_k: int = 64
     """How many of the teacher's most likely next tokens to keep per position."""
@@ -69,8 +70,8 @@ class TeacherConfig:
             raise ConfigError(f"batch tokens and logits chunk must be positive, got {self.batch_tokens}, {self.logits_chunk}")
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise ConfigError(f"--layers must list 0-based decoder layer ids, got {self.layers}")
-        if self.num_drafter_layers < 1:
-            raise ConfigError(f"number of drafter layers must be at least 1, got {self.num_drafter_layers}")
+        if self.num_tapped_layers < 1:
+            raise ConfigError(f"--tapped-layers must be at least 1, got {self.num_tapped_layers}")
 
 
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
@@ -219,10 +220,10 @@ def load_config(cfg: TeacherConfig):
 
 def resolve_layers(cfg: TeacherConfig, num_layers: int, exact_count: bool = False) -> list[int]:
     """The tapped layers; `exact_count` (a build) refuses a default spread shorter than asked."""
-    layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_drafter_layers)
-    if exact_count and cfg.layers is None and len(layers) < cfg.num_drafter_layers:
-        raise ConfigError(f"--drafter-layers {cfg.num_drafter_layers} asks for more tapped layers than a {num_layers}-layer "
-                          f"teacher has between its first and last (layers 1..{num_layers - 2}); use --drafter-layers "
+    layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_tapped_layers)
+    if exact_count and cfg.layers is None and len(layers) < cfg.num_tapped_layers:
+        raise ConfigError(f"--tapped-layers {cfg.num_tapped_layers} asks for more tapped layers than a {num_layers}-layer "
+                          f"teacher has between its first and last (layers 1..{num_layers - 2}); use --tapped-layers "
                           f"{len(layers)} or list them with --layers")
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:

@@ -19,7 +19,7 @@ dflash-cache regenerate --teacher examples/teacher --data examples/data/chat.jso
 echo
 echo "== 1. dflash-cache build: run the teacher once over the corpus =="
 dflash-cache build --teacher examples/teacher --data "$OUT/regenerated.jsonl" --out "$OUT/cache" \
-    --drafter-layers 3 --top-k 32 --shard-size 32MB --chunk-size 512KiB
+    --tapped-layers 3 --top-k 32 --shard-size 32MB --chunk-size 512KiB
 dflash-cache info "$OUT/cache"
 dflash-cache verify "$OUT/cache" --quiet
 

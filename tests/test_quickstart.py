@@ -28,7 +28,7 @@ def example_cache(tmp_path_factory) -> str:
     data = write_jsonl(root / "chat.jsonl", rows)
     build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
                             teacher=TeacherConfig(name_or_path=str(EXAMPLES / "teacher"), dtype="float32",
-                                                  num_drafter_layers=3, top_k=16)))
+                                                  num_tapped_layers=3, top_k=16)))
     return str(root / "cache")
 
 

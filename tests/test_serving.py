@@ -54,7 +54,7 @@ def example_cache(tmp_path_factory) -> str:
     with open(EXAMPLES / "data" / "chat.jsonl") as f:
         rows = [json.loads(line) for line in itertools.islice(f, 600)]
     build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=write_jsonl(root / "chat.jsonl", rows)),
-                            teacher=TeacherConfig(name_or_path=TEACHER, dtype="float32", num_drafter_layers=3, top_k=16)))
+                            teacher=TeacherConfig(name_or_path=TEACHER, dtype="float32", num_tapped_layers=3, top_k=16)))
     return str(root / "cache")
 
 
