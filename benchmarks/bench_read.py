@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import bench_write as bw  # noqa: E402  (same folder)
 
-from dflash_cache import open_cache  # noqa: E402
-from dflash_cache import reader  # noqa: E402
+from dflash_cache import (
+    open_cache,  # noqa: E402
+    reader,  # noqa: E402
+)
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402

@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
+from dflash_cache.chat import stop_token_ids  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig  # noqa: E402
-from dflash_cache.chat import stop_token_ids  # noqa: E402
 from dflash_train.decoding import read_prompts  # noqa: E402
 from dflash_train.evaluate import load_trained_drafter  # noqa: E402
 from dflash_train.export import read_export_config  # noqa: E402

@@ -15,8 +15,8 @@ See benchmarks/README.md for what each row means.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import os
 import pstats
 import shutil

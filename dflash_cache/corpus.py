@@ -43,6 +43,7 @@ import xxhash
 
 from dflash_cache.chat import Render, end_of_turn_text
 from dflash_cache.errors import BadRowError, ConfigError
+from dflash_cache.values import is_int
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -104,22 +105,18 @@ class CorpusConfig:
     def __post_init__(self):
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"corpus data={self.data!r} is empty; pass a file, folder or glob")
-        if not _is_int(self.max_length) or self.max_length < 1:
+        if not is_int(self.max_length) or self.max_length < 1:
             raise ConfigError(f"--max-length {self.max_length!r} must be a positive integer; e.g. 4096")
         check_template_kwargs(self.chat_template_kwargs)
         if self.overlong not in OVERLONG_POLICIES:
             raise ConfigError(f"overlong={self.overlong!r} is unknown; use 'truncate' or 'drop'")
-        if not _is_int(self.min_length) or not 1 <= self.min_length <= self.max_length:
+        if not is_int(self.min_length) or not 1 <= self.min_length <= self.max_length:
             raise ConfigError(
                 f"min_length={self.min_length!r} must be an integer in 1..max_length "
                 f"({self.max_length}); e.g. 2"
             )
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row={self.on_bad_row!r} is unknown; use 'fail' or 'skip'")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def row_byte_limit(max_length: int) -> int:
@@ -578,7 +575,7 @@ def iter_rows(cfg: CorpusConfig, start_row: int = 0) -> Iterator[CorpusRow]:
     do rows nested more than MAX_ROW_DEPTH levels deep or larger than
     row_byte_limit(cfg.max_length) bytes (those are never parsed or converted).
     """
-    if not _is_int(start_row) or start_row < 0:
+    if not is_int(start_row) or start_row < 0:
         raise ConfigError(f"start_row={start_row!r} must be a non-negative integer")
     skip = start_row
     index = 0
@@ -610,7 +607,7 @@ def row_id(data: dict) -> str:
     value = data.get("id")
     if isinstance(value, str) and value:
         return value
-    if _is_int(value):
+    if is_int(value):
         return str(value)
     present = {key: val for key, val in data.items() if val is not None}
     canonical = json.dumps(present, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)

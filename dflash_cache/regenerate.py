@@ -64,6 +64,7 @@ from dflash_cache.corpus import (
 from dflash_cache.errors import BadRowError, ConfigError
 from dflash_cache.progress import Progress
 from dflash_cache.teacher import TeacherConfig, load_teacher, tokenizer_hashes
+from dflash_cache.values import is_int
 
 KEEP_TURNS = ("first", "all")
 TRUNCATED_POLICIES = ("keep", "drop")
@@ -78,10 +79,6 @@ RESUME_KEYS = ("backend", "teacher", "tokenizer", "dtype", "corpus", "rows_per_p
                "keep_turns", "sampling", "on_truncated", "reasoning", "chat_template_kwargs")
 # What settings files written before a key existed meant by its absence.
 _SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop", "chat_template_kwargs": None}
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -167,25 +164,25 @@ class RegenerateConfig:
         check_template_kwargs(self.chat_template_kwargs)
         if self.reasoning not in REASONING_POLICIES:
             raise ConfigError(f"reasoning={self.reasoning!r} is unknown; use 'drop' or 'keep'")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer; e.g. 2048")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature!r} must be 0 (greedy) or a positive number; e.g. 0.7")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; e.g. 0.95, or 1 to sample from all tokens")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
+        if not is_int(self.batch_size) or self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size!r} must be a positive integer; e.g. 16")
         if self.keep_turns not in KEEP_TURNS:
             raise ConfigError(f"keep_turns={self.keep_turns!r} is unknown; use 'first' or 'all'")
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row={self.on_bad_row!r} is unknown; use 'fail' or 'skip'")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed={self.seed!r} must be a non-negative integer; e.g. 0")
-        if not _is_int(self.rows_per_part) or self.rows_per_part < 1:
+        if not is_int(self.rows_per_part) or self.rows_per_part < 1:
             raise ConfigError(f"rows_per_part={self.rows_per_part!r} must be a positive integer; e.g. 256")
-        if not _is_int(self.world_size) or self.world_size < 1:
+        if not is_int(self.world_size) or self.world_size < 1:
             raise ConfigError(f"world_size={self.world_size!r} must be a positive integer (torchrun's WORLD_SIZE)")
-        if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
+        if not is_int(self.rank) or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank={self.rank!r} must be in 0..{self.world_size - 1} (torchrun's RANK)")
         if self.overwrite and self.world_size > 1:
             # Each rank would delete the others' fresh parts; starting over is a one-process job.

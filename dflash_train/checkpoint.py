@@ -24,12 +24,17 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dflash_cache.errors import DFlashError
-from dflash_cache.format import fsync_path
 from dflash_cache.faults import maybe_fault
+from dflash_cache.format import fsync_path
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"

@@ -13,7 +13,6 @@ checkpointing so backward recomputes the chunk instead of keeping every chunk's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dflash_cache.errors import ConfigError
+from dflash_cache.values import is_int, is_real
 
 LOSS_KINDS = ("kl", "ce", "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.
@@ -76,19 +76,19 @@ class LossConfig:
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
             raise ConfigError(f"loss kind {self.kind!r} is unknown (use one of {', '.join(LOSS_KINDS)})")
-        if not _is_real(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
+        if not is_real(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
             raise ConfigError(f"mix_lambda {self.mix_lambda!r} is not a number in [0, 1] (pass e.g. 0.5)")
         if self.weighting not in WEIGHTINGS:
             raise ConfigError(
                 f"loss weighting {self.weighting!r} is unknown (use one of {', '.join(WEIGHTINGS)})"
             )
         if self.gamma is not None and (
-            not _is_real(self.gamma) or not math.isfinite(self.gamma) or self.gamma <= 0
+            not is_real(self.gamma, finite=True) or self.gamma <= 0
         ):
             raise ConfigError(
                 f"gamma {self.gamma!r} is not a positive number (pass e.g. 7, or None for the default)"
             )
-        if not _is_real(self.streak_smoothing) or not 0.0 <= self.streak_smoothing <= 1.0:
+        if not is_real(self.streak_smoothing) or not 0.0 <= self.streak_smoothing <= 1.0:
             raise ConfigError(
                 f"streak_smoothing {self.streak_smoothing!r} is not a number in [0, 1] (pass e.g. 0.5)"
             )
@@ -100,13 +100,13 @@ class LossConfig:
                 "(use weighting 'decay' alone, or set streak_decay=False)"
             )
         chunk = self.chunk_positions
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ConfigError(
                 f"chunk_positions {self.chunk_positions!r} is not a positive integer or None (pass e.g. 256)"
             )
         if self.head_matmul not in HEAD_MATMULS:
             raise ConfigError(f"loss head_matmul {self.head_matmul!r} is unknown (use one of {', '.join(HEAD_MATMULS)})")
-        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1:
+        if not is_int(self.chunk_bytes) or self.chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r} is not a positive integer (pass e.g. 268435456)")
 
     def positions_per_chunk(self, vocab_size: int) -> int:
@@ -120,10 +120,6 @@ def set_head_matmul(head_matmul: str, device: torch.device) -> None:
     """Let CUDA's fp32 matmuls (under bf16 autocast only the LM head in the loss) use TF32."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = head_matmul == "tf32"
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass
@@ -164,7 +160,7 @@ def default_gamma(block_size: int) -> float:
     """Decay length for a block size: 4 at B=8, 5 at B=10, 7 at B=16 (docs/design.md), linear
     between those points and extended beyond them with the nearest segment's slope
     (B=4 -> 2, B=12 -> 5.67, B=32 -> 12.33), never below 1."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+    if not is_int(block_size) or block_size < 2:
         raise ConfigError(f"block_size {block_size!r} is not an integer >= 2 (pass e.g. 16)")
     middle_block_size = _GAMMA_ANCHORS[1][0]
     segment = _GAMMA_ANCHORS[:2] if block_size <= middle_block_size else _GAMMA_ANCHORS[1:]

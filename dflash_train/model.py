@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.errors import ConfigError
+from dflash_cache.values import is_int
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -284,7 +285,7 @@ class DrafterConfig:
 
 
 def _require_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ConfigError(f"{name}={value!r} is not an integer; pass a whole number")
 
 

@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from dflash_cache.errors import ConfigError
+from dflash_cache.values import is_int, is_real
 
 SCHEDULES = ("off", "constant", "linear", "cosine")
 DISTRIBUTIONS = ("uniform", "gaussian")
@@ -68,32 +69,24 @@ class NoiseConfig:
             )
         for name in ("start", "end"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or value < 0:
+            if not is_real(value, finite=True) or value < 0:
                 raise ConfigError(f"noise {name} {value!r} is not a finite number >= 0 (pass e.g. 0.1)")
         if self.layers is not None:
             layers = tuple(self.layers)
-            if any(not _is_int(i) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+            if any(not is_int(i) or i < 0 for i in layers) or len(set(layers)) != len(layers):
                 raise ConfigError(
                     f"noise layers {self.layers!r} are not distinct tapped-layer indices >= 0 "
                     "(pass e.g. (0, 1, 2), or None for all but the last)"
                 )
             object.__setattr__(self, "layers", layers)
-        if not _is_int(self.seed) or not 0 <= self.seed < _UINT64_LIMIT:
+        if not is_int(self.seed) or not 0 <= self.seed < _UINT64_LIMIT:
             raise ConfigError(f"noise seed {self.seed!r} is not an integer in [0, 2**64) (pass e.g. 0)")
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_progress(step: int, total_steps: int) -> None:
-    if not _is_int(step) or step < 0:
+    if not is_int(step) or step < 0:
         raise ConfigError(f"noise step {step!r} is not an integer >= 0 (pass the global training step)")
-    if not _is_int(total_steps) or total_steps < 1:
+    if not is_int(total_steps) or total_steps < 1:
         raise ConfigError(
             f"noise total_steps {total_steps!r} is not an integer >= 1 (pass the run's step count)"
         )
@@ -173,7 +166,7 @@ def _chunk_elements(device: torch.device) -> int:
 def _check_stream(sequence_id: object, layer: object, num_draws: int) -> None:
     if not isinstance(sequence_id, str):
         raise ConfigError(f"sequence id {sequence_id!r} is not a str (pass the cache's sequence id)")
-    if not _is_int(layer) or layer < 0:
+    if not is_int(layer) or layer < 0:
         raise ConfigError(f"noise layer {layer!r} is not an integer >= 0 (pass a tapped-layer index)")
     if num_draws > MAX_DRAWS_PER_STREAM:
         raise ConfigError(f"sequence {sequence_id!r} needs {num_draws:,} noise draws per layer, more than the "

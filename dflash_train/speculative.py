@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -44,6 +43,7 @@ from torch import Tensor
 from dflash_cache.chat import top_p_filter
 from dflash_cache.errors import ConfigError
 from dflash_cache.teacher import LayerTaps, decoder_layers
+from dflash_cache.values import is_int, is_real
 from dflash_train.model import DFlashDrafter
 
 
@@ -64,21 +64,18 @@ class SpecConfig:
     """Seed of the sampling generator (drafts, acceptance draws, corrections)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature, finite=True) or self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 is greedy)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; use 1 to keep every token")
         stops = tuple(self.stop_token_ids)
         for token in stops:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ConfigError(f"stop token id {token!r} is not a non-negative integer; pass token ids")
         object.__setattr__(self, "stop_token_ids", stops)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed={self.seed!r} must be a non-negative integer")
 
     @property

@@ -12,18 +12,34 @@ from typing import Any
 import torch
 
 from dflash_cache import open_cache
-from dflash_cache.format import check_servable_layers
-from dflash_cache.errors import CacheError, ConfigError
-from dflash_cache.progress import Progress
 from dflash_cache.devices import bind_device, resolve_device
+from dflash_cache.errors import CacheError, ConfigError
+from dflash_cache.format import check_servable_layers
+from dflash_cache.progress import Progress
 from dflash_cache.verify import check_shards
-from dflash_train.checkpoint import (CheckpointError, CheckpointManager, full_model_state, full_optimizer_state,
-                                     load_full_state, trainer_state)
+from dflash_train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+    trainer_state,
+)
 from dflash_train.config import MODEL_OPERATIONAL, TrainConfig
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import Batch, EpochPlan, LoaderState, train_loader
-from dflash_train.distributed import (DistInfo, barrier, clip_gradients, data_parallel, global_sum, global_sum_tensor,
-                                      init_distributed, is_sharded, release_gathered, shutdown)
+from dflash_train.distributed import (
+    DistInfo,
+    barrier,
+    clip_gradients,
+    data_parallel,
+    global_sum,
+    global_sum_tensor,
+    init_distributed,
+    is_sharded,
+    release_gathered,
+    shutdown,
+)
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
 from dflash_train.export import export_weights
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL

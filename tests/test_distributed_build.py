@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_build import assert_same_content, cache_content, chat_rows
 from helpers import write_jsonl
+from test_build import assert_same_content, cache_content, chat_rows
 from typer.testing import CliRunner
 
 from cli.cache import app
-from dflash_cache import open_cache
 from dflash_cache import format as fmt
+from dflash_cache import open_cache
 from dflash_cache.errors import ConfigError
 from dflash_cache.faults import parse_faults
 from dflash_cache.verify import size_problems, verify_cache

@@ -6,8 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
-from transformers import Qwen3_5Config, Qwen3_5TextConfig
+from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_cache.errors import ConfigError
 from dflash_train.model import (

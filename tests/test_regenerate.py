@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from cli.cache import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
+from dflash_cache.chat import top_p_filter
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.errors import ConfigError
 from dflash_cache.regenerate import (
@@ -33,7 +34,6 @@ from dflash_cache.regenerate import (
     regenerate,
     sample_seed,
 )
-from dflash_cache.chat import top_p_filter
 from dflash_cache.teacher import TeacherConfig
 
 ROOT = Path(__file__).resolve().parents[1]

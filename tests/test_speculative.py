@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from dflash_cache.errors import ConfigError

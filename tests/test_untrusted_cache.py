@@ -18,8 +18,7 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import format as fmt
-from dflash_cache import open_cache
-from dflash_cache import reader
+from dflash_cache import open_cache, reader
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.errors import CacheError

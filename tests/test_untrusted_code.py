@@ -78,10 +78,10 @@ def _build_args(teacher, data, out, *extra):
 
 
 def test_overwrite_deletes_only_a_dflash_cache(tmp_path, teacher_dir):
+    from helpers import qa_rows
     from typer.testing import CliRunner
 
     from cli.cache import app
-    from helpers import qa_rows
 
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(6, seed=3, prefix="ow-"))
@@ -114,11 +114,11 @@ def test_overwrite_deletes_only_a_dflash_cache(tmp_path, teacher_dir):
 def test_run_out_refuses_what_is_not_a_run(tmp_path, teacher_dir, layout):
     import shutil
 
+    from helpers import qa_rows
     from typer.testing import CliRunner
 
     from cli.cache import app as cache_app
     from cli.train import app
-    from helpers import qa_rows
 
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(8, seed=4, prefix="ro-"))
