@@ -228,11 +228,11 @@ def regenerate(
     progress = BarProgress(enabled=not quiet)
 
     def action():
-        from dflash_cache.chat_server import ServerConfig
         from dflash_cache.errors import ConfigError
-        from dflash_cache.regenerate import RegenerateConfig, merge_parts, ranks_from_env
-        from dflash_cache.regenerate import regenerate as regenerate_corpus
         from dflash_cache.teacher import TeacherConfig
+        from dflash_regenerate import RegenerateConfig, merge_parts, ranks_from_env
+        from dflash_regenerate import regenerate as regenerate_corpus
+        from dflash_regenerate.chat_server import ServerConfig
 
         if merge_only:
             result = merge_parts(out, progress)

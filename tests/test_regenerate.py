@@ -23,7 +23,8 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.chat import top_p_filter
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.errors import ConfigError
-from dflash_cache.regenerate import (
+from dflash_cache.teacher import TeacherConfig
+from dflash_regenerate import (
     RegenerateConfig,
     RowSampler,
     load_generator,
@@ -34,7 +35,6 @@ from dflash_cache.regenerate import (
     regenerate,
     sample_seed,
 )
-from dflash_cache.teacher import TeacherConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

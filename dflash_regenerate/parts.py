@@ -1,0 +1,166 @@
+"""Parts on disk: written whole and renamed, then a commit record; merged in order into the output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+
+import xxhash
+
+from dflash_cache.errors import ConfigError
+from dflash_cache.progress import Progress
+from dflash_regenerate.config import SETTINGS, RegenerateResult, parts_dir
+from dflash_regenerate.generation import _PartOutcome
+from dflash_regenerate.plan import part_name, part_rows, record_name
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise ConfigError(f"{path} is not valid JSON (damaged); delete it or rerun with --overwrite") from None
+
+
+def _rows_bytes(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+
+
+def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: _PartOutcome) -> dict:
+    """Write part `index` whole, then its record (the commit); returns the record."""
+    data = _rows_bytes(outcome.rows)
+    _write_atomic(os.path.join(folder, part_name(index)), data)
+    record = {"index": index, "rows": list(rows_span), "written": len(outcome.rows), "skipped": dict(outcome.skipped),
+              "tokens": outcome.tokens, "truncated": outcome.truncated, "empty": outcome.empty, "bytes": len(data),
+              "checksum": xxhash.xxh64_hexdigest(data)}
+    _write_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
+    return record
+
+
+def committed_parts(folder: str, num_parts: int) -> dict[int, dict]:
+    """Records of the committed parts, by index; a part counts once its record and file exist."""
+    committed = {}
+    for index in range(num_parts):
+        record = _read_json(os.path.join(folder, record_name(index)))
+        if record is not None and os.path.exists(os.path.join(folder, part_name(index))):
+            committed[index] = record
+    return committed
+
+
+def _sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int, int]:
+    rows, skipped, tokens, truncated, empty = 0, Counter(), 0, 0, 0
+    for record in records:
+        rows += record["written"]
+        skipped.update(record["skipped"])
+        tokens += record["tokens"]
+        truncated += record["truncated"]
+        empty += record.get("empty", 0)  # records written before it was counted
+    return rows, skipped, tokens, truncated, empty
+
+
+def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
+    """Concatenate the committed parts in row order into `out` (atomic rename), then delete
+    them. Refuses, naming the first gap, when a part is missing. Safe to run by several ranks
+    at once: each writes identical bytes, and one that finds the parts gone reports the
+    merge another rank finished."""
+    progress = progress or Progress()
+    folder = parts_dir(out)
+    settings = _read_json(os.path.join(folder, SETTINGS))
+    if settings is None:
+        raise ConfigError(f"{folder} holds no regeneration to merge (no {SETTINGS}); run `dflash-cache regenerate` first")
+    if settings.get("merged") is not None and os.path.exists(out):
+        return _complete_result(out, settings["merged"])
+    total_rows, per_part = settings["corpus"]["rows"], settings["rows_per_part"]
+    num_parts = math.ceil(total_rows / per_part)
+    records = committed_parts(folder, num_parts)
+    missing = [i for i in range(num_parts) if i not in records]
+    if missing:
+        first = part_rows(missing[0], per_part, total_rows)
+        raise ConfigError(f"cannot merge {out}: {len(missing)} of {num_parts} part(s) are not written yet (first: "
+                          f"{part_name(missing[0])}, source rows {first[0]}..{first[1] - 1}); finish every rank, "
+                          f"or rerun the command to generate them")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as dst:
+            for index in range(num_parts):
+                with open(os.path.join(folder, part_name(index)), "rb") as src:
+                    data = src.read()
+                if xxhash.xxh64_hexdigest(data) != records[index]["checksum"]:
+                    raise ConfigError(f"{os.path.join(folder, part_name(index))} does not match its record (changed "
+                                      f"after it was written); delete it and {record_name(index)} and rerun to redo it")
+                dst.write(data)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out)
+    except FileNotFoundError:
+        # Another rank merged first and deleted the parts.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        settings = _read_json(os.path.join(folder, SETTINGS)) or {}
+        if settings.get("merged") is not None and os.path.exists(out):
+            return _complete_result(out, settings["merged"])
+        raise
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    rows, skipped, tokens, truncated, empty = _sum_records(records.values())
+    merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated, "empty": empty,
+              "checksum": _file_checksum(out)}
+    _write_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
+    for index in range(num_parts):  # the merged file holds it all now; keep only the settings
+        for name in (record_name(index), part_name(index)):
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+    result = _complete_result(out, merged)
+    progress.message(f"wrote {rows:,} rows to {out}" + _summary(result))
+    return result
+
+
+def _file_checksum(path: str) -> str:
+    digest = xxhash.xxh64()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _complete_result(out: str, merged: dict) -> RegenerateResult:
+    return RegenerateResult(out=out, complete=True, rows=merged["rows"], skipped=dict(merged["skipped"]),
+                            tokens=merged["tokens"], truncated=merged["truncated"], empty=merged.get("empty", 0))
+
+
+def _summary(result: RegenerateResult) -> str:
+    parts = []
+    if result.skipped:
+        parts.append("skipped " + ", ".join(f"{k}: {v}" for k, v in sorted(result.skipped.items())))
+    if result.truncated:
+        parts.append(f"{result.truncated:,} answer(s) cut at --max-new-tokens")
+    if result.empty:
+        parts.append(f"{result.empty:,} empty answer(s)")
+    return ("; " + "; ".join(parts)) if parts else ""
+
+
