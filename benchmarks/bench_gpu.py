@@ -60,9 +60,9 @@ from bench_trainer import synthetic_batch  # noqa: E402
 
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache.devices import resolve_device  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
+from dflash_common.devices import resolve_device  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, LoaderState, train_loader  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402

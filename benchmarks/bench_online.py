@@ -44,10 +44,10 @@ from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
-from dflash_cache.devices import resolve_device  # noqa: E402
 from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_cache.writer import StorageConfig  # noqa: E402
+from dflash_common.devices import resolve_device  # noqa: E402
 from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
 from dflash_train.data import (  # noqa: E402
     DataConfig,

@@ -35,6 +35,7 @@ from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache import writer as writer_mod  # noqa: E402
 from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
+from dflash_common.files import fsync_path, fsync_tree  # noqa: E402
 
 LAYERS, HIDDEN, TOP_K, VOCAB = [1, 16, 31, 46, 61], 5120, 64, 248_320
 HIDDEN_BPT = len(LAYERS) * HIDDEN * 2  # bf16 hidden bytes per token
@@ -132,7 +133,7 @@ def write_cache(shards, out: Path, sync: bool, compression: str) -> None:
     for shard in shards:
         write_shard(fs, root, shard, storage, "bfloat16")  # includes its fsynced commit record
         if sync:  # the writer fsyncs only its record; syncing the data is what a durable commit costs
-            fmt.fsync_tree(out / fmt.SHARDS_DIR / shard.name)
+            fsync_tree(out / fmt.SHARDS_DIR / shard.name)
 
 
 def write_raw(shards, out: Path, sync: bool) -> None:
@@ -306,12 +307,12 @@ def profile_fsync(shard: ShardData, tmp: Path) -> None:
         files = [p for p in (tmp / "profile-fsync" / fmt.SHARDS_DIR / record["name"]).rglob("*") if p.is_file()]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(fmt.fsync_path, files))
+            list(pool.map(fsync_path, files))
         results.append(f"{len(files)} files on {threads} thread(s): {time.perf_counter() - t0:.2f} s")
     os.sync()
     write_raw([shard], tmp / "profile-fsync-raw", sync=False)
     t0 = time.perf_counter()
-    fmt.fsync_path(tmp / "profile-fsync-raw" / f"{shard.name}.bin")
+    fsync_path(tmp / "profile-fsync-raw" / f"{shard.name}.bin")
     results.append(f"1 raw file: {time.perf_counter() - t0:.2f} s")
     print(f"\nfsync of one shard's data ({len(shard.input_ids) * PAYLOAD_BPT / 1e6:.0f} MB, dirty): " + "; ".join(results))
 

@@ -11,8 +11,8 @@ from typing import Callable
 import typer
 from tqdm import tqdm
 
-from dflash_cache.errors import DFlashError
-from dflash_cache.progress import Progress
+from dflash_common.errors import DFlashError
+from dflash_common.progress import Progress
 
 # Our own bar reports progress; transformers' per-load bars and warnings would bury it and break
 # the one-line error contract.
@@ -74,7 +74,7 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
 
 def json_option(text: str | None, option: str) -> dict | None:
     """A JSON-object option such as --storage-options, or None when not given."""
-    from dflash_cache.errors import ConfigError
+    from dflash_common.errors import ConfigError
 
     if not text:
         return None

@@ -66,7 +66,7 @@ def _train_config(cache, out, config, resume, options, sets, storage_options):
         else:
             overrides.setdefault(section, {})[name] = value
     if options.get("epochs") is not None and options.get("steps") is not None:
-        from dflash_cache.errors import ConfigError
+        from dflash_common.errors import ConfigError
 
         raise ConfigError(f"--steps {options['steps']} and --epochs {options['epochs']} both set the run length; give one")
     if options.get("epochs") is not None:  # an option replaces the other one set in --config
@@ -208,8 +208,8 @@ def eval_(
     speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_cache.errors import ConfigError
-        from dflash_cache.devices import resolve_device
+        from dflash_common.errors import ConfigError
+        from dflash_common.devices import resolve_device
 
         if not cache and not (teacher and prompts):
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
@@ -268,7 +268,7 @@ ENGINES = ("dflash", "vllm", "both")
 def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperature, top_p,
           vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None) -> tuple[dict, list[tuple[str, str]]]:
     """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
-    from dflash_cache.errors import ConfigError
+    from dflash_common.errors import ConfigError
     from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
     from dflash_train.speculative import SpecConfig
 
@@ -365,7 +365,7 @@ def generate(
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
 
     def action():
-        from dflash_cache.devices import resolve_device
+        from dflash_common.devices import resolve_device
         from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
         from dflash_train.speculative import SpecConfig, speculative_generate
 

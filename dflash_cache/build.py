@@ -27,8 +27,6 @@ from dflash_cache.corpus import (
     list_corpus_files,
     tokenize_row,
 )
-from dflash_cache.errors import BadRowError, CacheError, ConfigError
-from dflash_cache.progress import Progress
 from dflash_cache.teacher import (
     Teacher,
     TeacherConfig,
@@ -40,6 +38,8 @@ from dflash_cache.teacher import (
     tokenizer_hashes,
 )
 from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
+from dflash_common.errors import BadRowError, CacheError, ConfigError
+from dflash_common.progress import Progress
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")

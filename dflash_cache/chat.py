@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from dflash_cache.errors import TeacherError
+from dflash_common.errors import TeacherError
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""

@@ -42,8 +42,8 @@ import numpy as np
 import xxhash
 
 from dflash_cache.chat import Render, end_of_turn_text
-from dflash_cache.errors import BadRowError, ConfigError
-from dflash_cache.values import is_int
+from dflash_common.errors import BadRowError, ConfigError
+from dflash_common.values import is_int
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)

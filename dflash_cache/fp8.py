@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from dflash_cache.errors import CacheError
+from dflash_common.errors import CacheError
 
 FORMAT = "fp8_e4m3"
 E4M3_MAX = 448.0

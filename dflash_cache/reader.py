@@ -33,8 +33,8 @@ import xxhash
 import zarr
 
 from dflash_cache import format as fmt
-from dflash_cache.errors import CacheError
 from dflash_cache.writer import zarr_store
+from dflash_common.errors import CacheError
 
 
 @dataclass(frozen=True)

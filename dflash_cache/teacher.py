@@ -15,8 +15,8 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache.chat import stop_token_ids
-from dflash_cache.devices import bind_device, resolve_device
-from dflash_cache.errors import ConfigError, TeacherError
+from dflash_common.devices import bind_device, resolve_device
+from dflash_common.errors import ConfigError, TeacherError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.errors import CacheError, ConfigError
-from dflash_cache.progress import Progress
 from dflash_cache.reader import Cache, _open_ipc, refuse_outside_links
+from dflash_common.errors import CacheError, ConfigError
+from dflash_common.progress import Progress
 
 
 @dataclass
@@ -261,8 +261,8 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
     """Re-run the teacher (the manifest's, or ``teacher``) on ``sample`` cached sequences and
     compare hidden states and top-k with what is stored. Checksums prove the bytes are the ones
     written; this proves they are the teacher's outputs for these tokens."""
-    from dflash_cache.errors import CacheError
     from dflash_cache.teacher import TeacherConfig, load_teacher, plan_batches
+    from dflash_common.errors import CacheError
 
     progress = progress or Progress()
     built = (cache.manifest.get("build") or {}).get("teacher") or {}

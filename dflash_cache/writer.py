@@ -26,8 +26,9 @@ import zarr.codecs
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.errors import CacheError, ConfigError
-from dflash_cache.faults import maybe_fault
+from dflash_common.errors import CacheError, ConfigError
+from dflash_common.faults import maybe_fault
+from dflash_common.files import fsync_tree
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     if local:
         # Page-cache data is lost on a power cut: the commit record must never outlive the data it
         # commits, so make the data durable before the rename and the record.
-        fmt.fsync_tree(work_dir)
+        fsync_tree(work_dir)
         if fs.exists(final_dir):  # left by a crash between rename and record: never committed
             fs.rm(final_dir, recursive=True)
         fs.mv(work_dir, final_dir, recursive=True)

@@ -17,9 +17,10 @@ from dflash_cache.corpus import (
     iter_rows,
     list_corpus_files,
 )
-from dflash_cache.errors import ConfigError
-from dflash_cache.progress import Progress
 from dflash_cache.teacher import tokenizer_hashes
+from dflash_common.errors import ConfigError
+from dflash_common.files import write_file_atomic
+from dflash_common.progress import Progress
 from dflash_regenerate.config import (
     _PART_TEMPORARY,
     _SETTINGS_FORMAT,
@@ -36,7 +37,6 @@ from dflash_regenerate.parts import (
     _file_checksum,
     _read_json,
     _sum_records,
-    _write_atomic,
     commit_part,
     committed_parts,
     merge_parts,
@@ -113,14 +113,14 @@ def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
         if os.path.isdir(folder) and any(".tmp-" not in name for name in os.listdir(folder)):
             raise ConfigError(f"{folder} is not empty but has no {SETTINGS}; delete it or pass --overwrite")
         os.makedirs(folder, exist_ok=True)
-        _write_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+        write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
         return None
     _refuse_mismatch(cfg, existing, settings, RESUME_KEYS)
     merged = existing.get("merged")
     if merged is not None:
         if not os.path.exists(cfg.out):
             # Deleted after the merge, and its parts went with the merge: generate it again.
-            _write_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+            write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
             return None
         if _file_checksum(cfg.out) != merged.get("checksum"):
             raise ConfigError(f"{cfg.out} changed since this command finished it; keep it, or pass --overwrite to "

@@ -10,9 +10,9 @@ from dflash_cache.corpus import (
     BAD_ROW_POLICIES,
     check_template_kwargs,
 )
-from dflash_cache.errors import ConfigError
 from dflash_cache.teacher import TeacherConfig
-from dflash_cache.values import is_int
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int
 from dflash_regenerate.chat_server import ServerConfig
 
 KEEP_TURNS = ("first", "all")

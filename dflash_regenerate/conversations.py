@@ -9,7 +9,7 @@ from dflash_cache.corpus import (
     parse_messages,
     row_id,
 )
-from dflash_cache.errors import BadRowError
+from dflash_common.errors import BadRowError
 from dflash_regenerate.plan import plan_turns
 
 

@@ -13,8 +13,8 @@ from dflash_cache.corpus import (
     CorpusRow,
     render_chat,
 )
-from dflash_cache.errors import BadRowError, ConfigError
 from dflash_cache.teacher import TeacherConfig, load_teacher
+from dflash_common.errors import BadRowError, ConfigError
 from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
 from dflash_regenerate.config import RegenerateConfig
 from dflash_regenerate.conversations import _Conversation, _conversation_or_problem

@@ -11,26 +11,12 @@ from collections.abc import Iterable
 
 import xxhash
 
-from dflash_cache.errors import ConfigError
-from dflash_cache.progress import Progress
+from dflash_common.errors import ConfigError
+from dflash_common.files import write_file_atomic
+from dflash_common.progress import Progress
 from dflash_regenerate.config import SETTINGS, RegenerateResult, parts_dir
 from dflash_regenerate.generation import _PartOutcome
 from dflash_regenerate.plan import part_name, part_rows, record_name
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _read_json(path: str) -> dict | None:
@@ -50,11 +36,11 @@ def _rows_bytes(rows: list[dict]) -> bytes:
 def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: _PartOutcome) -> dict:
     """Write part `index` whole, then its record (the commit); returns the record."""
     data = _rows_bytes(outcome.rows)
-    _write_atomic(os.path.join(folder, part_name(index)), data)
+    write_file_atomic(os.path.join(folder, part_name(index)), data)
     record = {"index": index, "rows": list(rows_span), "written": len(outcome.rows), "skipped": dict(outcome.skipped),
               "tokens": outcome.tokens, "truncated": outcome.truncated, "empty": outcome.empty, "bytes": len(data),
               "checksum": xxhash.xxh64_hexdigest(data)}
-    _write_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
+    write_file_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
     return record
 
 
@@ -128,7 +114,7 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
     rows, skipped, tokens, truncated, empty = _sum_records(records.values())
     merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated, "empty": empty,
               "checksum": _file_checksum(out)}
-    _write_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
+    write_file_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
     for index in range(num_parts):  # the merged file holds it all now; keep only the settings
         for name in (record_name(index), part_name(index)):
             try:

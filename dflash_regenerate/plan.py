@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import xxhash
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_regenerate.config import _SETTINGS_DEFAULTS, KEEP_TURNS, RESUME_KEYS
 
 

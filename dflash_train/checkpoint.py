@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from dflash_cache.errors import DFlashError
-from dflash_cache.faults import maybe_fault
-from dflash_cache.format import fsync_path
+from dflash_common.errors import DFlashError
+from dflash_common.faults import maybe_fault
+from dflash_common.files import fsync_path
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"

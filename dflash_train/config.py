@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_train.data import DataConfig
 from dflash_train.distributed import STRATEGIES
 from dflash_train.loss import LossConfig

@@ -25,8 +25,8 @@ import xxhash
 
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
-from dflash_cache.errors import CacheError, ConfigError, DFlashError
 from dflash_cache.reader import ShardIntegrityError
+from dflash_common.errors import CacheError, ConfigError, DFlashError
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import torch
 
 from dflash_cache import format as fmt
 from dflash_cache.corpus import render_chat
-from dflash_cache.errors import ConfigError, DFlashError
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
+from dflash_common.errors import ConfigError, DFlashError
 from dflash_train.data import collate
 from dflash_train.evaluate import load_trained_drafter, replay_batch
 from dflash_train.model import DFlashDrafter

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dflash_cache.errors import DFlashError
+from dflash_common.errors import DFlashError
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dflash_cache.errors import ConfigError
-from dflash_cache.values import is_int, is_real
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int, is_real
 
 LOSS_KINDS = ("kl", "ce", "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.

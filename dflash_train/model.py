@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.errors import ConfigError
-from dflash_cache.values import is_int
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

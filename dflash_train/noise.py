@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import xxhash
 
-from dflash_cache.errors import ConfigError
-from dflash_cache.values import is_int, is_real
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int, is_real
 
 SCHEDULES = ("off", "constant", "linear", "cosine")
 DISTRIBUTIONS = ("uniform", "gaussian")

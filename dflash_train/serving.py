@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dflash_cache.errors import DFlashError
+from dflash_common.errors import DFlashError
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
 """Environment variable naming the python of an environment with vLLM."""

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor
 
 from dflash_cache.chat import top_p_filter
-from dflash_cache.errors import ConfigError
 from dflash_cache.teacher import LayerTaps, decoder_layers
-from dflash_cache.values import is_int, is_real
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int, is_real
 from dflash_train.model import DFlashDrafter
 
 

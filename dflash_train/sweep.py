@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Iterable, Sequence
 
-from dflash_cache.errors import CacheError, ConfigError, DFlashError
-from dflash_cache.progress import Progress
+from dflash_common.errors import CacheError, ConfigError, DFlashError
+from dflash_common.progress import Progress
 from dflash_train.config import MODEL_OPERATIONAL, TrainConfig, config_from_dict, merge
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL

@@ -13,8 +13,8 @@ import json
 import sys
 import time
 
-from dflash_cache.errors import DFlashError
-from dflash_cache.progress import Progress
+from dflash_common.errors import DFlashError
+from dflash_common.progress import Progress
 
 LOG_LINES_PER_PHASE = 20
 """Progress lines per phase (training, evaluation): enough to follow a run, few enough to read."""

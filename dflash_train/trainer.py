@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from dflash_cache import open_cache
-from dflash_cache.devices import bind_device, resolve_device
-from dflash_cache.errors import CacheError, ConfigError
 from dflash_cache.format import check_servable_layers
-from dflash_cache.progress import Progress
 from dflash_cache.verify import check_shards
+from dflash_common.devices import bind_device, resolve_device
+from dflash_common.errors import CacheError, ConfigError
+from dflash_common.progress import Progress
 from dflash_train.checkpoint import (
     CheckpointError,
     CheckpointManager,

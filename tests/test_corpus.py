@@ -29,7 +29,7 @@ from dflash_cache.corpus import (
     token_mask_from_spans,
     tokenize_row,
 )
-from dflash_cache.errors import BadRowError, ConfigError, DFlashError
+from dflash_common.errors import BadRowError, ConfigError, DFlashError
 
 END = "<|im_end|>\n"
 

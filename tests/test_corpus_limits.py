@@ -34,7 +34,7 @@ from dflash_cache.corpus import (
     row_byte_limit,
     tokenize_row,
 )
-from dflash_cache.errors import BadRowError
+from dflash_common.errors import BadRowError
 
 ROOT = Path(__file__).resolve().parents[1]
 

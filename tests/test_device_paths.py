@@ -13,9 +13,9 @@ from helpers import build_teacher
 from test_model import make_batch, make_cfg, make_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.devices import select_device
-from dflash_cache.errors import ConfigError
 from dflash_cache.teacher import TeacherConfig, fp32_logits, load_teacher
+from dflash_common.devices import select_device
+from dflash_common.errors import ConfigError
 from dflash_train.distributed import process_group_options
 from dflash_train.model import DFlashDrafter, attention_backend
 

@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from cli.cache import app
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.errors import ConfigError
-from dflash_cache.faults import parse_faults
 from dflash_cache.verify import size_problems, verify_cache
+from dflash_common.errors import ConfigError
+from dflash_common.faults import parse_faults
 
 # real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_train.loss import (
     LossConfig,
     LossOutput,

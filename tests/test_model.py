@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_train.model import (
     DFlashDrafter,
     DrafterConfig,

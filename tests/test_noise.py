@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_train import noise as noise_module
 from dflash_train.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 

@@ -12,10 +12,10 @@ from helpers import english_like_sentences, write_jsonl
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.errors import CacheError
 from dflash_cache.reader import ChunkFiles
 from dflash_cache.teacher import TeacherConfig
 from dflash_cache.writer import StorageConfig
+from dflash_common.errors import CacheError
 
 
 def _build(root: Path, teacher: str, dtype: str, compression: str = "none") -> str:

@@ -22,8 +22,8 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.chat import top_p_filter
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.errors import ConfigError
 from dflash_cache.teacher import TeacherConfig
+from dflash_common.errors import ConfigError
 from dflash_regenerate import (
     RegenerateConfig,
     RowSampler,

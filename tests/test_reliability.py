@@ -1,5 +1,5 @@
 """Bad input, corruption and crashes lose nothing: real processes killed at precise moments
-(dflash_cache.faults), a real file system that runs out of space, damaged shards in training, and
+(dflash_common.faults), a real file system that runs out of space, damaged shards in training, and
 cached values that no longer match the teacher. docs/reliability.md lists what each test proves."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import open_cache
-from dflash_cache.errors import ConfigError
-from dflash_cache.faults import parse_faults
 from dflash_cache.verify import deep_sample, size_problems, topk_mismatches
+from dflash_common.errors import ConfigError
+from dflash_common.faults import parse_faults
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.speculative import (
     SpecConfig,

@@ -21,9 +21,9 @@ from dflash_cache import format as fmt
 from dflash_cache import open_cache, reader
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.errors import CacheError
 from dflash_cache.teacher import TeacherConfig
 from dflash_cache.writer import StorageConfig
+from dflash_common.errors import CacheError
 from dflash_train.data import DataConfig, EpochPlan, is_heldout, load_batch
 
 RUN = ["--steps", "2", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300", "--eval-sequences", "0",

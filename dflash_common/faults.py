@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 
 ENV = "DFLASH_FAULT"
 RANK_ENV = "RANK"

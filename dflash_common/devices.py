@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from dflash_cache.errors import ConfigError
+from dflash_common.errors import ConfigError
 
 
 def local_rank() -> int | None:

@@ -1,0 +1,43 @@
+"""Durable local writes: fsync, and a file replaced whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync one local file, or a folder (which makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file under a local folder. A shard is ~150 files and each fsync waits for a
+    device flush, so they run on a few threads (measured: 0.82 s -> 0.25 s for a 614 MB shard)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(fsync_path, files))
+
+
+def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` whole: a temporary sibling (".NAME.tmp-XXXXXXXX"), fsynced, renamed
+    over `path`, and the folder fsynced, so a crash leaves the old file or the new one."""
+    folder, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    fsync_path(folder or ".")
