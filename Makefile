@@ -52,7 +52,7 @@ test-slow: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m slow
 
 # A production-width teacher and drafter through build, train, export and decode on CPU
-# (~15 minutes, ~18 GB of memory): catches shape, dtype and memory mistakes tiny teachers cannot.
+# (~20 minutes, 19 GB peak memory): catches shape, dtype and memory mistakes tiny teachers cannot.
 prod-shape: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m prodshape -s
 

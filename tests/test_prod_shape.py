@@ -2,7 +2,7 @@
 width, heads and vocabulary (hidden 5120, 24/4 heads of 256, MLP 17,408, vocab 248,320, the
 multimodal wrapper's text_config nesting) but 3 decoder layers, through build, training steps of
 the default 5-layer drafter, export and speculative decoding. Tiny teachers cannot show shape,
-dtype and memory mistakes at this width. ~15 minutes and ~18 GB of memory on 2 cores."""
+dtype and memory mistakes at this width. about 20 minutes and a 19 GB peak of memory on 2 cores (measured: 21.7 min, 19.2 GiB RSS)."""
 
 from __future__ import annotations
 
