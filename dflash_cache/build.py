@@ -40,6 +40,7 @@ from dflash_cache.teacher import (
 from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
 from dflash_common.errors import BadRowError, CacheError, ConfigError
 from dflash_common.progress import Progress
+from dflash_common.settings import first_difference
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
@@ -193,10 +194,7 @@ def _resume_view(manifest: dict, key: str):
 
 
 def _mismatch(existing: dict, header: dict) -> str | None:
-    for key in RESUME_KEYS:
-        if _resume_view(existing, key) != _resume_view(header, key):
-            return f"{key} differs (cache: {existing.get(key)}, this build: {header.get(key)})"
-    return None
+    return first_difference(existing, header, RESUME_KEYS, view=_resume_view, earlier_name="cache", now_name="this build")
 
 
 def committed_records(fs, root: str, rank: int) -> list[dict]:

@@ -3,13 +3,13 @@ random stream, and the settings a resume must match."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 
 import xxhash
 
 from dflash_common.errors import ConfigError
+from dflash_common.settings import first_difference
 from dflash_regenerate.config import _SETTINGS_DEFAULTS, KEEP_TURNS, RESUME_KEYS
 
 
@@ -94,15 +94,6 @@ def sample_seed(seed: int, row: str, turn: int) -> int:
 
 def settings_mismatch(existing: dict, current: dict, keys: Iterable[str] = RESUME_KEYS) -> str | None:
     """The first of `keys` whose value differs, said for a user, or None."""
-    for key in keys:
-        before = existing.get(key, _SETTINGS_DEFAULTS.get(key))
-        if before != current.get(key):
-            return f"{key} differs (earlier run: {_short(before)}, this run: {_short(current.get(key))})"
-    return None
-
-
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 160 else text[:157] + "..."
+    return first_difference(existing, current, keys, defaults=_SETTINGS_DEFAULTS)
 
 

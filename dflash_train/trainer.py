@@ -17,6 +17,7 @@ from dflash_cache.verify import check_shards
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.progress import Progress
+from dflash_common.settings import first_difference
 from dflash_train.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -128,13 +129,13 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     defaults = json.loads(json.dumps(TrainConfig(cache="", out="").to_dict()))
     for section in ("model", "loss", "noise", "data", "optim"):
         # a field added since the checkpoint was written (e.g. data.skip_shards) has its default there
-        saved = {**defaults[section], **state["config"].get(section, {})}
-        now = dict(current[section])
+        saved, now = {**defaults[section], **state["config"].get(section, {})}, current[section]
         # the stream is the same for any worker count and read-ahead, the loss for any chunking
-        for key in {"model": MODEL_OPERATIONAL, "data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ()):
-            saved.pop(key, None), now.pop(key, None)
-        if saved != now:
-            raise ConfigError(f"the {section} settings differ from checkpoint {path} ({saved} vs {now}); resume with the original settings or use a new --out")
+        free = {"model": MODEL_OPERATIONAL, "data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ())
+        problem = first_difference(saved, now, sorted((set(saved) | set(now)) - set(free)), earlier_name="checkpoint")
+        if problem:
+            raise ConfigError(f"the {section} settings differ from checkpoint {path}: {problem}; resume with the original "
+                              "settings or use a new --out")
     load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])
