@@ -10,14 +10,34 @@ import textwrap
 import pytest
 import torch
 from helpers import build_teacher
-from test_model import make_batch, make_cfg, make_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.teacher import TeacherConfig, fp32_logits, load_teacher
 from dflash_common.devices import select_device
 from dflash_common.errors import ConfigError
 from dflash_train.distributed import process_group_options
-from dflash_train.model import DFlashDrafter, attention_backend
+from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend
+
+
+def make_cfg() -> DrafterConfig:
+    return DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=64, vocab_size=96, mask_token_id=95, target_layer_ids=(1, 3),
+                         num_target_layers=5, num_hidden_layers=2, block_size=4, max_position_embeddings=256)
+
+
+def make_model(cfg: DrafterConfig, backend: str = "sdpa") -> DFlashDrafter:
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen) * 0.1
+    torch.manual_seed(0)
+    return DFlashDrafter.build(cfg, embed, head, "cpu", backend).eval()
+
+
+def make_batch(cfg: DrafterConfig, lengths=(20, 13, 9)) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(len(lengths), max(lengths), cfg.num_context_layers, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size - 1, (len(lengths), max(lengths)), generator=gen)
+    return hidden, ids
 
 
 def test_cuda_and_auto_take_the_local_rank_gpu_and_cuda_n_is_kept():
