@@ -392,7 +392,7 @@ def sweep(
                                          "noise off,constant(0.05),cosine, 3 seeds, 3 curve points, compared with the paper's recipe (ce, decay, off)."),
     seeds: Optional[int] = typer.Option(None, help="Runs per combination with seeds 0..N-1 (each sets the drafter init, the anchors and the noise); "
                                         "summary.md gives means and 95% intervals over them."),
-    design: Optional[str] = typer.Option(None, help="full (every combination; default) or one-at-a-time (vary one key at a time from the reference and the preset's centers)."),
+    design: Optional[str] = typer.Option(None, help="full (every combination; default) or one-at-a-time (vary one key at a time from the reference; with --preset recipe, plus the full recipe)."),
     curve_points: Optional[int] = typer.Option(None, help="Held-out evaluations during each run (kept checkpoints) for tau against training tokens."),
     teacher: Optional[str] = typer.Option(None, help="Teacher folder: decode --prompts greedily with each run's drafter (real accepted length)."),
     prompts: Optional[str] = typer.Option(None, help="JSONL held-out prompts for the real decoding."),
@@ -428,7 +428,8 @@ def sweep(
         sweep_cfg = SweepConfig(out=out, base=base, grid=axes, parallel=parallel, devices=places,
                                 seeds=seeds if seeds is not None else (chosen.seeds if chosen else None),
                                 design=design or "full", reference=chosen.reference if chosen else None,
-                                centers=chosen.centers if chosen else (), measure=measure)
+                                centers=chosen.centers if chosen else (), include=chosen.include if chosen else (),
+                                measure=measure)
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.summary or result.report.markdown, nl=False)
 

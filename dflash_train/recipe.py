@@ -18,6 +18,7 @@ numbers.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -242,13 +243,25 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     return record
 
 
+@functools.lru_cache(maxsize=2)
+def _teacher(path: str, device: str):
+    # a serial sweep decodes every run with the same teacher: load it once per process
+    from dflash_cache.teacher import TeacherConfig, load_teacher
+
+    return load_teacher(TeacherConfig(name_or_path=path, dtype="float32", device=device, top_k=1))
+
+
 def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str) -> dict:
     """Greedy speculative decoding of the reference prompts: accepted length, and whether every
     output equals the teacher's own greedy output."""
-    from dflash_train.decoding import load_pair
+    from dflash_train.evaluate import load_trained_drafter
     from dflash_train.speculative import mean_accepted_length, speculative_generate
 
-    teacher, drafter = load_pair(str(drafter_dir), measure.teacher, "float32", device)
+    teacher = _teacher(str(Path(measure.teacher).resolve()), device)
+    head = teacher.model
+    drafter = load_trained_drafter(str(drafter_dir), head.get_input_embeddings().weight.detach(),
+                                   head.get_output_embeddings().weight.detach(), teacher.device)
+    teacher.layer_ids = list(drafter.cfg.target_layer_ids)
     spec = _spec(teacher.tokenizer, measure.max_new_tokens)
     results, matched = [], []
     for prompt in reference["prompts"]:

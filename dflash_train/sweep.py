@@ -374,6 +374,10 @@ class SweepConfig:
     """Combinations ((key, value), ...) around which "one-at-a-time" varies one key at a time
     (default: the reference alone)."""
 
+    include: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Combinations "one-at-a-time" trains besides the centers' neighbours (e.g. the full recipe
+    beside the paper recipe's one-part changes)."""
+
     reference: tuple[tuple[str, Any], ...] | None = None
     """The combination every other is compared with in summary.md (paired by seed); None: the
     first combination of the grid."""
@@ -397,7 +401,8 @@ class SweepConfig:
         if self.design not in DESIGNS:
             raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
         keys = [a.key for a in self.grid]
-        for what, combo in [("reference", self.reference)] + [("center", c) for c in self.centers]:
+        for what, combo in ([("reference", self.reference)] + [("center", c) for c in self.centers]
+                            + [("included combination", c) for c in self.include]):
             if combo is None:
                 continue
             combo = tuple((k, v) for k, v in combo)
@@ -432,6 +437,9 @@ class Preset:
     centers: tuple[tuple[tuple[str, Any], ...], ...]
     """Centers of the one-at-a-time design (--design one-at-a-time)."""
 
+    include: tuple[tuple[tuple[str, Any], ...], ...]
+    """Further combinations of the one-at-a-time design."""
+
     seeds: int
     """Default --seeds."""
 
@@ -455,7 +463,7 @@ PRESETS: dict[str, Preset] = {
                        extras=((),
                                (("noise.distribution", "uniform"), ("noise.start", 0.05)),
                                (("noise.distribution", "uniform"), ("noise.start", 0.1), ("noise.end", 0.01))))),
-        reference=PAPER_RECIPE, centers=(PAPER_RECIPE, FULL_RECIPE), seeds=3, curve_points=3),
+        reference=PAPER_RECIPE, centers=(PAPER_RECIPE,), include=(FULL_RECIPE,), seeds=3, curve_points=3),
 }
 
 
@@ -486,7 +494,8 @@ def planned_combinations(cfg: SweepConfig) -> list[tuple[tuple[str, Any], ...]]:
     combos = expand_grid(cfg.grid)
     if cfg.design == "one-at-a-time":
         centers = cfg.centers or ((cfg.reference,) if cfg.reference else (combos[0],))
-        combos = one_factor_neighbours(combos, centers)
+        wanted = set(one_factor_neighbours(combos, centers)) | {tuple(c) for c in cfg.include}
+        combos = [c for c in combos if c in wanted]
     return combos
 
 
@@ -838,6 +847,7 @@ def sweep_record(cfg: SweepConfig, runs: Sequence[SweepRun]) -> dict:
         "base": cfg.base.to_dict(),
         "seeds": cfg.seeds,
         "design": cfg.design,
+        "planned": [dict(c) for c in planned_combinations(cfg)],
         "reference": dict(reference_combination(cfg)),
         "measure": dataclasses.asdict(cfg.measure),
         "runs": [{"name": r.name, "values": {k: v for k, v in r.values}, **({"seed": r.seed} if r.seed is not None else {})}

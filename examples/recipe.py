@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    python examples/recipe.py [--out recipe] [--steps 200] [--seeds 3] [--parallel 2]
+    python examples/recipe.py [--out recipe] [--steps 150] [--seeds 3] [--parallel 2]
 
 On two caches it trains the `dflash-train sweep --preset recipe` grid (loss ce/kl/mix x
 weighting decay/streak x noise off/constant 0.05/cosine, each with --seeds seeds) and writes one
@@ -61,7 +61,7 @@ class RecipeSettings:
     """Sizes of the study; the defaults are what benchmarks/RESULTS.md reports."""
 
     out: Path = ROOT / "recipe"
-    steps: int = 200
+    steps: int = 150
     """Optimizer steps of every run (the same steps and tokens for every configuration)."""
 
     seeds: int = 3
@@ -70,14 +70,14 @@ class RecipeSettings:
 
     num_layers: int = 1
     block_size: int = 8
-    batch_tokens: int = 1200
+    batch_tokens: int = 1000
     num_anchors: int = 8
-    lr: float = 1e-3
-    eval_sequences: int = 64
+    lr: float = 2e-3
+    eval_sequences: int = 48
     heldout_fraction: float = 0.05
     curve_points: int = 3
-    max_prompts: int = 12
-    max_new_tokens: int = 48
+    max_prompts: int = 10
+    max_new_tokens: int = 40
     rows: int | None = None
     """Rows of each corpus in its cache (None: all)."""
 
@@ -85,8 +85,12 @@ class RecipeSettings:
     teacher_steps: int = 250
     """Steps of the man-page teacher when it has to be trained."""
 
-    manpage_design: str = "full"
-    """Design of the man-page sweep: "full" or "one-at-a-time" (around the paper's and the full recipe)."""
+    quickstart_design: str = "one-at-a-time"
+    """Design of the quickstart sweep: "full" (all 18 configurations) or "one-at-a-time" (the 7
+    that change one part of the paper's recipe, and the full recipe kl + streak + cosine)."""
+
+    manpage_design: str = "one-at-a-time"
+    """Design of the man-page sweep (as quickstart_design)."""
 
     top_k: int = 32
 
@@ -164,16 +168,15 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
                             max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens)
     cfg = SweepConfig(out=str(settings.out / spec.name), base=base, grid=chosen.grid, parallel=settings.parallel,
                       seeds=settings.seeds, design=design, reference=chosen.reference, centers=chosen.centers,
-                      measure=measure)
+                      include=chosen.include, measure=measure)
     return run_sweep(cfg, progress=progress)
 
 
 def run_recipe(settings: RecipeSettings, progress=None) -> dict[str, object]:
     """Both caches, both sweeps; returns {cache name: SweepResult}."""
-    manpage_teacher = ensure_manpage_teacher(settings)
     results = {}
-    for spec, design in ((QUICKSTART, "full"), (MANPAGES, settings.manpage_design)):
-        teacher = spec.teacher or manpage_teacher
+    for spec, design in ((QUICKSTART, settings.quickstart_design), (MANPAGES, settings.manpage_design)):
+        teacher = spec.teacher or ensure_manpage_teacher(settings)
         cache = build(spec, teacher, settings)
         results[spec.name] = sweep(spec, cache, teacher, settings, design, progress)
     settings.out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--parallel", type=int, default=None)
+    parser.add_argument("--quickstart-design", choices=("full", "one-at-a-time"), default=None)
     parser.add_argument("--manpage-design", choices=("full", "one-at-a-time"), default=None)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (2 steps a run) and a 2-step teacher under --out")
     parser.add_argument("--quiet", action="store_true")
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         settings = replace(settings, manpage_teacher=args.out / "manpage_teacher", **TINY)
     overrides = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("parallel", args.parallel),
-                                   ("manpage_design", args.manpage_design)) if v is not None}
+                                   ("quickstart_design", args.quickstart_design), ("manpage_design", args.manpage_design))
+                 if v is not None}
     settings = replace(settings, **overrides)
     from cli.common import BarProgress
 

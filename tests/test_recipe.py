@@ -119,10 +119,13 @@ def test_recipe_preset_grid_and_one_at_a_time_design():
     assert (constant.config.noise.distribution, constant.config.noise.start) == ("uniform", 0.05)
     assert (cosine.config.noise.start, cosine.config.noise.end) == (0.1, 0.01)
     oat = SweepConfig(out="sw", base=base, grid=grid, seeds=3, design="one-at-a-time", reference=PAPER_RECIPE,
-                      centers=(PAPER_RECIPE, FULL_RECIPE))
+                      centers=(PAPER_RECIPE,), include=(FULL_RECIPE,))
     combos = planned_combinations(oat)
-    assert len(combos) == 12 and PAPER_RECIPE in combos and FULL_RECIPE in combos
-    assert (("loss", "mix"), ("weighting", "streak"), ("noise", "off")) not in combos  # two changes from both
+    # the paper recipe, its 5 one-part changes and the full recipe, in grid order
+    assert combos[0] == PAPER_RECIPE and len(combos) == 7 and FULL_RECIPE in combos
+    assert (("loss", "kl"), ("weighting", "streak"), ("noise", "off")) not in combos  # two changes
+    both = SweepConfig(out="sw", base=base, grid=grid, design="one-at-a-time", centers=(PAPER_RECIPE, FULL_RECIPE))
+    assert len(planned_combinations(both)) == 12
     assert one_factor_neighbours([(("a", 1), ("b", 1)), (("a", 2), ("b", 2))], [(("a", 1), ("b", 1))]) == [(("a", 1), ("b", 1))]
     curve = SweepConfig(out="sw", base=base, grid=grid, measure=MeasureConfig(curve_points=3))
     assert {(r.config.save_every, r.config.keep_checkpoints) for r in plan_runs(curve)} == {(2, 5)}
@@ -139,6 +142,17 @@ def test_sweep_seed_and_design_refusals(kwargs, message):
     with pytest.raises(ConfigError) as err:
         SweepConfig(**values)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_preset_cli_refusals(tmp_path):
+    for args, message in [(["--preset", "nope"], "--preset 'nope' is unknown; known: recipe"),
+                          (["--preset", "recipe", "--grid", "loss=ce"], "--preset recipe sets the grid; drop --grid loss=ce"),
+                          (["--preset", "recipe", "--design", "half"], "--design must be one of full, one-at-a-time"),
+                          (["--preset", "recipe", "--teacher", "t"], "needs both --teacher and --prompts")]:
+        result = CliRunner().invoke(app, ["sweep", "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--steps", "4",
+                                          *args])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_measure_config_refusals():
@@ -211,9 +225,9 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path):
     import recipe
 
     settings = recipe.RecipeSettings(out=tmp_path / "recipe", manpage_teacher=tmp_path / "recipe" / "manpage_teacher",
-                                     manpage_design="one-at-a-time", **recipe.TINY)
+                                     **recipe.TINY)
     results = recipe.run_recipe(settings)
-    expected = {"quickstart": 18, "manpages": 12}
+    expected = {"quickstart": 7, "manpages": 7}
     for name, count in expected.items():
         folder = tmp_path / "recipe" / name
         with open(folder / "summary.csv", newline="") as f:
