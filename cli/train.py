@@ -97,7 +97,7 @@ def run_(
     weighting: Optional[str] = typer.Option(None, help="streak (default), decay or none."),
     gamma: Optional[float] = typer.Option(None, help="Decay length (default by block size: 7 for 16)."),
     streak_smoothing: Optional[float] = typer.Option(None, help="Streak smoothing s (default 0.5)."),
-    noise: Optional[str] = typer.Option(None, help="Noise schedule: cosine (default), linear, constant or off."),
+    noise: Optional[str] = typer.Option(None, help="Noise schedule: off (default), cosine, linear or constant."),
     noise_distribution: Optional[str] = typer.Option(None, help="uniform (default) or gaussian."),
     noise_start: Optional[float] = typer.Option(None, help="Noise scale at step 0 (default 0.1)."),
     noise_end: Optional[float] = typer.Option(None, help="Noise scale at the end (default 0.01)."),

@@ -392,13 +392,14 @@ def _curve(o: RunOutcome) -> list[tuple[float, float]]:
     return [(p["tokens"], p["tau"]) for p in (o.measure or {}).get("curve", []) if p.get("tau") is not None]
 
 
-def mean_curve(outcomes: Sequence[RunOutcome]) -> list[tuple[int, float, float, Interval]]:
-    """(step, mean tokens, mean tau, interval of tau) at the steps every seed evaluated."""
+def mean_curve(outcomes: Sequence[RunOutcome], metric: str = "tau") -> list[tuple[int, float, float, Interval]]:
+    """(step, mean tokens, mean of the metric, its interval) at the steps every seed evaluated;
+    the metric is a curve point's "tau" (sampling estimate) or "tau_greedy" (greedy streak)."""
     by_step: dict[int, list[tuple[float, float]]] = {}
     for o in outcomes:
         for p in (o.measure or {}).get("curve", []):
-            if p.get("tau") is not None:
-                by_step.setdefault(p["step"], []).append((p["tokens"], p["tau"]))
+            if p.get(metric) is not None:
+                by_step.setdefault(p["step"], []).append((p["tokens"], p[metric]))
     n = len(outcomes)
     out = []
     for step in sorted(by_step):
@@ -446,7 +447,7 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
         row: dict[str, Any] = {"configuration": c, "seeds": len(groups[c]), "reference": c == reference}
         for name, values in (("tau", tau), ("tau_greedy", greedy), ("heldout_loss", loss), ("accepted_length", accepted)):
             row[name] = t_interval(list(values[c].values())) if values.get(c) else None
-        for name, values in (("tau", tau), ("accepted_length", accepted)):
+        for name, values in (("tau", tau), ("tau_greedy", greedy), ("accepted_length", accepted)):
             row[f"{name}_vs_reference"] = (paired_difference(values[c], values[reference])
                                            if c != reference and values.get(c) and values.get(reference) else None)
         for fraction in BUDGETS:
@@ -461,16 +462,21 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
 
 
 def ranking_note(rows: Sequence[dict]) -> str:
-    """Whether offline tau and the real accepted length rank the configurations alike."""
-    tau = {r["configuration"]: r["tau"].mean for r in rows if r.get("tau")}
+    """Whether offline tau (both estimates) and the real accepted length rank the configurations alike."""
     real = {r["configuration"]: r["accepted_length"].mean for r in rows if r.get("accepted_length")}
-    rho = spearman(tau, real)
-    if rho is None:
-        return "Offline tau and the real accepted length: too few configurations with both to compare rankings."
-    best_tau, best_real = max(tau, key=tau.get), max(real, key=real.get)
-    same = "the same configuration" if best_tau == best_real else f"different ones ({best_tau} offline, {best_real} real)"
-    return (f"Spearman rank correlation of offline tau and the real accepted length over {len(set(tau) & set(real))} "
-            f"configurations: {rho:.2f}; both rank {same} first.")
+    parts = []
+    for key, name in (("tau", "offline tau (sampling estimate)"), ("tau_greedy", "offline tau (greedy streak)")):
+        offline = {r["configuration"]: r[key].mean for r in rows if r.get(key)}
+        rho = spearman(offline, real)
+        if rho is None:
+            continue
+        best_offline, best_real = max(offline, key=offline.get), max(real, key=real.get)
+        same = ("both rank the same configuration first" if best_offline == best_real else
+                f"they rank different configurations first ({best_offline} offline, {best_real} real)")
+        parts.append(f"Spearman rank correlation of {name} and the real accepted length over "
+                     f"{len(set(offline) & set(real))} configurations: {rho:.2f}; {same}.")
+    return " ".join(parts) or ("Offline tau and the real accepted length: too few configurations with both, or a score "
+                               "equal for all of them, to compare their rankings.")
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -497,20 +503,23 @@ def summary_markdown(summary: Summary) -> str:
     rows = summary.rows
     lines = [f"Reference: **{summary.reference}**. Intervals: 95% t-interval over seeds, mean ± "
              "t_{0.975,n-1}·s/√n; differences from the reference are paired by seed (seed i of both runs had the "
-             "same drafter init, anchors and noise) and marked * when their interval excludes 0.", "",
+             "same drafter init, anchors and noise) and marked * when their interval excludes 0. Held-out loss is "
+             "each run's own objective, so it compares runs of one loss kind only.", "",
              "### Final numbers", "",
-             "| configuration | seeds | held-out tau | Δ tau vs reference | tau (greedy streak) | real accepted length "
-             "| Δ accepted vs reference | held-out loss | output = teacher |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| configuration | seeds | held-out tau | Δ tau vs reference | tau (greedy streak) | Δ greedy vs reference "
+             "| real accepted length | Δ accepted vs reference | held-out loss | output = teacher |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         name = f"**{r['configuration']}**" if r["reference"] else r["configuration"]
         lines.append(f"| {name} | {r['seeds']} | {_fmt(r['tau'])} | {_signed(r['tau_vs_reference'])} | "
-                     f"{_fmt(r['tau_greedy'])} | {_fmt(r['accepted_length'])} | {_signed(r['accepted_length_vs_reference'])} | "
+                     f"{_fmt(r['tau_greedy'])} | {_signed(r['tau_greedy_vs_reference'])} | {_fmt(r['accepted_length'])} | "
+                     f"{_signed(r['accepted_length_vs_reference'])} | "
                      f"{_fmt(r['heldout_loss'], 4)} | {_fmt(r['matched_teacher'])} |")
     budgets = [f"tau at {int(f * 100)}%" for f in BUDGETS]
     lines += ["", "### Sample efficiency", "",
-              "Held-out tau at fractions of the run's training tokens (each seed's curve interpolated), and the "
-              "tokens the mean curve needs to reach the reference's final mean tau (n/a: not reached).", "",
+              "Held-out tau (sampling estimate) at fractions of the run's training tokens (each seed's curve "
+              "interpolated), and the tokens the mean curve needs to reach the reference's final mean tau (n/a: not "
+              "reached); tau_vs_tokens.png also shows the greedy streak.", "",
               "| configuration | " + " | ".join(budgets) + " | tokens to reference tau | share of the run |",
               "|---|" + "---:|" * (len(budgets) + 2)]
     for r in rows:
@@ -530,7 +539,7 @@ def summary_csv(summary: Summary) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     header = ["configuration", "seeds", "reference"]
     for name in ("tau", "tau_greedy", "heldout_loss", "accepted_length", "tau_vs_reference",
-                 "accepted_length_vs_reference", *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS)):
+                 "tau_greedy_vs_reference", "accepted_length_vs_reference", *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS)):
         header += [f"{name}_mean", f"{name}_low", f"{name}_high"]
     header += ["tokens_to_reference_tau", "run_tokens", "matched_teacher"]
     writer.writerow(header)
@@ -545,37 +554,39 @@ def summary_csv(summary: Summary) -> str:
 
 
 def plot_tau_vs_tokens(outcomes: Sequence[RunOutcome], path: str | Path, reference: str) -> None:
-    """Held-out tau against training tokens: one line per configuration (mean over seeds), a band
-    of its 95% interval."""
+    """Held-out tau against training tokens, the sampling estimate and the greedy streak side by
+    side: one line per configuration (mean over seeds), a band of its 95% interval."""
     from matplotlib.figure import Figure
 
     from dflash_train.sweep import _legend, _save_figure, _style
 
-    fig = Figure(figsize=(9, 5.5))
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(14, 5.5))
     configurations = list(dict.fromkeys(o.configuration for o in outcomes))
-    drawn = 0
-    for i, c in enumerate(configurations):
-        curve = mean_curve([o for o in outcomes if o.configuration == c])
-        if not curve:
-            continue
-        style = _style(i)
-        xs = [t for _, t, _, _ in curve]
-        width = 2.6 if c == reference else 1.3
-        ax.plot(xs, [m for _, _, m, _ in curve], label=c + (" (reference)" if c == reference else ""), linewidth=width,
-                **style)
-        if all(iv.n >= 2 for *_, iv in curve):
-            ax.fill_between(xs, [iv.low for *_, iv in curve], [iv.high for *_, iv in curve], color=style["color"],
-                            alpha=0.12, linewidth=0)
-        drawn += 1
-    if not drawn:
-        ax.text(0.5, 0.5, "no held-out curve (curve_points = 0 or no finished run)", ha="center", va="center",
-                transform=ax.transAxes)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out tau (acceptance length)")
-    ax.set_title("held-out tau against training tokens (mean over seeds, 95% band)")
-    ax.grid(alpha=0.3)
-    _legend(fig, ax, drawn)
+    for panel, (metric, title) in enumerate((("tau", "held-out tau, sampling estimate"),
+                                             ("tau_greedy", "held-out tau, greedy streak (what greedy decoding accepts)"))):
+        ax = fig.add_subplot(1, 2, panel + 1)
+        drawn = 0
+        for i, c in enumerate(configurations):
+            curve = mean_curve([o for o in outcomes if o.configuration == c], metric)
+            if not curve:
+                continue
+            style = _style(i)
+            xs = [t for _, t, _, _ in curve]
+            ax.plot(xs, [m for _, _, m, _ in curve], label=c + (" (reference)" if c == reference else ""),
+                    linewidth=2.6 if c == reference else 1.3, **style)
+            if all(iv.n >= 2 for *_, iv in curve):
+                ax.fill_between(xs, [iv.low for *_, iv in curve], [iv.high for *_, iv in curve], color=style["color"],
+                                alpha=0.12, linewidth=0)
+            drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "no held-out curve (curve_points = 0 or no finished run)", ha="center", va="center",
+                    transform=ax.transAxes)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("held-out tau (acceptance length)")
+        ax.set_title(f"{title}\nmean over seeds, 95% band", fontsize="medium")
+        ax.grid(alpha=0.3)
+        if panel == 1:
+            _legend(fig, ax, drawn)
     _save_figure(fig, Path(path))
 
 
@@ -587,14 +598,15 @@ def plot_differences(summary: Summary, path: str | Path) -> None:
     from dflash_train.sweep import _save_figure
 
     rows = [r for r in summary.rows if not r["reference"]]
-    fig = Figure(figsize=(9, 0.9 + 0.32 * max(len(rows), 1)))
+    fig = Figure(figsize=(9, 1.2 + 0.45 * max(len(rows), 1)))
     ax = fig.add_subplot()
-    for offset, (key, label, color) in enumerate((("tau_vs_reference", "held-out tau", "C0"),
+    for offset, (key, label, color) in enumerate((("tau_vs_reference", "held-out tau (sampling estimate)", "C0"),
+                                                  ("tau_greedy_vs_reference", "held-out tau (greedy streak)", "C2"),
                                                   ("accepted_length_vs_reference", "real accepted length", "C3"))):
         ys, xs, lo, hi = [], [], [], []
         for i, r in enumerate(rows):
             if r[key] is not None:
-                ys.append(i + (offset - 0.5) * 0.3)
+                ys.append(i + (offset - 1) * 0.25)
                 xs.append(r[key].mean)
                 lo.append(r[key].mean - r[key].low)
                 hi.append(r[key].high - r[key].mean)
