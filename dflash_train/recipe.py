@@ -281,18 +281,10 @@ def run_tokens(config, steps: int) -> list[int]:
     plan = EpochPlan(cache, config.data)
     per_batch: list[int] = []
     epoch = 0
-    needed = steps * config.optim.grad_accum
-    while len(per_batch) < needed:
-        per_batch += [sum(int(plan.lengths[s][_position(plan, s, i)]) for s, i in batch) for batch in plan.batches(epoch)]
+    while len(per_batch) < steps * config.optim.grad_accum:
+        per_batch += [sum(int(cache.shards[s].lengths[i]) for s, i in batch) for batch in plan.batches(epoch)]
         epoch += 1
     return tokens_by_step(per_batch, config.optim.grad_accum, steps)
-
-
-def _position(plan, shard: int, index_in_shard: int) -> int:
-    # plan.batches names sequences by their index in the shard; plan.lengths is over the split
-    import numpy as np
-
-    return int(np.searchsorted(plan.index[shard], index_in_shard))
 
 
 def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None, progress=None) -> dict:
