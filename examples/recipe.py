@@ -149,8 +149,9 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     return str(out)
 
 
-def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, design: str, progress=None):
-    """The preset's sweep on one cache; returns run_sweep's result."""
+def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, design: str, progress=None,
+          grid=None, reference=None):
+    """The preset's sweep on one cache (or `grid` compared with `reference`); returns run_sweep's result."""
     from dflash_train.config import config_from_dict
     from dflash_train.recipe import MeasureConfig
     from dflash_train.sweep import SweepConfig, preset, run_sweep
@@ -166,10 +167,33 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
     })
     measure = MeasureConfig(curve_points=settings.curve_points, teacher=str(teacher), prompts=str(spec.prompts),
                             max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens)
-    cfg = SweepConfig(out=str(settings.out / spec.name), base=base, grid=chosen.grid, parallel=settings.parallel,
-                      seeds=settings.seeds, design=design, reference=chosen.reference, centers=chosen.centers,
-                      include=chosen.include, measure=measure)
+    custom = grid is not None
+    cfg = SweepConfig(out=str(settings.out / spec.name), base=base, grid=grid if custom else chosen.grid,
+                      parallel=settings.parallel, seeds=settings.seeds, design=design,
+                      reference=reference if custom else chosen.reference, centers=() if custom else chosen.centers,
+                      include=() if custom else chosen.include, measure=measure)
     return run_sweep(cfg, progress=progress)
+
+
+def longer_run(settings: RecipeSettings, steps: int, progress=None):
+    """The paper's recipe against the full recipe on the man-page cache at `steps` steps (the
+    later phase the main study could not afford): one grid key whose two values carry their
+    whole recipe, the same seeds and measurements. Writes OUT/manpages_long/."""
+    from dflash_train.sweep import FULL_RECIPE, PAPER_RECIPE, GridAxis
+
+    def settings_of(recipe):
+        values = dict(recipe)
+        extras = [("loss.weighting", values["weighting"]), ("noise.schedule", values["noise"])]
+        if values["noise"] == "cosine":
+            extras += [("noise.distribution", "uniform"), ("noise.start", 0.1), ("noise.end", 0.01)]
+        return tuple(extras)
+
+    axis = GridAxis("recipe", ("loss", "kind"), ("ce", "kl"), extras=(settings_of(PAPER_RECIPE), settings_of(FULL_RECIPE)))
+    teacher = ensure_manpage_teacher(settings)
+    cache = build(MANPAGES, teacher, settings)
+    long = replace(settings, steps=steps)
+    return sweep(replace(MANPAGES, name="manpages_long"), cache, teacher, long, "full", progress, grid=(axis,),
+                 reference=(("recipe", "ce"),))
 
 
 def run_recipe(settings: RecipeSettings, progress=None) -> dict[str, object]:
@@ -194,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quickstart-design", choices=("full", "one-at-a-time"), default=None)
     parser.add_argument("--manpage-design", choices=("full", "one-at-a-time"), default=None)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (2 steps a run) and a 2-step teacher under --out")
+    parser.add_argument("--longer", type=int, default=None, metavar="STEPS",
+                        help="instead: the paper's recipe against the full recipe on the man-page cache at STEPS steps "
+                        "(OUT/manpages_long)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     settings = RecipeSettings(out=args.out)
@@ -205,6 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = replace(settings, **overrides)
     from cli.common import BarProgress
 
+    if args.longer is not None:
+        result = longer_run(settings, args.longer, BarProgress(enabled=not args.quiet))
+        print(result.report.summary)
+        return
     results = run_recipe(settings, BarProgress(enabled=not args.quiet))
     for name, result in results.items():
         print(f"\n## {name}\n\n{result.report.summary}")

@@ -4,6 +4,7 @@ design, and `examples/recipe.py --tiny` end to end (2 steps a run, both caches).
 from __future__ import annotations
 
 import csv
+import json
 import math
 import struct
 import sys
@@ -262,3 +263,14 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, 
             width, height = _png_size(folder / png)
             assert width > 300 and height > 150
     assert (tmp_path / "recipe" / "manpage_teacher" / "model.safetensors").exists()
+    # the longer check: the paper's recipe against the full recipe as one grid key, on the same cache
+    longer = recipe.longer_run(settings, 3)
+    with open(tmp_path / "recipe" / "manpages_long" / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["configuration"] for r in rows] == ["recipe=ce", "recipe=kl"] and rows[1]["tau_vs_reference_mean"] != ""
+    assert "Reference: **recipe=ce**" in longer.report.summary
+    runs = tmp_path / "recipe" / "manpages_long" / "runs"
+    full = json.loads((runs / "recipe-kl_seed-1" / "config.json").read_text())
+    assert (full["loss"]["kind"], full["loss"]["weighting"], full["noise"]["schedule"], full["steps"]) == ("kl", "streak", "cosine", 3)
+    paper = json.loads((runs / "recipe-ce_seed-0" / "config.json").read_text())
+    assert (paper["loss"]["weighting"], paper["noise"]["schedule"]) == ("decay", "off")
