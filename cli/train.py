@@ -97,7 +97,7 @@ def run_(
     weighting: Optional[str] = typer.Option(None, help="streak (default), decay or none."),
     gamma: Optional[float] = typer.Option(None, help="Decay length (default by block size: 7 for 16)."),
     streak_smoothing: Optional[float] = typer.Option(None, help="Streak smoothing s (default 0.5)."),
-    noise: Optional[str] = typer.Option(None, help="Noise schedule: cosine (default), linear, constant or off."),
+    noise: Optional[str] = typer.Option(None, help="Noise schedule: off (default), cosine, linear or constant."),
     noise_distribution: Optional[str] = typer.Option(None, help="uniform (default) or gaussian."),
     noise_start: Optional[float] = typer.Option(None, help="Noise scale at step 0 (default 0.1)."),
     noise_end: Optional[float] = typer.Option(None, help="Noise scale at the end (default 0.01)."),
@@ -208,8 +208,8 @@ def eval_(
     speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_common.errors import ConfigError
         from dflash_common.devices import resolve_device
+        from dflash_common.errors import ConfigError
 
         if not cache and not (teacher and prompts):
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
@@ -389,8 +389,18 @@ def generate(
 def sweep(
     cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`; every run trains on it."),
     out: str = typer.Option(..., help="Sweep folder: runs/<name>/, results.csv, results.md, loss_curves.png, acceptance_by_position.png, sweep.json."),
-    grid: list[str] = typer.Option(..., "--grid", help="key=v1,v2,... (repeatable; one run per combination). Keys: loss, weighting, noise, lr, "
+    grid: list[str] = typer.Option([], "--grid", help="key=v1,v2,... (repeatable; one run per combination). Keys: loss, weighting, noise, lr, "
                                    "block_size, mix_lambda, num_anchors, gamma, ... or a config path such as loss.streak_smoothing; values are JSON when they parse."),
+    preset: Optional[str] = typer.Option(None, help="A named design instead of --grid: 'recipe' = loss ce,kl,mix x weighting decay,streak x "
+                                         "noise off,constant(0.05),cosine, 3 seeds, 3 curve points, compared with the paper's recipe (ce, decay, off)."),
+    seeds: Optional[int] = typer.Option(None, help="Runs per combination with seeds 0..N-1 (each sets the drafter init, the anchors and the noise); "
+                                        "summary.md gives means and 95% intervals over them."),
+    design: Optional[str] = typer.Option(None, help="full (every combination; default) or one-at-a-time (vary one key at a time from the reference; with --preset recipe, plus the full recipe)."),
+    curve_points: Optional[int] = typer.Option(None, help="Held-out evaluations during each run (kept checkpoints) for tau against training tokens."),
+    teacher: Optional[str] = typer.Option(None, help="Teacher folder: decode --prompts greedily with each run's drafter (real accepted length)."),
+    prompts: Optional[str] = typer.Option(None, help="JSONL held-out prompts for the real decoding."),
+    max_prompts: int = typer.Option(24, help="Prompts decoded per run."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),
     steps: Optional[int] = typer.Option(None, help="Optimizer steps of every run (default 1000)."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
     set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values)."),
@@ -405,13 +415,26 @@ def sweep(
     """Train one drafter per grid combination on one cache and compare them; rerun to resume."""
 
     def action():
+        from dflash_common.errors import ConfigError
+        from dflash_train.recipe import MeasureConfig
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
+        from dflash_train.sweep import preset as find_preset
 
         base = _train_config(cache, out, config, False, {"steps": steps}, set_, storage_options)
         places = tuple(devices.split(",")) if devices else ()
-        sweep_cfg = SweepConfig(out=out, base=base, grid=parse_grid(grid), parallel=parallel, devices=places)
+        chosen = find_preset(preset) if preset else None
+        if chosen and grid:
+            raise ConfigError(f"--preset {preset} sets the grid; drop --grid {grid[0]} (or drop --preset)")
+        axes = chosen.grid if chosen else parse_grid(grid)
+        measure = MeasureConfig(curve_points=curve_points if curve_points is not None else (chosen.curve_points if chosen else 0),
+                                teacher=teacher, prompts=prompts, max_prompts=max_prompts, max_new_tokens=max_new_tokens)
+        sweep_cfg = SweepConfig(out=out, base=base, grid=axes, parallel=parallel, devices=places,
+                                seeds=seeds if seeds is not None else (chosen.seeds if chosen else None),
+                                design=design or "full", reference=chosen.reference if chosen else None,
+                                centers=chosen.centers if chosen else (), include=chosen.include if chosen else (),
+                                measure=measure)
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
-        typer.echo(result.report.markdown, nl=False)
+        typer.echo(result.report.summary or result.report.markdown, nl=False)
 
     run(action, debug)
 

@@ -51,6 +51,16 @@ from dflash_common.progress import Progress
 from dflash_train.config import MODEL_OPERATIONAL, TrainConfig, config_from_dict, merge
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
+from dflash_train.recipe import (
+    REFERENCE_FILE,
+    MeasureConfig,
+    RunOutcome,
+    measure_run,
+    read_measure,
+    reference_outputs,
+    write_measure,
+    write_summary,
+)
 
 # Short grid keys -> config field paths. One short name per path, so a run's name is the same
 # whether the user typed the short name or the dotted path.
@@ -196,9 +206,17 @@ class GridAxis:
     values: tuple[Any, ...]
     """The values, in the order runs are made."""
 
+    extras: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Further settings each value brings along, as ((dotted config path, value), ...) per value
+    in the order of ``values`` (empty: none), e.g. the preset's noise=constant also sets
+    noise.start=0.05. They are part of the run's config, not of its name."""
+
     def __post_init__(self):
         if not self.values:
             raise ConfigError(f"grid key {self.key!r} has no values; pass e.g. --grid {self.key}=a,b")
+        if self.extras and len(self.extras) != len(self.values):
+            raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "
+                              "extra settings; give one (possibly empty) set per value")
         labels = [value_label(v) for v in self.values]
         repeated = sorted({x for x in labels if labels.count(x) > 1})
         if repeated:
@@ -259,15 +277,22 @@ def run_name(assignment: Sequence[tuple[str, Any]]) -> str:
     return name
 
 
+def _set_path(out: dict, path: Sequence[str], value: Any) -> None:
+    *sections, last = path
+    target = out
+    for section in sections:
+        target = target.setdefault(section, {})
+    target[last] = list(value) if isinstance(value, tuple) else value
+
+
 def run_overrides(axes: Sequence[GridAxis], assignment: Sequence[tuple[str, Any]]) -> dict:
     """Nested config values that one combination sets."""
     out: dict = {}
     for axis, (_, value) in zip(axes, assignment):
-        *sections, last = axis.path
-        target = out
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[last] = list(value) if isinstance(value, tuple) else value
+        _set_path(out, axis.path, value)
+        if axis.extras:
+            for dotted, extra in axis.extras[axis.values.index(value)]:
+                _set_path(out, dotted.split("."), extra)
         # steps and epochs are exclusive: a swept one replaces the base's other one.
         if axis.path == ("steps",):
             out["epochs"] = None
@@ -276,9 +301,35 @@ def run_overrides(axes: Sequence[GridAxis], assignment: Sequence[tuple[str, Any]
     return out
 
 
+SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
+"""What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
+
+SEED_KEY = "seed"
+"""The column and run-name part of a sweep's seed."""
+
+DESIGNS = ("full", "one-at-a-time")
+
+
+def seed_overrides(seed: int) -> dict:
+    """Nested config values of replicate ``seed``: the same number for every seed of the run."""
+    out: dict = {}
+    for path in SEED_PATHS:
+        _set_path(out, path, seed)
+    return out
+
+
+def one_factor_neighbours(combos: Sequence[tuple[tuple[str, Any], ...]],
+                          centers: Sequence[tuple[tuple[str, Any], ...]]) -> list[tuple[tuple[str, Any], ...]]:
+    """The combinations that differ from one of ``centers`` in at most one grid key (a
+    one-factor-at-a-time design around each center), in grid order."""
+    wanted = [dict(center) for center in centers]
+    return [combo for combo in combos
+            if any(sum(center.get(k) != v for k, v in combo) <= 1 for center in wanted)]
+
+
 @dataclass(frozen=True)
 class SweepRun:
-    """One combination of the grid."""
+    """One combination of the grid (and one seed of it, when the sweep has seeds)."""
 
     name: str
     """Folder name under ``out/runs`` (see run_name)."""
@@ -288,6 +339,12 @@ class SweepRun:
 
     config: TrainConfig
     """Its full train config: the base config with the values applied and ``out`` set."""
+
+    seed: int | None = None
+    """The sweep's seed of this run (see SEED_PATHS); None when the sweep has no --seeds."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """What is measured of the run after training (see dflash_train.recipe)."""
 
 
 @dataclass(frozen=True)
@@ -312,12 +369,58 @@ class SweepConfig:
     a device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
     visible GPU when the base device is auto or cuda and CUDA is present, else the base device."""
 
+    seeds: int | None = None
+    """Seeds per combination: run i of a combination sets the drafter init, the anchor sampling
+    and the noise (SEED_PATHS) all to i, for i in 0..seeds-1, and the report gives each
+    configuration's mean and 95% interval over them. None: one run per combination with the
+    base config's seeds (no seed in the run names)."""
+
+    design: str = "full"
+    """"full": every combination of the grid; "one-at-a-time": only those that differ from one
+    of ``centers`` in at most one grid key."""
+
+    centers: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Combinations ((key, value), ...) around which "one-at-a-time" varies one key at a time
+    (default: the reference alone)."""
+
+    include: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Combinations "one-at-a-time" trains besides the centers' neighbours (e.g. the full recipe
+    beside the paper recipe's one-part changes)."""
+
+    reference: tuple[tuple[str, Any], ...] | None = None
+    """The combination every other is compared with in summary.md (paired by seed); None: the
+    first combination of the grid."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """Held-out tau during training and real decoding per run (dflash_train.recipe)."""
+
     def __post_init__(self):
         if not str(self.out).strip():
             raise ConfigError("--out is empty; pass the sweep folder, e.g. --out sweeps/loss")
         if not self.grid:
             raise ConfigError("a sweep needs at least one --grid key=v1,v2 (e.g. --grid loss=ce,kl)")
         object.__setattr__(self, "grid", tuple(self.grid))
+        if self.seeds is not None:
+            if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+                raise ConfigError(f"--seeds must be a whole number of at least 1, got {self.seeds!r}; e.g. --seeds 3")
+            swept = [a.key for a in self.grid if a.path in SEED_PATHS]
+            if swept:
+                raise ConfigError(f"--seeds sets {', '.join('.'.join(p) for p in SEED_PATHS)} itself; drop --grid "
+                                  f"{swept[0]}=... or --seeds")
+        if self.design not in DESIGNS:
+            raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
+        keys = [a.key for a in self.grid]
+        for what, combo in ([("reference", self.reference)] + [("center", c) for c in self.centers]
+                            + [("included combination", c) for c in self.include]):
+            if combo is None:
+                continue
+            combo = tuple((k, v) for k, v in combo)
+            known = {a.key: a.values for a in self.grid}
+            if [k for k, _ in combo] != keys or any(v not in known[k] for k, v in combo):
+                raise ConfigError(f"the {what} {dict(combo)} is not a combination of the grid ({keys}); "
+                                  "give one value of every grid key")
+        if self.measure.curve_points and self.base.steps is None and self.base.epochs is not None:
+            raise ConfigError("held-out curve points need the run length in steps; pass --steps instead of --epochs")
         devices = tuple(check_device(str(d)) for d in self.devices)
         object.__setattr__(self, "devices", devices)
         parallel = self.parallel if self.parallel is not None else (len(devices) or 1)
@@ -330,6 +433,53 @@ class SweepConfig:
     def in_processes(self) -> bool:
         """Whether runs train in processes of their own (any parallel sweep, or devices chosen)."""
         return self.parallel > 1 or bool(self.devices)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named sweep design (`dflash-train sweep --preset NAME`)."""
+
+    grid: tuple[GridAxis, ...]
+    reference: tuple[tuple[str, Any], ...]
+    """The configuration the others are compared with."""
+
+    centers: tuple[tuple[tuple[str, Any], ...], ...]
+    """Centers of the one-at-a-time design (--design one-at-a-time)."""
+
+    include: tuple[tuple[tuple[str, Any], ...], ...]
+    """Further combinations of the one-at-a-time design."""
+
+    seeds: int
+    """Default --seeds."""
+
+    curve_points: int
+    """Default --curve-points."""
+
+
+PAPER_RECIPE = (("loss", "ce"), ("weighting", "decay"), ("noise", "off"))
+"""The DFlash paper's recipe: hard-label cross-entropy, exponential decay weights, no noise."""
+
+FULL_RECIPE = (("loss", "kl"), ("weighting", "streak"), ("noise", "cosine"))
+"""This toolkit's recipe as first proposed: soft-label KL, streak weights, cosine noise."""
+
+PRESETS: dict[str, Preset] = {
+    # Each noise value names its whole schedule, so the preset measures the same noise whatever
+    # the defaults: constant is speculators' uniform 0.05, cosine the schedule first proposed.
+    "recipe": Preset(
+        grid=(GridAxis("loss", ("loss", "kind"), ("ce", "kl", "mix")),
+              GridAxis("weighting", ("loss", "weighting"), ("decay", "streak")),
+              GridAxis("noise", ("noise", "schedule"), ("off", "constant", "cosine"),
+                       extras=((),
+                               (("noise.distribution", "uniform"), ("noise.start", 0.05)),
+                               (("noise.distribution", "uniform"), ("noise.start", 0.1), ("noise.end", 0.01))))),
+        reference=PAPER_RECIPE, centers=(PAPER_RECIPE,), include=(FULL_RECIPE,), seeds=3, curve_points=3),
+}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name!r} is unknown; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
 
 
 def check_device(text: str) -> str:
@@ -348,23 +498,46 @@ def check_device(text: str) -> str:
     return text
 
 
+def planned_combinations(cfg: SweepConfig) -> list[tuple[tuple[str, Any], ...]]:
+    """The combinations the sweep's design trains, in grid order."""
+    combos = expand_grid(cfg.grid)
+    if cfg.design == "one-at-a-time":
+        centers = cfg.centers or ((cfg.reference,) if cfg.reference else (combos[0],))
+        wanted = set(one_factor_neighbours(combos, centers)) | {tuple(c) for c in cfg.include}
+        combos = [c for c in combos if c in wanted]
+    return combos
+
+
+def reference_combination(cfg: SweepConfig) -> tuple[tuple[str, Any], ...]:
+    return tuple(cfg.reference) if cfg.reference else planned_combinations(cfg)[0]
+
+
 def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
-    """Every combination's name and train config, in grid order (reads and writes nothing)."""
+    """Every run's name and train config, in grid order, seeds innermost (reads and writes nothing)."""
     base = cfg.base.to_dict()
+    if cfg.measure.curve_points:
+        from dflash_train.trainer import DEFAULT_STEPS
+
+        # operational: where checkpoints fall changes nothing the run learns
+        base["save_every"] = cfg.measure.save_every(cfg.base.steps or DEFAULT_STEPS)
+        base["keep_checkpoints"] = cfg.measure.curve_points + 2
     runs, names = [], set()
-    for assignment in expand_grid(cfg.grid):
-        name = run_name(assignment)
-        if name in names:
-            raise ConfigError(f"two combinations share the run name {name!r}; use values that differ in letters or digits")
-        names.add(name)
-        values = merge(base, run_overrides(cfg.grid, assignment))
-        values["out"] = str(Path(cfg.out) / "runs" / name)
-        values["storage_options"] = cfg.base.storage_options  # to_dict leaves it out (credentials)
-        try:
-            config = config_from_dict(values)
-        except ConfigError as err:
-            raise ConfigError(f"sweep run {name}: {err}") from None
-        runs.append(SweepRun(name, assignment, config))
+    for assignment in planned_combinations(cfg):
+        for seed in ([None] if cfg.seeds is None else range(cfg.seeds)):
+            name = run_name(assignment + (((SEED_KEY, seed),) if seed is not None else ()))
+            if name in names:
+                raise ConfigError(f"two combinations share the run name {name!r}; use values that differ in letters or digits")
+            names.add(name)
+            values = merge(base, run_overrides(cfg.grid, assignment))
+            if seed is not None:
+                values = merge(values, seed_overrides(seed))
+            values["out"] = str(Path(cfg.out) / "runs" / name)
+            values["storage_options"] = cfg.base.storage_options  # to_dict leaves it out (credentials)
+            try:
+                config = config_from_dict(values)
+            except ConfigError as err:
+                raise ConfigError(f"sweep run {name}: {err}") from None
+            runs.append(SweepRun(name, assignment, config, seed, cfg.measure))
     return runs
 
 
@@ -444,7 +617,10 @@ class RunStatus:
     """What a run folder already holds."""
 
     finished: bool
-    """Trained to the end, evaluated and exported: nothing to do."""
+    """Trained to the end, evaluated, exported and (when the sweep measures) measured: nothing to do."""
+
+    trained: bool
+    """Trained to the end, evaluated and exported."""
 
     resumable: bool
     """Has a complete checkpoint, so train(resume=True) continues from it."""
@@ -465,16 +641,25 @@ def run_status(run: SweepRun) -> RunStatus:
                               "rerun the sweep with its original options or use a new --out")
     export = folder / "drafter"
     has_export = (export / CONFIG_FILE).exists() and (export / WEIGHTS_FILE).exists()
-    finished = is_finished(has_export, read_metrics(folder), run.config.eval_sequences > 0)
+    trained = is_finished(has_export, read_metrics(folder), run.config.eval_sequences > 0)
+    measured = not run.measure.active or read_measure(folder) is not None
     resumable = CheckpointManager(folder / "checkpoints").latest() is not None
-    return RunStatus(finished=finished, resumable=resumable)
+    return RunStatus(finished=trained and measured, trained=trained, resumable=resumable)
 
 
 def train_run(run: SweepRun, progress: Progress | None = None) -> None:
-    """Train one combination to the end, resuming from its newest checkpoint when it has one."""
+    """Train one combination to the end, resuming from its newest checkpoint when it has one,
+    then measure it when the sweep asks (curve points, real decoding)."""
     from dflash_train.trainer import train
 
-    train(run.config, resume=run_status(run).resumable, progress=progress)
+    status = run_status(run)
+    if not status.trained:
+        train(run.config, resume=status.resumable, progress=progress)
+    if run.measure.active and read_measure(run.config.out) is None:
+        reference = None
+        if run.measure.teacher is not None:
+            reference = json.loads((Path(run.config.out).parent.parent / REFERENCE_FILE).read_text())
+        write_measure(run.config.out, measure_run(run.config, read_metrics(run.config.out), run.measure, reference, progress))
 
 
 # ----------------------------------------------------------------------------- report
@@ -497,6 +682,8 @@ def result_row(run: SweepRun, metrics: RunMetrics) -> dict[str, Any]:
     final, last = metrics.final_eval, metrics.final_train
     row: dict[str, Any] = {"run": run.name}
     row.update({key: value_label(value) for key, value in run.values})
+    if run.seed is not None:
+        row[SEED_KEY] = run.seed
     row.update({
         "train_loss": last.get("loss"),
         "heldout_loss": final.get("loss"),
@@ -540,7 +727,8 @@ def _numeric(rows: Sequence[dict], column: str) -> bool:
 
 
 def _legend_label(run: SweepRun) -> str:
-    return ", ".join(f"{key}={value_label(value)}" for key, value in run.values)
+    seed = () if run.seed is None else ((SEED_KEY, run.seed),)
+    return ", ".join(f"{key}={value_label(value)}" for key, value in run.values + seed)
 
 
 def _style(i: int) -> dict:
@@ -626,6 +814,9 @@ class SweepReport:
     markdown: str
     """The text of results.md."""
 
+    summary: str | None = None
+    """The text of summary.md (sweeps with --seeds or measurements), else None."""
+
 
 def write_report(cfg: SweepConfig, runs: Sequence[SweepRun] | None = None) -> SweepReport:
     """(Re)write results.csv, results.md and both plots from the runs' metrics.jsonl files."""
@@ -634,7 +825,7 @@ def write_report(cfg: SweepConfig, runs: Sequence[SweepRun] | None = None) -> Sw
     out.mkdir(parents=True, exist_ok=True)
     metrics = {run.name: read_metrics(run.config.out) for run in runs}
     rows = tuple(result_row(run, metrics[run.name]) for run in runs)
-    columns = ("run", *(axis.key for axis in cfg.grid), *RESULT_COLUMNS)
+    columns = ("run", *(axis.key for axis in cfg.grid), *((SEED_KEY,) if cfg.seeds is not None else ()), *RESULT_COLUMNS)
     markdown = rows_to_markdown(rows, columns)
     _write_text(out / "results.csv", rows_to_csv(rows, columns))
     _write_text(out / "results.md", markdown)
@@ -644,15 +835,32 @@ def write_report(cfg: SweepConfig, runs: Sequence[SweepRun] | None = None) -> Sw
     plot_acceptance_by_position({_legend_label(run): metrics[run.name].final_eval["alpha"]
                                  for run in runs if metrics[run.name].final_eval.get("alpha")},
                                 out / "acceptance_by_position.png")
-    return SweepReport(rows=rows, columns=columns, markdown=markdown)
+    summary = None
+    if cfg.seeds is not None or cfg.measure.active:
+        summary = write_summary(out, [RunOutcome(configuration=value_label_of(run.values), seed=run.seed or 0,
+                                                 final=metrics[run.name].final_eval, measure=read_measure(run.config.out))
+                                      for run in runs], value_label_of(reference_combination(cfg)))
+    return SweepReport(rows=rows, columns=columns, markdown=markdown, summary=summary)
+
+
+def value_label_of(assignment: Sequence[tuple[str, Any]]) -> str:
+    """A combination as "loss=ce, weighting=decay": how summary.md and its plot name it."""
+    return ", ".join(f"{key}={value_label(value)}" for key, value in assignment)
 
 
 def sweep_record(cfg: SweepConfig, runs: Sequence[SweepRun]) -> dict:
     """The content of sweep.json: the grid, the base config and the run names."""
     return {
-        "grid": [{"key": a.key, "field": ".".join(a.path), "values": list(a.values)} for a in cfg.grid],
+        "grid": [{"key": a.key, "field": ".".join(a.path), "values": list(a.values),
+                  **({"extras": [dict(e) for e in a.extras]} if a.extras else {})} for a in cfg.grid],
         "base": cfg.base.to_dict(),
-        "runs": [{"name": r.name, "values": {k: v for k, v in r.values}} for r in runs],
+        "seeds": cfg.seeds,
+        "design": cfg.design,
+        "planned": [dict(c) for c in planned_combinations(cfg)],
+        "reference": dict(reference_combination(cfg)),
+        "measure": dataclasses.asdict(cfg.measure),
+        "runs": [{"name": r.name, "values": {k: v for k, v in r.values}, **({"seed": r.seed} if r.seed is not None else {})}
+                 for r in runs],
     }
 
 
@@ -716,7 +924,8 @@ def worker_job(run: SweepRun, slot: Slot) -> dict:
     config = dataclasses.replace(run.config, device=slot.device)
     values = config.to_dict()
     values["storage_options"] = config.storage_options  # to_dict leaves it out; stdin never hits disk
-    return {"name": run.name, "values": [[k, v] for k, v in run.values], "config": values, "threads": slot.threads}
+    return {"name": run.name, "values": [[k, v] for k, v in run.values], "config": values, "threads": slot.threads,
+            "seed": run.seed, "measure": dataclasses.asdict(run.measure)}
 
 
 def failure_reason(log_text: str, exit_code: int) -> str:
@@ -899,6 +1108,9 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
     out.mkdir(parents=True, exist_ok=True)
     statuses = {run.name: run_status(run) for run in runs}  # refuses mismatched folders before writing
     _write_text(out / "sweep.json", json.dumps(sweep_record(cfg, runs), indent=1) + "\n")
+    if cfg.measure.teacher is not None and any(not s.finished for s in statuses.values()):
+        progress.message(f"teacher's own greedy outputs for {cfg.measure.prompts} (once per sweep)")
+        reference_outputs(cfg.measure, out, open_cache(cfg.base.cache, cfg.base.storage_options).chat_template_kwargs)
     todo = [run for run in runs if not statuses[run.name].finished]
     progress.message(f"sweep of {len(runs)} runs in {out}: {len(runs) - len(todo)} finished, {len(todo)} to train")
     failures: list[RunFailure] = []

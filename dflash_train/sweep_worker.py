@@ -50,13 +50,15 @@ def main() -> int:
     import torch
 
     from dflash_train.config import config_from_dict
+    from dflash_train.recipe import MeasureConfig
     from dflash_train.sweep import SweepRun, train_run
 
     job = json.loads(sys.stdin.read())
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
     run = SweepRun(name=job["name"], values=tuple((k, v) for k, v in job["values"]),
-                   config=config_from_dict(job["config"]))
+                   config=config_from_dict(job["config"]), seed=job.get("seed"),
+                   measure=MeasureConfig(**job.get("measure", {})))
     progress = LogProgress()
     progress.message(f"run {run.name} on {run.config.device} with {torch.get_num_threads()} thread(s)")
     try:

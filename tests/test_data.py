@@ -186,7 +186,7 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
     from dflash_train.trainer import on_device
 
     cache = open_cache(small_cache)
-    cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(start=0.5, distribution="gaussian"),
+    cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),
                       data=DataConfig(batch_tokens=400, heldout_fraction=0.0))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     loaded = load_batch(cache, cfg.data, refs, epoch=0)

@@ -3,6 +3,7 @@ pure-Python reference, determinism, distributions, layers, batches."""
 
 import math
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,9 @@ from dflash_train import noise as noise_module
 from dflash_train.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 
 S = 100
+# The schedule these tests were written for (the default until the recipe study): explicit, so
+# they test the generator and the schedules whatever the defaults are.
+COSINE = NoiseConfig(schedule="cosine", distribution="uniform", start=0.1, end=0.01)
 
 
 @pytest.mark.parametrize(
@@ -27,12 +31,12 @@ S = 100
     ],
 )
 def test_cosine_scale(step, expected):
-    assert noise_scale(NoiseConfig(), step, S) == pytest.approx(expected, abs=1e-7)
+    assert noise_scale(COSINE, step, S) == pytest.approx(expected, abs=1e-7)
 
 
 @pytest.mark.parametrize(("step", "expected"), [(0, 0.1), (25, 0.0775), (50, 0.055), (100, 0.01), (400, 0.01)])
 def test_linear_scale(step, expected):
-    assert noise_scale(NoiseConfig(schedule="linear"), step, S) == pytest.approx(expected, abs=1e-12)
+    assert noise_scale(NoiseConfig(schedule="linear", start=0.1, end=0.01), step, S) == pytest.approx(expected, abs=1e-12)
 
 
 def test_constant_and_off_scale():
@@ -42,7 +46,7 @@ def test_constant_and_off_scale():
 
 
 def test_same_key_gives_identical_draw_regardless_of_prior_draws():
-    cfg = NoiseConfig(seed=7)
+    cfg = replace(COSINE, seed=7)
     first = noise_for(cfg, 12, S, "seq-a", (5, 8))
     # Unrelated draws in between (other ids, steps, layers) must not change it.
     noise_for(cfg, 12, S, "seq-b", (50, 8))
@@ -55,19 +59,19 @@ def test_same_key_gives_identical_draw_regardless_of_prior_draws():
 
 
 def test_draw_is_a_prefix_of_a_longer_draw():
-    cfg = NoiseConfig()
+    cfg = COSINE
     short = noise_for(cfg, 3, S, "seq", (4, 8))
     long = noise_for(cfg, 3, S, "seq", (10, 8))
     np.testing.assert_array_equal(short, long[:4])
 
 
 def test_different_step_id_seed_or_layer_gives_different_draw():
-    base = noise_for(NoiseConfig(seed=1), 5, S, "seq-a", (16, 16))
+    base = noise_for(replace(COSINE, seed=1), 5, S, "seq-a", (16, 16))
     others = [
-        noise_for(NoiseConfig(seed=1), 6, S, "seq-a", (16, 16)),
-        noise_for(NoiseConfig(seed=1), 5, S, "seq-b", (16, 16)),
-        noise_for(NoiseConfig(seed=2), 5, S, "seq-a", (16, 16)),
-        noise_for(NoiseConfig(seed=1), 5, S, "seq-a", (16, 16), layer=1),
+        noise_for(replace(COSINE, seed=1), 6, S, "seq-a", (16, 16)),
+        noise_for(replace(COSINE, seed=1), 5, S, "seq-b", (16, 16)),
+        noise_for(replace(COSINE, seed=2), 5, S, "seq-a", (16, 16)),
+        noise_for(replace(COSINE, seed=1), 5, S, "seq-a", (16, 16), layer=1),
     ]
     for other in others:
         # Same step keeps the scale; the values themselves must be unrelated.
@@ -101,7 +105,7 @@ def hidden_states(num_tokens=6, num_layers=4, width=8):
 def test_default_noises_all_layers_but_the_last():
     hidden = hidden_states()
     original = hidden.copy()
-    out = apply_noise(hidden, NoiseConfig(), 0, S, "seq")
+    out = apply_noise(hidden, COSINE, 0, S, "seq")
     np.testing.assert_array_equal(hidden, original)  # input untouched
     assert out.dtype == np.float32 and out.shape == hidden.shape
     np.testing.assert_array_equal(out[:, 3], hidden[:, 3])
@@ -110,50 +114,50 @@ def test_default_noises_all_layers_but_the_last():
         assert np.abs(delta).max() > 0
         assert np.abs(delta).max() <= 0.1 + 1e-6
     # The added noise is exactly the per-layer draw.
-    expected = hidden[:, 1] + noise_for(NoiseConfig(), 0, S, "seq", (6, 8), layer=1).numpy()
+    expected = hidden[:, 1] + noise_for(COSINE, 0, S, "seq", (6, 8), layer=1).numpy()
     np.testing.assert_array_equal(out[:, 1], expected)
-    assert noised_layers(NoiseConfig(), 4) == (0, 1, 2)
+    assert noised_layers(COSINE, 4) == (0, 1, 2)
 
 
 def test_chosen_layers_only():
     hidden = hidden_states()
-    out = apply_noise(hidden, NoiseConfig(layers=(1, 3)), 0, S, "seq")
+    out = apply_noise(hidden, replace(COSINE, layers=(1, 3)), 0, S, "seq")
     for layer in (0, 2):
         np.testing.assert_array_equal(out[:, layer], hidden[:, layer])
     for layer in (1, 3):
         assert not np.array_equal(out[:, layer], hidden[:, layer])
     with pytest.raises(ConfigError):
-        apply_noise(hidden, NoiseConfig(layers=(4,)), 0, S, "seq")
+        apply_noise(hidden, replace(COSINE, layers=(4,)), 0, S, "seq")
 
 
 def test_layer_noise_does_not_depend_on_which_other_layers_are_selected():
     hidden = hidden_states()
-    all_but_last = apply_noise(hidden, NoiseConfig(), 9, S, "seq")
-    only_two = apply_noise(hidden, NoiseConfig(layers=(2,)), 9, S, "seq")
+    all_but_last = apply_noise(hidden, COSINE, 9, S, "seq")
+    only_two = apply_noise(hidden, replace(COSINE, layers=(2,)), 9, S, "seq")
     np.testing.assert_array_equal(all_but_last[:, 2], only_two[:, 2])
 
 
 def test_off_and_zero_scale_leave_input_unchanged():
     hidden = hidden_states()
     assert apply_noise(hidden, NoiseConfig(schedule="off"), 5, S, "seq") is hidden
-    zero_end = NoiseConfig(schedule="linear", end=0.0)
+    zero_end = NoiseConfig(schedule="linear", start=0.1, end=0.0)
     assert apply_noise(hidden, zero_end, S, S, "seq") is hidden
     np.testing.assert_array_equal(noise_for(NoiseConfig(schedule="off"), 5, S, "seq", (3, 2)), np.zeros((3, 2)))
 
 
 def test_torch_input_keeps_type_dtype_and_matches_numpy():
     hidden = hidden_states()
-    out_np = apply_noise(hidden, NoiseConfig(), 4, S, "seq")
-    out_t = apply_noise(torch.from_numpy(hidden.copy()), NoiseConfig(), 4, S, "seq")
+    out_np = apply_noise(hidden, COSINE, 4, S, "seq")
+    out_t = apply_noise(torch.from_numpy(hidden.copy()), COSINE, 4, S, "seq")
     assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.float32
     np.testing.assert_array_equal(out_t.numpy(), out_np)
 
     bf16 = torch.from_numpy(hidden).to(torch.bfloat16)
-    out_bf16 = apply_noise(bf16, NoiseConfig(), 4, S, "seq")
+    out_bf16 = apply_noise(bf16, COSINE, 4, S, "seq")
     assert out_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(out_bf16[:, 3], bf16[:, 3], rtol=0, atol=0)
     # The sum is taken in float32 and rounded once.
-    noise = noise_for(NoiseConfig(), 4, S, "seq", (6, 8), layer=0)
+    noise = noise_for(COSINE, 4, S, "seq", (6, 8), layer=0)
     expected = (bf16[:, 0].float() + noise).to(torch.bfloat16)
     torch.testing.assert_close(out_bf16[:, 0], expected, rtol=0, atol=0)
     assert not torch.equal(out_bf16[:, 0], bf16[:, 0])
@@ -180,9 +184,9 @@ def test_config_rejects_bad_values(kwargs):
 def test_layers_list_is_stored_as_tuple_and_progress_is_checked():
     assert NoiseConfig(layers=[2, 0]).layers == (2, 0)
     with pytest.raises(ConfigError):
-        noise_scale(NoiseConfig(), -1, S)
+        noise_scale(COSINE, -1, S)
     with pytest.raises(ConfigError):
-        noise_scale(NoiseConfig(), 0, 0)
+        noise_scale(COSINE, 0, 0)
 
 
 # The generator's specification in plain Python integers: what any device must reproduce.
@@ -226,7 +230,7 @@ def test_uniform_draws_equal_the_reference_including_past_2_to_the_31():
 @pytest.mark.parametrize("distribution", ["uniform", "gaussian"])
 def test_draws_do_not_depend_on_the_chunking(monkeypatch, distribution):
     """CPU and CUDA cut a stream into different chunks; the values must not change."""
-    cfg = NoiseConfig(distribution=distribution)
+    cfg = replace(COSINE, distribution=distribution)
     whole = noise_for(cfg, 2, S, "seq", (300, 24), layer=1)
     for elements in (1, 24 * 7, 1000):
         monkeypatch.setattr(noise_module, "_chunk_elements", lambda device, n=elements: n)
@@ -248,7 +252,7 @@ def test_neighbouring_draws_are_uncorrelated():
 
 
 def test_batch_noise_is_each_rows_stream_and_leaves_padding_alone():
-    cfg = NoiseConfig(layers=(0, 2))
+    cfg = replace(COSINE, layers=(0, 2))
     ids, lengths = ["a", "b", "c"], [5, 9, 1]
     batch = torch.zeros(3, 9, 3, 4)
     add_noise_(batch, ids, lengths, cfg, 7, S)
@@ -262,4 +266,4 @@ def test_batch_noise_is_each_rows_stream_and_leaves_padding_alone():
 
 def test_a_stream_longer_than_the_counter_is_refused():
     with pytest.raises(ConfigError, match="noise draws per layer"):
-        noise_for(NoiseConfig(), 0, S, "long", (2**21, 2**12))
+        noise_for(COSINE, 0, S, "long", (2**21, 2**12))

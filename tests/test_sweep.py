@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_common.errors import ConfigError
 from dflash_cache.teacher import TeacherConfig
 from dflash_cache.writer import StorageConfig
+from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
 from dflash_train.sweep import (
     GRID_ALIASES,
