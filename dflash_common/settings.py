@@ -9,8 +9,8 @@ from typing import Any
 
 
 def shown(value: Any, limit: int = 160) -> str:
-    """A setting's value for a one-line message: JSON, clipped."""
-    text = json.dumps(value, sort_keys=True, default=str)
+    """A setting's value for a one-line message: a string as it is, anything else as JSON; clipped."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

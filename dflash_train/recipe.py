@@ -211,10 +211,10 @@ class MeasureConfig:
 
 
 def _spec(tokenizer, max_new_tokens: int):
-    from dflash_train.decoding import stop_ids
+    from dflash_cache.chat import stop_token_ids
     from dflash_train.speculative import SpecConfig
 
-    return SpecConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_ids(tokenizer))
+    return SpecConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
 
 
 def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:

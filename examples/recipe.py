@@ -143,7 +143,7 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     # float32: this CPU runs bf16 matmuls several times slower, and the tiny caches stay small
     build_cache(BuildConfig(out=str(out), corpus=CorpusConfig(data=str(data)),
                             teacher=TeacherConfig(name_or_path=str(teacher), dtype="float32", device="cpu",
-                                                  num_drafter_layers=3, top_k=settings.top_k),
+                                                  num_tapped_layers=3, top_k=settings.top_k),
                             storage=StorageConfig(shard_bytes=32 * 2**20, chunk_bytes=512 * 2**10)))
     return str(out)
 

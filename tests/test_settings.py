@@ -12,7 +12,7 @@ def test_first_difference_names_the_first_changed_key_with_both_values():
 def test_a_key_an_old_record_lacks_counts_as_its_default_and_views_pick_what_counts():
     assert first_difference({}, {"mode": "keep"}, ["mode"], defaults={"mode": "keep"}) is None
     assert first_difference({}, {"mode": "drop"}, ["mode"], defaults={"mode": "keep"}) == \
-        'mode differs (earlier run: "keep", this run: "drop")'
+        'mode differs (earlier run: keep, this run: drop)'
     by_hash = lambda record, key: record[key]["hash"]  # noqa: E731
     assert first_difference({"t": {"hash": 1, "path": "/a"}}, {"t": {"hash": 1, "path": "/b"}}, ["t"], view=by_hash) is None
     assert first_difference({"k": 1}, {"k": 2}, ["k"], earlier_name="cache", now_name="this build") == \
