@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import DataConfig
 from dflash_train.distributed import STRATEGIES
+from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossConfig
 from dflash_train.model import ATTENTION_CHOICES
 from dflash_train.noise import NoiseConfig
@@ -285,3 +287,37 @@ def merge(base: dict, overrides: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+# Settings (dotted paths) that change how a run is executed or logged, not what it learns: a
+# checkpoint resumes with other values of these, and a sweep counts a finished run made with other
+# values as its combination.
+OPERATIONAL_PATHS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
+                               "storage_options", *(f"model.{name}" for name in MODEL_OPERATIONAL),
+                               *(f"data.{name}" for name in DATA_OPERATIONAL),
+                               *(f"loss.{name}" for name in LOSS_OPERATIONAL)})
+# What a resume may change besides: the cache's URL (its fingerprint is checked), the run's
+# length, its evaluation and the seed of the initial weights (the checkpoint's weights replace
+# them). A sweep does compare these: a run of other length or seed is another result.
+RESUME_MAY_CHANGE = OPERATIONAL_PATHS | {"cache", "steps", "epochs", "eval_sequences", "seed"}
+
+
+def flat_config(values: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted path: value} (storage_options stays one value)."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key != "storage_options":
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(saved: dict, wanted: dict, free: frozenset[str] = OPERATIONAL_PATHS) -> list[tuple[str, Any, Any]]:
+    """(path, saved value, wanted value) of every setting outside `free` in which a saved config
+    (a run's config.json, a checkpoint's) differs from the wanted one; a setting the saved config
+    predates counts as its default."""
+    defaults = flat_config(json.loads(json.dumps(TrainConfig(cache="", out="").to_dict())))
+    a = {**defaults, **flat_config(json.loads(json.dumps(saved)))}
+    b = flat_config(json.loads(json.dumps(wanted)))
+    return [(k, a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - free) if a.get(k) != b.get(k)]

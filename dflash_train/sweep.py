@@ -48,9 +48,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_common.progress import Progress
-from dflash_train.config import MODEL_OPERATIONAL, TrainConfig, config_from_dict, merge
-from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
-from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
+from dflash_train.config import TrainConfig, config_differences, config_from_dict, merge
 from dflash_train.recipe import (
     REFERENCE_FILE,
     MeasureConfig,
@@ -100,13 +98,6 @@ SHARED_FIELDS: dict[tuple[str, ...], str] = {
     ("eval_sequences",): "every run is evaluated on the same held-out sequences",
     ("data", "heldout_fraction"): "every run is evaluated on the same held-out split",
 }
-
-# Settings that change how a run is executed or logged, not what it learns: a finished run made
-# with other values of these still counts as this combination.
-OPERATIONAL_FIELDS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
-                                *(f"data.{name}" for name in DATA_OPERATIONAL),
-                                *(f"loss.{name}" for name in LOSS_OPERATIONAL),
-                                *(f"model.{name}" for name in MODEL_OPERATIONAL)})
 
 ALPHA_POSITIONS = (1, 2, 4)
 """Block positions whose held-out alpha gets a table column (plus the last position)."""
@@ -594,24 +585,6 @@ def is_finished(has_export: bool, metrics: RunMetrics, expects_eval: bool) -> bo
     return has_export and metrics.last_step > 0 and (not expects_eval or bool(metrics.final_eval))
 
 
-def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and key != "storage_options":
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def config_differences(saved: dict, wanted: dict) -> list[str]:
-    """The settings (dotted paths) in which a run folder's config.json differs from the wanted
-    config, leaving out those that only change how a run is executed or logged."""
-    a, b = _flatten(json.loads(json.dumps(saved))), _flatten(json.loads(json.dumps(wanted)))
-    keys = sorted((set(a) | set(b)) - OPERATIONAL_FIELDS)
-    return [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
-
-
 @dataclass(frozen=True)
 class RunStatus:
     """What a run folder already holds."""
@@ -637,7 +610,8 @@ def run_status(run: SweepRun) -> RunStatus:
     if saved.exists():
         differences = config_differences(json.loads(saved.read_text()), run.config.to_dict())
         if differences:
-            raise ConfigError(f"{folder} was made with other settings ({'; '.join(differences)}); "
+            said = "; ".join(f"{path}: {before!r} vs {after!r}" for path, before, after in differences)
+            raise ConfigError(f"{folder} was made with other settings ({said}); "
                               "rerun the sweep with its original options or use a new --out")
     export = folder / "drafter"
     has_export = (export / CONFIG_FILE).exists() and (export / WEIGHTS_FILE).exists()

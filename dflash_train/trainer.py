@@ -17,7 +17,7 @@ from dflash_cache.verify import check_shards
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.progress import Progress
-from dflash_common.settings import first_difference
+from dflash_common.settings import shown
 from dflash_train.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -26,8 +26,7 @@ from dflash_train.checkpoint import (
     load_full_state,
     trainer_state,
 )
-from dflash_train.config import MODEL_OPERATIONAL, TrainConfig
-from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
+from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
 from dflash_train.data import Batch, EpochPlan, LoaderState, train_loader
 from dflash_train.distributed import (
     DistInfo,
@@ -43,7 +42,6 @@ from dflash_train.distributed import (
 )
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
 from dflash_train.export import export_weights
-from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossOutput, set_head_matmul
 from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
@@ -126,16 +124,11 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     saved = trainer["loader"]["manifest_fingerprint"]
     if saved != fingerprint:
         raise CacheError(f"checkpoint {path} was trained on a different cache (fingerprint {saved}, this cache {fingerprint}); pass the original --cache or use a new --out")
-    defaults = json.loads(json.dumps(TrainConfig(cache="", out="").to_dict()))
-    for section in ("model", "loss", "noise", "data", "optim"):
-        # a field added since the checkpoint was written (e.g. data.skip_shards) has its default there
-        saved, now = {**defaults[section], **state["config"].get(section, {})}, current[section]
-        # the stream is the same for any worker count and read-ahead, the loss for any chunking
-        free = {"model": MODEL_OPERATIONAL, "data": DATA_OPERATIONAL, "loss": LOSS_OPERATIONAL}.get(section, ())
-        problem = first_difference(saved, now, sorted((set(saved) | set(now)) - set(free)), earlier_name="checkpoint")
-        if problem:
-            raise ConfigError(f"the {section} settings differ from checkpoint {path}: {problem}; resume with the original "
-                              "settings or use a new --out")
+    differences = config_differences(state["config"], current, free=RESUME_MAY_CHANGE)
+    if differences:
+        key, before, after = differences[0]
+        raise ConfigError(f"the {key.split('.')[0]} settings differ from checkpoint {path}: {key} differs (checkpoint: "
+                          f"{shown(before)}, this run: {shown(after)}); resume with the original settings or use a new --out")
     load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])

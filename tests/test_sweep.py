@@ -136,7 +136,7 @@ def test_metrics_parsing_and_finished():
 def test_config_differences_and_alpha_columns():
     saved = TrainConfig(cache="c", out="a", steps=10, device="cpu", log_every=1).to_dict()
     assert config_differences(saved, TrainConfig(cache="c", out="b", steps=10, device="cuda").to_dict()) == []
-    assert config_differences(saved, TrainConfig(cache="c", out="a", steps=20).to_dict()) == ["steps: 10 vs 20"]
+    assert config_differences(saved, TrainConfig(cache="c", out="a", steps=20).to_dict()) == [("steps", 10, 20)]
     assert alpha_columns([0.9, 0.8, 0.7]) == {"alpha_1": 0.9, "alpha_2": 0.8, "alpha_4": None, "alpha_last": 0.7}
     assert alpha_columns([0.9, 0.8, 0.7, 0.6, 0.5])["alpha_4"] == 0.6
     assert alpha_columns(None) == {"alpha_1": None, "alpha_2": None, "alpha_4": None, "alpha_last": None}
