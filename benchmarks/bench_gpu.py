@@ -160,12 +160,17 @@ def release(device: torch.device) -> None:
 # --- 1. drafter training -----------------------------------------------------------------------------
 
 
+def drafter_config(s: Sizes) -> DrafterConfig:
+    """The drafter of these sizes (MASK: the last vocabulary row)."""
+    return DrafterConfig(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                         head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
+                         mask_token_id=s.vocab - 1, target_layer_ids=s.tapped, num_target_layers=s.teacher_layers,
+                         num_hidden_layers=s.drafter_layers, block_size=s.block_size)
+
+
 def bench_drafter(s: Sizes, device: torch.device, budget: float, max_steps: int) -> Row:
     t0 = time.perf_counter()
-    cfg = DrafterConfig(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                        head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
-                        mask_token_id=s.vocab - 1, target_layer_ids=s.tapped, num_target_layers=s.teacher_layers,
-                        num_hidden_layers=s.drafter_layers, block_size=s.block_size)
+    cfg = drafter_config(s)
     torch.manual_seed(0)
     # built on the device directly: initialising 1.7B parameters on the host first takes minutes
     with torch.device(device):

@@ -25,13 +25,13 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 sys.path.insert(0, str(HERE))
 
-from bench_gpu import PRODUCTION, TINY, peak_memory, sync  # noqa: E402
+from bench_gpu import PRODUCTION, TINY, drafter_config, peak_memory, sync  # noqa: E402
 from bench_trainer import synthetic_batch  # noqa: E402
 
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
 from dflash_train.loss import LossConfig, set_head_matmul  # noqa: E402
-from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.model import DFlashDrafter  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.trainer import micro_step  # noqa: E402
 
@@ -101,10 +101,7 @@ def part_noise(out: Path):
 
 
 def _drafter(s, dev, backend="sdpa"):
-    cfg = DrafterConfig(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                        head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
-                        mask_token_id=s.vocab - 1, target_layer_ids=s.tapped, num_target_layers=s.teacher_layers,
-                        num_hidden_layers=s.drafter_layers, block_size=s.block_size)
+    cfg = drafter_config(s)
     torch.manual_seed(0)
     with torch.device(dev):
         embed = (torch.randn(s.vocab, s.hidden) * 0.02).bfloat16()
