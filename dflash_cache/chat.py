@@ -1,13 +1,15 @@
-"""Where a chat answer ends, and the nucleus filter: one definition for stage 0's regeneration,
-the build's assistant spans and stage 2's decoding, which must agree on them."""
+"""How a chat is rendered, where its answer ends, and the nucleus filter: one definition for
+stage 0's regeneration, the build's assistant spans and stage 2's decoding, which must agree on
+them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 
 import torch
 
-from dflash_common.errors import TeacherError
+from dflash_common.errors import ConfigError, TeacherError
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -25,10 +27,30 @@ def end_of_turn_text(render: Render) -> str:
     return rendered[rendered.rindex(_PROBE) + len(_PROBE):] if _PROBE in rendered else ""
 
 
-def tokenizer_render(tokenizer) -> Render:
-    """The tokenizer's own chat template as a Render."""
-    return lambda messages, add_generation_prompt: tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def check_template_kwargs(kwargs) -> None:
+    """Refuse chat-template variables that are not a JSON object of plain values."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError):
+        raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The chat as text through the tokenizer's template: the one rendering build, regenerate,
+    eval and generate share, so the drafter is trained and measured on the prompts it is served."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+
+
+def tokenizer_render(tokenizer, chat_template_kwargs: dict | None = None) -> Render:
+    """The tokenizer's own chat template (with these variables) as a Render."""
+    return lambda messages, add_generation_prompt: render_chat(tokenizer, messages, add_generation_prompt,
+                                                               chat_template_kwargs)
 
 
 def stop_token_ids(tokenizer, model_eos=None, end_of_turn: str | None = None) -> list[int]:

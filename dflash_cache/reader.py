@@ -142,7 +142,7 @@ def _mapped(path: str, inode: int, size: int, mtime_ns: int) -> np.ndarray:
         return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
-def _open_ipc(fs, path: str) -> pa.Table:
+def open_ipc(fs, path: str) -> pa.Table:
     if fmt.is_local(fs):
         return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
     return pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all()
@@ -183,11 +183,11 @@ class Shard:
 
     @cached_property
     def _sequences(self) -> pa.Table:
-        return _open_ipc(self.cache.fs, fmt.join(self.path, fmt.SEQUENCES))
+        return open_ipc(self.cache.fs, fmt.join(self.path, fmt.SEQUENCES))
 
     @cached_property
     def _tokens(self) -> dict[str, np.ndarray]:
-        table = _open_ipc(self.cache.fs, fmt.join(self.path, fmt.TOKENS))
+        table = open_ipc(self.cache.fs, fmt.join(self.path, fmt.TOKENS))
         k = self.cache.top_k
         tokens = {
             "input_ids": table.column("input_ids").combine_chunks().to_numpy(zero_copy_only=True),

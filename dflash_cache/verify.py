@@ -9,7 +9,7 @@ import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.reader import Cache, _open_ipc, refuse_outside_links
+from dflash_cache.reader import Cache, open_ipc, refuse_outside_links
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.progress import Progress
 
@@ -135,8 +135,8 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
     if problems:
         return problems
     try:
-        tokens = _open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
-        sequences = _open_ipc(fs, fmt.join(shard_dir, fmt.SEQUENCES))
+        tokens = open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
+        sequences = open_ipc(fs, fmt.join(shard_dir, fmt.SEQUENCES))
         n_tokens = record["tokens"]
         if tokens.num_rows != n_tokens or sequences.num_rows != record["sequences"]:
             problems.append(f"row counts {tokens.num_rows}/{sequences.num_rows} differ from the record")

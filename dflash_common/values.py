@@ -3,9 +3,12 @@ validation (a bool is neither, although Python counts it as an int)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
+
+from dflash_common.errors import ConfigError
 
 
 def is_int(value: object) -> bool:
@@ -18,3 +21,17 @@ def is_real(value: object, finite: bool = False) -> bool:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         return False
     return math.isfinite(value) if finite else not math.isnan(value)
+
+
+def json_object(text: str | None, option: str) -> dict | None:
+    """A JSON-object option such as --storage-options, or None when not given."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{option} {text!r} is not valid JSON ({err.msg} at character {err.pos}); "
+                          f"pass an object, e.g. {option} '{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{option} {text!r} is a JSON {type(value).__name__}, not an object; pass {{\"key\": value, ...}}")
+    return value

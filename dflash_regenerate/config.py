@@ -6,10 +6,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dflash_cache.corpus import (
-    BAD_ROW_POLICIES,
-    check_template_kwargs,
-)
+from dflash_cache.chat import check_template_kwargs
+from dflash_cache.corpus import BAD_ROW_POLICIES
 from dflash_cache.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int

@@ -33,7 +33,7 @@ def chat_of_row(row: CorpusRow) -> list[dict]:
 
 
 @dataclass
-class _Conversation:
+class Conversation:
     """One source row being regenerated turn by turn."""
 
     row: CorpusRow
@@ -48,13 +48,13 @@ class _Conversation:
         return self.failed is not None or self.turn == len(self.groups)
 
 
-def _conversation_or_problem(row: CorpusRow, keep_turns: str) -> _Conversation:
+def conversation_or_problem(row: CorpusRow, keep_turns: str) -> Conversation:
     chat = chat_of_row(row)
     try:
         groups = plan_turns(chat, keep_turns)
     except ValueError as err:
         raise BadRowError(row.path, row.row, str(err)) from None
-    conversation = _Conversation(row=row, id=row_id(row.data), groups=groups)
+    conversation = Conversation(row=row, id=row_id(row.data), groups=groups)
     conversation.messages.extend(groups[0])
     return conversation
 

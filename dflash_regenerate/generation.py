@@ -8,16 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.chat import cut_at_stop, end_of_turn_text, strip_end_of_turn, tokenizer_render, top_p_filter
-from dflash_cache.corpus import (
-    CorpusRow,
-    render_chat,
-)
+from dflash_cache.chat import cut_at_stop, end_of_turn_text, render_chat, strip_end_of_turn, tokenizer_render, top_p_filter
+from dflash_cache.corpus import CorpusRow
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
 from dflash_regenerate.config import RegenerateConfig
-from dflash_regenerate.conversations import _Conversation, _conversation_or_problem
+from dflash_regenerate.conversations import Conversation, conversation_or_problem
 from dflash_regenerate.plan import sample_seed
 
 
@@ -77,7 +74,7 @@ class TeacherGenerator:
     def decode(self, ids: list[int]) -> str:
         return strip_end_of_turn(self.tokenizer.decode(ids, skip_special_tokens=True), self.end_of_turn)
 
-    def answer_rounds(self, pending: list["_Conversation"], cfg: RegenerateConfig):
+    def answer_rounds(self, pending: list["Conversation"], cfg: RegenerateConfig):
         """(batch, answers) per generate call over the pending conversations; an answer is a
         Completion, or a problem string for a row whose chat template fails."""
         rendered = []
@@ -112,7 +109,7 @@ class ServerGenerator:
     servers: ChatServers
     identity: dict
 
-    def answer_rounds(self, pending: list["_Conversation"], cfg: RegenerateConfig):
+    def answer_rounds(self, pending: list["Conversation"], cfg: RegenerateConfig):
         """(batch, answers) per group of requests; `concurrency` of them are in flight at once."""
         group = cfg.server.concurrency * 4
         for start in range(0, len(pending), group):
@@ -122,7 +119,7 @@ class ServerGenerator:
             yield batch, [str(a) if isinstance(a, RequestRefused) else a for a in answers]
 
     @staticmethod
-    def body(conversation: "_Conversation", cfg: RegenerateConfig) -> dict:
+    def body(conversation: "Conversation", cfg: RegenerateConfig) -> dict:
         """The chat-completions request of a conversation's next answer."""
         body = {"messages": conversation.messages, "max_tokens": cfg.max_new_tokens,
                 "temperature": float(cfg.temperature), "top_p": float(cfg.top_p) if not cfg.greedy else 1.0}
@@ -182,7 +179,7 @@ def _bad(cfg: RegenerateConfig, err: BadRowError, skipped: Counter) -> None:
     skipped["bad_row"] += 1
 
 
-def _accept(cfg: RegenerateConfig, conversation: _Conversation, text: str, reasoning: str | None, stopped: bool,
+def _accept(cfg: RegenerateConfig, conversation: Conversation, text: str, reasoning: str | None, stopped: bool,
             skipped: Counter) -> tuple[bool, bool]:
     """Record one answer; returns (the conversation is finished now, the answer was cut)."""
     cut = not stopped
@@ -210,10 +207,10 @@ def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherG
     conversation that has one, so turn j sees regenerated turns < j.
     """
     skipped: Counter = Counter()
-    conversations: list[_Conversation] = []
+    conversations: list[Conversation] = []
     for row in rows:
         try:
-            conversations.append(_conversation_or_problem(row, cfg.keep_turns))
+            conversations.append(conversation_or_problem(row, cfg.keep_turns))
         except BadRowError as err:
             _bad(cfg, err, skipped)
             on_batch(1, 0)

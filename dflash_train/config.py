@@ -133,10 +133,19 @@ class TrainConfig:
     """Passes over the training split, instead of steps."""
 
     model: ModelOptions = field(default_factory=ModelOptions)
+    """The drafter's shape and attention kernel."""
+
     loss: LossConfig = field(default_factory=LossConfig)
+    """The per-position loss and the position weights."""
+
     noise: NoiseConfig = field(default_factory=NoiseConfig)
+    """Noise added to the tapped hidden states on load."""
+
     data: DataConfig = field(default_factory=DataConfig)
+    """Splitting, ordering, batching and anchor sampling of the cache's sequences."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW with warmup and cosine decay."""
 
     log_every: int = 10
     """Steps between metric lines."""
@@ -151,7 +160,8 @@ class TrainConfig:
     """Held-out sequences evaluated before and after training (0 skips evaluation)."""
 
     device: str = "auto"
-    """'auto' (CUDA when present), 'cpu' or 'cuda[:N]'."""
+    """"auto" (CUDA when present), "cpu", "cuda" or "cuda:N": bf16 autocast on CUDA, fp32 on CPU; "auto" and
+    "cuda" take GPU LOCAL_RANK under torchrun."""
 
     strategy: str = "ddp"
     """Data parallelism under torchrun: 'ddp' (every rank holds the whole drafter and optimizer)
@@ -165,7 +175,8 @@ class TrainConfig:
     """Also write TensorBoard event files (needs the tensorboard package)."""
 
     storage_options: dict[str, Any] | None = None
-    """fsspec options for the cache URL."""
+    """fsspec options for the cache URL (credentials, endpoint_url), as a JSON object on the command line;
+    never saved with the run."""
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
@@ -190,7 +201,7 @@ class TrainConfig:
         return out
 
 
-_SECTIONS = {"model": ModelOptions, "loss": LossConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelOptions, "loss": LossConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:
@@ -237,7 +248,7 @@ def _build(cls, values: dict, where: str):
         raise ConfigError(f"unknown {where} option(s) {unknown}; known: {sorted(known)}")
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
-        if name in _SECTIONS and cls is TrainConfig:
+        if name in SECTIONS and cls is TrainConfig:
             continue
         problem = _type_problem(value, hints[name])
         if problem:
@@ -253,8 +264,21 @@ def config_from_dict(values: dict) -> TrainConfig:
         raise ConfigError(f"a train config is a table of options, not {type(values).__name__} {values!r}; "
                           "write a TOML file or a JSON object")
     values = dict(values)
-    sections = {name: _build(cls, values.pop(name, {}) or {}, name) for name, cls in _SECTIONS.items()}
+    sections = {name: _build(cls, values.pop(name, {}) or {}, name) for name, cls in SECTIONS.items()}
     return _build(TrainConfig, {**values, **sections}, "train")
+
+
+def with_run_length(overrides: dict) -> dict:
+    """Overrides in which a given steps (or epochs) also clears the other: the two exclude each other,
+    so one given on the command line or by a sweep axis replaces the other one of a config file."""
+    steps, epochs = overrides.get("steps"), overrides.get("epochs")
+    if steps is not None and epochs is not None:
+        raise ConfigError(f"--steps {steps} and --epochs {epochs} both set the run length; give one")
+    if epochs is not None:
+        return {**overrides, "steps": None}
+    if steps is not None:
+        return {**overrides, "epochs": None}
+    return overrides
 
 
 def read_config_file(path: str) -> dict:

@@ -37,16 +37,17 @@ class DataConfig:
     """Sequence tokens per batch (sum of lengths); a longer sequence forms a batch alone."""
 
     num_anchors: int = 8
-    """Blocks sampled per sequence (fewer when a sequence has fewer eligible anchors)."""
+    """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors)."""
 
     heldout_fraction: float = 0.02
     """Fraction of sequences (chosen by a hash of the id) kept out of training for evaluation."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata={"name": "data_seed"})
     """Seed of the epoch order and of anchor sampling."""
 
     num_workers: int = 0
-    """DataLoader worker processes reading shards (0 = in the training process)."""
+    """DataLoader worker processes reading shards (0 = in the training process); the batch stream is the same
+    for any count."""
 
     read_ahead_bytes: int = 2**30
     """Hidden-state bytes each loader process reads ahead of the batch it is building, on

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dflash_cache import format as fmt
-from dflash_cache.corpus import render_chat
+from dflash_cache.chat import render_chat
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError

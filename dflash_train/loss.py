@@ -14,7 +14,7 @@ checkpointing so backward recomputes the chunk instead of keeping every chunk's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,7 +36,7 @@ _GAMMA_ANCHORS = ((8, 4.0), (10, 5.0), (16, 7.0))
 class LossConfig:
     """How the per-position loss and the position weights are computed."""
 
-    kind: str = "kl"
+    kind: str = field(default="kl", metadata={"name": "loss"})
     """Per-position loss: "kl" = KL(teacher || drafter) over the teacher's top-k ids plus one
     tail bucket, "ce" = cross-entropy on the true next token, "mix" = mix_lambda * kl +
     (1 - mix_lambda) * ce."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,26 +38,26 @@ MAX_DRAWS_PER_STREAM = 2**32
 class NoiseConfig:
     """Which tapped layers get noise, how much at each step, and from which distribution."""
 
-    schedule: str = "off"
+    schedule: str = field(default="off", metadata={"name": "noise"})
     """How the scale moves over training: "off" (0), "constant" (start), "linear" (start to end
     over the run, then end), "cosine" (start to end along half a cosine, then end). Off by
     default: in the recipe study (benchmarks/RESULTS.md) neither constant 0.05 nor cosine 0.1 to
     0.01 changed held-out or real acceptance on either cache."""
 
-    distribution: str = "uniform"
+    distribution: str = field(default="uniform", metadata={"name": "noise_distribution"})
     """"uniform" draws U(-scale, scale); "gaussian" draws N(0, scale^2)."""
 
-    start: float = 0.1
+    start: float = field(default=0.1, metadata={"name": "noise_start"})
     """Scale at step 0 (and the whole run for "constant"); >= 0."""
 
-    end: float = 0.01
+    end: float = field(default=0.01, metadata={"name": "noise_end"})
     """Scale from the last step on, for "linear" and "cosine"; >= 0."""
 
-    layers: tuple[int, ...] | None = None
+    layers: tuple[int, ...] | None = field(default=None, metadata={"name": "noise_layers"})
     """Indices into the cache's tapped layers (0 = first tapped layer) to noise; None = every
     tapped layer except the last."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata={"name": "noise_seed"})
     """Noise seed in [0, 2**64); changing it changes every draw."""
 
     def __post_init__(self) -> None:

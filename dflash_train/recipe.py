@@ -550,7 +550,7 @@ def plot_tau_vs_tokens(outcomes: Sequence[RunOutcome], path: str | Path, referen
     side: one line per configuration (mean over seeds), a band of its 95% interval."""
     from matplotlib.figure import Figure
 
-    from dflash_train.sweep import _legend, _save_figure, _style
+    from dflash_train.sweep.plots import legend, save_figure, style
 
     fig = Figure(figsize=(14, 5.5))
     configurations = list(dict.fromkeys(o.configuration for o in outcomes))
@@ -562,12 +562,12 @@ def plot_tau_vs_tokens(outcomes: Sequence[RunOutcome], path: str | Path, referen
             curve = mean_curve([o for o in outcomes if o.configuration == c], metric)
             if not curve:
                 continue
-            style = _style(i)
+            line_style = style(i)
             xs = [t for _, t, _, _ in curve]
             ax.plot(xs, [m for _, _, m, _ in curve], label=c + (" (reference)" if c == reference else ""),
-                    linewidth=2.6 if c == reference else 1.3, **style)
+                    linewidth=2.6 if c == reference else 1.3, **line_style)
             if all(iv.n >= 2 for *_, iv in curve):
-                ax.fill_between(xs, [iv.low for *_, iv in curve], [iv.high for *_, iv in curve], color=style["color"],
+                ax.fill_between(xs, [iv.low for *_, iv in curve], [iv.high for *_, iv in curve], color=line_style["color"],
                                 alpha=0.12, linewidth=0)
             drawn += 1
         if not drawn:
@@ -578,8 +578,8 @@ def plot_tau_vs_tokens(outcomes: Sequence[RunOutcome], path: str | Path, referen
         ax.set_title(f"{title}\nmean over seeds, 95% band", fontsize="medium")
         ax.grid(alpha=0.3)
         if panel == 1:
-            _legend(fig, ax, drawn)
-    _save_figure(fig, Path(path))
+            legend(fig, ax, drawn)
+    save_figure(fig, Path(path))
 
 
 def plot_differences(summary: Summary, path: str | Path) -> None:
@@ -587,7 +587,7 @@ def plot_differences(summary: Summary, path: str | Path) -> None:
     and, where measured, the real accepted length."""
     from matplotlib.figure import Figure
 
-    from dflash_train.sweep import _save_figure
+    from dflash_train.sweep.plots import save_figure
 
     rows = [r for r in summary.rows if not r["reference"]]
     fig = Figure(figsize=(9, 1.2 + 0.45 * max(len(rows), 1)))
@@ -612,7 +612,7 @@ def plot_differences(summary: Summary, path: str | Path) -> None:
     ax.grid(alpha=0.3, axis="x")
     if rows:
         ax.legend(fontsize="small")
-    _save_figure(fig, Path(path))
+    save_figure(fig, Path(path))
 
 
 SUMMARY_FILES = ("summary.md", "summary.csv", "tau_vs_tokens.png", "difference_from_reference.png")
@@ -620,13 +620,13 @@ SUMMARY_FILES = ("summary.md", "summary.csv", "tau_vs_tokens.png", "difference_f
 
 def write_summary(out: str | Path, outcomes: Sequence[RunOutcome], reference: str) -> str:
     """Write SUMMARY_FILES into the sweep folder; returns the text of summary.md."""
-    from dflash_train.sweep import _write_text
+    from dflash_common.files import write_file_atomic
 
     out = Path(out)
     summary = summarize(outcomes, reference)
     markdown = summary_markdown(summary)
-    _write_text(out / "summary.md", markdown)
-    _write_text(out / "summary.csv", summary_csv(summary))
+    write_file_atomic(out / "summary.md", markdown.encode())
+    write_file_atomic(out / "summary.csv", summary_csv(summary).encode())
     plot_tau_vs_tokens(outcomes, out / "tau_vs_tokens.png", reference)
     plot_differences(summary, out / "difference_from_reference.png")
     return markdown

@@ -30,6 +30,7 @@ from dflash_cache.corpus import (
     TokenizedSequence,
     count_rows,
     iter_rows,
+    limits,
     parse_json_line,
     row_byte_limit,
     tokenize_row,
@@ -126,7 +127,7 @@ WRITERS = {"parquet": (parquet_file, ".parquet"), "arrow": (arrow_file, ".arrow"
 def test_arrow_rows_are_held_to_the_depth_limit_by_their_schema(tmp_path, monkeypatch, fmt):
     # Arrow refuses schemas much deeper than 64 levels, so the real limit (100) cannot be reached
     # by a Parquet or Arrow file; a lowered limit shows the guard sits in front of to_pylist.
-    monkeypatch.setattr(corpus, "MAX_ROW_DEPTH", 3)
+    monkeypatch.setattr(limits, "MAX_ROW_DEPTH", 3)
     write, suffix = WRITERS[fmt]
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     shallow = write(tmp_path / f"chat{suffix}", [{"messages": chat}] * 3)  # row, list, struct: 3
@@ -170,8 +171,8 @@ def test_a_row_over_the_real_limit_is_a_bad_row_and_never_held_in_memory(tmp_pat
 
 
 def test_jsonl_size_limit_is_exact_and_skippable_via_the_cli(tmp_path, teacher_dir, monkeypatch):
-    monkeypatch.setattr(corpus, "MIN_ROW_BYTE_LIMIT", 3000)
-    monkeypatch.setattr(corpus, "ROW_BYTES_PER_TOKEN", 1)
+    monkeypatch.setattr(limits, "MIN_ROW_BYTE_LIMIT", 3000)
+    monkeypatch.setattr(limits, "ROW_BYTES_PER_TOKEN", 1)
     assert row_byte_limit(4096) == 4096 and row_byte_limit(100) == 3000
     teacher = teacher_dir("qwen3")
 
@@ -203,7 +204,7 @@ def test_jsonl_size_limit_is_exact_and_skippable_via_the_cli(tmp_path, teacher_d
 
 @pytest.mark.parametrize("fmt", list(WRITERS))
 def test_arrow_rows_over_the_size_limit_are_bad_rows(tmp_path, monkeypatch, fmt):
-    monkeypatch.setattr(corpus, "MIN_ROW_BYTE_LIMIT", 2000)
+    monkeypatch.setattr(limits, "MIN_ROW_BYTE_LIMIT", 2000)
     write, suffix = WRITERS[fmt]
     rows = [{"text": f"row {i} " + "w" * (5000 if i in (1, 3) else 10)} for i in range(5)]
     data = write(tmp_path / f"big{suffix}", rows)

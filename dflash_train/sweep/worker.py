@@ -1,4 +1,4 @@
-"""One sweep run in its own process: ``python -m dflash_train.sweep_worker`` (started by run_sweep).
+"""One sweep run in its own process: ``python -m dflash_train.sweep.worker`` (started by run_sweep).
 
 The parent writes the run as JSON on stdin, ``{"name", "values", "config", "threads"}``, where
 ``config`` is the run's full train config including ``storage_options``: stdin rather than a file

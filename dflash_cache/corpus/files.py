@@ -1,0 +1,155 @@
+"""Finding a corpus's files, and the fingerprint that identifies them.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+
+import xxhash
+
+from dflash_cache.corpus.config import SUPPORTED_SUFFIXES
+from dflash_common.errors import ConfigError
+
+_MIB = 1 << 20
+_FINGERPRINT_VERSION = b"dflash-corpus-fingerprint-v1"
+
+
+def _is_saved_dataset(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "state.json")) and os.path.isfile(
+        os.path.join(folder, "dataset_info.json")
+    )
+
+
+def _reject_dataset_dict(folder: str) -> None:
+    marker = os.path.join(folder, "dataset_dict.json")
+    if not os.path.isfile(marker):
+        return
+    try:
+        with open(marker, encoding="utf-8") as f:
+            splits = json.load(f).get("splits", [])
+    except (OSError, ValueError, AttributeError):
+        splits = []
+    example = os.path.join(folder, splits[0]) if splits else os.path.join(folder, "<split>")
+    raise ConfigError(
+        f"corpus folder {folder} is a datasets DatasetDict with splits {', '.join(splits) or '?'}; "
+        f"point the corpus at one split folder, e.g. {example}"
+    )
+
+
+def _reject_json_array(path: str) -> None:
+    # A `.json` file holding one big array would otherwise surface as thousands of bad rows.
+    if not path.endswith(".json"):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        raise ConfigError(
+            f"corpus file {path} holds a JSON array, not one JSON object per line; "
+            f"convert it to JSON Lines (e.g. jq -c '.[]' {path} > corpus.jsonl)"
+        )
+
+
+def _walk_folder(folder: str) -> list[str]:
+    """Supported files and save_to_disk folders under `folder`, skipping hidden entries."""
+    _reject_dataset_dict(folder)
+    if _is_saved_dataset(folder):
+        return [folder]
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        kept_dirs = []
+        for d in dirs:
+            sub = os.path.join(root, d)
+            _reject_dataset_dict(sub)
+            if _is_saved_dataset(sub):
+                found.append(sub)
+            else:
+                kept_dirs.append(d)
+        dirs[:] = kept_dirs
+        found.extend(
+            os.path.join(root, name)
+            for name in files
+            if not name.startswith(".") and name.endswith(SUPPORTED_SUFFIXES)
+        )
+    return found
+
+
+def list_corpus_files(data: str) -> list[str]:
+    """The corpus entries `data` names, sorted by path: files, or save_to_disk folders.
+
+    `data` is a supported file, a folder (searched recursively; hidden entries skipped; a
+    save_to_disk folder counts as one entry), or a glob (`*`, `?`, `[`, `**` recursive).
+    """
+    data = os.path.expanduser(data)
+    if any(ch in data for ch in "*?["):
+        entries = []
+        for match in glob.glob(data, recursive=True):
+            if os.path.isdir(match):
+                entries.extend(_walk_folder(match))
+            elif match.endswith(SUPPORTED_SUFFIXES):
+                entries.append(match)
+    elif os.path.isdir(data):
+        entries = _walk_folder(data)
+    elif os.path.isfile(data):
+        if not data.endswith(SUPPORTED_SUFFIXES):
+            raise ConfigError(
+                f"corpus file {data} has an unsupported extension; use "
+                f"{', '.join(SUPPORTED_SUFFIXES)} or a datasets save_to_disk folder"
+            )
+        entries = [data]
+    else:
+        raise ConfigError(f"corpus path {data} does not exist; check the path")
+    entries = sorted(set(entries))
+    if not entries:
+        raise ConfigError(
+            f"no corpus files found at {data} (looked for {', '.join(SUPPORTED_SUFFIXES)} files "
+            f"and datasets save_to_disk folders); check the path or pattern"
+        )
+    for entry in entries:
+        if os.path.isfile(entry):
+            _reject_json_array(entry)
+    return entries
+
+
+def _saved_dataset_files(folder: str) -> list[str]:
+    with open(os.path.join(folder, "state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    return [os.path.join(folder, item["filename"]) for item in state.get("_data_files", [])]
+
+
+def _sample_digest(path: str, size: int) -> tuple[str, str]:
+    """xxh64 of the first MiB and of the last MiB (empty when the file is one MiB or less)."""
+    with open(path, "rb") as f:
+        head = xxhash.xxh64_hexdigest(f.read(_MIB))
+        tail = ""
+        if size > _MIB:
+            f.seek(max(_MIB, size - _MIB))
+            tail = xxhash.xxh64_hexdigest(f.read(_MIB))
+    return head, tail
+
+
+def corpus_fingerprint(files: Sequence[str]) -> str:
+    """A stable hex fingerprint of the corpus `files` (as listed by list_corpus_files).
+
+    It hashes each data file's name relative to the files' common folder, its size, and an
+    xxh64 of its first and last MiB. This is a cheap fingerprint, not a full content hash:
+    an edit in the middle of a large file that keeps its size goes unnoticed. Moving the
+    corpus to another folder keeps the fingerprint.
+    """
+    data_files = []
+    for entry in files:
+        data_files.extend(_saved_dataset_files(entry) if os.path.isdir(entry) else [entry])
+    if not data_files:
+        raise ConfigError("corpus_fingerprint got no files; list them with list_corpus_files")
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in data_files])
+    digest = hashlib.sha256(_FINGERPRINT_VERSION)
+    for path in data_files:
+        size = os.path.getsize(path)
+        head, tail = _sample_digest(path, size)
+        name = os.path.relpath(os.path.abspath(path), root).replace(os.sep, "/")
+        digest.update(f"\n{name}\0{size}\0{head}\0{tail}".encode())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,183 @@
+"""Every setting of a train run as a knob, read from TrainConfig's fields: the one declaration.
+
+A knob is a leaf field of TrainConfig (``loss.kind``, ``optim.lr``, ``steps``). Its field says
+everything else needs: the type, the default, the docstring below it and, where the field name
+alone would be ambiguous or unclear, a short ``name`` in the field's metadata (``loss.kind`` is
+``loss``, ``data.seed`` is ``data_seed``). From that come the command-line option
+(``--loss``), the ``--set`` path, the sweep's grid key, and the option table in the README
+(``make docs`` rewrites it; a test fails when it is stale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_common.errors import ConfigError
+from dflash_common.field_docs import field_docs
+from dflash_common.values import json_object
+from dflash_train.config import SECTIONS, TrainConfig, with_run_length
+
+README_BEGIN = "<!-- train options: made by `python -m dflash_train.knobs README.md` from the config fields -->"
+README_END = "<!-- end of train options -->"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One leaf field of TrainConfig, as the command line, sweeps and the docs see it."""
+
+    path: tuple[str, ...]
+    """Where it sits in the config, e.g. ("loss", "kind") or ("steps",)."""
+
+    name: str
+    """Its one short name: the option --NAME (underscores as dashes) and the sweep's grid key."""
+
+    hint: Any
+    """The field's type annotation."""
+
+    default: Any
+    """The dataclass default (dataclasses.MISSING for a required field)."""
+
+    doc: str
+    """The docstring under the field."""
+
+    @property
+    def dotted(self) -> str:
+        """The path as --set and config files write it: "loss.kind"."""
+        return ".".join(self.path)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def section(self) -> str | None:
+        return self.path[0] if len(self.path) > 1 else None
+
+    @property
+    def required(self) -> bool:
+        return self.default is dataclasses.MISSING
+
+    @property
+    def value_type(self) -> Any:
+        """The annotation without its None alternative: int, float, str, bool, a tuple or dict."""
+        args = [a for a in typing.get_args(self.hint) if a is not type(None)]
+        union = typing.get_origin(self.hint) in (typing.Union, types.UnionType)
+        return args[0] if union and len(args) == 1 else self.hint
+
+    @property
+    def is_text(self) -> bool:
+        """Whether the command line passes it as text to parse (lists and tables) rather than a plain value."""
+        kind = self.value_type
+        return typing.get_origin(kind) in (tuple, dict) or kind is dict
+
+    def parse(self, text: str) -> Any:
+        """A command-line value: comma-separated entries for a list field, a JSON object for a table
+        field, anything else as given (the command line already converted it)."""
+        kind = self.value_type
+        if typing.get_origin(kind) is tuple:
+            element = typing.get_args(kind)[0]
+            entries = [part.strip() for part in text.split(",") if part.strip()]
+            try:
+                return tuple(element(entry) for entry in entries)
+            except ValueError:
+                example = {int: "0,1", float: "0.9,0.95"}.get(element, "a,b")
+                raise ConfigError(f"{self.flag} takes comma-separated {element.__name__} values, e.g. {example}; "
+                                  f"got {text!r}") from None
+        if typing.get_origin(kind) is dict or kind is dict:
+            return json_object(text, self.flag)
+        return text
+
+    def shown_default(self) -> str:
+        """The default as a help text or the README shows it."""
+        value = self.default
+        if value is dataclasses.MISSING:
+            return "required"
+        if value is None or value == ():
+            return "-"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, tuple):
+            return ",".join(str(v) for v in value)
+        return str(value)
+
+
+def _leaf_fields(cls: type, prefix: tuple[str, ...] = ()) -> list[Knob]:
+    hints, docs, knobs = typing.get_type_hints(cls), field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        if f.name in SECTIONS and cls is TrainConfig:
+            knobs.extend(_leaf_fields(SECTIONS[f.name], (f.name,)))
+            continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        knobs.append(Knob(prefix + (f.name,), f.metadata.get("name", f.name), hints[f.name], default, docs.get(f.name, "")))
+    return knobs
+
+
+@functools.cache
+def train_knobs() -> tuple[Knob, ...]:
+    """Every knob of TrainConfig, in field order; names are unique (checked here, so a new field
+    whose name another section already uses must declare a metadata name)."""
+    knobs = tuple(_leaf_fields(TrainConfig))
+    seen: dict[str, str] = {}
+    for knob in knobs:
+        if knob.name in seen:
+            raise ConfigError(f"config fields {seen[knob.name]} and {knob.dotted} are both named {knob.name!r}; give one "
+                              'field(metadata={"name": ...}) a distinct short name')
+        if not knob.doc:
+            raise ConfigError(f"config field {knob.dotted} has no docstring; write one under the field")
+        seen[knob.name] = knob.dotted
+    return knobs
+
+
+def find_knob(key: str) -> Knob | None:
+    """The knob a key names: its short name ("loss") or its dotted path ("loss.kind")."""
+    return next((k for k in train_knobs() if key in (k.name, k.dotted)), None)
+
+
+def option_overrides(options: Mapping[str, Any]) -> dict:
+    """Nested config overrides from command-line options {knob name: value, None when not given};
+    a given run length replaces the other one of a config file (steps and epochs exclude each other)."""
+    out: dict = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        knob = next(k for k in train_knobs() if k.name == name)
+        if isinstance(value, str) and knob.is_text:
+            value = knob.parse(value)
+        target = out
+        for section in knob.path[:-1]:
+            target = target.setdefault(section, {})
+        target[knob.path[-1]] = list(value) if isinstance(value, tuple) else value
+    return with_run_length(out)
+
+
+def readme_table() -> str:
+    """The README's table of train options, one row per knob."""
+    rows = ["| option | config field | default | meaning |", "| --- | --- | --- | --- |"]
+    for knob in train_knobs():
+        doc, default = (text.replace("|", "\\|") for text in (knob.doc, knob.shown_default()))
+        rows.append(f"| `{knob.flag}` | `{knob.dotted}` | {default} | {doc} |")
+    return "\n".join(rows)
+
+
+def readme_with_table(text: str) -> str:
+    """README text with the part between the markers replaced by the current table."""
+    if README_BEGIN not in text or README_END not in text:
+        raise ConfigError(f"the README has no train option table between {README_BEGIN!r} and {README_END!r}; add the markers")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    return f"{head}{README_BEGIN}\n{readme_table()}\n{README_END}{tail}"
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:] or ["README.md"]:
+        readme = Path(path)
+        readme.write_text(readme_with_table(readme.read_text()))
+        print(f"{path}: train option table rewritten ({len(train_knobs())} options)")

@@ -1,0 +1,251 @@
+"""What a sweep trains: its config, the seeds and designs (full grid, one at a time), the presets and every run's name and TrainConfig."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash_common.errors import ConfigError
+from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.recipe import (
+    MeasureConfig,
+)
+from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides, set_path
+
+SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
+"""What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
+
+SEED_KEY = "seed"
+"""The column and run-name part of a sweep's seed."""
+
+DESIGNS = ("full", "one-at-a-time")
+
+
+def seed_overrides(seed: int) -> dict:
+    """Nested config values of replicate ``seed``: the same number for every seed of the run."""
+    out: dict = {}
+    for path in SEED_PATHS:
+        set_path(out, path, seed)
+    return out
+
+
+def one_factor_neighbours(combos: Sequence[tuple[tuple[str, Any], ...]],
+                          centers: Sequence[tuple[tuple[str, Any], ...]]) -> list[tuple[tuple[str, Any], ...]]:
+    """The combinations that differ from one of ``centers`` in at most one grid key (a
+    one-factor-at-a-time design around each center), in grid order."""
+    wanted = [dict(center) for center in centers]
+    return [combo for combo in combos
+            if any(sum(center.get(k) != v for k, v in combo) <= 1 for center in wanted)]
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One combination of the grid (and one seed of it, when the sweep has seeds)."""
+
+    name: str
+    """Folder name under ``out/runs`` (see run_name)."""
+
+    values: tuple[tuple[str, Any], ...]
+    """(grid key, value) pairs of this combination, in grid order."""
+
+    config: TrainConfig
+    """Its full train config: the base config with the values applied and ``out`` set."""
+
+    seed: int | None = None
+    """The sweep's seed of this run (see SEED_PATHS); None when the sweep has no --seeds."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """What is measured of the run after training (see dflash_train.recipe)."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What `dflash-train sweep` needs: a base train config and the values to sweep."""
+
+    out: str
+    """Sweep folder: runs/<name>/ per combination, results.csv, results.md, plots, sweep.json."""
+
+    base: TrainConfig
+    """Settings shared by every run (cache, steps, model, ...); its ``out`` is replaced per run."""
+
+    grid: tuple[GridAxis, ...]
+    """Swept settings (see parse_grid); every combination of their values is one run."""
+
+    parallel: int | None = None
+    """Runs trained at once, each in its own process; 1 with no ``devices`` trains them one after
+    the other in this process. None: one per entry of ``devices``, or 1 when none are listed."""
+
+    devices: tuple[str, ...] = ()
+    """Devices of the parallel slots, e.g. ("cuda:0", "cuda:1"); slot i uses devices[i % len], so
+    a device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
+    visible GPU when the base device is auto or cuda and CUDA is present, else the base device."""
+
+    seeds: int | None = None
+    """Seeds per combination: run i of a combination sets the drafter init, the anchor sampling
+    and the noise (SEED_PATHS) all to i, for i in 0..seeds-1, and the report gives each
+    configuration's mean and 95% interval over them. None: one run per combination with the
+    base config's seeds (no seed in the run names)."""
+
+    design: str = "full"
+    """"full": every combination of the grid; "one-at-a-time": only those that differ from one
+    of ``centers`` in at most one grid key."""
+
+    centers: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Combinations ((key, value), ...) around which "one-at-a-time" varies one key at a time
+    (default: the reference alone)."""
+
+    include: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Combinations "one-at-a-time" trains besides the centers' neighbours (e.g. the full recipe
+    beside the paper recipe's one-part changes)."""
+
+    reference: tuple[tuple[str, Any], ...] | None = None
+    """The combination every other is compared with in summary.md (paired by seed); None: the
+    first combination of the grid."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """Held-out tau during training and real decoding per run (dflash_train.recipe)."""
+
+    def __post_init__(self):
+        if not str(self.out).strip():
+            raise ConfigError("--out is empty; pass the sweep folder, e.g. --out sweeps/loss")
+        if not self.grid:
+            raise ConfigError("a sweep needs at least one --grid key=v1,v2 (e.g. --grid loss=ce,kl)")
+        object.__setattr__(self, "grid", tuple(self.grid))
+        if self.seeds is not None:
+            if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+                raise ConfigError(f"--seeds must be a whole number of at least 1, got {self.seeds!r}; e.g. --seeds 3")
+            swept = [a.key for a in self.grid if a.path in SEED_PATHS]
+            if swept:
+                raise ConfigError(f"--seeds sets {', '.join('.'.join(p) for p in SEED_PATHS)} itself; drop --grid "
+                                  f"{swept[0]}=... or --seeds")
+        if self.design not in DESIGNS:
+            raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
+        keys = [a.key for a in self.grid]
+        for what, combo in ([("reference", self.reference)] + [("center", c) for c in self.centers]
+                            + [("included combination", c) for c in self.include]):
+            if combo is None:
+                continue
+            combo = tuple((k, v) for k, v in combo)
+            known = {a.key: a.values for a in self.grid}
+            if [k for k, _ in combo] != keys or any(v not in known[k] for k, v in combo):
+                raise ConfigError(f"the {what} {dict(combo)} is not a combination of the grid ({keys}); "
+                                  "give one value of every grid key")
+        if self.measure.curve_points and self.base.steps is None and self.base.epochs is not None:
+            raise ConfigError("held-out curve points need the run length in steps; pass --steps instead of --epochs")
+        devices = tuple(check_device(str(d)) for d in self.devices)
+        object.__setattr__(self, "devices", devices)
+        parallel = self.parallel if self.parallel is not None else (len(devices) or 1)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ConfigError(f"--parallel must be a whole number of at least 1, got {self.parallel!r}; e.g. --parallel 2")
+        object.__setattr__(self, "parallel", parallel)
+        plan_runs(self)  # every combination must be a valid train config before anything trains
+
+    @property
+    def in_processes(self) -> bool:
+        """Whether runs train in processes of their own (any parallel sweep, or devices chosen)."""
+        return self.parallel > 1 or bool(self.devices)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named sweep design (`dflash-train sweep --preset NAME`)."""
+
+    grid: tuple[GridAxis, ...]
+    reference: tuple[tuple[str, Any], ...]
+    """The configuration the others are compared with."""
+
+    centers: tuple[tuple[tuple[str, Any], ...], ...]
+    """Centers of the one-at-a-time design (--design one-at-a-time)."""
+
+    include: tuple[tuple[tuple[str, Any], ...], ...]
+    """Further combinations of the one-at-a-time design."""
+
+    seeds: int
+    """Default --seeds."""
+
+    curve_points: int
+    """Default --curve-points."""
+
+
+PAPER_RECIPE = (("loss", "ce"), ("weighting", "decay"), ("noise", "off"))
+"""The DFlash paper's recipe: hard-label cross-entropy, exponential decay weights, no noise."""
+
+FULL_RECIPE = (("loss", "kl"), ("weighting", "streak"), ("noise", "cosine"))
+"""This toolkit's recipe as first proposed: soft-label KL, streak weights, cosine noise."""
+
+PRESETS: dict[str, Preset] = {
+    # Each noise value names its whole schedule, so the preset measures the same noise whatever
+    # the defaults: constant is speculators' uniform 0.05, cosine the schedule first proposed.
+    "recipe": Preset(
+        grid=(GridAxis("loss", ("loss", "kind"), ("ce", "kl", "mix")),
+              GridAxis("weighting", ("loss", "weighting"), ("decay", "streak")),
+              GridAxis("noise", ("noise", "schedule"), ("off", "constant", "cosine"),
+                       extras=((),
+                               (("noise.distribution", "uniform"), ("noise.start", 0.05)),
+                               (("noise.distribution", "uniform"), ("noise.start", 0.1), ("noise.end", 0.01))))),
+        reference=PAPER_RECIPE, centers=(PAPER_RECIPE,), include=(FULL_RECIPE,), seeds=3, curve_points=3),
+}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name!r} is unknown; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def check_device(text: str) -> str:
+    """A --devices entry as given, when torch can place a run on it."""
+    import torch
+
+    text = text.strip()
+    if text == "auto":
+        raise ConfigError("--devices lists concrete devices, got 'auto'; e.g. --devices cuda:0,cuda:1 "
+                          "(or leave it out: one slot per visible GPU)")
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--devices entry {text!r} is not a device; use cpu, cuda or cuda:N, "
+                          "e.g. --devices cuda:0,cuda:1") from None
+    return text
+
+
+def planned_combinations(cfg: SweepConfig) -> list[tuple[tuple[str, Any], ...]]:
+    """The combinations the sweep's design trains, in grid order."""
+    combos = expand_grid(cfg.grid)
+    if cfg.design == "one-at-a-time":
+        centers = cfg.centers or ((cfg.reference,) if cfg.reference else (combos[0],))
+        wanted = set(one_factor_neighbours(combos, centers)) | {tuple(c) for c in cfg.include}
+        combos = [c for c in combos if c in wanted]
+    return combos
+
+
+def reference_combination(cfg: SweepConfig) -> tuple[tuple[str, Any], ...]:
+    return tuple(cfg.reference) if cfg.reference else planned_combinations(cfg)[0]
+
+
+def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
+    """Every run's name and train config, in grid order, seeds innermost (reads and writes nothing)."""
+    base = cfg.base.to_dict()
+    if cfg.measure.curve_points:
+        from dflash_train.trainer import DEFAULT_STEPS
+
+        # operational: where checkpoints fall changes nothing the run learns
+        base["save_every"] = cfg.measure.save_every(cfg.base.steps or DEFAULT_STEPS)
+        base["keep_checkpoints"] = cfg.measure.curve_points + 2
+    runs, names = [], set()
+    for assignment in planned_combinations(cfg):
+        for seed in ([None] if cfg.seeds is None else range(cfg.seeds)):
+            name = run_name(assignment + (((SEED_KEY, seed),) if seed is not None else ()))
+            if name in names:
+                raise ConfigError(f"two combinations share the run name {name!r}; use values that differ in letters or digits")
+            names.add(name)
+            values = merge(base, run_overrides(cfg.grid, assignment))
+            if seed is not None:
+                values = merge(values, seed_overrides(seed))
+            values["out"] = str(Path(cfg.out) / "runs" / name)
+            values["storage_options"] = cfg.base.storage_options  # to_dict leaves it out (credentials)
+            try:
+                config = config_from_dict(values)
+            except ConfigError as err:
+                raise ConfigError(f"sweep run {name}: {err}") from None
+            runs.append(SweepRun(name, assignment, config, seed, cfg.measure))
+    return runs

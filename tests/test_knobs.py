@@ -1,0 +1,99 @@
+"""Each train setting is declared once, as a config field with its docstring: the command-line
+options of `run` and `sweep`, --set, the sweep's grid keys and the README table come from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from cli.train import _train_config, app
+from dflash_common.errors import ConfigError
+from dflash_common.field_docs import field_docs
+from dflash_train.config import TrainConfig
+from dflash_train.knobs import find_knob, option_overrides, readme_with_table, train_knobs
+from dflash_train.loss import LossConfig
+from dflash_train.sweep import parse_grid
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _options(command: str) -> dict[str, object]:
+    """{option flag: click parameter} of a dflash-train command."""
+    cmd = typer.main.get_command(app).commands[command]
+    return {decl: p for p in cmd.params for decl in p.opts}
+
+
+def _parsed(args: list[str]) -> tuple[dict, dict]:
+    """How `dflash-train run ARGS` parses: (the command's own values, knob values)."""
+    cmd = typer.main.get_command(app).commands["run"]
+    params = cmd.make_context("run", args).params
+    names = {k.name for k in train_knobs()}
+    return {k: v for k, v in params.items() if k not in names}, {k: v for k, v in params.items() if k in names}
+
+
+def test_every_config_field_is_a_knob_with_its_docstring():
+    knobs = train_knobs()
+    leaves = [f for cls in (TrainConfig,) for f in dataclasses.fields(cls)]
+    assert len(knobs) > len(leaves)  # the sections are opened into their fields
+    assert find_knob("loss") is find_knob("loss.kind") and find_knob("loss").doc == field_docs(LossConfig)["kind"]
+    assert find_knob("data_seed").path == ("data", "seed") and find_knob("noise_seed").path == ("noise", "seed")
+    assert find_knob("seed").path == ("seed",) and find_knob("nope") is None
+    assert len({k.name for k in knobs}) == len(knobs) and all(k.doc for k in knobs)
+
+
+def test_run_and_sweep_have_one_option_per_knob_with_help_from_the_field():
+    run, sweep = _options("run"), _options("sweep")
+    for knob in train_knobs():
+        assert knob.flag in run, knob.flag
+        assert run[knob.flag].help.startswith(knob.doc[:40]), knob.flag
+        assert knob.flag in sweep or knob.name in ("cache", "out"), knob.flag
+    assert "default kl; config loss.kind" in run["--loss"].help
+    assert "--no-streak-decay" in run["--streak-decay"].secondary_opts
+
+
+def test_options_reach_the_config_parsed_by_the_field_type(tmp_path):
+    own, knobs = _parsed(["--cache", "c", "--out", str(tmp_path / "run"), "--loss", "ce", "--betas", "0.8, 0.9",
+                          "--noise-layers", "0,2", "--streak-decay", "--weighting", "streak", "--data-seed", "7",
+                          "--skip-shards", "shard-r00000-000001,", "--storage-options", '{"anon": true}', "--epochs", "2",
+                          "--set", "optim.lr=0.001"])
+    cfg = _train_config(own["config"], False, knobs["out"], knobs, own["set_"])
+    assert (cfg.loss.kind, cfg.loss.streak_decay, cfg.optim.betas, cfg.noise.layers) == ("ce", True, (0.8, 0.9), (0, 2))
+    assert (cfg.data.seed, cfg.data.skip_shards, cfg.storage_options) == (7, ("shard-r00000-000001",), {"anon": True})
+    assert (cfg.epochs, cfg.steps, cfg.optim.lr, cfg.seed) == (2.0, None, 0.001, 0)
+
+
+def test_a_given_run_length_replaces_the_config_files_other_one(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("steps = 50\n")
+    own, knobs = _parsed(["--cache", "c", "--out", "o", "--config", str(config), "--epochs", "1.5"])
+    cfg = _train_config(own["config"], False, "o", knobs, [])
+    assert (cfg.steps, cfg.epochs) == (None, 1.5)
+    with pytest.raises(ConfigError, match="--steps 3 and --epochs 1.5 both set the run length; give one"):
+        option_overrides({"steps": 3, "epochs": 1.5})
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("betas", "0.9,x", "--betas takes comma-separated float values, e.g. 0.9,0.95; got '0.9,x'"),
+    ("sliding_layers", "0;1", "--sliding-layers takes comma-separated int values, e.g. 0,1; got '0;1'"),
+    ("storage_options", "[1]", "--storage-options '[1]' is a JSON list, not an object"),
+])
+def test_bad_option_text_is_one_line_naming_the_option(name, text, message):
+    with pytest.raises(ConfigError) as err:
+        option_overrides({name: text})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_knob_is_a_grid_key_by_its_name_or_path():
+    axes = parse_grid(["noise_seed=1,2", "optim.min_lr_ratio=0.0,0.1", "read_threads=2"])
+    assert [(a.key, a.path) for a in axes] == [("noise_seed", ("noise", "seed")), ("min_lr_ratio", ("optim", "min_lr_ratio")),
+                                              ("read_threads", ("data", "read_threads"))]
+
+
+def test_the_readme_option_table_is_the_one_the_fields_make():
+    text = README.read_text()
+    assert readme_with_table(text) == text, "the README's train option table is stale: run `python -m dflash_train.knobs README.md`"
+    for knob in train_knobs():
+        assert f"| `{knob.flag}` | `{knob.dotted}` |" in text
