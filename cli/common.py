@@ -120,4 +120,4 @@ def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
 
 
 def _panel(knob) -> str:
-    return f"{knob.section} settings" if knob.section else "run settings"
+    return knob.panel or (f"{knob.section} settings" if knob.section else "run settings")

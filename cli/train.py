@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -10,6 +11,7 @@ import typer
 
 from cli.common import BarProgress, json_option, knob_options, run
 from dflash_train.knobs import train_knobs
+from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
@@ -310,29 +312,18 @@ def generate(
 
 
 @app.command()
-@knob_options(train_knobs(), exclude=("cache", "out"))
+@knob_options(train_knobs() + sweep_knobs(), exclude=("cache", "out"))
 def sweep(
     cache: str = typer.Option(..., help="Cache URL made by `dflash-cache build`; every run trains on it."),
     out: str = typer.Option(..., help="Sweep folder: runs/<name>/, results.csv, results.md, loss_curves.png, acceptance_by_position.png, sweep.json."),
-    grid: list[str] = typer.Option([], "--grid", help="key=v1,v2,... (repeatable; one run per combination). Keys: loss, weighting, noise, lr, "
-                                   "block_size, mix_lambda, num_anchors, gamma, ... or a config path such as loss.streak_smoothing; values are JSON when they parse."),
+    grid: list[str] = typer.Option([], "--grid", help="key=v1,v2,... (repeatable; one run per combination). Keys: the train "
+                                   "options' names (loss, weighting, noise, lr, ...) or config paths such as loss.streak_smoothing; "
+                                   "values are JSON when they parse."),
     preset: Optional[str] = typer.Option(None, help="A named design instead of --grid: 'recipe' = loss ce,kl,mix x weighting decay,streak x "
                                          "noise off,constant(0.05),cosine, 3 seeds, 3 curve points, compared with the paper's recipe (ce, decay, off)."),
-    seeds: Optional[int] = typer.Option(None, help="Runs per combination with seeds 0..N-1 (each sets the drafter init, the anchors and the noise); "
-                                        "summary.md gives means and 95% intervals over them."),
-    design: Optional[str] = typer.Option(None, help="full (every combination; default) or one-at-a-time (vary one key at a time from the reference; with --preset recipe, plus the full recipe)."),
-    curve_points: Optional[int] = typer.Option(None, help="Held-out evaluations during each run (kept checkpoints) for tau against training tokens."),
-    teacher: Optional[str] = typer.Option(None, help="Teacher folder: decode --prompts greedily with each run's drafter (real accepted length)."),
-    prompts: Optional[str] = typer.Option(None, help="JSONL held-out prompts for the real decoding."),
-    max_prompts: int = typer.Option(24, help="Prompts decoded per run."),
-    max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
     set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values); "
-                                   "the options below set what every run shares."),
-    parallel: Optional[int] = typer.Option(None, help="Runs trained at once, each in its own process with its log in runs/<name>/train.log "
-                                           "(default: one per --devices entry, else 1 = one after the other in this process)."),
-    devices: Optional[str] = typer.Option(None, help="Devices of the parallel runs, e.g. cuda:0,cuda:1 (default with --parallel: "
-                                          "one per visible GPU, else CPU with the cores shared out)."),
+                                   "the train options below set what every run shares."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
     knob_values: dict = None,
@@ -345,19 +336,19 @@ def sweep(
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
         from dflash_train.sweep import preset as find_preset
 
+        own = {k.name: k.value(knob_values.pop(k.name)) for k in sweep_knobs()}
+        given = {name: value for name, value in own.items() if value is not None}
         base = _train_config(config, False, out, {**knob_values, "cache": cache, "out": out}, set_)
-        places = tuple(devices.split(",")) if devices else ()
         chosen = find_preset(preset) if preset else None
         if chosen and grid:
             raise ConfigError(f"--preset {preset} sets the grid; drop --grid {grid[0]} (or drop --preset)")
-        axes = chosen.grid if chosen else parse_grid(grid)
-        measure = MeasureConfig(curve_points=curve_points if curve_points is not None else (chosen.curve_points if chosen else 0),
-                                teacher=teacher, prompts=prompts, max_prompts=max_prompts, max_new_tokens=max_new_tokens)
-        sweep_cfg = SweepConfig(out=out, base=base, grid=axes, parallel=parallel, devices=places,
-                                seeds=seeds if seeds is not None else (chosen.seeds if chosen else None),
-                                design=design or "full", reference=chosen.reference if chosen else None,
-                                centers=chosen.centers if chosen else (), include=chosen.include if chosen else (),
-                                measure=measure)
+        measure_names = {f.name for f in dataclasses.fields(MeasureConfig)}
+        measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0,
+                                   **{k: v for k, v in given.items() if k in measure_names}})
+        choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
+                   "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
+        sweep_cfg = SweepConfig(out=out, base=base, measure=measure,
+                                **{**choices, **{k: v for k, v in given.items() if k not in measure_names}})
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.summary or result.report.markdown, nl=False)
 

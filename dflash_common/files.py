@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
+from typing import BinaryIO
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -26,13 +28,19 @@ def fsync_tree(path: str | os.PathLike) -> None:
 
 
 def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` whole: a temporary sibling (".NAME.tmp-XXXXXXXX"), fsynced, renamed
-    over `path`, and the folder fsynced, so a crash leaves the old file or the new one."""
+    """Write `data` to `path` whole (see write_atomic)."""
+    write_atomic(path, lambda f: f.write(data))
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Make `path` whole with `write(file)`: into a temporary sibling (".NAME.tmp-XXXXXXXX"),
+    fsynced, renamed over `path`, and the folder fsynced, so a crash leaves the old file or the new
+    one; when `write` raises, the sibling is removed and the error goes on."""
     folder, name = os.path.split(os.fspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

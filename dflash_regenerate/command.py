@@ -22,24 +22,24 @@ from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.progress import Progress
 from dflash_regenerate.config import (
-    _PART_TEMPORARY,
-    _SETTINGS_FORMAT,
-    _SETTINGS_VERSION,
+    PART_TEMPORARY,
     RESUME_KEYS,
     SETTINGS,
+    SETTINGS_FORMAT,
+    SETTINGS_VERSION,
     RegenerateConfig,
     RegenerateResult,
     parts_dir,
 )
 from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
 from dflash_regenerate.parts import (
-    _complete_result,
-    _file_checksum,
-    _read_json,
-    _sum_records,
     commit_part,
     committed_parts,
+    complete_result,
+    file_checksum,
     merge_parts,
+    read_json,
+    sum_records,
 )
 from dflash_regenerate.plan import part_rows, rank_parts, settings_mismatch
 
@@ -61,8 +61,8 @@ def _plain_settings(cfg: RegenerateConfig, files: list[str], total_rows: int) ->
                 {"temperature": float(cfg.temperature), "top_p": float(cfg.top_p), "seed": cfg.seed})
     server = cfg.server
     return {
-        "format": _SETTINGS_FORMAT,
-        "version": _SETTINGS_VERSION,
+        "format": SETTINGS_FORMAT,
+        "version": SETTINGS_VERSION,
         "backend": "server" if server else "transformers",
         # the endpoints may move (other hosts, ports); the served model and the settings define the output
         "teacher_name": server.served_model if server else cfg.teacher.name_or_path,
@@ -87,7 +87,7 @@ def _teacher_settings(gen: "TeacherGenerator | ServerGenerator") -> dict:
 
 def _refuse_mismatch(cfg: RegenerateConfig, existing: dict, settings: dict, keys: Iterable[str]) -> None:
     settings_path = os.path.join(parts_dir(cfg.out), SETTINGS)
-    if existing.get("format") != _SETTINGS_FORMAT or existing.get("version") != _SETTINGS_VERSION:
+    if existing.get("format") != SETTINGS_FORMAT or existing.get("version") != SETTINGS_VERSION:
         raise ConfigError(f"{settings_path} was written by another tool or version; pass --overwrite to start over")
     problem = settings_mismatch(existing, settings, keys)
     if problem:
@@ -104,7 +104,7 @@ def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
             shutil.rmtree(folder)
         if os.path.exists(cfg.out):
             os.remove(cfg.out)
-    existing = _read_json(settings_path)
+    existing = read_json(settings_path)
     if existing is None:
         if os.path.exists(cfg.out):
             raise ConfigError(f"{cfg.out} already exists and {folder} does not say how it was made; choose another "
@@ -122,7 +122,7 @@ def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
             # Deleted after the merge, and its parts went with the merge: generate it again.
             write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
             return None
-        if _file_checksum(cfg.out) != merged.get("checksum"):
+        if file_checksum(cfg.out) != merged.get("checksum"):
             raise ConfigError(f"{cfg.out} changed since this command finished it; keep it, or pass --overwrite to "
                               f"regenerate it")
     return merged
@@ -134,7 +134,7 @@ def _remove_stale_temporaries(cfg: RegenerateConfig) -> None:
     folder = parts_dir(cfg.out)
     stale = []
     for name in os.listdir(folder):
-        match = _PART_TEMPORARY.match(name)
+        match = PART_TEMPORARY.match(name)
         if match and int(match.group(1)) % cfg.world_size == cfg.rank:
             stale.append(os.path.join(folder, name))
         elif ".tmp-" in name and cfg.world_size == 1:
@@ -158,7 +158,7 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     if total_rows == 0:
         raise ConfigError(f"the corpus {cfg.data!r} has no rows; point --data at a non-empty file")
     settings = _plain_settings(cfg, files, total_rows)
-    existing = None if cfg.overwrite else _read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
+    existing = None if cfg.overwrite else read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
     if existing is not None:  # refuse what can be refused before spending minutes loading a large teacher
         _refuse_mismatch(cfg, existing, settings, [k for k in RESUME_KEYS if k in settings])
     if cfg.server is not None:
@@ -175,7 +175,7 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
                      files: list[str], total_rows: int, progress: Progress) -> RegenerateResult:
     merged = _prepare(cfg, {**settings, **_teacher_settings(gen)})
     if merged is not None:
-        result = _complete_result(cfg.out, merged)
+        result = complete_result(cfg.out, merged)
         progress.message(f"{cfg.out} is already complete ({result.rows:,} rows); nothing to do")
         return result
 
@@ -228,7 +228,7 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
     if missing:
         progress.message(f"rank {cfg.rank} finished its parts; {missing} part(s) of other ranks are still missing. "
                          f"The last rank to finish merges them, or rerun with --merge-only once all are done")
-        rows, skipped, tokens, truncated, empty = _sum_records(done[i] for i in mine if i in done)
+        rows, skipped, tokens, truncated, empty = sum_records(done[i] for i in mine if i in done)
         return RegenerateResult(out=cfg.out, complete=False, rows=rows, skipped=dict(skipped), tokens=tokens,
                                 truncated=truncated, empty=empty, parts_written=written, parts_missing=missing)
     result = merge_parts(cfg.out, progress)

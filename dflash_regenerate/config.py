@@ -18,14 +18,14 @@ TRUNCATED_POLICIES = ("keep", "drop")
 REASONING_POLICIES = ("drop", "keep")
 SETTINGS = ".settings.json"
 # A part's or record's temporary name (see _write_atomic): ".part-000003.jsonl.tmp-1a2b3c4d".
-_PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
-_SETTINGS_FORMAT = "dflash-regenerate"
-_SETTINGS_VERSION = 1
+PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
+SETTINGS_FORMAT = "dflash-regenerate"
+SETTINGS_VERSION = 1
 # Settings that change what is written; a resume must match all of them.
 RESUME_KEYS = ("backend", "teacher", "tokenizer", "dtype", "corpus", "rows_per_part", "max_new_tokens",
                "keep_turns", "sampling", "on_truncated", "reasoning", "chat_template_kwargs")
 # What settings files written before a key existed meant by its absence.
-_SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop", "chat_template_kwargs": None}
+SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop", "chat_template_kwargs": None}
 
 
 def parts_dir(out: str) -> str:

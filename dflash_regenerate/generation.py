@@ -165,7 +165,7 @@ def load_generator(cfg: TeacherConfig) -> TeacherGenerator:
 
 
 @dataclass
-class _PartOutcome:
+class PartOutcome:
     rows: list[dict]
     skipped: Counter
     tokens: int
@@ -199,7 +199,7 @@ def _accept(cfg: RegenerateConfig, conversation: Conversation, text: str, reason
 
 
 def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGenerator",
-                    on_batch=lambda rows_done, tokens: None) -> _PartOutcome:
+                    on_batch=lambda rows_done, tokens: None) -> PartOutcome:
     """Regenerate the answers of `rows` and return the output rows in source order.
 
     Every pending answer of a round is generated in batches (of similar prompt length for the
@@ -235,6 +235,6 @@ def regenerate_rows(rows: list[CorpusRow], cfg: RegenerateConfig, gen: "TeacherG
             tokens += batch_tokens
             on_batch(finished, batch_tokens)
     out = [{"id": c.id, "messages": c.messages} for c in conversations if c.failed is None]
-    return _PartOutcome(rows=out, skipped=skipped, tokens=tokens, truncated=truncated, empty=empty)
+    return PartOutcome(rows=out, skipped=skipped, tokens=tokens, truncated=truncated, empty=empty)
 
 

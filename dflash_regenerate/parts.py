@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from collections import Counter
 from collections.abc import Iterable
 
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import write_file_atomic
+from dflash_common.files import write_atomic, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_regenerate.config import SETTINGS, RegenerateResult, parts_dir
-from dflash_regenerate.generation import _PartOutcome
+from dflash_regenerate.generation import PartOutcome
 from dflash_regenerate.plan import part_name, part_rows, record_name
 
 
-def _read_json(path: str) -> dict | None:
+def read_json(path: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -33,7 +32,7 @@ def _rows_bytes(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
 
 
-def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: _PartOutcome) -> dict:
+def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: PartOutcome) -> dict:
     """Write part `index` whole, then its record (the commit); returns the record."""
     data = _rows_bytes(outcome.rows)
     write_file_atomic(os.path.join(folder, part_name(index)), data)
@@ -48,13 +47,13 @@ def committed_parts(folder: str, num_parts: int) -> dict[int, dict]:
     """Records of the committed parts, by index; a part counts once its record and file exist."""
     committed = {}
     for index in range(num_parts):
-        record = _read_json(os.path.join(folder, record_name(index)))
+        record = read_json(os.path.join(folder, record_name(index)))
         if record is not None and os.path.exists(os.path.join(folder, part_name(index))):
             committed[index] = record
     return committed
 
 
-def _sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int, int]:
+def sum_records(records: Iterable[dict]) -> tuple[int, Counter, int, int, int]:
     rows, skipped, tokens, truncated, empty = 0, Counter(), 0, 0, 0
     for record in records:
         rows += record["written"]
@@ -72,11 +71,11 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
     merge another rank finished."""
     progress = progress or Progress()
     folder = parts_dir(out)
-    settings = _read_json(os.path.join(folder, SETTINGS))
+    settings = read_json(os.path.join(folder, SETTINGS))
     if settings is None:
         raise ConfigError(f"{folder} holds no regeneration to merge (no {SETTINGS}); run `dflash-cache regenerate` first")
     if settings.get("merged") is not None and os.path.exists(out):
-        return _complete_result(out, settings["merged"])
+        return complete_result(out, settings["merged"])
     total_rows, per_part = settings["corpus"]["rows"], settings["rows_per_part"]
     num_parts = math.ceil(total_rows / per_part)
     records = committed_parts(folder, num_parts)
@@ -86,34 +85,26 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
         raise ConfigError(f"cannot merge {out}: {len(missing)} of {num_parts} part(s) are not written yet (first: "
                           f"{part_name(missing[0])}, source rows {first[0]}..{first[1] - 1}); finish every rank, "
                           f"or rerun the command to generate them")
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    def concatenate(dst) -> None:
+        for index in range(num_parts):
+            with open(os.path.join(folder, part_name(index)), "rb") as src:
+                data = src.read()
+            if xxhash.xxh64_hexdigest(data) != records[index]["checksum"]:
+                raise ConfigError(f"{os.path.join(folder, part_name(index))} does not match its record (changed "
+                                  f"after it was written); delete it and {record_name(index)} and rerun to redo it")
+            dst.write(data)
+
     try:
-        with open(tmp, "wb") as dst:
-            for index in range(num_parts):
-                with open(os.path.join(folder, part_name(index)), "rb") as src:
-                    data = src.read()
-                if xxhash.xxh64_hexdigest(data) != records[index]["checksum"]:
-                    raise ConfigError(f"{os.path.join(folder, part_name(index))} does not match its record (changed "
-                                      f"after it was written); delete it and {record_name(index)} and rerun to redo it")
-                dst.write(data)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, out)
+        write_atomic(os.path.abspath(out), concatenate)
     except FileNotFoundError:
         # Another rank merged first and deleted the parts.
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        settings = _read_json(os.path.join(folder, SETTINGS)) or {}
+        settings = read_json(os.path.join(folder, SETTINGS)) or {}
         if settings.get("merged") is not None and os.path.exists(out):
-            return _complete_result(out, settings["merged"])
+            return complete_result(out, settings["merged"])
         raise
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    rows, skipped, tokens, truncated, empty = _sum_records(records.values())
+    rows, skipped, tokens, truncated, empty = sum_records(records.values())
     merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated, "empty": empty,
-              "checksum": _file_checksum(out)}
+              "checksum": file_checksum(out)}
     write_file_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
     for index in range(num_parts):  # the merged file holds it all now; keep only the settings
         for name in (record_name(index), part_name(index)):
@@ -121,12 +112,12 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:
                 pass
-    result = _complete_result(out, merged)
+    result = complete_result(out, merged)
     progress.message(f"wrote {rows:,} rows to {out}" + _summary(result))
     return result
 
 
-def _file_checksum(path: str) -> str:
+def file_checksum(path: str) -> str:
     digest = xxhash.xxh64()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -134,7 +125,7 @@ def _file_checksum(path: str) -> str:
     return digest.hexdigest()
 
 
-def _complete_result(out: str, merged: dict) -> RegenerateResult:
+def complete_result(out: str, merged: dict) -> RegenerateResult:
     return RegenerateResult(out=out, complete=True, rows=merged["rows"], skipped=dict(merged["skipped"]),
                             tokens=merged["tokens"], truncated=merged["truncated"], empty=merged.get("empty", 0))
 

@@ -10,7 +10,7 @@ import xxhash
 
 from dflash_common.errors import ConfigError
 from dflash_common.settings import first_difference
-from dflash_regenerate.config import _SETTINGS_DEFAULTS, KEEP_TURNS, RESUME_KEYS
+from dflash_regenerate.config import KEEP_TURNS, RESUME_KEYS, SETTINGS_DEFAULTS
 
 
 def part_name(index: int) -> str:
@@ -94,6 +94,6 @@ def sample_seed(seed: int, row: str, turn: int) -> int:
 
 def settings_mismatch(existing: dict, current: dict, keys: Iterable[str] = RESUME_KEYS) -> str | None:
     """The first of `keys` whose value differs, said for a user, or None."""
-    return first_difference(existing, current, keys, defaults=_SETTINGS_DEFAULTS)
+    return first_difference(existing, current, keys, defaults=SETTINGS_DEFAULTS)
 
 

@@ -15,7 +15,7 @@ import functools
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,9 @@ class Knob:
     doc: str
     """The docstring under the field."""
 
+    panel: str = ""
+    """Where --help lists it (default: by section, "run settings" for the top level)."""
+
     @property
     def dotted(self) -> str:
         """The path as --set and config files write it: "loss.kind"."""
@@ -77,6 +80,10 @@ class Knob:
         """Whether the command line passes it as text to parse (lists and tables) rather than a plain value."""
         kind = self.value_type
         return typing.get_origin(kind) in (tuple, dict) or kind is dict
+
+    def value(self, given: Any) -> Any:
+        """A command-line option's value as the field takes it (text of lists and tables parsed)."""
+        return self.parse(given) if isinstance(given, str) and self.is_text else given
 
     def parse(self, text: str) -> Any:
         """A command-line value: comma-separated entries for a list field, a JSON object for a table
@@ -109,22 +116,34 @@ class Knob:
         return str(value)
 
 
-def _leaf_fields(cls: type, prefix: tuple[str, ...] = ()) -> list[Knob]:
+def config_knobs(cls: type, names: Sequence[str] | None = None, panel: str = "",
+                 sections: Mapping[str, type] | None = None, prefix: tuple[str, ...] = ()) -> tuple[Knob, ...]:
+    """The knobs of a config dataclass's fields (only `names`, when given), in field order; a field
+    in `sections` is a nested config whose own fields are the knobs. Names are unique (a field
+    whose name another section already uses must declare a metadata name) and every field has
+    a docstring: both are checked here."""
     hints, docs, knobs = typing.get_type_hints(cls), field_docs(cls), []
     for f in dataclasses.fields(cls):
-        if f.name in SECTIONS and cls is TrainConfig:
-            knobs.extend(_leaf_fields(SECTIONS[f.name], (f.name,)))
+        if names is not None and f.name not in names:
+            continue
+        if sections and f.name in sections:
+            knobs.extend(config_knobs(sections[f.name], panel=panel, prefix=(f.name,)))
             continue
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        knobs.append(Knob(prefix + (f.name,), f.metadata.get("name", f.name), hints[f.name], default, docs.get(f.name, "")))
-    return knobs
+        knobs.append(Knob(prefix + (f.name,), f.metadata.get("name", f.name), hints[f.name], default, docs.get(f.name, ""),
+                          panel))
+    if not prefix:
+        _check_names(knobs)
+    return tuple(knobs)
 
 
 @functools.cache
 def train_knobs() -> tuple[Knob, ...]:
-    """Every knob of TrainConfig, in field order; names are unique (checked here, so a new field
-    whose name another section already uses must declare a metadata name)."""
-    knobs = tuple(_leaf_fields(TrainConfig))
+    """Every knob of TrainConfig, in field order."""
+    return config_knobs(TrainConfig, sections=SECTIONS)
+
+
+def _check_names(knobs: Sequence[Knob]) -> None:
     seen: dict[str, str] = {}
     for knob in knobs:
         if knob.name in seen:
@@ -133,7 +152,6 @@ def train_knobs() -> tuple[Knob, ...]:
         if not knob.doc:
             raise ConfigError(f"config field {knob.dotted} has no docstring; write one under the field")
         seen[knob.name] = knob.dotted
-    return knobs
 
 
 def find_knob(key: str) -> Knob | None:
@@ -149,8 +167,7 @@ def option_overrides(options: Mapping[str, Any]) -> dict:
         if value is None:
             continue
         knob = next(k for k in train_knobs() if k.name == name)
-        if isinstance(value, str) and knob.is_text:
-            value = knob.parse(value)
+        value = knob.value(value)
         target = out
         for section in knob.path[:-1]:
             target = target.setdefault(section, {})

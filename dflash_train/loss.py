@@ -269,15 +269,9 @@ def _chunk_terms(
     return per_position, alpha, greedy
 
 
-def _check_inputs(
-    states: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    targets: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_logprobs: torch.Tensor,
-    valid: torch.Tensor,
-    block_size: int,
-) -> None:
+def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_logprobs: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
+    """Shapes of block_loss's inputs, each refused with the shape it should have."""
     if states.dim() != 3:
         raise ValueError(f"states must be [M, P, H], got shape {tuple(states.shape)}")
     num_blocks, num_positions, hidden = states.shape

@@ -12,7 +12,6 @@ teacher's embedding and LM head are non-persistent buffers and never part of it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -145,143 +144,25 @@ class DrafterConfig:
         return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
 
     @classmethod
-    def from_teacher(
-        cls,
-        teacher_config: Mapping[str, Any],
-        target_layer_ids: Sequence[int],
-        mask_token_id: int,
-        block_size: int = 16,
-        num_hidden_layers: int = 5,
-        sliding_window: int | None = None,
-        sliding_layers: Sequence[int] = (),
-        **overrides: Any,
-    ) -> "DrafterConfig":
-        """Derive a drafter config from a teacher's HF config dict (Qwen3, Llama, qwen3_5, ...).
+    def from_teacher(cls, teacher_config: Mapping[str, Any], target_layer_ids: Sequence[int], mask_token_id: int,
+                     **options: Any) -> "DrafterConfig":
+        """Derive a drafter config from a teacher's HF config dict (see hf_config.drafter_config_from_teacher)."""
+        from dflash_train.hf_config import drafter_config_from_teacher
 
-        Dimensions default to the teacher's; `overrides` replaces any field by name.
-        """
-        text = _text_config(teacher_config)
-        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-            if text.get(key) is None:
-                raise ConfigError(f"teacher config has no {key!r}; pass a transformers config dict of a decoder LM")
-        hidden_size = int(text["hidden_size"])
-        num_heads = int(text["num_attention_heads"])
-        sliding_layers = tuple(sliding_layers)
-        for index in sliding_layers:
-            if not 0 <= index < num_hidden_layers:
-                raise ConfigError(
-                    f"sliding layer {index} is outside the drafter's {num_hidden_layers} layers; "
-                    f"use indices in [0, {num_hidden_layers})")
-        if sliding_layers and sliding_window is None:
-            raise ConfigError(f"sliding_layers={list(sliding_layers)} given without sliding_window; set a window")
-        if sliding_window is not None and not sliding_layers:
-            raise ConfigError(f"sliding_window={sliding_window} given without sliding_layers; name the sliding layers")
-
-        fields: dict[str, Any] = dict(
-            hidden_size=hidden_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or num_heads),
-            head_dim=int(text.get("head_dim") or hidden_size // num_heads),
-            intermediate_size=int(text["intermediate_size"]),
-            vocab_size=int(text["vocab_size"]),
-            mask_token_id=mask_token_id,
-            target_layer_ids=tuple(target_layer_ids),
-            num_target_layers=int(text["num_hidden_layers"]),
-            num_hidden_layers=num_hidden_layers,
-            block_size=block_size,
-            rms_norm_eps=float(text.get("rms_norm_eps") or 1e-6),
-            rope_theta=_rope_theta(text),
-            max_position_embeddings=int(text.get("max_position_embeddings") or 40960),
-            layer_types=tuple(SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION
-                              for i in range(num_hidden_layers)),
-            sliding_window=sliding_window,
-        )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ConfigError(f"unknown drafter config field {unknown[0]!r}; use one of {sorted(known)}")
-        fields.update(overrides)
-        return cls(**fields)
+        return drafter_config_from_teacher(teacher_config, target_layer_ids, mask_token_id, **options)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The export config.json: a Qwen3 config plus the DFlash fields."""
-        config: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            # Older readers look for rope_theta, transformers 5 for rope_parameters: write both.
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": False,
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            # Some engines read block_size from dflash_config instead of the top level.
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-                "block_size": self.block_size,
-                **({"mask_token": self.mask_token} if self.mask_token is not None else {}),
-            },
-            "layer_types": list(self.layer_types),
-            # transformers 4.x drops sliding_window unless use_sliding_window is true.
-            "use_sliding_window": self.any_sliding,
-        }
-        if self.any_sliding:
-            config["sliding_window"] = self.sliding_window
-        return config
+        """The export config.json (see hf_config.export_config)."""
+        from dflash_train.hf_config import export_config
+
+        return export_config(self)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "DrafterConfig":
-        """Read an export config.json back (the inverse of `to_hf_config`)."""
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "vocab_size", "num_target_layers", "dflash_config"):
-            if config.get(key) is None:
-                raise ConfigError(f"drafter config has no {key!r}; export the drafter again with export_drafter")
-        dflash = config["dflash_config"]
-        if not isinstance(dflash, Mapping):
-            raise ConfigError(f"drafter config dflash_config is {type(dflash).__name__}, not an object; re-export it")
-        for key in ("mask_token_id", "target_layer_ids"):
-            if dflash.get(key) is None:
-                raise ConfigError(f"drafter config dflash_config has no {key!r}; re-export the drafter")
-        block_size = config.get("block_size", dflash.get("block_size"))
-        if block_size is None:
-            raise ConfigError("drafter config has no 'block_size'; re-export the drafter")
-        num_layers = int(config["num_hidden_layers"])
-        layer_types = tuple(config.get("layer_types") or (FULL_ATTENTION,) * num_layers)
-        sliding = SLIDING_ATTENTION in layer_types
-        hidden_size = int(config["hidden_size"])
-        num_heads = int(config["num_attention_heads"])
-        return cls(
-            hidden_size=hidden_size,
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
-            num_target_layers=int(config["num_target_layers"]),
-            num_hidden_layers=num_layers,
-            block_size=int(block_size),
-            rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
-            rope_theta=_rope_theta(config),
-            max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
-            layer_types=layer_types,
-            # A Qwen3 config may carry an unused window; it only matters when a layer slides.
-            sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
-            mask_token=dflash.get("mask_token"),
-        )
+        """Read an export config.json back (see hf_config.drafter_config_from_export)."""
+        from dflash_train.hf_config import drafter_config_from_export
+
+        return drafter_config_from_export(config)
 
 
 def _require_int(name: str, value: Any) -> None:
@@ -293,24 +174,6 @@ def _require_positive_int(name: str, value: Any) -> None:
     _require_int(name, value)
     if value < 1:
         raise ConfigError(f"{name}={value} must be >= 1")
-
-
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language-model part of a config; multimodal wrappers (qwen3_5) nest it in text_config."""
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
-
-
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    """Rotary base from the top level (transformers 4) or rope_parameters (transformers 5)."""
-    if config.get("rope_theta") is not None:
-        return float(config["rope_theta"])
-    for key in ("rope_parameters", "rope_scaling"):
-        params = config.get(key)
-        if isinstance(params, Mapping) and params.get("rope_theta") is not None:
-            return float(params["rope_theta"])
-    # transformers' default base when a config names none.
-    return 10000.0
 
 
 def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import build_teacher, build_tokenizer  # noqa: E402
+from helpers import build_teacher, build_tokenizer, qa_rows, write_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +39,41 @@ def teacher_dir(tmp_path_factory, tokenizer_dir):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory, teacher_dir):
+    """Factory `tiny_cache(**overrides) -> cache URL`: a cache written by the real build, once per
+    session for each set of overrides. Defaults: 60 question/answer rows (helpers.qa_rows, seed 3),
+    the float32 qwen3 teacher, tapped layers (0, 2), top-k 6, 20 kB shards. Overrides: `rows` (the
+    corpus rows), `arch`, `dtype`, `layers`, `top_k`, `shard_bytes`, `chunk_bytes`, `compression`.
+    Tests only read it; a test that damages or extends a cache copies it first."""
+    from dflash_cache.build import BuildConfig, build_cache
+    from dflash_cache.corpus import CorpusConfig
+    from dflash_cache.teacher import TeacherConfig
+    from dflash_cache.writer import StorageConfig
+
+    built: dict[str, str] = {}
+
+    def get(rows: list[dict] | None = None, arch: str = "qwen3", dtype: str = "float32", layers=(0, 2), top_k: int = 6,
+            shard_bytes: int = 20_000, chunk_bytes: int | None = None, compression: str = "none") -> str:
+        rows = qa_rows(60, seed=3, prefix="s3-") if rows is None else rows
+        key = json.dumps([rows, arch, dtype, list(layers), top_k, shard_bytes, chunk_bytes, compression], sort_keys=True)
+        if key not in built:
+            root = tmp_path_factory.mktemp("tiny_cache")
+            sizes = {"shard_bytes": shard_bytes, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {})}
+            build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=write_jsonl(root / "chat.jsonl", rows)),
+                                    teacher=TeacherConfig(name_or_path=teacher_dir(arch), dtype=dtype, layers=tuple(layers),
+                                                          top_k=top_k),
+                                    storage=StorageConfig(compression=compression, **sizes)))
+            built[key] = str(root / "cache")
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def cache_url(tiny_cache) -> str:
+    """The training tests' cache: 100 question/answer rows (seed 1) on the tiny qwen3 teacher."""
+    return tiny_cache(rows=qa_rows(100, seed=1, prefix="t1-"))
+

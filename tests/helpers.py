@@ -12,9 +12,12 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from dflash_cache import open_cache
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -176,3 +179,28 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> str:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return str(path)
+
+
+def chat_rows(n: int, seed: int = 0) -> list[dict]:
+    sentences = english_like_sentences(4 * n, seed=seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "user", "content": sentences[4 * i]},
+                    {"role": "assistant", "content": " ".join(sentences[4 * i + 1: 4 * i + 1 + 1 + i % 3])}]
+        if i % 4 == 0:
+            messages = [{"role": "system", "content": "Be brief."}] + messages
+        rows.append({"id": f"chat-{i:04d}", "messages": messages})
+    return rows
+
+
+def cache_content(url) -> dict:
+    cache = open_cache(str(url))
+    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden, np.float32).copy(),
+                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
+
+
+def assert_same_content(a: dict, b: dict):
+    assert list(a) == list(b)
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            np.testing.assert_array_equal(x, y)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import english_like_sentences, write_jsonl
+from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -29,18 +29,6 @@ from dflash_common.errors import CacheError, ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def chat_rows(n: int, seed: int = 0) -> list[dict]:
-    sentences = english_like_sentences(4 * n, seed=seed)
-    rows = []
-    for i in range(n):
-        messages = [{"role": "user", "content": sentences[4 * i]},
-                    {"role": "assistant", "content": " ".join(sentences[4 * i + 1: 4 * i + 1 + 1 + i % 3])}]
-        if i % 4 == 0:
-            messages = [{"role": "system", "content": "Be brief."}] + messages
-        rows.append({"id": f"chat-{i:04d}", "messages": messages})
-    return rows
-
-
 def make_config(data, out, teacher, dtype="float32", layers=(0, 1, 2), top_k=8, batch_tokens=256,
                 shard_bytes=40_000, **kw) -> BuildConfig:
     return BuildConfig(
@@ -48,19 +36,6 @@ def make_config(data, out, teacher, dtype="float32", layers=(0, 1, 2), top_k=8, 
         teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=layers, top_k=top_k, batch_tokens=batch_tokens),
         storage=StorageConfig(shard_bytes=shard_bytes), **kw,
     )
-
-
-def cache_content(url) -> dict:
-    cache = open_cache(str(url))
-    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden, np.float32).copy(),
-                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
-
-
-def assert_same_content(a: dict, b: dict):
-    assert list(a) == list(b)
-    for key in a:
-        for x, y in zip(a[key], b[key]):
-            np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "llama"])

@@ -7,13 +7,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import english_like_sentences, write_jsonl
+from helpers import english_like_sentences
 
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_train.data import (
     Batch,
     DataConfig,
@@ -30,18 +26,12 @@ from dflash_train.noise import NoiseConfig
 
 
 @pytest.fixture(scope="module")
-def small_cache(tmp_path_factory, teacher_dir):
-    root = tmp_path_factory.mktemp("data_cache")
+def small_cache(tiny_cache):
     sentences = english_like_sentences(240, seed=7)
     rows = [{"id": f"s{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
                                               {"role": "assistant", "content": sentences[2 * i + 1] * (1 + i % 3)}]}
             for i in range(120)]
-    data = write_jsonl(root / "chat.jsonl", rows)
-    cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="bfloat16", layers=(0, 2), top_k=4),
-                      storage=StorageConfig(shard_bytes=12_000))
-    build_cache(cfg)
-    return str(root / "cache")
+    return tiny_cache(rows=rows, dtype="bfloat16", top_k=4, shard_bytes=12_000)
 
 
 def test_epoch_order_is_a_seeded_permutation_grouped_by_shard():

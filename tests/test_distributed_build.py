@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import write_jsonl
-from test_build import assert_same_content, cache_content, chat_rows
+from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app

@@ -14,7 +14,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from test_train import cache_url  # noqa: F401  (module fixture reused)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from typer.testing import CliRunner
@@ -99,7 +98,7 @@ def _same_train_metrics(single: Path, run: Path):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, cache_url):  # noqa: F811
+def single(tmp_path_factory, cache_url):
     run = tmp_path_factory.mktemp("single") / "run"
     _one_process("run", "--cache", cache_url, "--out", str(run), *ARGS)
     return run

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import torch
-from test_train import cache_url  # noqa: F401  (module fixture reused)
 from typer.testing import CliRunner
 
 from cli.train import app

@@ -16,6 +16,7 @@ from dflash_train.config import TrainConfig
 from dflash_train.knobs import find_knob, option_overrides, readme_with_table, train_knobs
 from dflash_train.loss import LossConfig
 from dflash_train.sweep import parse_grid
+from dflash_train.sweep.plan import sweep_knobs
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -50,6 +51,9 @@ def test_run_and_sweep_have_one_option_per_knob_with_help_from_the_field():
         assert knob.flag in run, knob.flag
         assert run[knob.flag].help.startswith(knob.doc[:40]), knob.flag
         assert knob.flag in sweep or knob.name in ("cache", "out"), knob.flag
+    for knob in sweep_knobs():  # the sweep's own settings come from SweepConfig's and MeasureConfig's fields
+        assert knob.flag in sweep and knob.flag not in run and sweep[knob.flag].help.startswith(knob.doc[:40]), knob.flag
+    assert {k.name for k in sweep_knobs()} >= {"parallel", "devices", "seeds", "design", "curve_points", "teacher"}
     assert "default kl; config loss.kind" in run["--loss"].help
     assert "--no-streak-decay" in run["--streak-decay"].secondary_opts
 

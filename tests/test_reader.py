@@ -7,35 +7,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import english_like_sentences, write_jsonl
+from helpers import english_like_sentences
 
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.reader import ChunkFiles
-from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_common.errors import CacheError
 
 
-def _build(root: Path, teacher: str, dtype: str, compression: str = "none") -> str:
+@pytest.fixture(scope="module")
+def caches(tiny_cache):
     sentences = english_like_sentences(120, seed=3)
     rows = [{"id": f"r{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
                                               {"role": "assistant", "content": sentences[2 * i + 1] * (1 + i % 4)}]}
             for i in range(60)]
-    data = write_jsonl(root / "chat.jsonl", rows)
-    out = str(root / f"cache-{dtype}-{compression}")
-    build_cache(BuildConfig(out=out, corpus=CorpusConfig(data=data),
-                            teacher=TeacherConfig(name_or_path=teacher, dtype=dtype, layers=(0, 1, 2), top_k=4),
-                            storage=StorageConfig(shard_bytes=40_000, chunk_bytes=3_000, compression=compression)))
-    return out
-
-
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory, teacher_dir):
-    root = tmp_path_factory.mktemp("reader")
-    return {dtype: _build(root, teacher_dir("qwen3"), dtype) for dtype in ("bfloat16", "float32")} | {
-        "zstd": _build(root, teacher_dir("qwen3"), "bfloat16", "zstd")}
+    options = dict(rows=rows, layers=(0, 1, 2), top_k=4, shard_bytes=40_000, chunk_bytes=3_000)
+    return {dtype: tiny_cache(dtype=dtype, **options) for dtype in ("bfloat16", "float32")} | {
+        "zstd": tiny_cache(dtype="bfloat16", compression="zstd", **options)}
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "float32"])

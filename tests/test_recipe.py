@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-from helpers import qa_rows, write_jsonl
+from helpers import qa_rows
 from typer.testing import CliRunner
 
 from cli.train import app
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
 from dflash_train.recipe import (
@@ -203,13 +199,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory, teacher_dir):
-    root = tmp_path_factory.mktemp("recipe_cache")
-    data = write_jsonl(root / "chat.jsonl", qa_rows(30, seed=5, prefix="r5-"))
-    build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                            teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 2), top_k=6),
-                            storage=StorageConfig(shard_bytes=20_000)))
-    return str(root / "cache")
+def recipe_cache(tiny_cache):
+    return tiny_cache(rows=qa_rows(30, seed=5, prefix="r5-"))
 
 
 SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=300", "data.num_anchors=4",
@@ -228,10 +219,10 @@ def _weights(out: Path, seed: int) -> dict:
     return safetensors.torch.load_file(str(out / "runs" / f"loss-kl_seed-{seed}" / "drafter" / "model.safetensors"))
 
 
-def test_seeds_change_the_weights_and_one_seed_repeats_bit_for_bit(tiny_cache, tmp_path, one_thread):
-    output = _seed_sweep(tiny_cache, tmp_path / "two", 2)
+def test_seeds_change_the_weights_and_one_seed_repeats_bit_for_bit(recipe_cache, tmp_path, one_thread):
+    output = _seed_sweep(recipe_cache, tmp_path / "two", 2)
     assert "Reference: **loss=kl**" in output  # the CLI prints summary.md
-    _seed_sweep(tiny_cache, tmp_path / "one", 1)
+    _seed_sweep(recipe_cache, tmp_path / "one", 1)
     first, second, again = _weights(tmp_path / "two", 0), _weights(tmp_path / "two", 1), _weights(tmp_path / "one", 0)
     assert first.keys() == again.keys()
     assert all((first[k] == again[k]).all() and first[k].dtype == again[k].dtype for k in first), "seed 0 twice differs"

@@ -18,8 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from helpers import build_teacher, qa_rows, write_jsonl
-from test_build import assert_same_content, cache_content, chat_rows
+from helpers import assert_same_content, build_teacher, cache_content, chat_rows, qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
@@ -262,13 +261,8 @@ def test_disk_full_stops_cleanly_and_the_same_command_resumes(full_case, failing
 
 
 @pytest.fixture(scope="module")
-def train_cache(tmp_path_factory, teacher_dir):
-    root = tmp_path_factory.mktemp("fault_train")
-    data = write_jsonl(root / "chat.jsonl", qa_rows(48, seed=2, prefix="r2-"))
-    result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--out", str(root / "cache"),
-                                            "--dtype", "float32", "--layers", "0,2", "--top-k", "6", "--shard-size", "20kB", "--quiet"])
-    assert result.exit_code == 0, result.output
-    return str(root / "cache")
+def train_cache(tiny_cache):
+    return tiny_cache(rows=qa_rows(48, seed=2, prefix="r2-"))
 
 
 TRAIN_ARGS = ["--steps", "8", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300", "--num-anchors", "4",

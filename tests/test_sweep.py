@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers import qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.train import app
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig, config_differences
 from dflash_train.knobs import train_knobs
@@ -205,14 +200,8 @@ def test_failure_reason_reads_this_sessions_last_error():
 
 
 @pytest.fixture(scope="module")
-def cache_url(tmp_path_factory, teacher_dir):
-    root = tmp_path_factory.mktemp("sweep_cache")
-    data = write_jsonl(root / "chat.jsonl", qa_rows(60, seed=3, prefix="s3-"))
-    cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                      teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 2), top_k=6),
-                      storage=StorageConfig(shard_bytes=20_000))
-    build_cache(cfg)
-    return str(root / "cache")
+def cache_url(tiny_cache):
+    return tiny_cache()
 
 
 SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400", "data.num_anchors=4",

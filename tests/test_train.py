@@ -22,7 +22,6 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_train.config import ModelOptions, TrainConfig
 from dflash_train.data import Batch, DataConfig, EpochPlan, load_batch
 from dflash_train.evaluate import batch_loss
@@ -32,21 +31,6 @@ from dflash_train.trainer import build_drafter, lr_factor
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (0, 2)
 
-
-
-def _build(root: Path, teacher: str, rows) -> str:
-    root.mkdir(parents=True, exist_ok=True)
-    data = write_jsonl(root / "chat.jsonl", rows)
-    cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
-                      teacher=TeacherConfig(name_or_path=teacher, dtype="float32", layers=LAYERS, top_k=6),
-                      storage=StorageConfig(shard_bytes=20_000))
-    build_cache(cfg)
-    return str(root / "cache")
-
-
-@pytest.fixture(scope="module")
-def cache_url(tmp_path_factory, teacher_dir):
-    return _build(tmp_path_factory.mktemp("train_cache"), teacher_dir("qwen3"), qa_rows(100, seed=1, prefix="t1-"))
 
 
 def test_lr_schedule_hand_values():
@@ -133,7 +117,7 @@ def test_exact_resume_after_sigkill(tmp_path, cache_url):
     assert set(exported) == set(a) and "embed_tokens.weight" not in exported
 
 
-def test_refusals_one_line(tmp_path, cache_url, teacher_dir):
+def test_refusals_one_line(tmp_path, cache_url, tiny_cache):
     run_dir = tmp_path / "run"
     runner = CliRunner()
     args = ["run", "--cache", cache_url, "--out", str(run_dir), "--steps", "2", "--num-layers", "1", "--block-size", "4",
@@ -143,7 +127,7 @@ def test_refusals_one_line(tmp_path, cache_url, teacher_dir):
     assert again.exit_code == 1 and "already holds checkpoints; pass --resume" in again.output
     changed = runner.invoke(app, args[:-1] + ["--resume", "--block-size", "8", "--quiet"])
     assert changed.exit_code == 1 and "model settings differ" in changed.output
-    other = _build(tmp_path / "other", teacher_dir("qwen3"), qa_rows(40, seed=9, prefix="t9-"))
+    other = tiny_cache(rows=qa_rows(40, seed=9, prefix="t9-"))
     wrong = runner.invoke(app, ["run", "--cache", other, "--out", str(run_dir), "--resume", "--steps", "4", "--quiet"])
     assert wrong.exit_code == 1 and "different cache" in wrong.output and "Traceback" not in wrong.output
     bad = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r2"), "--block-size", "1"])

@@ -1,4 +1,5 @@
-"""Streaming rows from JSON Lines, Parquet, Arrow and saved `datasets` folders, each held to the row limits.
+"""Streaming rows from JSON Lines, Parquet, Arrow and saved `datasets` folders, each held to the
+row limits.
 """
 
 from __future__ import annotations

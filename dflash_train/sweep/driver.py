@@ -1,5 +1,7 @@
 """run_sweep: train every unfinished combination, then rewrite the comparison."""
 
+from __future__ import annotations
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -1,4 +1,7 @@
-"""A sweep's grid: --grid keys and values, their combinations, the run names and the config each sets."""
+"""A sweep's grid: --grid keys and values, their combinations, the run names and the config each
+combination sets."""
+
+from __future__ import annotations
 
 import hashlib
 import itertools

@@ -1,4 +1,7 @@
-"""What a sweep trains: its config, the seeds and designs (full grid, one at a time), the presets and every run's name and TrainConfig."""
+"""What a sweep trains: its config, the seeds and designs (full grid, one at a time), the presets,
+and every run's name and TrainConfig."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -6,6 +9,7 @@ from typing import Any, Sequence
 
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.knobs import Knob, config_knobs
 from dflash_train.recipe import (
     MeasureConfig,
 )
@@ -71,23 +75,26 @@ class SweepConfig:
     """Swept settings (see parse_grid); every combination of their values is one run."""
 
     parallel: int | None = None
-    """Runs trained at once, each in its own process; 1 with no ``devices`` trains them one after
-    the other in this process. None: one per entry of ``devices``, or 1 when none are listed."""
+    """Runs trained at once, each in a process of its own with its log in runs/<name>/train.log; 1
+    with no devices trains them one after the other in this process. Unset: one per entry of
+    devices, or 1 when none are listed."""
 
     devices: tuple[str, ...] = ()
-    """Devices of the parallel slots, e.g. ("cuda:0", "cuda:1"); slot i uses devices[i % len], so
-    a device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
-    visible GPU when the base device is auto or cuda and CUDA is present, else the base device."""
+    """Devices of the parallel runs, e.g. cuda:0,cuda:1; slot i uses device i modulo their count, so a
+    device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
+    visible GPU when the base device is auto or cuda and CUDA is present, else the base device
+    (on CPU the cores are shared out)."""
 
     seeds: int | None = None
-    """Seeds per combination: run i of a combination sets the drafter init, the anchor sampling
-    and the noise (SEED_PATHS) all to i, for i in 0..seeds-1, and the report gives each
-    configuration's mean and 95% interval over them. None: one run per combination with the
-    base config's seeds (no seed in the run names)."""
+    """Runs per combination with seeds 0..N-1: run i sets the drafter init, the anchor sampling and
+    the noise all to i (SEED_PATHS), and summary.md gives each configuration's mean and 95%
+    interval over them. Unset: one run per combination with the base config's seeds (no seed in
+    the run names)."""
 
     design: str = "full"
-    """"full": every combination of the grid; "one-at-a-time": only those that differ from one
-    of ``centers`` in at most one grid key."""
+    """"full": every combination of the grid; "one-at-a-time": only those that differ from a center
+    (the reference, or a preset's) in at most one grid key, with --preset recipe plus the full
+    recipe."""
 
     centers: tuple[tuple[tuple[str, Any], ...], ...] = ()
     """Combinations ((key, value), ...) around which "one-at-a-time" varies one key at a time
@@ -184,6 +191,13 @@ PRESETS: dict[str, Preset] = {
                                (("noise.distribution", "uniform"), ("noise.start", 0.1), ("noise.end", 0.01))))),
         reference=PAPER_RECIPE, centers=(PAPER_RECIPE,), include=(FULL_RECIPE,), seeds=3, curve_points=3),
 }
+
+
+def sweep_knobs() -> tuple[Knob, ...]:
+    """The settings of a sweep a command line gives, declared by SweepConfig's and MeasureConfig's
+    fields (the grid, the preset's choices and the train settings come separately)."""
+    return (config_knobs(SweepConfig, ("parallel", "devices", "seeds", "design"), panel="sweep settings")
+            + config_knobs(MeasureConfig, panel="what each run measures"))
 
 
 def preset(name: str) -> Preset:

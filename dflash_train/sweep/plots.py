@@ -1,5 +1,7 @@
 """The sweep's figures: loss curves and acceptance by block position, one line per run."""
 
+from __future__ import annotations
+
 import os
 from pathlib import Path
 
@@ -29,12 +31,7 @@ def plot_loss_curves(curves: dict[str, tuple[list[int], list[float]]], path: str
     values = [v for _, losses in curves.values() for v in losses]
     if values and min(values) > 0:
         ax.set_yscale("log")  # losses of different kinds span orders of magnitude
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss")
-    ax.set_title("train loss by run")
-    ax.grid(alpha=0.3)
-    legend(fig, ax, len(curves))
-    save_figure(fig, Path(path))
+    finish(fig, ax, "step", "train loss", "train loss by run", len(curves), path)
 
 
 def plot_acceptance_by_position(curves: dict[str, list[float]], path: str | Path) -> None:
@@ -51,11 +48,17 @@ def plot_acceptance_by_position(curves: dict[str, list[float]], path: str | Path
     else:
         ax.text(0.5, 0.5, "no held-out evaluation (eval_sequences = 0)", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("held-out acceptance alpha_k")
-    ax.set_title("held-out acceptance by block position")
+    finish(fig, ax, "block position k", "held-out acceptance alpha_k", "held-out acceptance by block position",
+           len(curves), path)
+
+
+def finish(fig, ax, xlabel: str, ylabel: str, title: str, lines: int, path: str | Path) -> None:
+    """Label the axes, add a grid and the legend, and save the figure as a PNG at `path`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    legend(fig, ax, len(curves))
+    legend(fig, ax, lines)
     save_figure(fig, Path(path))
 
 

@@ -1,4 +1,7 @@
-"""Runs in processes of their own: device slots, which waiting run starts where, failures and their logs."""
+"""Runs in processes of their own: device slots, which waiting run starts where, failures and
+their logs."""
+
+from __future__ import annotations
 
 import dataclasses
 import json

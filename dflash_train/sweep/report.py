@@ -1,5 +1,7 @@
 """The comparison of a sweep's runs: results.csv, results.md, the figures and sweep.json."""
 
+from __future__ import annotations
+
 import csv
 import dataclasses
 import io

@@ -1,4 +1,7 @@
-"""What a run folder already holds (its metrics, whether it is finished), and training or resuming one run."""
+"""What a run folder already holds (its metrics, whether it is finished), and training or resuming
+one run."""
+
+from __future__ import annotations
 
 import json
 from dataclasses import dataclass
