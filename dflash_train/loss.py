@@ -59,6 +59,10 @@ class LossConfig:
     streak_decay: bool = False
     """Multiply the "streak" weights by the "decay" weights; only valid with weighting "streak"."""
 
+    min_weight: float = 0.0
+    """Floor of every position weight, in [0, 1]: late block positions keep at least this share of
+    the training signal however small decay or streak makes their weight (0 = no floor)."""
+
     chunk_positions: int | None = None
     """Valid positions whose full-vocabulary fp32 logits exist at once; None sizes chunks by
     chunk_bytes. The loss's peak memory is about 5 x chunk_positions x vocab x 4 bytes (measured
@@ -92,6 +96,8 @@ class LossConfig:
             raise ConfigError(
                 f"streak_smoothing {self.streak_smoothing!r} is not a number in [0, 1] (pass e.g. 0.5)"
             )
+        if not is_real(self.min_weight) or not 0.0 <= self.min_weight <= 1.0:
+            raise ConfigError(f"min_weight {self.min_weight!r} is not a number in [0, 1] (pass e.g. 0.05, or 0 for no floor)")
         if not isinstance(self.streak_decay, bool):
             raise ConfigError(f"streak_decay {self.streak_decay!r} is not a bool (pass True or False)")
         if self.streak_decay and self.weighting != "streak":
@@ -204,9 +210,11 @@ def position_weights(
         return torch.ones(num_blocks, num_positions, device=valid.device)
     decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
     if cfg.weighting == "decay":
-        return decay.expand(num_blocks, num_positions).clone()
-    weights = streak_weights(alpha, valid, cfg.streak_smoothing)
-    return weights * decay if cfg.streak_decay else weights
+        weights = decay.expand(num_blocks, num_positions).clone()
+    else:
+        weights = streak_weights(alpha, valid, cfg.streak_smoothing)
+        weights = weights * decay if cfg.streak_decay else weights
+    return weights.clamp(min=cfg.min_weight)
 
 
 def bucket_kl(

@@ -224,6 +224,17 @@ def test_streak_weights_are_detached_and_optionally_decayed():
     torch.testing.assert_close(w, expected)
 
 
+def test_min_weight_floors_decay_and_streak_weights():
+    alpha, valid = torch.tensor([[0.5, 0.5, 0.5, 0.5]]), torch.ones(1, 4, dtype=torch.bool)
+    decay = position_weights(alpha, valid, LossConfig(weighting="decay", gamma=1.0, min_weight=0.2), block_size=5)
+    torch.testing.assert_close(decay, torch.tensor([[1.0, math.exp(-1.0), 0.2, 0.2]]))  # exp(-2), exp(-3) < 0.2
+    streak = position_weights(alpha, valid, LossConfig(streak_smoothing=0.0, min_weight=0.2), block_size=5)
+    torch.testing.assert_close(streak, torch.tensor([[1.0, 0.5, 0.25, 0.2]]))  # 0.125 floored
+    assert position_weights(alpha, valid, LossConfig(streak_smoothing=0.0), block_size=5)[0, 3].item() == 0.125
+    with pytest.raises(ConfigError, match=r"min_weight 1.5 is not a number in \[0, 1\]"):
+        LossConfig(min_weight=1.5)
+
+
 def uniform_ce_case(valid_mask):
     """Every position has drafter probability 0.25 on its target (uniform over 4 ids)."""
     p = len(valid_mask)
