@@ -193,10 +193,16 @@ def chat_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def cache_content(url) -> dict:
-    cache = open_cache(str(url))
-    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden, np.float32).copy(),
-                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
+def cache_content(url, storage_options: dict | None = None) -> dict:
+    """Every sequence's arrays by id, the hidden states as their bits, for bit-exact comparisons."""
+    cache = open_cache(str(url), storage_options)
+
+    def bits(hidden) -> np.ndarray:
+        hidden = np.asarray(hidden)
+        return hidden.view(f"u{hidden.dtype.itemsize}").copy()
+
+    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), bits(r.hidden), r.topk_ids.copy(), r.topk_logprobs.copy())
+            for r in cache.sequences()}
 
 
 def assert_same_content(a: dict, b: dict):

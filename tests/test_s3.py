@@ -16,7 +16,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
-from helpers import qa_rows, write_jsonl  # noqa: E402
+from helpers import assert_same_content, cache_content, qa_rows, write_jsonl  # noqa: E402
 from s3_server import reset_s3_clients, s3_server  # noqa: E402,F401  (s3_server: module-scoped fixture)
 from typer.testing import CliRunner  # noqa: E402
 
@@ -38,19 +38,6 @@ def _invoke(app, args: list[str], code: int = 0):
 def _build(teacher: str, data: str, out: str, *extra: str):
     return _invoke(cache_app, ["build", "--teacher", teacher, "--data", data, "--out", out, *BUILD_OPTIONS,
                                "--quiet", *extra])
-
-
-def _content(url: str, storage_options: dict | None = None) -> dict:
-    cache = open_cache(url, storage_options)
-    return {r.id: (r.input_ids.copy(), r.loss_mask.copy(), np.asarray(r.hidden).view(np.uint16).copy(),
-                   r.topk_ids.copy(), r.topk_logprobs.copy()) for r in cache.sequences()}
-
-
-def _assert_same(a: dict, b: dict):
-    assert list(a) == list(b)
-    for key in a:
-        for x, y in zip(a[key], b[key]):
-            np.testing.assert_array_equal(x, y)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +68,7 @@ def test_build_info_verify_and_read_equal_local(s3_server, built):  # noqa: F811
     for shard in s3_cache.shards:
         assert f"cache/shards/{shard.name}.json" in keys
         assert {f"cache/shards/{shard.name}/{f}" for f in shard.record["files"]} <= keys
-    _assert_same(_content(url), _content(local))
+    assert_same_content(cache_content(url), cache_content(local))
     # Random access by id, the teacher's frozen pieces and the tokenizer come back too.
     np.testing.assert_array_equal(s3_cache["s3-007"].input_ids, local_cache["s3-007"].input_ids)
     assert s3_cache.teacher_config() == local_cache.teacher_config()
@@ -104,7 +91,8 @@ def test_storage_options_instead_of_environment(s3_server, built, monkeypatch): 
         options = json.dumps({"endpoint_url": s3_server.endpoint})
         assert "sequences    40" in _invoke(cache_app, ["info", built["url"], "--storage-options", options]).output
         _invoke(cache_app, ["verify", built["url"], "--storage-options", options, "--quiet"])
-        _assert_same(_content(built["url"], {"endpoint_url": s3_server.endpoint}), _content(built["local"]))
+        s3_content = cache_content(built["url"], {"endpoint_url": s3_server.endpoint})
+        assert_same_content(s3_content, cache_content(built["local"]))
     finally:
         reset_s3_clients()
 
@@ -198,7 +186,7 @@ def test_resume_after_losing_the_last_commit_record(s3_server, built):  # noqa: 
     assert after.manifest["shards"] == before.manifest["shards"] == open_cache(built["local"]).manifest["shards"]
     keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"resumed/shards/{last}/")["Contents"]}
     assert keys == {f"resumed/shards/{last}/{f}" for f in after.shards[-1].record["files"]}
-    _assert_same(_content(url), _content(built["local"]))
+    assert_same_content(cache_content(url), cache_content(built["local"]))
     _invoke(cache_app, ["verify", url, "--quiet"])
 
 
