@@ -242,10 +242,7 @@ def write_synthetic_cache(s: Sizes, root: Path, seed: int = 0) -> tuple[str, flo
             topk_logprobs=-np.cumsum(rng.exponential(0.3, (n, s.top_k)), axis=1).astype(np.float32) - 0.1)
         records.append(write_shard(fs, str(root), shard, storage, "bfloat16"))
         payload += hidden.nbytes + n * fmt.token_bytes_per_token(s.top_k)
-    manifest = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "complete": True, "teacher": {},
-                "layer_ids": list(s.tapped), "hidden_size": s.hidden, "hidden_dtype": "bfloat16",
-                "hidden_storage": "uint16", "top_k": s.top_k, "shards": records, "totals": fmt.totals(records)}
-    fmt.write_json_atomic(fs, fmt.join(str(root), fmt.MANIFEST), manifest)
+    fmt.write_manifest(fs, str(root), fmt.manifest_header(s.tapped, s.hidden, "bfloat16", s.top_k), records, complete=True)
     return str(root), payload / 1e9
 
 

@@ -174,10 +174,7 @@ def write_manifest(shards_dir_root: Path) -> None:
     """The minimal manifest open_cache needs (build.py writes the full one; not timed)."""
     fs, root = fmt.url_to_fs(str(shards_dir_root))
     records = [fmt.read_json(fs, str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).glob("*.json"))]
-    manifest = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "complete": True, "teacher": {},
-                "layer_ids": LAYERS, "hidden_size": HIDDEN, "hidden_dtype": "bfloat16", "hidden_storage": "uint16",
-                "top_k": TOP_K, "totals": fmt.totals(records), "shards": records}
-    fmt.write_json_atomic(fs, fmt.join(root, fmt.MANIFEST), manifest)
+    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), records, complete=True)
 
 
 # --- the read methods: each touches every array of every sequence; returns tokens read --------

@@ -164,24 +164,12 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
 
 
 def _header(cfg: BuildConfig, teacher: Teacher, files: list[str]) -> dict:
-    return {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "complete": False,
-        "teacher": teacher.identity,
-        "tokenizer": tokenizer_hashes(teacher.tokenizer),
-        "layer_ids": teacher.layer_ids,
-        "hidden_size": teacher.hidden_size,
-        "hidden_dtype": cfg.teacher.dtype,
-        "hidden_format": cfg.storage.hidden_format,
-        "hidden_storage": fmt.stored_dtype(cfg.teacher.dtype, cfg.storage.hidden_format).name,
-        "top_k": cfg.teacher.top_k,
-        "topk_ids_dtype": "int32",
-        "topk_logprobs_dtype": "float32",
-        "corpus": {"fingerprint": corpus_fingerprint(files), "files": len(files)},
-        "content_options": _content_options(cfg),
-        "build": cfg.to_dict(),
-    }
+    return fmt.manifest_header(
+        teacher.layer_ids, teacher.hidden_size, cfg.teacher.dtype, cfg.teacher.top_k, cfg.storage.hidden_format,
+        teacher=teacher.identity, tokenizer=tokenizer_hashes(teacher.tokenizer),
+        corpus={"fingerprint": corpus_fingerprint(files), "files": len(files)},
+        content_options=_content_options(cfg), build=cfg.to_dict(),
+    )
 
 
 def _resume_view(manifest: dict, key: str):
@@ -339,8 +327,8 @@ class _ManifestKeeper:
 
     def write(self, complete: bool, **extra) -> dict:
         started = time.perf_counter()
-        manifest = dict(self.header, complete=complete, totals=fmt.totals(self.records), shards=self.records, **extra)
-        fmt.write_json_atomic(self.fs, fmt.join(self.root, fmt.MANIFEST), manifest, fault_point="during_manifest_write")
+        manifest = fmt.write_manifest(self.fs, self.root, self.header, self.records, complete,
+                                      fault_point="during_manifest_write", **extra)
         self.last_written = time.perf_counter()
         self.last_write_s = self.last_written - started
         return manifest

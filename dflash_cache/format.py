@@ -299,6 +299,27 @@ def read_manifest(fs, root: str, url: str | None = None) -> dict:
     return check_manifest(manifest, url or root)
 
 
+def manifest_header(layer_ids, hidden_size: int, hidden_dtype: str, top_k: int, hidden_format: str = LOSSLESS,
+                    teacher: dict | None = None, tokenizer: dict | None = None, **provenance: Any) -> dict:
+    """A manifest's fields apart from its shards: what the arrays of every shard are (tapped layers,
+    width, dtype and storage, k), the teacher, and what a build adds of its provenance (corpus,
+    content options, build config). The one place these fields are put together: builds,
+    benchmarks and tests all make manifests through it and write_manifest."""
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": False, "teacher": teacher or {},
+            **({"tokenizer": tokenizer} if tokenizer is not None else {}),
+            "layer_ids": list(layer_ids), "hidden_size": int(hidden_size), "hidden_dtype": hidden_dtype,
+            "hidden_format": hidden_format, "hidden_storage": stored_dtype(hidden_dtype, hidden_format).name,
+            "top_k": int(top_k), "topk_ids_dtype": "int32", "topk_logprobs_dtype": "float32", **provenance}
+
+
+def write_manifest(fs, root: str, header: dict, records: list[dict], complete: bool, fault_point: str | None = None,
+                   **extra: Any) -> dict:
+    """Write manifest.json over these shard records (atomically: index written last) and return it."""
+    manifest = dict(header, complete=complete, totals=totals(records), shards=records, **extra)
+    write_json_atomic(fs, join(root, MANIFEST), manifest, fault_point=fault_point)
+    return manifest
+
+
 def totals(shards: list[dict]) -> dict[str, int]:
     """Sum of the per-shard counters."""
     keys = ("sequences", "tokens", "loss_tokens", "bytes")

@@ -117,9 +117,7 @@ def test_bfloat16_storage_is_lossless(tmp_path):
                       topk_ids=np.zeros((37, 3), np.int32), topk_logprobs=np.zeros((37, 3), np.float32))
     fs, root = fmt.url_to_fs(str(tmp_path))
     record = write_shard(fs, root, shard, StorageConfig(chunk_bytes=256), "bfloat16")
-    manifest = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "teacher": {}, "layer_ids": [0, 1],
-                "hidden_size": 16, "hidden_dtype": "bfloat16", "top_k": 3, "shards": [record]}
-    fmt.write_json_atomic(fs, fmt.join(root, fmt.MANIFEST), manifest)
+    fmt.write_manifest(fs, root, fmt.manifest_header([0, 1], 16, "bfloat16", 3), [record], complete=False)
     cache = open_cache(str(tmp_path))
     read = np.concatenate([np.asarray(cache[i].hidden) for i in ("a", "b")])
     assert read.dtype.name == "bfloat16"
