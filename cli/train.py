@@ -16,33 +16,15 @@ from dflash_train.sweep.plan import sweep_knobs
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
 
-def _parse_set(items: list[str]) -> dict:
-    out: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"--set takes section.key=value, got {item!r}")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        target = out
-        *sections, last = key.split(".")
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[last] = parsed
-    return out
-
-
 def _train_config(config, resume, out, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
     from dflash_train.config import config_from_dict, merge, read_config_file
-    from dflash_train.knobs import option_overrides
+    from dflash_train.knobs import option_overrides, set_overrides
 
     saved = Path(out) / "config.json"
     base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
-    return config_from_dict(merge(merge(base, option_overrides(knob_values)), _parse_set(sets)))
+    return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
 
 
 @app.command("run")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 import types
 import typing
@@ -173,6 +174,25 @@ def option_overrides(options: Mapping[str, Any]) -> dict:
             target = target.setdefault(section, {})
         target[knob.path[-1]] = list(value) if isinstance(value, tuple) else value
     return with_run_length(out)
+
+
+def set_overrides(items: Sequence[str]) -> dict:
+    """Nested config overrides from --set items "section.key=value" (a JSON value, else the text)."""
+    out: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set takes section.key=value, got {item!r}; e.g. --set loss.chunk_positions=1024")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        target = out
+        *sections, last = key.strip().split(".")
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[last] = value
+    return out
 
 
 def readme_table() -> str:

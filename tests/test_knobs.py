@@ -13,7 +13,7 @@ from cli.train import _train_config, app
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_train.config import TrainConfig
-from dflash_train.knobs import find_knob, option_overrides, readme_with_table, train_knobs
+from dflash_train.knobs import find_knob, option_overrides, readme_with_table, set_overrides, train_knobs
 from dflash_train.loss import LossConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
@@ -88,6 +88,13 @@ def test_bad_option_text_is_one_line_naming_the_option(name, text, message):
     with pytest.raises(ConfigError) as err:
         option_overrides({name: text})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_set_items_are_json_values_at_their_paths():
+    assert set_overrides(["loss.chunk_positions=1024", "optim.betas=[0.8, 0.9]", "device=cpu", "loss.kind=ce"]) == {
+        "loss": {"chunk_positions": 1024, "kind": "ce"}, "optim": {"betas": [0.8, 0.9]}, "device": "cpu"}
+    with pytest.raises(ConfigError, match="--set takes section.key=value, got 'loss.kind'; e.g. --set"):
+        set_overrides(["loss.kind"])
 
 
 def test_every_knob_is_a_grid_key_by_its_name_or_path():
