@@ -15,7 +15,6 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import DataConfig
-from dflash_train.distributed import STRATEGIES
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossConfig
 from dflash_train.model import ATTENTION_CHOICES
@@ -71,6 +70,9 @@ class ModelOptions:
         names = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+
+STRATEGIES = ("ddp", "fsdp")
+"""Data parallelism under torchrun (dflash_train.distributed carries them out)."""
 
 # How a run computes, not what it learns: a resumed run may change these.
 MODEL_OPERATIONAL = ("attention_backend",)

@@ -14,8 +14,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-STRATEGIES = ("ddp", "fsdp")
-
 
 @dataclass(frozen=True)
 class DistInfo:
