@@ -85,7 +85,7 @@ def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:
 
 
 def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
-    """Give a command one option per train knob (dflash_train.knobs), after its own parameters: the
+    """Give a command one option per knob (dflash_train.knobs), after its own parameters: the
     option's name, type, help and default text all come from the config field. The command gets
     them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}."""
     from rich.markup import escape

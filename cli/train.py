@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -10,19 +9,19 @@ from typing import Optional
 import typer
 
 from cli.common import BarProgress, json_option, knob_options, run
-from dflash_train.knobs import train_knobs
+from dflash_train.knobs import nested_values, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
 
-def _train_config(config, resume, out, knob_values, sets):
+def _train_config(config, resume, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
     from dflash_train.config import config_from_dict, merge, read_config_file
     from dflash_train.knobs import option_overrides, set_overrides
 
-    saved = Path(out) / "config.json"
+    saved = Path(knob_values["out"]) / "config.json"
     base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
     return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
 
@@ -43,7 +42,7 @@ def run_(
     def action():
         from dflash_train.trainer import train
 
-        cfg = _train_config(config, resume or resume_from is not None, knob_values["out"], knob_values, set_)
+        cfg = _train_config(config, resume or resume_from is not None, knob_values, set_)
         result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet), resume_from=resume_from)
         if result.before and result.after:
             typer.echo(f"held-out tau: {result.before['tau']:.3f} before -> {result.after['tau']:.3f} after {result.steps} steps")
@@ -318,19 +317,15 @@ def sweep(
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
         from dflash_train.sweep import preset as find_preset
 
-        own = {k.name: k.value(knob_values.pop(k.name)) for k in sweep_knobs()}
-        given = {name: value for name, value in own.items() if value is not None}
-        base = _train_config(config, False, out, {**knob_values, "cache": cache, "out": out}, set_)
+        given = nested_values(sweep_knobs(), {k.name: knob_values.pop(k.name) for k in sweep_knobs()})
+        base = _train_config(config, False, {**knob_values, "cache": cache, "out": out}, set_)
         chosen = find_preset(preset) if preset else None
         if chosen and grid:
             raise ConfigError(f"--preset {preset} sets the grid; drop --grid {grid[0]} (or drop --preset)")
-        measure_names = {f.name for f in dataclasses.fields(MeasureConfig)}
-        measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0,
-                                   **{k: v for k, v in given.items() if k in measure_names}})
+        measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0, **given.pop("measure", {})})
         choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
                    "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
-        sweep_cfg = SweepConfig(out=out, base=base, measure=measure,
-                                **{**choices, **{k: v for k, v in given.items() if k not in measure_names}})
+        sweep_cfg = SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.summary or result.report.markdown, nl=False)
 

@@ -24,7 +24,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.values import json_object
-from dflash_train.config import SECTIONS, TrainConfig, with_run_length
+from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
 
 README_BEGIN = "<!-- train options: made by `python -m dflash_train.knobs README.md` from the config fields -->"
 README_END = "<!-- end of train options -->"
@@ -124,6 +124,9 @@ def config_knobs(cls: type, names: Sequence[str] | None = None, panel: str = "",
     whose name another section already uses must declare a metadata name) and every field has
     a docstring: both are checked here."""
     hints, docs, knobs = typing.get_type_hints(cls), field_docs(cls), []
+    unknown = sorted(set(names or ()) - set(hints))
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field(s) {unknown}; name its fields")
     for f in dataclasses.fields(cls):
         if names is not None and f.name not in names:
             continue
@@ -160,20 +163,19 @@ def find_knob(key: str) -> Knob | None:
     return next((k for k in train_knobs() if key in (k.name, k.dotted)), None)
 
 
-def option_overrides(options: Mapping[str, Any]) -> dict:
-    """Nested config overrides from command-line options {knob name: value, None when not given};
-    a given run length replaces the other one of a config file (steps and epochs exclude each other)."""
-    out: dict = {}
+def nested_values(knobs: Sequence[Knob], options: Mapping[str, Any]) -> dict:
+    """Nested config values from command-line options {knob name: value, None when not given}."""
+    by_name, out = {k.name: k for k in knobs}, {}
     for name, value in options.items():
-        if value is None:
-            continue
-        knob = next(k for k in train_knobs() if k.name == name)
-        value = knob.value(value)
-        target = out
-        for section in knob.path[:-1]:
-            target = target.setdefault(section, {})
-        target[knob.path[-1]] = list(value) if isinstance(value, tuple) else value
-    return with_run_length(out)
+        if value is not None:
+            set_path(out, by_name[name].path, by_name[name].value(value))
+    return out
+
+
+def option_overrides(options: Mapping[str, Any]) -> dict:
+    """A train config's overrides from its command-line options; a given run length replaces the
+    other one of a config file (steps and epochs exclude each other)."""
+    return with_run_length(nested_values(train_knobs(), options))
 
 
 def set_overrides(items: Sequence[str]) -> dict:
@@ -187,11 +189,7 @@ def set_overrides(items: Sequence[str]) -> dict:
             value = json.loads(text)
         except json.JSONDecodeError:
             value = text
-        target = out
-        *sections, last = key.strip().split(".")
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[last] = value
+        set_path(out, key.strip().split("."), value)
     return out
 
 

@@ -37,8 +37,7 @@ def _parsed(args: list[str]) -> tuple[dict, dict]:
 
 def test_every_config_field_is_a_knob_with_its_docstring():
     knobs = train_knobs()
-    leaves = [f for cls in (TrainConfig,) for f in dataclasses.fields(cls)]
-    assert len(knobs) > len(leaves)  # the sections are opened into their fields
+    assert len(knobs) > len(dataclasses.fields(TrainConfig))  # the sections are opened into their fields
     assert find_knob("loss") is find_knob("loss.kind") and find_knob("loss").doc == field_docs(LossConfig)["kind"]
     assert find_knob("data_seed").path == ("data", "seed") and find_knob("noise_seed").path == ("noise", "seed")
     assert find_knob("seed").path == ("seed",) and find_knob("nope") is None
@@ -63,7 +62,7 @@ def test_options_reach_the_config_parsed_by_the_field_type(tmp_path):
                           "--noise-layers", "0,2", "--streak-decay", "--weighting", "streak", "--data-seed", "7",
                           "--skip-shards", "shard-r00000-000001,", "--storage-options", '{"anon": true}', "--epochs", "2",
                           "--set", "optim.lr=0.001"])
-    cfg = _train_config(own["config"], False, knobs["out"], knobs, own["set_"])
+    cfg = _train_config(own["config"], False, knobs, own["set_"])
     assert (cfg.loss.kind, cfg.loss.streak_decay, cfg.optim.betas, cfg.noise.layers) == ("ce", True, (0.8, 0.9), (0, 2))
     assert (cfg.data.seed, cfg.data.skip_shards, cfg.storage_options) == (7, ("shard-r00000-000001",), {"anon": True})
     assert (cfg.epochs, cfg.steps, cfg.optim.lr, cfg.seed) == (2.0, None, 0.001, 0)
@@ -73,7 +72,7 @@ def test_a_given_run_length_replaces_the_config_files_other_one(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("steps = 50\n")
     own, knobs = _parsed(["--cache", "c", "--out", "o", "--config", str(config), "--epochs", "1.5"])
-    cfg = _train_config(own["config"], False, "o", knobs, [])
+    cfg = _train_config(own["config"], False, knobs, [])
     assert (cfg.steps, cfg.epochs) == (None, 1.5)
     with pytest.raises(ConfigError, match="--steps 3 and --epochs 1.5 both set the run length; give one"):
         option_overrides({"steps": 3, "epochs": 1.5})

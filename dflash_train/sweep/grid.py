@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dflash_common.errors import ConfigError
-from dflash_train.config import with_run_length
+from dflash_train.config import set_path, with_run_length
 from dflash_train.knobs import find_knob, train_knobs
 
 # Fields every run of a sweep must share: the cache and folders are the sweep's own, and the
@@ -172,14 +172,6 @@ def run_name(assignment: Sequence[tuple[str, Any]]) -> str:
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]
         name = f"{name[:MAX_NAME_CHARS - 11]}-{digest}"
     return name
-
-
-def set_path(out: dict, path: Sequence[str], value: Any) -> None:
-    *sections, last = path
-    target = out
-    for section in sections:
-        target = target.setdefault(section, {})
-    target[last] = list(value) if isinstance(value, tuple) else value
 
 
 def run_overrides(axes: Sequence[GridAxis], assignment: Sequence[tuple[str, Any]]) -> dict:

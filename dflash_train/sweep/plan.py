@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.config import TrainConfig, config_from_dict, merge, set_path
 from dflash_train.knobs import Knob, config_knobs
 from dflash_train.recipe import (
     MeasureConfig,
 )
-from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides, set_path
+from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
 
 SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
 """What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
@@ -196,8 +196,8 @@ PRESETS: dict[str, Preset] = {
 def sweep_knobs() -> tuple[Knob, ...]:
     """The settings of a sweep a command line gives, declared by SweepConfig's and MeasureConfig's
     fields (the grid, the preset's choices and the train settings come separately)."""
-    return (config_knobs(SweepConfig, ("parallel", "devices", "seeds", "design"), panel="sweep settings")
-            + config_knobs(MeasureConfig, panel="what each run measures"))
+    return config_knobs(SweepConfig, ("parallel", "devices", "seeds", "design", "measure"), panel="sweep settings",
+                        sections={"measure": MeasureConfig})
 
 
 def preset(name: str) -> Preset:
