@@ -26,44 +26,55 @@ def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward
                       targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size)
 
 
+SUMS = ("alpha", "greedy", "count", "loss")
+"""The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
+
+
+def meter_rows(loss_cfg: LossConfig) -> tuple[str, ...]:
+    """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss."""
+    terms = loss_cfg.term_weights()
+    return SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
+
+
 class AcceptanceMeter:
     """Sums of per-position statistics over batches, turned into means and tau."""
 
     def __init__(self):
-        self.alpha = self.greedy = self.count = self.loss = None
+        self.sums: dict[str, torch.Tensor] = {}
 
     def add(self, out: LossOutput) -> None:
-        parts = (out.alpha_sum, out.greedy_sum, out.count.double(), out.loss_sum)
-        if self.alpha is None:
-            self.alpha, self.greedy, self.count, self.loss = (p.double().clone() for p in parts)
-        else:
-            for total, part in zip((self.alpha, self.greedy, self.count, self.loss), parts):
-                total += part.double()
+        parts = {"alpha": out.alpha_sum, "greedy": out.greedy_sum, "count": out.count, "loss": out.loss_sum,
+                 **{f"loss_{name}": value for name, value in out.term_sums.items()}}
+        for name, part in parts.items():
+            part = part.detach().double()
+            self.sums[name] = self.sums[name] + part if name in self.sums else part.clone()
 
-    def stacked(self, positions: int) -> torch.Tensor:
-        """The sums as one [4, positions] float64 tensor (zeros when nothing was added): what
-        ranks all-reduce so that rank 0 logs the whole global batch."""
-        if self.count is None:
-            return torch.zeros(4, positions, dtype=torch.float64)
-        return torch.stack([self.alpha, self.greedy, self.count, self.loss]).cpu()
+    def stacked(self, positions: int, rows: tuple[str, ...] = SUMS) -> torch.Tensor:
+        """The sums named by rows as one [len(rows), positions] float64 tensor (zeros where nothing
+        was added): what ranks all-reduce so that rank 0 logs the whole global batch."""
+        zeros = torch.zeros(positions, dtype=torch.float64)
+        return torch.stack([self.sums.get(name, zeros).cpu() for name in rows])
 
     @classmethod
-    def from_stacked(cls, stats: torch.Tensor) -> "AcceptanceMeter":
+    def from_stacked(cls, stats: torch.Tensor, rows: tuple[str, ...] = SUMS) -> "AcceptanceMeter":
         meter = cls()
-        meter.alpha, meter.greedy, meter.count, meter.loss = (row.clone() for row in stats.double().cpu())
+        meter.sums = {name: row.clone() for name, row in zip(rows, stats.double().cpu())}
         return meter
 
     def summary(self) -> dict:
-        if self.count is None or self.count.sum() == 0:
+        count = self.sums.get("count")
+        if count is None or count.sum() == 0:
             return {}
-        count = self.count.clamp(min=1)
-        alpha, greedy = (self.alpha / count), (self.greedy / count)
+        total, count = count.sum(), count.clamp(min=1)
+        alpha, greedy = self.sums["alpha"] / count, self.sums["greedy"] / count
+        terms = {name: float(value.sum() / total) for name, value in self.sums.items() if name.startswith("loss_")}
         return {
-            "loss": float(self.loss.sum() / self.count.sum()),
+            "loss": float(self.sums["loss"].sum() / total),
+            **terms,
             "alpha": [round(float(x), 5) for x in alpha],
             "greedy": [round(float(x), 5) for x in greedy],
             "tau": tau_from_alpha(alpha),
-            "positions": int(self.count.sum()),
+            "positions": int(total),
         }
 
 

@@ -13,6 +13,7 @@ checkpointing so backward recomputes the chunk instead of keeping every chunk's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,10 +23,19 @@ from torch.utils.checkpoint import checkpoint
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
 
-LOSS_KINDS = ("kl", "ce", "mix")
+TERMS = ("kl", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl")
+"""Per-position terms a loss sums (docs/design.md, "The objective"): each is a function of the
+teacher's top-k buckets plus its tail, the drafter's distribution and, for ce, the true token."""
+LOSS_KINDS = (*TERMS, "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.
 OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
-WEIGHTINGS = ("streak", "decay", "none")
+WEIGHTINGS = ("streak", "decay", "dpace", "none")
+# -log(alpha) is floored here: a drafter that puts no mass on any of the teacher's buckets would
+# otherwise give an infinite loss and a NaN gradient.
+_NLA_FLOOR = 1e-5
+# log of a teacher bucket that holds no mass (a tail the top-k emptied), for the reverse
+# divergences, whose drafter-side mass there would otherwise cost infinitely.
+_LOG_EMPTY = math.log(1e-30)
 HEAD_MATMULS = ("fp32", "tf32")
 
 # docs/design.md's (block size, gamma) pairs; other block sizes interpolate between them.
@@ -37,16 +47,37 @@ class LossConfig:
     """How the per-position loss and the position weights are computed."""
 
     kind: str = field(default="kl", metadata={"name": "loss"})
-    """Per-position loss: "kl" = KL(teacher || drafter) over the teacher's top-k ids plus one
-    tail bucket, "ce" = cross-entropy on the true next token, "mix" = mix_lambda * kl +
-    (1 - mix_lambda) * ce."""
+    """Per-position loss, over the teacher's top-k ids plus one tail bucket (p: teacher, q:
+    drafter, alpha = sum min(p, q), the acceptance rate): "kl" = KL(p || q), "ce" = cross-entropy
+    on the true next token, "tv" = 1 - alpha, "nla" = -log(alpha), "lk_hybrid" = l * kl + (1 - l)
+    * tv with l = exp(-lk_eta * alpha) detached (the LK losses), "rkl" = KL(q || p), "jsd" =
+    Jensen-Shannon, "onpolicy_kl" = kl on the positions the drafter's own greedy block gets
+    accepted, rkl decayed by onpolicy_decay after its first rejection (on-policy replay),
+    "mix" = mix_lambda * kl + (1 - mix_lambda) * ce. Ignored when terms is set."""
+
+    terms: dict[str, float] | None = field(default=None, metadata={"name": "loss_terms"})
+    """A weighted sum of per-position losses instead of kind, as a JSON object of kind names to
+    weights, e.g. {"ce": 0.1, "tv": 0.9}; each term is logged on its own (None: kind alone)."""
 
     mix_lambda: float = 0.5
     """Weight of kl in "mix", in [0, 1]; ignored by the other kinds."""
 
+    lk_eta: float = 3.0
+    """eta of lk_hybrid's blend l = exp(-eta * alpha): larger moves from kl to tv at lower
+    acceptance (3 is the LK paper's choice)."""
+
+    onpolicy_decay: float = 0.5
+    """In onpolicy_kl, the weight of the reverse KL at the j-th position after the drafter's first
+    greedy rejection in its block is onpolicy_decay ** j, in [0, 1]."""
+
     weighting: str = "streak"
     """Position weights: "streak" = stop-gradient estimated probability that the accepted
-    streak reaches the position, "decay" = exp(-(k - 1) / gamma), "none" = 1."""
+    streak reaches the position, "decay" = exp(-(k - 1) / gamma), "dpace" = the drafter's own
+    confidence (D-PACE): sum over j >= k of prod over i <= j of c~_i, c~ = s + (1 - s) *
+    q(true token), s = dpace_smoothing, detached; "none" = 1."""
+
+    dpace_smoothing: float = 0.5
+    """s of the dpace weights' smoothed confidence c~ = s + (1 - s) * c, in (0, 1]."""
 
     gamma: float | None = None
     """Decay length of the "decay" weights (and of streak_decay); None picks
@@ -82,6 +113,13 @@ class LossConfig:
             raise ConfigError(f"loss kind {self.kind!r} is unknown (use one of {', '.join(LOSS_KINDS)})")
         if not is_real(self.mix_lambda) or not 0.0 <= self.mix_lambda <= 1.0:
             raise ConfigError(f"mix_lambda {self.mix_lambda!r} is not a number in [0, 1] (pass e.g. 0.5)")
+        check_terms(self.terms)
+        if not is_real(self.lk_eta, finite=True) or self.lk_eta < 0:
+            raise ConfigError(f"lk_eta {self.lk_eta!r} is not a number >= 0 (pass e.g. 3)")
+        if not is_real(self.onpolicy_decay) or not 0.0 <= self.onpolicy_decay <= 1.0:
+            raise ConfigError(f"onpolicy_decay {self.onpolicy_decay!r} is not a number in [0, 1] (pass e.g. 0.5)")
+        if not is_real(self.dpace_smoothing) or not 0.0 < self.dpace_smoothing <= 1.0:
+            raise ConfigError(f"dpace_smoothing {self.dpace_smoothing!r} is not a number in (0, 1] (pass e.g. 0.5)")
         if self.weighting not in WEIGHTINGS:
             raise ConfigError(
                 f"loss weighting {self.weighting!r} is unknown (use one of {', '.join(WEIGHTINGS)})"
@@ -115,11 +153,36 @@ class LossConfig:
         if not is_int(self.chunk_bytes) or self.chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes {self.chunk_bytes!r} is not a positive integer (pass e.g. 268435456)")
 
+    def term_weights(self) -> dict[str, float]:
+        """The loss as {term: weight}: terms when set, else kind (mix as its two terms)."""
+        if self.terms is not None:
+            return {name: float(weight) for name, weight in self.terms.items()}
+        if self.kind == "mix":
+            return {"kl": float(self.mix_lambda), "ce": 1.0 - float(self.mix_lambda)}
+        return {self.kind: 1.0}
+
     def positions_per_chunk(self, vocab_size: int) -> int:
         """Valid positions per loss chunk for a vocabulary of vocab_size tokens."""
         if self.chunk_positions is not None:
             return self.chunk_positions
         return max(1, self.chunk_bytes // (4 * vocab_size))
+
+
+def check_terms(terms) -> None:
+    """Refuse a terms table that is not {known term: weight >= 0} with some weight > 0."""
+    if terms is None:
+        return
+    example = '{"ce": 0.1, "tv": 0.9}'
+    if not isinstance(terms, dict) or not terms:
+        raise ConfigError(f"loss terms {terms!r} is not a non-empty table of term weights (pass e.g. {example})")
+    unknown = sorted(str(name) for name in terms if name not in TERMS)
+    if unknown:
+        raise ConfigError(f"loss term {unknown[0]!r} is unknown (use some of {', '.join(TERMS)}, e.g. {example})")
+    bad = [name for name, weight in terms.items() if not is_real(weight, finite=True) or weight < 0]
+    if bad:
+        raise ConfigError(f"loss term {bad[0]!r} has weight {terms[bad[0]]!r}, not a number >= 0 (e.g. {example})")
+    if not any(weight > 0 for weight in terms.values()):
+        raise ConfigError(f"loss terms {terms!r} weigh every term 0; give one a positive weight (e.g. {example})")
 
 
 def set_head_matmul(head_matmul: str, device: torch.device) -> None:
@@ -147,6 +210,9 @@ class LossOutput:
 
     loss_sum: torch.Tensor
     """[P] float32: sum over valid positions of the unweighted per-position loss."""
+
+    term_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """[P] float32 sums of each term's unweighted value, when the loss has several terms."""
 
     @staticmethod
     def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
@@ -200,20 +266,41 @@ def streak_weights(alpha: torch.Tensor, valid: torch.Tensor, smoothing: float) -
     return torch.cat([torch.ones_like(reach[:, :1]), reach[:, :-1]], dim=1)
 
 
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """[M, P] detached D-PACE weights `sum_{j>=k} prod_{i<=j} c~_i` over valid j, c~ = s + (1 - s) * c.
+
+    Position k's weight is how much the expected accepted length `sum_j prod_{i<=j} c_i` moves with
+    log c_k: every later position is reached only through k. As in streak_weights, an invalid
+    position counts as c~ = 1 and adds nothing to the sums; its own weight is 0.
+    """
+    mask = valid.bool()
+    smoothed = smoothing + (1.0 - smoothing) * confidence.detach().to(torch.float32)
+    smoothed = torch.where(mask, smoothed, torch.ones_like(smoothed))
+    reach = torch.cumprod(smoothed, dim=1) * mask
+    return reach.flip(1).cumsum(1).flip(1) * mask
+
+
 def position_weights(
-    alpha: torch.Tensor, valid: torch.Tensor, cfg: LossConfig, block_size: int
+    alpha: torch.Tensor, valid: torch.Tensor, cfg: LossConfig, block_size: int,
+    confidence: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, P] detached weights for every block position under cfg.weighting (values at invalid
-    positions are defined but unused)."""
+    positions are defined but unused). confidence [M, P] is the drafter's probability of the true
+    token, which dpace needs."""
     num_blocks, num_positions = valid.shape
     if cfg.weighting == "none":
-        return torch.ones(num_blocks, num_positions, device=valid.device)
-    decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
-    if cfg.weighting == "decay":
-        weights = decay.expand(num_blocks, num_positions).clone()
+        weights = torch.ones(num_blocks, num_positions, device=valid.device)
+    elif cfg.weighting == "dpace":
+        if confidence is None:
+            raise ValueError("dpace weights need the drafter's confidence per position")
+        weights = dpace_weights(confidence, valid, cfg.dpace_smoothing)
     else:
-        weights = streak_weights(alpha, valid, cfg.streak_smoothing)
-        weights = weights * decay if cfg.streak_decay else weights
+        decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
+        if cfg.weighting == "decay":
+            weights = decay.expand(num_blocks, num_positions).clone()
+        else:
+            weights = streak_weights(alpha, valid, cfg.streak_smoothing)
+            weights = weights * decay if cfg.streak_decay else weights
     return weights.clamp(min=cfg.min_weight)
 
 
@@ -235,46 +322,80 @@ def bucket_kl(
     return kl
 
 
+def bucket_alpha(teacher_p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[n] acceptance rate alpha = sum_b min(p_b, q_b) over buckets [n, b] (the top-k ids, then
+    the tail): the one definition of alpha, which the offline tau, the position weights and the
+    tv, nla and lk_hybrid terms share. Within the tail mass may overlap token by token, so this
+    is a lower bound of the full-vocabulary overlap, exact when the top-k covers the vocabulary."""
+    return torch.minimum(teacher_p, q).sum(-1)
+
+
+def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch.Tensor, ce: torch.Tensor,
+                  lk_eta: float) -> dict[str, torch.Tensor]:
+    """[n] per-position values of the named terms from bucket log-probabilities [n, b] (the
+    top-k buckets, then the tail bucket if any) of the teacher and the drafter."""
+    p, q = teacher_logp.exp(), log_q.exp()
+    out: dict[str, torch.Tensor] = {}
+    needed = set(names) | ({"kl", "rkl"} if "onpolicy_kl" in names else set())
+    alpha = bucket_alpha(p, q)
+    kl = bucket_kl(p, log_q, None, None)
+    for name in needed:
+        if name == "ce":
+            out[name] = ce
+        elif name == "kl":
+            out[name] = kl
+        elif name == "tv":
+            out[name] = 1.0 - alpha
+        elif name == "nla":
+            out[name] = -torch.log(alpha.clamp(min=_NLA_FLOOR))
+        elif name == "lk_hybrid":
+            blend = torch.exp(-lk_eta * alpha.detach())
+            out[name] = blend * kl + (1.0 - blend) * (1.0 - alpha)
+        elif name == "rkl":
+            out[name] = (q * (log_q - teacher_logp.clamp(min=_LOG_EMPTY))).sum(-1)
+        elif name == "jsd":
+            log_m = torch.logaddexp(teacher_logp, log_q) - math.log(2.0)
+            out[name] = 0.5 * ((torch.xlogy(p, p) - p * log_m).sum(-1) + (q * (log_q - log_m)).sum(-1))
+    return out
+
+
 def _chunk_terms(
     states: torch.Tensor,
     lm_head_weight: torch.Tensor,
     targets: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_logprobs: torch.Tensor,
-    kind: str,
-    mix_lambda: float,
+    names: tuple[str, ...],
+    lk_eta: float,
     has_tail: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position (loss, alpha, greedy) for n gathered valid positions; the only place
-    full-vocabulary logits exist. Runs under checkpoint, so it must stay deterministic."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence) for n
+    gathered valid positions; the only place full-vocabulary logits exist. Runs under checkpoint,
+    so it must stay deterministic. onpolicy_kl needs whole blocks, so it comes back as its two
+    halves, kl and rkl, which block_loss joins."""
     # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
     with torch.autocast(device_type=states.device.type, enabled=False):
         logits = states.float() @ lm_head_weight.float().T
         log_norm = torch.logsumexp(logits, dim=-1)
         log_q = logits.gather(1, topk_ids) - log_norm[:, None]
-        teacher_p = topk_logprobs.float().exp()
+        teacher_logp = topk_logprobs.float()
         if has_tail:
-            teacher_tail = (1.0 - teacher_p.sum(-1)).clamp(min=0.0)
+            teacher_tail = (1.0 - teacher_logp.exp().sum(-1)).clamp(min=0.0)
             # log(1 - sum q) cancels catastrophically when the top-k holds nearly all the mass.
             outside_topk = logits.scatter(1, topk_ids, float("-inf"))
             log_q_tail = torch.logsumexp(outside_topk, dim=-1) - log_norm
-        else:
-            teacher_tail = log_q_tail = None
-
-        if kind == "ce":
-            per_position = log_norm - logits.gather(1, targets[:, None]).squeeze(1)
-        else:
-            per_position = bucket_kl(teacher_p, log_q, teacher_tail, log_q_tail)
-            if kind == "mix":
-                ce = log_norm - logits.gather(1, targets[:, None]).squeeze(1)
-                per_position = mix_lambda * per_position + (1.0 - mix_lambda) * ce
+            log_q = torch.cat([log_q, log_q_tail[:, None]], dim=1)
+            # log(0) = -inf is what an empty tail is; xlogy and the clamps below handle it
+            teacher_logp = torch.cat([teacher_logp, torch.log(teacher_tail)[:, None]], dim=1)
+        ce = log_norm - logits.gather(1, targets[:, None]).squeeze(1)
+        terms = _bucket_terms(names, teacher_logp, log_q, ce, lk_eta)
+        per_term = torch.stack([terms[name] for name in names])
 
         with torch.no_grad():
-            alpha = torch.minimum(teacher_p, log_q.exp()).sum(-1)
-            if has_tail:
-                alpha = alpha + torch.minimum(teacher_tail, log_q_tail.exp())
+            alpha = bucket_alpha(teacher_logp.exp(), log_q.exp())
             greedy = (logits.argmax(dim=-1) == topk_ids[:, 0]).to(torch.float32)
-    return per_position, alpha, greedy
+            confidence = torch.exp(-ce)
+    return per_term, alpha, greedy, confidence
 
 
 def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor,
@@ -338,6 +459,7 @@ def block_loss(
             greedy_sum=zeros.clone(),
             count=torch.zeros(num_positions, dtype=torch.long, device=device),
             loss_sum=zeros.clone(),
+            term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
         )
 
     valid_states = states.reshape(-1, hidden).index_select(0, rows)
@@ -348,30 +470,26 @@ def block_loss(
     has_tail = valid_ids.shape[1] < lm_head_weight.shape[0]
     recompute = torch.is_grad_enabled() and (states.requires_grad or lm_head_weight.requires_grad)
 
-    losses, alphas, greedies = [], [], []
+    weights_by_term = cfg.term_weights()
+    names = _computed_terms(weights_by_term)
+    parts: list[tuple[torch.Tensor, ...]] = []
     step = cfg.positions_per_chunk(lm_head_weight.shape[0])
     for start in range(0, num_valid, step):
         piece = slice(start, start + step)
-        args = (
-            valid_states[piece],
-            lm_head_weight,
-            valid_targets[piece],
-            valid_ids[piece],
-            valid_logprobs[piece],
-            cfg.kind,
-            float(cfg.mix_lambda),
-            has_tail,
-        )
-        terms = checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args)
-        losses.append(terms[0])
-        alphas.append(terms[1])
-        greedies.append(terms[2])
-    per_position = torch.cat(losses)
-    alpha = torch.cat(alphas).detach()
-    greedy = torch.cat(greedies)
+        args = (valid_states[piece], lm_head_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece],
+                names, float(cfg.lk_eta), has_tail)
+        parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
+    per_term, alpha, greedy, confidence = (torch.cat(piece, dim=-1) for piece in zip(*parts))
+    alpha, confidence = alpha.detach(), confidence.detach()
+    grid = (num_blocks, num_positions)
+    terms = dict(zip(names, per_term))
+    if "onpolicy_kl" in weights_by_term:
+        accepted, factor = (t.reshape(-1).index_select(0, rows)
+                            for t in onpolicy_split(_on_grid(greedy, rows, grid).bool(), valid, cfg.onpolicy_decay))
+        terms["onpolicy_kl"] = torch.where(accepted, terms["kl"], factor * terms["rkl"])
+    per_position = sum(weight * terms[name] for name, weight in weights_by_term.items())
 
-    alpha_grid = torch.zeros(num_blocks * num_positions, device=device).index_copy(0, rows, alpha)
-    weights = position_weights(alpha_grid.view(num_blocks, num_positions), valid, cfg, block_size)
+    weights = position_weights(_on_grid(alpha, rows, grid), valid, cfg, block_size, _on_grid(confidence, rows, grid))
     valid_weights = weights.reshape(-1).index_select(0, rows)
     loss = (valid_weights * per_position).sum() / num_valid
 
@@ -382,7 +500,34 @@ def block_loss(
         greedy_sum=_sum_per_column(greedy, columns, num_positions),
         count=torch.bincount(columns, minlength=num_positions),
         loss_sum=_sum_per_column(per_position, columns, num_positions),
+        term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
+        if len(weights_by_term) > 1 else {},
     )
+
+
+def _computed_terms(weights_by_term: dict[str, float]) -> tuple[str, ...]:
+    """The terms _chunk_terms computes: the loss's own, onpolicy_kl as its kl and rkl halves."""
+    names = set(weights_by_term) - {"onpolicy_kl"}
+    if "onpolicy_kl" in weights_by_term:
+        names |= {"kl", "rkl"}
+    return tuple(sorted(names))
+
+
+def _on_grid(values: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """[M, P] float32 grid holding per-valid-position values at their rows, 0 elsewhere."""
+    flat = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=values.device)
+    return flat.index_copy(0, rows, values.detach().float()).view(grid)
+
+
+def onpolicy_split(hits: torch.Tensor, valid: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The halves of onpolicy_kl on [M, P] greedy hits (drafter argmax == teacher top-1): which
+    positions the drafter's own greedy block gets accepted (every valid position up to them a hit;
+    invalid positions do not break the streak, as in streak_weights), and the reverse-KL weight
+    decay ** j of the j-th position after the first rejection (j = 0 at the rejected position)."""
+    accepted = torch.cumprod((hits | ~valid.bool()).long(), dim=1).bool()
+    since = (torch.cumsum((~accepted).long(), dim=1) - 1).clamp(min=0)
+    factor = torch.where(accepted, torch.zeros_like(since, dtype=torch.float32), float(decay) ** since.float())
+    return accepted, factor
 
 
 def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from dflash_train.distributed import (
     release_gathered,
     shutdown,
 )
-from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate
+from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate, meter_rows
 from dflash_train.export import export_weights
 from dflash_train.loss import LossOutput, set_head_matmul
 from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
@@ -166,12 +166,12 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
 
 
 def global_train_metrics(meter: AcceptanceMeter, tokens: int, seconds: float, drafter_cfg: DrafterConfig,
-                         info: DistInfo, device: torch.device) -> tuple[dict, float]:
+                         rows: tuple[str, ...], info: DistInfo, device: torch.device) -> tuple[dict, float]:
     """Loss, acceptance and tau since the last log over every rank's share of the batches, and
     the session's tokens/s over all ranks. Every rank calls this at the same steps."""
-    stats = torch.cat([meter.stacked(drafter_cfg.block_size - 1).flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
+    stats = torch.cat([meter.stacked(drafter_cfg.block_size - 1, rows).flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
     stats = global_sum_tensor(stats, info, device)
-    return AcceptanceMeter.from_stacked(stats[:-1].view(4, -1)).summary(), float(stats[-1]) / max(seconds, 1e-9)
+    return AcceptanceMeter.from_stacked(stats[:-1].view(len(rows), -1), rows).summary(), float(stats[-1]) / max(seconds, 1e-9)
 
 
 def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torch.Tensor:
@@ -336,7 +336,8 @@ def run_steps(s: Session) -> None:
         s.optimizer.zero_grad(set_to_none=True)
         s.step += 1
         if s.step % cfg.log_every == 0 or s.step == s.steps:
-            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg, info, device)
+            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg,
+                                                 meter_rows(cfg.loss), info, device)
             if info.is_main:
                 norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
                 s.metrics.write({"kind": "train", "step": s.step, "lr": s.scheduler.get_last_lr()[0],

@@ -8,11 +8,14 @@ import torch
 
 from dflash_common.errors import ConfigError
 from dflash_train.loss import (
+    LOSS_KINDS,
+    WEIGHTINGS,
     LossConfig,
     LossOutput,
     block_loss,
     decay_weights,
     default_gamma,
+    dpace_weights,
     position_weights,
     streak_weights,
     tau_from_alpha,
@@ -82,12 +85,94 @@ def test_alpha_and_greedy_on_hand_case():
     assert out.alpha_sum.item() == pytest.approx(0.5, abs=1e-6)
 
 
+# Acceptance objectives on the SHIFTED hand case: teacher buckets p = (0.5, 0.3, tail 0.2),
+# drafter buckets q = (0.6, 0.36, tail 0.04), so alpha = 0.5 + 0.3 + 0.04 = 0.84.
+SHIFTED_RKL = 0.6 * math.log(0.6 / 0.5) + 0.36 * math.log(0.36 / 0.3) + 0.04 * math.log(0.04 / 0.2)
+SHIFTED_JSD = 0.5 * (0.5 * math.log(0.5 / 0.55) + 0.3 * math.log(0.3 / 0.33) + 0.2 * math.log(0.2 / 0.12)) + 0.5 * (
+    0.6 * math.log(0.6 / 0.55) + 0.36 * math.log(0.36 / 0.33) + 0.04 * math.log(0.04 / 0.12))
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("tv", 0.16),
+    ("nla", -math.log(0.84)),
+    ("lk_hybrid", math.exp(-3 * 0.84) * SHIFTED_KL + (1 - math.exp(-3 * 0.84)) * 0.16),
+    ("rkl", SHIFTED_RKL),
+    ("jsd", SHIFTED_JSD),
+])
+def test_acceptance_objectives_on_hand_case(kind, expected):
+    assert run(hand_case(SHIFTED), kind=kind).loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_lk_hybrid_blend_follows_eta():
+    # eta 0: the blend is 1, all kl; a large eta: all tv
+    assert run(hand_case(SHIFTED), kind="lk_hybrid", lk_eta=0.0).loss.item() == pytest.approx(SHIFTED_KL, rel=1e-5)
+    assert run(hand_case(SHIFTED), kind="lk_hybrid", lk_eta=50.0).loss.item() == pytest.approx(0.16, rel=1e-4)
+
+
+def test_weighted_terms_sum_and_are_logged_one_by_one():
+    out = run(hand_case(SHIFTED), terms={"ce": 0.1, "tv": 0.9})
+    assert out.loss.item() == pytest.approx(0.1 * SHIFTED_CE + 0.9 * 0.16, rel=1e-5)
+    assert out.term_sums["ce"].item() == pytest.approx(SHIFTED_CE, rel=1e-5)
+    assert out.term_sums["tv"].item() == pytest.approx(0.16, rel=1e-5)
+    # terms replace kind; mix is its two terms; one term logs no split
+    assert run(hand_case(SHIFTED), kind="ce", terms={"tv": 1.0}).loss.item() == pytest.approx(0.16, rel=1e-5)
+    assert set(run(hand_case(SHIFTED), kind="mix").term_sums) == {"kl", "ce"}
+    assert run(hand_case(SHIFTED), kind="tv").term_sums == {}
+
+
+def test_onpolicy_kl_splits_blocks_at_the_drafters_first_greedy_miss():
+    # one block of three positions: the drafter's argmax is the teacher's top-1 (id 2) at k=1 and
+    # k=3, not at k=2 (id 0): kl at k=1, rkl at k=2 (weight 1) and at k=3 (weight decay)
+    miss = [0.4, 0.1, 0.2, 0.1, 0.1, 0.1]
+    states = torch.tensor([SHIFTED, miss, SHIFTED]).log().view(1, 3, 6)
+    case = (states, torch.eye(6), torch.tensor([[4, 4, 4]]), torch.tensor([[[2, 4]] * 3]),
+            torch.tensor([[[0.5, 0.3]] * 3]).log(), torch.ones(1, 3, dtype=torch.bool))
+    miss_rkl = 0.2 * math.log(0.2 / 0.5) + 0.1 * math.log(0.1 / 0.3) + 0.7 * math.log(0.7 / 0.2)
+    out = block_loss(*case, LossConfig(kind="onpolicy_kl", onpolicy_decay=0.25, weighting="none"), block_size=4)
+    assert out.loss_sum.tolist() == pytest.approx([SHIFTED_KL, miss_rkl, 0.25 * SHIFTED_RKL], rel=1e-5)
+    # a miss at an invalid position does not count: all three are then kl (k=2 is not trained)
+    case = case[:5] + (torch.tensor([[True, False, True]]),)
+    out = block_loss(*case, LossConfig(kind="onpolicy_kl", weighting="none"), block_size=4)
+    assert out.loss_sum.tolist() == pytest.approx([SHIFTED_KL, 0.0, SHIFTED_KL], rel=1e-5)
+
+
+def test_dpace_weights_on_hand_case():
+    # confidence c = (0.5, 0.25, 1.0), s = 0.5: c~ = (0.75, 0.625, 1.0), reach = (0.75, 0.46875,
+    # 0.46875), weight_k = sum of reach from k on
+    confidence, valid = torch.tensor([[0.5, 0.25, 1.0]]), torch.ones(1, 3, dtype=torch.bool)
+    assert dpace_weights(confidence, valid, 0.5)[0].tolist() == pytest.approx([1.6875, 0.9375, 0.46875])
+    # an invalid position: c~ = 1, no weight of its own, nothing added to the sums before it
+    assert dpace_weights(confidence, torch.tensor([[True, False, True]]), 0.5)[0].tolist() == pytest.approx([1.5, 0.0, 0.75])
+    # s = 1: every reach is 1, weight_k = the valid positions from k on
+    assert dpace_weights(confidence, valid, 1.0).tolist() == [[3.0, 2.0, 1.0]]
+    # in the loss, confidence is the drafter's probability of the true token (0.25: uniform over 4)
+    out = block_loss(*uniform_ce_case([True, True]), LossConfig(kind="ce", weighting="dpace", dpace_smoothing=0.5),
+                     block_size=3)
+    c = 0.5 + 0.5 * 0.25
+    assert out.loss.item() == pytest.approx(math.log(4) * ((c + c * c) + c * c) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl"])
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_objective_gradients_equal_float64_reference(kind, weighting):
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(3)
+    cfg = LossConfig(kind=kind, weighting=weighting, chunk_positions=4)
+    states64 = states.double().requires_grad_()
+    ref_loss, *_ = brute_force_loss(states64, lm_head.double(), targets, ids, logprobs, valid, cfg, b)
+    ref_loss.backward()
+    states32 = states.clone().requires_grad_()
+    out = block_loss(states32, lm_head, targets, ids, logprobs, valid, cfg, b)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    torch.testing.assert_close(states32.grad.double(), states64.grad, rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Float64 brute force over the full vocabulary, written without the logsumexp tricks.
 
 
-def brute_force_terms(states, lm_head, targets, ids, logprobs):
-    """Per-row (kl, ce, alpha, greedy) in float64 for already-gathered rows."""
+def brute_force_terms(states, lm_head, targets, ids, logprobs, eta=3.0):
+    """Per-row ({term: value}, alpha, greedy, confidence) in float64 for already-gathered rows."""
     logits = states.double() @ lm_head.double().T
     q = logits.softmax(-1)
     p = logprobs.double().exp()
@@ -99,23 +184,42 @@ def brute_force_terms(states, lm_head, targets, ids, logprobs):
     ce = -q.gather(1, targets[:, None]).squeeze(1).log()
     alpha = torch.minimum(p, q_top).sum(-1) + torch.minimum(p_tail, q_tail)
     greedy = (logits.argmax(-1) == ids[:, 0]).double()
-    return kl, ce, alpha, greedy
+    pb, qb = torch.cat([p, p_tail[:, None]], 1), torch.cat([q_top, q_tail[:, None]], 1)
+    mb = (pb + qb) / 2
+    blend = torch.exp(-eta * alpha.detach())
+    terms = {"kl": kl, "ce": ce, "tv": 1 - alpha, "nla": -alpha.log(), "lk_hybrid": blend * kl + (1 - blend) * (1 - alpha),
+             "rkl": (qb * (qb.log() - pb.log())).sum(-1),
+             "jsd": 0.5 * (pb * (pb.log() - mb.log())).sum(-1) + 0.5 * (qb * (qb.log() - mb.log())).sum(-1)}
+    return terms, alpha, greedy, (-ce).exp().detach()
 
 
 def brute_force_loss(states, lm_head, targets, ids, logprobs, valid, cfg, block_size):
     """The whole objective, unchunked, float64 (weights from the brute-force alpha)."""
     m, p, h = states.shape
     rows = valid.reshape(-1).nonzero().squeeze(1)
-    kl, ce, alpha, greedy = brute_force_terms(
+    terms, alpha, greedy, confidence = brute_force_terms(
         states.reshape(-1, h)[rows],
         lm_head,
         targets.reshape(-1)[rows],
         ids.reshape(m * p, -1)[rows],
         logprobs.reshape(m * p, -1)[rows],
+        cfg.lk_eta,
     )
-    per_position = {"kl": kl, "ce": ce, "mix": cfg.mix_lambda * kl + (1 - cfg.mix_lambda) * ce}[cfg.kind]
-    alpha_grid = torch.zeros(m * p, dtype=torch.float64).index_copy(0, rows, alpha.detach()).view(m, p)
-    weights = position_weights(alpha_grid, valid, cfg, block_size).double().reshape(-1)[rows]
+    grid = lambda v: torch.zeros(m * p, dtype=torch.float64).index_copy(0, rows, v.detach()).view(m, p)  # noqa: E731
+    # onpolicy_kl by its definition, block by block: kl up to the first valid miss, then
+    # decay ** j * rkl at the j-th position from that miss on
+    hits = grid(greedy).bool()
+    onpolicy = torch.zeros(m, p, dtype=torch.float64)
+    for block in range(m):
+        missed_at = None
+        for k in range(p):
+            if valid[block, k] and not hits[block, k] and missed_at is None:
+                missed_at = k
+            onpolicy[block, k] = 0.0 if missed_at is None else cfg.onpolicy_decay ** (k - missed_at)
+    factor = onpolicy.reshape(-1)[rows]
+    terms["onpolicy_kl"] = torch.where(factor > 0, factor * terms["rkl"], terms["kl"])
+    per_position = sum(w * terms[name] for name, w in cfg.term_weights().items())
+    weights = position_weights(grid(alpha), valid, cfg, block_size, grid(confidence)).double().reshape(-1)[rows]
     return (weights * per_position).sum() / rows.numel(), per_position, alpha, greedy, rows
 
 
@@ -135,10 +239,10 @@ def random_batch(seed, m=5, block_size=8, hidden=12, vocab=97, k=6, valid_fracti
     return states, lm_head, targets, ids, logprobs, valid, block_size
 
 
-@pytest.mark.parametrize("kind", ["kl", "ce", "mix"])
+@pytest.mark.parametrize("kind", LOSS_KINDS)
 def test_matches_float64_brute_force(kind):
     states, lm_head, targets, ids, logprobs, valid, b = random_batch(1)
-    cfg = LossConfig(kind=kind, mix_lambda=0.3, weighting="none")
+    cfg = LossConfig(kind=kind, mix_lambda=0.3, weighting="none", onpolicy_decay=0.7)
     out = block_loss(states, lm_head, targets, ids, logprobs, valid, cfg, b)
     ref_loss, per_position, alpha, greedy, rows = brute_force_loss(
         states, lm_head, targets, ids, logprobs, valid, cfg, b
@@ -407,6 +511,15 @@ def test_no_grad_evaluation_runs_without_checkpoint():
         {"chunk_positions": 2.5},
         {"chunk_bytes": 0},
         {"chunk_bytes": True},
+        {"kind": "tvd"},
+        {"terms": {}},
+        {"terms": {"tv": -1.0}},
+        {"terms": {"tv": 0.0}},
+        {"terms": {"kl": 1.0, "hinge": 0.5}},
+        {"terms": {"tv": float("nan")}},
+        {"weighting": "dpace", "dpace_smoothing": 0.0},
+        {"onpolicy_decay": 1.5},
+        {"lk_eta": -1.0},
     ],
 )
 def test_config_rejects_bad_values(kwargs):
