@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -95,7 +95,8 @@ def eval_(
     batch_tokens: int = typer.Option(8192, help="Offline mode: sequence tokens per batch."),
     max_prompts: Optional[int] = typer.Option(None, help="Real mode: use the first N prompts."),
     max_new_tokens: int = typer.Option(256, help="Real mode: tokens to generate per prompt."),
-    temperature: float = typer.Option(0.0, help="Real mode: 0 = greedy (output must equal the teacher's); > 0 = speculative sampling."),
+    temperature: List[float] = typer.Option([0.0], help="Real mode: 0 = greedy (output must equal the teacher's); > 0 = "
+                                            "speculative sampling; repeat to report several, e.g. --temperature 0 --temperature 1."),
     top_p: float = typer.Option(1.0, help="Real mode: nucleus sampling mass."),
     teacher_dtype: str = typer.Option("auto", help="Real mode: teacher dtype; auto = bfloat16 on CUDA, float32 on CPU."),
     engine: str = typer.Option("dflash", help="Real mode: dflash (the built-in decoder), vllm (vLLM's engine and DFlash "
@@ -163,7 +164,8 @@ def eval_(
             typer.echo("alpha_k  " + " ".join(f"{x:.3f}" for x in o["alpha"]))
             typer.echo("greedy_k " + " ".join(f"{x:.3f}" for x in o["greedy"]))
         typer.echo(f"report: {path}" + (f" and {path.with_suffix('.png')}" if cache else ""))
-        if report.get("decoding", {}).get("matched_teacher") is False or report.get("vllm", {}).get("matched_teacher") is False:
+        decodings = report.get("decodings", [report.get("decoding", {})])
+        if any(d.get("matched_teacher") is False for d in decodings) or report.get("vllm", {}).get("matched_teacher") is False:
             raise typer.Exit(1)
 
     run(action, debug)
@@ -172,17 +174,19 @@ def eval_(
 ENGINES = ("dflash", "vllm", "both")
 
 
-def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperature, top_p,
+def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperatures, top_p,
           vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None) -> tuple[dict, list[tuple[str, str]]]:
-    """Real decoding with the built-in decoder and/or vLLM: the report parts and their table lines."""
+    """Real decoding with the built-in decoder (at each of `temperatures`) and/or vLLM (greedy):
+    the report parts and their table lines."""
     from dflash_common.errors import ConfigError
     from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
     from dflash_train.speculative import SpecConfig
 
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r} is unknown; use one of {', '.join(ENGINES)}")
-    if engine != "dflash" and temperature != 0:
-        raise ConfigError(f"--engine {engine} measures greedy decoding; use --temperature 0 (got {temperature})")
+    if engine != "dflash" and 0 not in temperatures:
+        raise ConfigError(f"--engine {engine} measures greedy decoding; add --temperature 0 (got "
+                          f"{', '.join(f'{x:g}' for x in temperatures)})")
     if engine != "dflash":
         from dflash_train.serving import find_vllm_python
 
@@ -190,22 +194,29 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
     dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
     t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
     prompt_list = read_prompts(prompts, t.tokenizer, max_prompts, template_kwargs)
-    spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
+    specs = [SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
+             for temperature in temperatures]
+    spec = next(s for s in specs if s.greedy) if engine != "dflash" else specs[0]
     report: dict = {}
     lines: list[tuple[str, str]] = []
     reference = None
     if engine in ("dflash", "both"):
-        r = decode_report(t, drafter, prompt_list, spec, BarProgress(enabled=not quiet))
-        report["decoding"] = r
-        reference = r["teacher_outputs"] if spec.greedy else None
-        lines += [("real decoding", r["mode"]), ("measured accepted length", f"{r['accepted_length']:.3f}"),
-                  ("  kept per forward (after stop cut)", f"{r['kept_per_forward']:.3f}")]
+        decodings = [decode_report(t, drafter, prompt_list, s, BarProgress(enabled=not quiet)) for s in specs]
+        report["decoding"] = r = decodings[0]
+        if len(decodings) > 1:
+            report["decodings"] = decodings
+        reference = next((d["teacher_outputs"] for d, s in zip(decodings, specs) if s.greedy), None)
+        for s, d in zip(specs, decodings):
+            at = f" (T={s.temperature:g})" if len(specs) > 1 else ""
+            lines += [("real decoding" + at, d["mode"]), ("measured accepted length" + at, f"{d['accepted_length']:.3f}"),
+                      ("  kept per forward (after stop cut)", f"{d['kept_per_forward']:.3f}")]
         if r["offline_accepted_length"] is not None:
             lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
         lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
                   ("tokens/s teacher alone", f"{r['teacher_tokens_per_second']:,.1f} (speedup {r['speedup']:.2f}x)")]
-        if r["matched_teacher"] is not None:
-            lines.append(("output equals teacher's greedy", "yes" if r["matched_teacher"] else "NO"))
+        if any(d["matched_teacher"] is not None for d in decodings):
+            matched = all(d["matched_teacher"] is not False for d in decodings)
+            lines.append(("output equals teacher's greedy", "yes" if matched else "NO"))
     if engine in ("vllm", "both"):
         v = _vllm(checkpoint, teacher, drafter.cfg.block_size, prompt_list, spec, dtype, vllm_python, vllm_log, reference)
         if "decoding" not in report:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dflash_common.errors import ConfigError
+from dflash_common.values import is_real
 
 MEASURE_FILE = "measure.json"
 """A run's curve and decoding measurements, in its folder."""
@@ -191,12 +192,18 @@ class MeasureConfig:
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
 
+    sample_temperature: float = 0.0
+    """Also decode the prompts by speculative sampling at this temperature (e.g. 1, seeded by the
+    run's seed) and report its accepted length beside greedy's; 0: greedy only."""
+
     def __post_init__(self):
         if isinstance(self.curve_points, bool) or not isinstance(self.curve_points, int) or self.curve_points < 0:
             raise ConfigError(f"--curve-points must be 0 or more, got {self.curve_points!r}; e.g. --curve-points 3")
         if (self.teacher is None) != (self.prompts is None):
             raise ConfigError("real decoding in a sweep needs both --teacher and --prompts (got only "
                               f"{'--teacher' if self.teacher else '--prompts'}); give both or neither")
+        if not is_real(self.sample_temperature, finite=True) or self.sample_temperature < 0:
+            raise ConfigError(f"--sample-temperature must be a number >= 0 (0: greedy only), got {self.sample_temperature!r}")
         if self.max_prompts < 1 or self.max_new_tokens < 2:
             raise ConfigError(f"--max-prompts must be >= 1 and --max-new-tokens >= 2, got {self.max_prompts} and "
                               f"{self.max_new_tokens}")
@@ -205,16 +212,25 @@ class MeasureConfig:
     def active(self) -> bool:
         return self.curve_points > 0 or self.teacher is not None
 
+    def covers(self, record: dict | None) -> bool:
+        """Whether a run's measure.json holds what these settings measure (a sampled decoding
+        asked for later is measured then)."""
+        if record is None:
+            return False
+        sampled = (record.get("sampling") or {}).get("temperature")
+        return self.sample_temperature == 0 or self.teacher is None or sampled == self.sample_temperature
+
     def save_every(self, steps: int) -> int:
         """Checkpoint spacing that puts one checkpoint at each curve point (and the last step)."""
         return max(1, steps // (self.curve_points + 1))
 
 
-def _spec(tokenizer, max_new_tokens: int):
+def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
     from dflash_cache.chat import stop_token_ids
     from dflash_train.speculative import SpecConfig
 
-    return SpecConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
+    return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
+                      seed=seed)
 
 
 def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:
@@ -251,9 +267,10 @@ def _teacher(path: str, device: str):
     return load_teacher(TeacherConfig(name_or_path=path, dtype="float32", device=device, top_k=1))
 
 
-def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str) -> dict:
-    """Greedy speculative decoding of the reference prompts: accepted length, and whether every
-    output equals the teacher's own greedy output."""
+def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str,
+                   temperature: float = 0.0, seed: int = 0) -> dict:
+    """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled: the
+    accepted length and, greedy, whether every output equals the teacher's own greedy output."""
     from dflash_train.evaluate import load_trained_drafter
     from dflash_train.speculative import mean_accepted_length, speculative_generate
 
@@ -262,13 +279,14 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
     drafter = load_trained_drafter(str(drafter_dir), head.get_input_embeddings().weight.detach(),
                                    head.get_output_embeddings().weight.detach(), teacher.device)
     teacher.layer_ids = list(drafter.cfg.target_layer_ids)
-    spec = _spec(teacher.tokenizer, measure.max_new_tokens)
+    spec = _spec(teacher.tokenizer, measure.max_new_tokens, temperature, seed)
     results, matched = [], []
     for prompt in reference["prompts"]:
         result = speculative_generate(teacher.model, drafter, prompt["ids"], spec)
         results.append(result)
-        matched.append(result.tokens == prompt["output"])
-    return {"accepted_length": mean_accepted_length(results), "matched_teacher": all(matched),
+        matched.append(result.tokens == prompt["output"] or not spec.greedy)
+    return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
+            "matched_teacher": all(matched) if spec.greedy else None,
             "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok]}
 
 
@@ -322,6 +340,9 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
     out: dict[str, Any] = {"steps": steps, "tokens": tokens[-1], "curve": sorted(curve, key=lambda p: p["step"])}
     if reference is not None:
         out["decoding"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device))
+        if measure.sample_temperature > 0:
+            out["sampling"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device),
+                                             measure.sample_temperature, config.seed)
     return out
 
 
@@ -376,8 +397,13 @@ def _per_seed(outcomes: Sequence[RunOutcome], value) -> dict[str, dict[int, floa
     return out
 
 
-def _accepted(o: RunOutcome) -> float | None:
-    return ((o.measure or {}).get("decoding") or {}).get("accepted_length")
+def _accepted(o: RunOutcome, kind: str = "decoding") -> float | None:
+    """A run's real accepted length: greedy ("decoding") or sampled ("sampling")."""
+    return ((o.measure or {}).get(kind) or {}).get("accepted_length")
+
+
+def _sampled(o: RunOutcome) -> float | None:
+    return _accepted(o, "sampling")
 
 
 def _curve(o: RunOutcome) -> list[tuple[float, float]]:
@@ -420,6 +446,8 @@ class Summary:
     rows: tuple[dict, ...]
     reference: str
     ranking_note: str
+    sample_temperature: float | None = None
+    """The temperature of the sampled decodings (None: greedy only)."""
 
 
 def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
@@ -430,6 +458,7 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
     greedy = _per_seed(outcomes, lambda o: o.final.get("tau_greedy"))
     loss = _per_seed(outcomes, lambda o: o.final.get("loss"))
     accepted = _per_seed(outcomes, _accepted)
+    sampled = _per_seed(outcomes, _sampled)
     ref_curve = mean_curve(groups.get(reference, []))
     ref_final = ref_curve[-1][2] if ref_curve else (t_interval(list(tau[reference].values())).mean
                                                      if tau.get(reference) else None)
@@ -437,9 +466,11 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
     for c in configurations:
         curve = mean_curve(groups[c])
         row: dict[str, Any] = {"configuration": c, "seeds": len(groups[c]), "reference": c == reference}
-        for name, values in (("tau", tau), ("tau_greedy", greedy), ("heldout_loss", loss), ("accepted_length", accepted)):
+        for name, values in (("tau", tau), ("tau_greedy", greedy), ("heldout_loss", loss), ("accepted_length", accepted),
+                             ("accepted_length_sampled", sampled)):
             row[name] = t_interval(list(values[c].values())) if values.get(c) else None
-        for name, values in (("tau", tau), ("tau_greedy", greedy), ("accepted_length", accepted)):
+        for name, values in (("tau", tau), ("tau_greedy", greedy), ("accepted_length", accepted),
+                             ("accepted_length_sampled", sampled)):
             row[f"{name}_vs_reference"] = (paired_difference(values[c], values[reference])
                                            if c != reference and values.get(c) and values.get(reference) else None)
         for fraction in BUDGETS:
@@ -450,7 +481,8 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
         decodings = [(o.measure or {}).get("decoding") for o in groups[c]]
         row["matched_teacher"] = (all(d["matched_teacher"] for d in decodings) if decodings and all(decodings) else None)
         rows.append(row)
-    return Summary(tuple(rows), reference, ranking_note(rows))
+    temperatures = {(o.measure or {}).get("sampling", {}).get("temperature") for o in outcomes} - {None}
+    return Summary(tuple(rows), reference, ranking_note(rows), max(temperatures) if temperatures else None)
 
 
 def ranking_note(rows: Sequence[dict]) -> str:
@@ -499,13 +531,17 @@ def summary_markdown(summary: Summary) -> str:
              "each run's own objective, so it compares runs of one loss kind only.", "",
              "### Final numbers", "",
              "| configuration | seeds | held-out tau | Δ tau vs reference | tau (greedy streak) | Δ greedy vs reference "
-             "| real accepted length | Δ accepted vs reference | held-out loss | output = teacher |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| real accepted length | Δ accepted vs reference"
+             + (f" | real accepted length, T={summary.sample_temperature:g} | Δ T={summary.sample_temperature:g} vs reference"
+                if summary.sample_temperature else "") + " | held-out loss | output = teacher |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if summary.sample_temperature else "") + "---:|---|"]
     for r in rows:
         name = f"**{r['configuration']}**" if r["reference"] else r["configuration"]
+        sampled = (f"{_fmt(r['accepted_length_sampled'])} | {_signed(r['accepted_length_sampled_vs_reference'])} | "
+                   if summary.sample_temperature else "")
         lines.append(f"| {name} | {r['seeds']} | {_fmt(r['tau'])} | {_signed(r['tau_vs_reference'])} | "
                      f"{_fmt(r['tau_greedy'])} | {_signed(r['tau_greedy_vs_reference'])} | {_fmt(r['accepted_length'])} | "
-                     f"{_signed(r['accepted_length_vs_reference'])} | "
+                     f"{_signed(r['accepted_length_vs_reference'])} | {sampled}"
                      f"{_fmt(r['heldout_loss'], 4)} | {_fmt(r['matched_teacher'])} |")
     budgets = [f"tau at {int(f * 100)}%" for f in BUDGETS]
     lines += ["", "### Sample efficiency", "",
@@ -530,8 +566,9 @@ def summary_csv(summary: Summary) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     header = ["configuration", "seeds", "reference"]
-    for name in ("tau", "tau_greedy", "heldout_loss", "accepted_length", "tau_vs_reference",
-                 "tau_greedy_vs_reference", "accepted_length_vs_reference", *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS)):
+    for name in ("tau", "tau_greedy", "heldout_loss", "accepted_length", "accepted_length_sampled", "tau_vs_reference",
+                 "tau_greedy_vs_reference", "accepted_length_vs_reference", "accepted_length_sampled_vs_reference",
+                 *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS)):
         header += [f"{name}_mean", f"{name}_low", f"{name}_high"]
     header += ["tokens_to_reference_tau", "run_tokens", "matched_teacher"]
     writer.writerow(header)
@@ -592,13 +629,17 @@ def plot_differences(summary: Summary, path: str | Path) -> None:
     rows = [r for r in summary.rows if not r["reference"]]
     fig = Figure(figsize=(9, 1.2 + 0.45 * max(len(rows), 1)))
     ax = fig.add_subplot()
-    for offset, (key, label, color) in enumerate((("tau_vs_reference", "held-out tau (sampling estimate)", "C0"),
-                                                  ("tau_greedy_vs_reference", "held-out tau (greedy streak)", "C2"),
-                                                  ("accepted_length_vs_reference", "real accepted length", "C3"))):
+    series = [("tau_vs_reference", "held-out tau (sampling estimate)", "C0"),
+              ("tau_greedy_vs_reference", "held-out tau (greedy streak)", "C2"),
+              ("accepted_length_vs_reference", "real accepted length, greedy", "C3")]
+    if summary.sample_temperature:
+        series.append(("accepted_length_sampled_vs_reference",
+                       f"real accepted length, T={summary.sample_temperature:g}", "C1"))
+    for offset, (key, label, color) in enumerate(series):
         ys, xs, lo, hi = [], [], [], []
         for i, r in enumerate(rows):
             if r[key] is not None:
-                ys.append(i + (offset - 1) * 0.25)
+                ys.append(i + (offset - (len(series) - 1) / 2) * 0.2)
                 xs.append(r[key].mean)
                 lo.append(r[key].mean - r[key].low)
                 hi.append(r[key].high - r[key].mean)

@@ -93,6 +93,8 @@ class RecipeSettings:
     """Design of the man-page sweep (as quickstart_design)."""
 
     top_k: int = 32
+    sample_temperature: float = 0.0
+    """Also decode the held-out prompts by speculative sampling at this temperature (0: greedy only)."""
 
 
 TINY = dict(steps=2, seeds=2, parallel=1, num_layers=1, block_size=4, batch_tokens=400, num_anchors=4,
@@ -165,7 +167,8 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
         "optim": {"lr": settings.lr},
     })
     measure = MeasureConfig(curve_points=settings.curve_points, teacher=str(teacher), prompts=str(spec.prompts),
-                            max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens)
+                            max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens,
+                            sample_temperature=settings.sample_temperature)
     custom = grid is not None
     cfg = SweepConfig(out=str(settings.out / spec.name), base=base, grid=grid if custom else chosen.grid,
                       parallel=settings.parallel, seeds=settings.seeds, design=design,

@@ -36,9 +36,15 @@ def test_offline_replay_agrees_with_measured_accepted_length(tmp_path, teacher_d
     report_path = tmp_path / "eval.json"
     result = runner.invoke(train_app, ["eval", "--checkpoint", str(tmp_path / "run" / "drafter"), "--teacher", teacher,
                                        "--prompts", str(tmp_path / "heldout.jsonl"), "--max-new-tokens", "20",
-                                       "--out", str(report_path), "--quiet"])
+                                       "--temperature", "0", "--temperature", "1", "--out", str(report_path), "--quiet"])
     assert result.exit_code == 0, result.output
-    decoding = json.loads(report_path.read_text())["decoding"]
+    report = json.loads(report_path.read_text())
+    decoding = report["decoding"]
+    # T=0 and T=1 side by side: the sampled one has no teacher output to equal, and accepts tokens too
+    greedy, sampled = report["decodings"]
+    assert greedy == decoding and sampled["mode"].startswith("sampling (temperature 1.0")
+    assert sampled["matched_teacher"] is None and sampled["accepted_length"] > 1.05, sampled["accepted_length"]
+    assert "measured accepted length (T=0)" in result.output and "measured accepted length (T=1)" in result.output
     assert decoding["matched_teacher"] is True
     # the drafter really accepts something, so the comparison below is not 1.0 == 1.0
     assert decoding["accepted_length"] > 1.1, decoding["accepted_length"]

@@ -25,6 +25,7 @@ from dflash_train.recipe import (
     paired_difference,
     spearman,
     summarize,
+    summary_markdown,
     t_interval,
     t_quantile,
     tau_at_budget,
@@ -180,6 +181,38 @@ def test_measure_config_refusals():
         MeasureConfig(teacher="t")
     with pytest.raises(ConfigError, match="--curve-points must be 0 or more"):
         MeasureConfig(curve_points=-1)
+    with pytest.raises(ConfigError, match="--sample-temperature must be a number >= 0"):
+        MeasureConfig(sample_temperature=-1.0)
+
+
+def test_a_sampled_decoding_asked_for_later_is_measured_then():
+    greedy = {"curve": [], "decoding": {"accepted_length": 2.0}}
+    sampled = {**greedy, "sampling": {"accepted_length": 1.8, "temperature": 1.0}}
+    decode = dict(teacher="t", prompts="p")
+    assert MeasureConfig(**decode).covers(greedy) and not MeasureConfig(**decode).covers(None)
+    assert not MeasureConfig(**decode, sample_temperature=1.0).covers(greedy)
+    assert MeasureConfig(**decode, sample_temperature=1.0).covers(sampled)
+    assert not MeasureConfig(**decode, sample_temperature=0.7).covers(sampled)
+
+
+def test_summary_pairs_the_sampled_accepted_length_by_seed_beside_greedy():
+    ref, new = "objective=kl", "objective=tv"
+    outcomes = []
+    for config, seed, sampled in ((ref, 0, 1.5), (ref, 1, 1.9), (new, 0, 1.75), (new, 1, 2.05)):
+        o = _outcome(config, seed, 2.0, 1.6, [(0, 1.0), (100, 2.0)])
+        o.measure["sampling"] = {"accepted_length": sampled, "temperature": 1.0}
+        outcomes.append(o)
+    summary = summarize(outcomes, ref)
+    row = {r["configuration"]: r for r in summary.rows}[new]
+    assert summary.sample_temperature == 1.0
+    assert row["accepted_length_sampled"].mean == pytest.approx(1.9)
+    diff = row["accepted_length_sampled_vs_reference"]  # paired: +0.25 and +0.15
+    assert diff.mean == pytest.approx(0.2) and diff.half_width == pytest.approx(12.7062 * math.sqrt(0.005) / math.sqrt(2))
+    text = summary_markdown(summary)
+    assert "real accepted length, T=1 | Δ T=1 vs reference" in text and "+0.200 [" in text
+    # greedy-only sweeps keep their table as it was
+    plain = summary_markdown(summarize([_outcome(ref, 0, 2.0, 1.6, [(0, 1.0)])], ref))
+    assert "T=1" not in plain and summarize([_outcome(ref, 0, 2.0, 1.6, [(0, 1.0)])], ref).sample_temperature is None
 
 
 # ----------------------------------------------------------------------------- seeds in a real sweep

@@ -24,6 +24,7 @@ from dflash_train.sweep import (
     alpha_columns,
     assign_runs,
     device_slots,
+    GridAxis,
     expand_grid,
     failure_reason,
     is_finished,
@@ -99,6 +100,22 @@ def test_expansion_order_and_overrides():
     assert runs[3].config.loss.kind == "kl" and runs[3].config.loss.weighting == "streak"
     assert runs[3].config.steps == 5 and runs[3].config.epochs is None
     assert runs[3].config.out == str(Path("sw") / "runs" / runs[3].name)
+
+
+def test_objective_grid_values_are_json_tables_or_named_bundles_of_settings():
+    (axis,) = parse_grid(['loss_terms={"ce":0.1,"tv":0.9},{"kl":1}'])
+    assert axis.path == ("loss", "terms") and axis.values == ({"ce": 0.1, "tv": 0.9}, {"kl": 1})
+    runs = plan_runs(SweepConfig(out="sw", base=TrainConfig(cache="c", out="x"), grid=(axis,)))
+    assert runs[0].config.loss.term_weights() == {"ce": 0.1, "tv": 0.9} and len({r.name for r in runs}) == 2
+    # a key that sets no field names a bundle; its values' settings come as extras
+    bundle = GridAxis("objective", (), ("kl+dpace", "tv"),
+                      extras=((("loss.weighting", "dpace"),), (("loss.kind", "tv"), ("loss.weighting", "decay"))))
+    runs = plan_runs(SweepConfig(out="sw", base=TrainConfig(cache="c", out="x"), grid=(bundle,)))
+    assert [r.name for r in runs] == ["objective-kl+dpace", "objective-tv"]
+    assert (runs[0].config.loss.kind, runs[0].config.loss.weighting) == ("kl", "dpace")
+    assert (runs[1].config.loss.kind, runs[1].config.loss.weighting) == ("tv", "decay")
+    with pytest.raises(ConfigError, match="sets no config field"):
+        GridAxis("objective", (), ("a", "b"))
 
 
 def test_sweep_config_refuses_bad_combinations_before_training():

@@ -230,3 +230,38 @@ def test_a_checkpoint_saved_on_a_gpu_loads_and_exports_on_cpu(tmp_path, cache_ur
                                        "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
                                        "--heldout-fraction", "0.05", "--save-every", "3", "--quiet"])
     assert resumed.exit_code == 0, resumed.output
+
+
+@pytest.mark.parametrize("objective", [["--loss-terms", '{"ce": 0.1, "tv": 0.9}', "--weighting", "dpace"],
+                                       ["--loss", "onpolicy_kl", "--onpolicy-decay", "0.3", "--weighting", "streak"],
+                                       ["--loss", "lk_hybrid", "--lk-eta", "2", "--weighting", "decay"]])
+def test_acceptance_objectives_train_log_their_terms_and_resume_exactly(tmp_path, cache_url, objective):
+    import shutil
+
+    straight = tmp_path / "straight"
+    args = ["run", "--cache", cache_url, "--steps", "4", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400",
+            "--num-anchors", "4", "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1",
+            "--eval-sequences", "0", "--quiet", *objective]
+    result = CliRunner().invoke(app, [*args, "--out", str(straight)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 4 and all(math.isfinite(r["loss"]) for r in train)
+    if "--loss-terms" in objective:  # each term of a sum is logged on its own, and they make the loss
+        for r in train:
+            assert r["loss"] == pytest.approx(0.1 * r["loss_ce"] + 0.9 * r["loss_tv"], rel=1e-5)
+    else:
+        assert not any(k.startswith("loss_") for k in train[0])
+    saved = json.loads((straight / "config.json").read_text())["loss"]
+    assert saved["weighting"] == objective[objective.index("--weighting") + 1]
+    # a run cut after step 2 resumes to the same weights, bit for bit
+    cut = tmp_path / "cut"
+    shutil.copytree(straight, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000004")
+    resumed = CliRunner().invoke(app, [*args, "--out", str(cut), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    a, b = _params(straight, 4), _params(cut, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the objective is part of what a resume must keep
+    changed = CliRunner().invoke(app, [*args, "--out", str(cut), "--resume", "--steps", "6", "--dpace-smoothing", "0.9"])
+    assert changed.exit_code == 1 and "loss.dpace_smoothing differs" in changed.output

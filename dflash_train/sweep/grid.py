@@ -98,7 +98,8 @@ class GridAxis:
     """Canonical key shown in run names and table headers: the short name, else the dotted path."""
 
     path: tuple[str, ...]
-    """The config field it sets, e.g. ("loss", "kind") or ("steps",)."""
+    """The config field it sets, e.g. ("loss", "kind") or ("steps",); () for an axis whose values
+    only name bundles of settings, which its extras carry (e.g. "objective=ce+decay")."""
 
     values: tuple[Any, ...]
     """The values, in the order runs are made."""
@@ -111,6 +112,9 @@ class GridAxis:
     def __post_init__(self):
         if not self.values:
             raise ConfigError(f"grid key {self.key!r} has no values; pass e.g. --grid {self.key}=a,b")
+        if not self.path and len(self.extras) != len(self.values):
+            raise ConfigError(f"grid key {self.key!r} sets no config field, so each of its values needs its settings "
+                              "as extras; give one set per value")
         if self.extras and len(self.extras) != len(self.values):
             raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "
                               "extra settings; give one (possibly empty) set per value")
@@ -178,7 +182,8 @@ def run_overrides(axes: Sequence[GridAxis], assignment: Sequence[tuple[str, Any]
     """Nested config values that one combination sets."""
     out: dict = {}
     for axis, (_, value) in zip(axes, assignment):
-        set_path(out, axis.path, value)
+        if axis.path:
+            set_path(out, axis.path, value)
         if axis.extras:
             for dotted, extra in axis.extras[axis.values.index(value)]:
                 set_path(out, dotted.split("."), extra)

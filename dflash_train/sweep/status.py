@@ -101,7 +101,7 @@ def run_status(run: SweepRun) -> RunStatus:
     export = folder / "drafter"
     has_export = (export / CONFIG_FILE).exists() and (export / WEIGHTS_FILE).exists()
     trained = is_finished(has_export, read_metrics(folder), run.config.eval_sequences > 0)
-    measured = not run.measure.active or read_measure(folder) is not None
+    measured = not run.measure.active or run.measure.covers(read_measure(folder))
     resumable = CheckpointManager(folder / "checkpoints").latest() is not None
     return RunStatus(finished=trained and measured, trained=trained, resumable=resumable)
 
@@ -114,7 +114,7 @@ def train_run(run: SweepRun, progress: Progress | None = None) -> None:
     status = run_status(run)
     if not status.trained:
         train(run.config, resume=status.resumable, progress=progress)
-    if run.measure.active and read_measure(run.config.out) is None:
+    if run.measure.active and not run.measure.covers(read_measure(run.config.out)):
         reference = None
         if run.measure.teacher is not None:
             reference = json.loads((Path(run.config.out).parent.parent / REFERENCE_FILE).read_text())

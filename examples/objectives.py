@@ -1,0 +1,94 @@
+"""`make objectives`: do the objectives aimed at acceptance raise the real accepted length?
+
+Run from the repository root:
+
+    python examples/objectives.py [--out objectives] [--steps 600] [--seeds 3] [--parallel 2] [--caches quickstart,manpages]
+
+On the recipe study's two caches (examples/recipe.py builds them, under OUT/caches), one sweep
+per cache whose grid key `objective` names a whole configuration:
+
+    kl+streak      the defaults (the reference)          ce+decay       the DFlash paper's recipe
+    tv, nla,       the LK losses (streak weights)        ce0.1+tv0.9    the DSpark recipes' weighted sum
+    lk_hybrid                                            kl+dpace       kl with D-PACE weights
+    onpolicy_kl    on-policy replay (streak weights)
+
+each with --seeds seeds, the quickstart drafter's shape (3 layers, B = 8), and real speculative
+decoding of held-out prompts greedy and at temperature 1 in the built-in decoder. Each sweep
+folder gets summary.md (means, 95% intervals over seeds, differences from kl+streak paired by
+seed, the real accepted length at T=0 and T=1) and its plots. Everything resumes: rerunning
+the same command skips finished runs. `--tiny` runs the same pipeline at toy size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import recipe  # noqa: E402  (examples/recipe.py: the caches, the man-page teacher, the sweep call)
+
+OBJECTIVES: dict[str, dict] = {
+    "kl+streak": {"loss.kind": "kl", "loss.weighting": "streak"},
+    "ce+decay": {"loss.kind": "ce", "loss.weighting": "decay"},
+    "tv": {"loss.kind": "tv", "loss.weighting": "streak"},
+    "nla": {"loss.kind": "nla", "loss.weighting": "streak"},
+    "lk_hybrid": {"loss.kind": "lk_hybrid", "loss.weighting": "streak"},
+    "ce0.1+tv0.9": {"loss.terms": {"ce": 0.1, "tv": 0.9}, "loss.weighting": "streak"},
+    "kl+dpace": {"loss.kind": "kl", "loss.weighting": "dpace"},
+    "onpolicy_kl": {"loss.kind": "onpolicy_kl", "loss.weighting": "streak"},
+}
+"""Each configuration of the study: its name (the grid value) and the settings it sets."""
+
+REFERENCE = "kl+streak"
+
+STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
+             eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
+"""The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
+
+
+def objective_axis(names=tuple(OBJECTIVES)):
+    from dflash_train.sweep import GridAxis
+
+    return GridAxis("objective", (), tuple(names), extras=tuple(tuple(OBJECTIVES[n].items()) for n in names))
+
+
+def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress=None) -> dict[str, object]:
+    """One sweep per cache; returns {cache name: SweepResult}."""
+    results = {}
+    for spec in (recipe.QUICKSTART, recipe.MANPAGES):
+        if spec.name not in caches:
+            continue
+        teacher = spec.teacher or recipe.ensure_manpage_teacher(settings)
+        cache = recipe.build(spec, teacher, settings)
+        results[spec.name] = recipe.sweep(spec, cache, teacher, settings, "full", progress, grid=(objective_axis(),),
+                                          reference=(("objective", REFERENCE),))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=recipe.ROOT / "objectives")
+    parser.add_argument("--caches", default="quickstart,manpages")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--parallel", type=int, default=None)
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (2 steps a run) and a 2-step teacher under --out")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    settings = replace(recipe.RecipeSettings(out=args.out, manpage_teacher=recipe.EXAMPLES / "manpage_teacher"), **STUDY)
+    if args.tiny:
+        settings = replace(settings, manpage_teacher=args.out / "manpage_teacher", **recipe.TINY)
+    overrides = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("parallel", args.parallel)) if v is not None}
+    settings = replace(settings, sample_temperature=1.0, **overrides)
+    from cli.common import BarProgress
+
+    results = run_study(settings, tuple(c.strip() for c in args.caches.split(",")), BarProgress(enabled=not args.quiet))
+    for name, result in results.items():
+        print(f"\n## {name}\n\n{result.report.summary}")
+
+
+if __name__ == "__main__":
+    main()
