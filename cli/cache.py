@@ -219,7 +219,7 @@ def regenerate(
     device: str = typer.Option("auto", help="auto or cuda (each torchrun rank its LOCAL_RANK GPU), cpu, or cuda:N."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the teacher."),
     trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
-    overwrite: bool = typer.Option(False, help="Delete an earlier OUT and OUT.parts and start over (default: resume)."),
+    overwrite: bool = typer.Option(False, help="Delete an earlier OUT and what regenerate wrote in OUT.parts, and start over (default: resume); any other file there stops it."),
     merge_only: bool = typer.Option(False, help="Only concatenate the committed parts into OUT (after every rank finished)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),

@@ -1,10 +1,11 @@
-"""Durable local writes: fsync, and a file replaced whole or not at all."""
+"""Durable local writes: fsync, and a file replaced whole or not at all; and what in a folder a
+command that replaces or deletes its contents did not write."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 
@@ -49,3 +50,18 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             os.remove(tmp)
         raise
     fsync_path(folder or ".")
+
+
+def foreign_entries(folder: str | os.PathLike, ours: Callable[[os.DirEntry], bool]) -> list[str]:
+    """The sorted names in `folder` that `ours` does not claim ([] when there is no such folder):
+    what a command about to replace or delete the folder's contents must refuse to touch."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(entry.name for entry in entries if not ours(entry))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def holds(names: Sequence[str]) -> str:
+    """How a refusal names what a folder holds: "'a.txt'", or "'a.txt' and 3 more"."""
+    return repr(names[0]) + (f" and {len(names) - 1} more" if len(names) > 1 else "")

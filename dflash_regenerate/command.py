@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from itertools import groupby
@@ -19,10 +18,11 @@ from dflash_cache.corpus import (
 )
 from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
-from dflash_common.files import write_file_atomic
+from dflash_common.files import foreign_entries, holds, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_regenerate.config import (
     PART_TEMPORARY,
+    PARTS_ENTRY,
     RESUME_KEYS,
     SETTINGS,
     SETTINGS_FORMAT,
@@ -95,13 +95,31 @@ def _refuse_mismatch(cfg: RegenerateConfig, existing: dict, settings: dict, keys
                           f"to resume, or pass --overwrite to start over")
 
 
+def _written_here(entry: os.DirEntry) -> bool:
+    """Whether an entry of OUT.parts is one regenerate writes (PARTS_ENTRY names files only)."""
+    return bool(PARTS_ENTRY.match(entry.name)) and not entry.is_dir(follow_symlinks=False)
+
+
+def _overwritten_files(cfg: RegenerateConfig) -> list[str]:
+    """What --overwrite deletes in OUT.parts: the parts, records, settings and temporaries
+    regenerate wrote. Anything else there is a user's: refused before a file is deleted, as
+    `build --overwrite` does."""
+    folder = parts_dir(cfg.out)
+    foreign = foreign_entries(folder, _written_here)
+    if foreign:
+        raise ConfigError(f"{folder} holds {holds(foreign)}, which regenerate did not write; --overwrite deletes only "
+                          f"the parts and settings it wrote, so nothing was deleted: move them out of {folder} and rerun")
+    # listed by the same test, so a file that came after the check is deleted only if it is ours
+    return [os.path.join(folder, name) for name in foreign_entries(folder, lambda entry: not _written_here(entry))]
+
+
 def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
     """Check or start OUT.parts; returns the merged summary when the output is already complete."""
     folder = parts_dir(cfg.out)
     settings_path = os.path.join(folder, SETTINGS)
     if cfg.overwrite:
-        if os.path.isdir(folder):
-            shutil.rmtree(folder)
+        for path in _overwritten_files(cfg):  # checked again: files may have come since regenerate() looked
+            os.remove(path)
         if os.path.exists(cfg.out):
             os.remove(cfg.out)
     existing = read_json(settings_path)
@@ -158,6 +176,8 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     if total_rows == 0:
         raise ConfigError(f"the corpus {cfg.data!r} has no rows; point --data at a non-empty file")
     settings = _plain_settings(cfg, files, total_rows)
+    if cfg.overwrite:
+        _overwritten_files(cfg)  # refuse a user's file in OUT.parts before loading the teacher, not after
     existing = None if cfg.overwrite else read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
     if existing is not None:  # refuse what can be refused before spending minutes loading a large teacher
         _refuse_mismatch(cfg, existing, settings, [k for k in RESUME_KEYS if k in settings])

@@ -19,6 +19,11 @@ REASONING_POLICIES = ("drop", "keep")
 SETTINGS = ".settings.json"
 # A part's or record's temporary name (see _write_atomic): ".part-000003.jsonl.tmp-1a2b3c4d".
 PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
+# Every name regenerate writes in OUT.parts: parts (plan.part_name), their commit records
+# (plan.record_name), the settings, and the temporaries of all three (".NAME.tmp-XXXXXXXX").
+# --overwrite deletes only these.
+_WRITTEN = rf"(?:part-\d{{6,}}\.jsonl|\.part-\d{{6,}}\.json|{re.escape(SETTINGS)})"
+PARTS_ENTRY = re.compile(rf"^(?:{_WRITTEN}|\.{_WRITTEN}\.tmp-[0-9a-f]+)$")
 SETTINGS_FORMAT = "dflash-regenerate"
 SETTINGS_VERSION = 1
 # Settings that change what is written; a resume must match all of them.
@@ -78,7 +83,8 @@ class RegenerateConfig:
     """Source rows per part file: the unit of resuming and of splitting across ranks."""
 
     overwrite: bool = False
-    """Delete an earlier output and its parts and start over (otherwise a rerun resumes)."""
+    """Delete an earlier output and its parts and start over (otherwise a rerun resumes). Only the
+    files regenerate writes in OUT.parts are deleted; any other file there is refused."""
 
     rank: int = 0
     """This process's rank in a multi-process run (torchrun's RANK)."""

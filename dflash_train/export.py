@@ -2,7 +2,8 @@
 
 The folder holds `config.json` (`DrafterConfig.to_hf_config()` plus the dtype) and
 `model.safetensors` with exactly the drafter's `state_dict()` names; the teacher's embedding and
-LM head are never written (inference engines take them from the target model).
+LM head are never written (inference engines take them from the target model). An export
+replaces only an earlier export: a folder holding anything else is refused (check_export_folder).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dflash_common.errors import DFlashError
+from dflash_common.errors import ConfigError, DFlashError
+from dflash_common.files import foreign_entries, holds
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# All an export folder holds; anything else there is someone else's and stops an export into it.
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
 class ExportError(DFlashError):
@@ -31,6 +35,36 @@ class ExportError(DFlashError):
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _is_export_config(path: Path) -> bool:
+    """Whether `path` is a config.json an export wrote: a DFlash drafter's, not a model's."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(values, dict) and values.get("architectures") == ["DFlashDraftModel"]
+            and isinstance(values.get("dflash_config"), dict))
+
+
+def check_export_folder(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse an export folder that is not ours to replace: a file, or a non-empty folder other
+    than an earlier export (our config.json, model.safetensors and nothing else), since an export
+    replaces the whole folder and everything in it would be lost."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a folder; choose a new or empty folder for the export")
+    config = out_dir / CONFIG_FILE
+    ours = _is_export_config(config)
+    foreign = foreign_entries(out_dir, lambda entry: ours and entry.name in EXPORT_FILES
+                              and entry.is_file(follow_symlinks=False))
+    if not foreign:
+        return
+    # a model folder (a teacher's, a copy from the hub) has a config.json too: say it is not ours
+    others = [name for name in foreign if name != CONFIG_FILE]
+    held = ([f"a {CONFIG_FILE} that is not an export's"] if CONFIG_FILE in foreign else []) + ([holds(others)] if others else [])
+    raise ConfigError(f"{out_dir} is a non-empty folder that is not a drafter export (it holds {', '.join(held)}); "
+                      "choose a new or empty folder for the export (it replaces the whole folder)")
 
 
 def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike[str],
@@ -44,12 +78,12 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
     """Export a drafter from its config and trainable weights (e.g. straight from a checkpoint).
 
     The files are written into a temporary sibling folder that is then renamed, so a crash never
-    leaves a half-written export under `out_dir`. Returns the export folder.
+    leaves a half-written export under `out_dir`. Every export goes through here, so here
+    `out_dir` is checked (check_export_folder): only an earlier export is replaced. Returns the
+    export folder.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / CONFIG_FILE).exists():
-        raise ExportError(
-            f"{out_dir} exists and is not a drafter export (no {CONFIG_FILE}); choose an empty or new folder")
+    check_export_folder(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     staging = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
@@ -57,11 +91,15 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
     try:
         tensors = {name: value.detach().to(device="cpu", dtype=dtype).contiguous()
                    for name, value in state_dict.items()}
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         config = cfg.to_hf_config()
         # transformers 5 reads "dtype", older readers "torch_dtype".
         config["dtype"] = config["torch_dtype"] = _dtype_name(dtype)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        # safetensors creates its file mode 600, which a serving engine run as another user (or
+        # a shared model folder) cannot read; give it the mode config.json got from its plain write
+        # (0o666 & ~umask)
+        os.chmod(staging / WEIGHTS_FILE, (staging / CONFIG_FILE).stat().st_mode & 0o777)
         if out_dir.exists():
             retired = out_dir.parent / f".{out_dir.name}.old-{tag}"
             out_dir.rename(retired)

@@ -16,6 +16,7 @@ from dflash_cache.format import check_servable_layers
 from dflash_cache.verify import check_shards
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError
+from dflash_common.files import foreign_entries, holds
 from dflash_common.progress import Progress
 from dflash_common.settings import shown
 from dflash_train.checkpoint import (
@@ -41,7 +42,7 @@ from dflash_train.distributed import (
     shutdown,
 )
 from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate, meter_rows
-from dflash_train.export import export_weights
+from dflash_train.export import check_export_folder, export_weights
 from dflash_train.loss import LossOutput, set_head_matmul
 from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
@@ -205,10 +206,10 @@ def check_run_folder(out: Path) -> None:
             return
         raise ConfigError(f"--out {out} holds a config.json that is not a dflash-train run's; choose a new or empty "
                           "folder (training would overwrite it and replace drafter/)")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in _BEFORE_CONFIG)
+    foreign = foreign_entries(out, lambda entry: entry.name in _BEFORE_CONFIG)
     if foreign:
-        raise ConfigError(f"--out {out} is a non-empty folder that is not a dflash-train run (it holds {foreign[0]!r}"
-                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); choose a new or empty folder")
+        raise ConfigError(f"--out {out} is a non-empty folder that is not a dflash-train run (it holds {holds(foreign)}); "
+                          "choose a new or empty folder")
 
 
 @dataclass
@@ -241,6 +242,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     the checkpoint folder `resume_from`) and export the drafter."""
     resume = resume or resume_from is not None
     check_run_folder(Path(cfg.out))
+    # the run ends by replacing drafter/: refuse a user's files there now, not after the training
+    check_export_folder(Path(cfg.out) / "drafter")
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
@@ -363,8 +366,7 @@ def save_checkpoint(s: Session) -> None:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Export the drafter of a checkpoint folder (no cache or teacher needed)."""
-    from dflash_train.export import export_weights
-
+    check_export_folder(out_dir)  # before reading the checkpoint: a refusal costs nothing
     state = CheckpointManager.load(checkpoint)
     drafter_cfg = DrafterConfig.from_hf_config(state["trainer"]["drafter"])
     return export_weights(drafter_cfg, state["model"], out_dir)

@@ -97,6 +97,8 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                              "--max-sequences", "0", "--quiet"], "--max-sequences 0"),
         "trainer.pt of the wrong structure": (train_app, ["export", str(root / "bad-ckpt"), str(root / "bad-export")],
                                               "trainer.pt lacks 'step'"),
+        "export out a file": (train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"),
+                                          str(root / "plain-file")], "is a file, not a folder"),
     }
 
 
@@ -112,6 +114,94 @@ def test_bad_input_is_one_line(setup, name):
     assert len(lines) == 1 and lines[0].startswith("error: "), (name, result.output)
     assert expected in lines[0], (name, lines[0])
     assert "Traceback" not in result.output and not isinstance(result.exception, (AttributeError, KeyError, TypeError))
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# What `export STEP OUT` is pointed at by mistake, and what its refusal names.
+_NOT_EXPORTS = {
+    "a model folder with notes": "(it holds a config.json that is not an export's, 'NOTES.txt' and ",
+    "a model's config.json and model.safetensors": "(it holds a config.json that is not an export's, 'model.safetensors')",
+    "a run folder": "(it holds a config.json that is not an export's, 'checkpoints' and ",
+    "a cache's teacher folder": "(it holds a config.json that is not an export's, ",
+    "an export holding a user's file": "(it holds 'README.md')",
+    "weights without a config": "(it holds 'model.safetensors')",
+}
+
+
+@pytest.mark.parametrize("layout", list(_NOT_EXPORTS))
+def test_export_refuses_a_folder_that_is_not_an_export(setup, tmp_path, layout):
+    """An export replaces its whole folder, so it goes only where an earlier export (or nothing) is."""
+    import shutil
+
+    root = setup["root"]
+    out = tmp_path / "out"
+    if layout == "a model folder with notes":
+        shutil.copytree(setup["teacher"], out)
+        (out / "NOTES.txt").write_text("my notes")
+    elif layout == "a model's config.json and model.safetensors":
+        out.mkdir()
+        (out / "config.json").write_text('{"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}')
+        (out / "model.safetensors").write_bytes((root / "run" / "drafter" / "model.safetensors").read_bytes())
+    elif layout == "a run folder":
+        shutil.copytree(root / "run", out)
+    elif layout == "a cache's teacher folder":
+        shutil.copytree(Path(setup["cache"]) / "teacher", out)
+    elif layout == "an export holding a user's file":
+        shutil.copytree(root / "run" / "drafter", out)
+        (out / "README.md").write_text("# my drafter")
+    else:
+        out.mkdir()
+        (out / "model.safetensors").write_bytes((root / "run" / "drafter" / "model.safetensors").read_bytes())
+    before = _tree(out)
+    result = CliRunner().invoke(train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"), str(out)])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out} is a non-empty folder that is not a drafter export "), \
+        result.output
+    assert _NOT_EXPORTS[layout] in lines[0] and lines[0].endswith("choose a new or empty folder for the export "
+                                                                  "(it replaces the whole folder)"), lines[0]
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder either
+
+
+def test_run_refuses_a_users_file_in_its_drafter_folder_before_training(setup, tmp_path):
+    """Training ends by replacing RUN/drafter: a user's file there stops it at the start, not hours in."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["root"] / "run", run)
+    (run / "drafter" / "NOTES.txt").write_text("eval notes")
+    before = _tree(run)
+    result = CliRunner().invoke(train_app, ["run", "--cache", setup["cache"], "--out", str(run), "--resume", "--steps", "3",
+                                            "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0",
+                                            "--heldout-fraction", "0.1", "--quiet"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and f"{run / 'drafter'} is a non-empty folder that is not a drafter export (it holds " \
+        "'NOTES.txt')" in lines[0], result.output
+    assert _tree(run) == before  # no step taken, no checkpoint written
+
+
+def test_export_replaces_an_earlier_export_with_readable_files(setup, tmp_path):
+    import os
+    import shutil
+    import stat
+
+    root = setup["root"]
+    out = tmp_path / "drafter"
+    shutil.copytree(root / "run" / "drafter", out)
+    (out / "config.json").write_text((out / "config.json").read_text().replace('"block_size": 4', '"block_size": 5'))
+    result = CliRunner().invoke(train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"), str(out)])
+    assert result.exit_code == 0, result.output
+    assert _tree(out) == _tree(root / "run" / "drafter")  # the same checkpoint, so the same files
+    umask = os.umask(0)
+    os.umask(umask)
+    # a plain file write's mode (safetensors alone makes its file 0o600, unreadable to a server run as another user)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        "config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
 
 
 def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash_common.errors import ConfigError
 from dflash_train.export import ExportError, export_drafter, load_drafter
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
@@ -151,9 +154,31 @@ def test_load_drafter_round_trip_and_overwrite(tmp_path):
 
 def test_export_refuses_to_replace_a_foreign_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="not a drafter export"):
+    with pytest.raises(ConfigError, match="not a drafter export .it holds 'notes.txt'.; choose a new or empty folder"):
         export_drafter(make_model(), tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+    # a model's config.json is not ours either, though an export writes a file of that name
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ConfigError, match="it holds a config.json that is not an export's.; choose a new"):
+        export_drafter(make_model(), model)
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+    assert (model / "config.json").read_text() == '{"model_type": "qwen3"}'
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        export_drafter(make_model(), tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_exported_files_get_a_plain_writes_mode(tmp_path, umask):
+    """safetensors alone creates its file 0o600: a server run as another user could not read it."""
+    old = os.umask(umask)
+    try:
+        out = export_drafter(make_model(), tmp_path / "drafter")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
 
 
 def broken_exports(tmp_path, model):

@@ -213,3 +213,34 @@ def test_an_empty_answer_is_counted_and_can_be_dropped(tmp_path, server):
     dropped = regen(data, tmp_path / "dropped.jsonl", s.url, "--on-truncated", "drop")
     assert dropped.exit_code == 0 and "empty: 1" in dropped.output, dropped.output
     assert [json.loads(line)["id"] for line in (tmp_path / "dropped.jsonl").read_text().splitlines()] == ["r0", "r1"]
+
+
+def test_overwrite_deletes_only_what_regenerate_wrote(tmp_path, server):
+    data = write_jsonl(tmp_path / "in.jsonl", rows(6))
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.parts"
+    # a run stopped after part 0 (its settings, part and commit record), a killed write's temporary, a user's notes
+    down = server([(200, None), (200, None)] + [(502, {"error": "bad gateway"})] * 20)
+    assert regen(data, out, down.url, "--concurrency", "1", "--max-retries", "1").exit_code == 1
+    (parts / ".part-000001.jsonl.tmp-1a2b3c4d").write_text("half a part")
+    (parts / "notes.txt").write_text("rows 3 and 5 look odd")
+    before = {p.name: p.read_bytes() for p in parts.iterdir()}
+    assert set(before) == {".settings.json", "part-000000.jsonl", ".part-000000.json", ".part-000001.jsonl.tmp-1a2b3c4d",
+                           "notes.txt"}
+    healthy = server()
+    refused = regen(data, out, healthy.url, "--overwrite")
+    assert refused.exit_code == 1
+    assert refused.output.strip().splitlines() == [
+        f"error: {parts} holds 'notes.txt', which regenerate did not write; --overwrite deletes only the parts and "
+        f"settings it wrote, so nothing was deleted: move them out of {parts} and rerun"]
+    assert {p.name: p.read_bytes() for p in parts.iterdir()} == before and healthy.requests == []
+
+    # moved out, the same command starts over: every row is asked again, and only the settings stay
+    (parts / "notes.txt").unlink()
+    assert regen(data, out, healthy.url, "--overwrite").exit_code == 0
+    assert len(healthy.requests) == 6 and [p.name for p in parts.iterdir()] == [".settings.json"]
+    # a finished output is kept as well when --overwrite is refused
+    (parts / "notes.txt").write_text("keep")
+    done = out.read_bytes()
+    again = regen(data, out, healthy.url, "--overwrite")
+    assert again.exit_code == 1 and "holds 'notes.txt'" in again.output
+    assert out.read_bytes() == done and (parts / "notes.txt").read_text() == "keep" and len(healthy.requests) == 6
