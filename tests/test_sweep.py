@@ -19,12 +19,12 @@ from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig, config_differences
 from dflash_train.knobs import train_knobs
 from dflash_train.sweep import (
+    GridAxis,
     Slot,
     SweepConfig,
     alpha_columns,
     assign_runs,
     device_slots,
-    GridAxis,
     expand_grid,
     failure_reason,
     is_finished,
