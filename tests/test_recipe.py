@@ -317,3 +317,26 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, 
     assert (full["loss"]["kind"], full["loss"]["weighting"], full["noise"]["schedule"], full["steps"]) == ("kl", "streak", "cosine", 3)
     paper = json.loads((runs / "recipe-ce_seed-0" / "config.json").read_text())
     assert (paper["loss"]["weighting"], paper["noise"]["schedule"]) == ("decay", "off")
+
+
+@pytest.mark.slow
+def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tmp_path, one_thread):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import objectives
+    import recipe
+
+    settings = recipe.RecipeSettings(out=tmp_path / "obj", manpage_teacher=tmp_path / "obj" / "manpage_teacher",
+                                     **{**recipe.TINY, "seeds": 1, "curve_points": 0}, sample_temperature=1.0)
+    result = objectives.run_study(settings, ("quickstart",))["quickstart"]
+    with open(tmp_path / "obj" / "quickstart" / "summary.csv", newline="") as f:
+        rows = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {f"objective={name}" for name in objectives.OBJECTIVES}
+    assert rows[f"objective={objectives.REFERENCE}"]["reference"] == "True"
+    for row in rows.values():  # every objective trained and was decoded greedy (lossless) and at T=1
+        assert float(row["accepted_length_mean"]) >= 1.0 and float(row["accepted_length_sampled_mean"]) >= 1.0
+        assert row["matched_teacher"] == "True"
+    runs = tmp_path / "obj" / "quickstart" / "runs"
+    config = json.loads((runs / "objective-ce0.1+tv0.9_seed-0" / "config.json").read_text())["loss"]
+    assert config["terms"] == {"ce": 0.1, "tv": 0.9}
+    assert json.loads((runs / "objective-kl+dpace_seed-0" / "config.json").read_text())["loss"]["weighting"] == "dpace"
+    assert "real accepted length, T=1" in result.report.summary
