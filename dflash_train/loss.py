@@ -336,10 +336,9 @@ def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch
     top-k buckets, then the tail bucket if any) of the teacher and the drafter."""
     p, q = teacher_logp.exp(), log_q.exp()
     out: dict[str, torch.Tensor] = {}
-    needed = set(names) | ({"kl", "rkl"} if "onpolicy_kl" in names else set())
     alpha = bucket_alpha(p, q)
     kl = bucket_kl(p, log_q, None, None)
-    for name in needed:
+    for name in names:
         if name == "ce":
             out[name] = ce
         elif name == "kl":
