@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.errors import DFlashError
+from dflash_train.model import DrafterConfig
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
 """Environment variable naming the python of an environment with vLLM."""
@@ -198,10 +199,26 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
     return report
 
 
-def serve_commands(export_dir: str | os.PathLike[str], block_size: int, teacher: str = "TEACHER") -> dict[str, str]:
-    """The vLLM and SGLang command lines that serve an exported drafter next to its teacher."""
+def speculative_method(cfg: DrafterConfig) -> str:
+    """vLLM's speculative method for a drafter: "dspark" or "dflash"."""
+    return "dspark" if cfg.dspark is not None else "dflash"
+
+
+def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teacher: str = "TEACHER") -> dict[str, str]:
+    """The vLLM and SGLang command lines that serve an exported drafter next to its teacher.
+
+    A DSpark drafter proposes num_draft_positions tokens (block_size with sample_from_anchor);
+    vLLM 0.32 runs it only on its GPU model runner and only with the vanilla Markov head, and no
+    SGLang release this was checked against has a DSpark algorithm, so none is claimed for it."""
     drafter = str(export_dir)
-    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
+    spec = json.dumps({"method": speculative_method(cfg), "model": drafter,
+                       "num_speculative_tokens": cfg.num_draft_positions})
+    if cfg.dspark is not None:
+        vllm = f"vllm serve {teacher} --speculative-config '{spec}'"
+        if cfg.dspark.markov_rank and cfg.dspark.markov_head_type != "vanilla":
+            vllm += f"  # vLLM 0.32 serves only markov_head_type vanilla, not {cfg.dspark.markov_head_type}"
+        return {"vllm": vllm, "sglang": "not available: SGLang has no DSpark algorithm to serve it with"}
+    block_size = cfg.block_size
     return {
         "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
         "sglang": (f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm DFLASH "
