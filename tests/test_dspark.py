@@ -16,10 +16,10 @@ from dflash_common.errors import ConfigError
 from dflash_train.config import config_from_dict
 from dflash_train.dspark import DSparkConfig
 from dflash_train.export import load_drafter, read_export_config
-from dflash_train.loss import DraftHeads, LossConfig, bucket_alpha, block_loss
+from dflash_train.loss import DraftHeads, LossConfig, block_loss, bucket_alpha
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.speculative import SpecConfig, speculative_generate, teacher_generate
-from dflash_train.sweep.grid import parse_grid, run_overrides, expand_grid
+from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
 
 
 @pytest.mark.parametrize("overrides", [
