@@ -81,6 +81,8 @@ class EngineRun:
     name: str
     drafter: str | None = None
     num_speculative_tokens: int = 0
+    method: str = "dflash"
+    """vLLM's speculative method for the drafter: "dflash" or "dspark"."""
 
 
 def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -98,7 +100,7 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
         # room for the longest prompt, its answer and one block of drafts past it
         "max_model_len": longest + max_new_tokens + spec + 1,
         "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
-                  "num_speculative_tokens": r.num_speculative_tokens} for r in runs],
+                  "num_speculative_tokens": r.num_speculative_tokens, "method": r.method} for r in runs],
     }
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
                TOKENIZERS_PARALLELISM="false")
@@ -176,8 +178,12 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
     `reference`, when given, is another engine's greedy output (transformers') for the same
     prompts; the report says whether vLLM's teacher-alone output equals it.
     """
+    from dflash_train.export import read_export_config
+
+    drafter_cfg = read_export_config(drafter_dir)
     result = run_vllm(cfg, teacher, prompts, max_new_tokens, stop_token_ids,
-                      [EngineRun("teacher"), EngineRun("drafter", drafter_dir, block_size - 1)])
+                      [EngineRun("teacher"), EngineRun("drafter", drafter_dir, drafter_cfg.num_draft_positions,
+                                                       speculative_method(drafter_cfg))])
     alone, spec = result["runs"]
     tokens = sum(len(o) for o in spec["outputs"])
     report = {
@@ -187,6 +193,7 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
         "block_size": block_size,
         "dtype": cfg.dtype,
         **spec_summary(spec, block_size),
+        "num_speculative_tokens": drafter_cfg.num_draft_positions,
         "tokens_per_second": tokens / spec["seconds"],
         "teacher_tokens_per_second": sum(len(o) for o in alone["outputs"]) / alone["seconds"],
         "matched_teacher": spec["outputs"] == alone["outputs"],
