@@ -274,6 +274,35 @@ def part_train(out: Path):
             f"{accepted:.2f}, x{decoding['speedup']:.2f} tokens/s"), {"accepted_length": accepted}
 
 
+def part_dspark(out: Path):
+    """DSpark on the device: train with a resume (flex attention, bf16 autocast, the heads inside
+    the forward), greedy semi-autoregressive decoding = teacher, and vLLM's dspark method (GPU
+    runner only) on the export when a vLLM python is given (DFLASH_VLLM_PYTHON)."""
+    cache, run = str(out / "cache-dev-bf16"), out / "dspark"
+    dev, steps = str(device()), 4 if on_cpu() else 20
+    half = str(steps // 2)
+    kind = ["--model-kind", "dspark", "--markov-rank", "64"]
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", half, "--save-every", half, "--device", dev,
+        *kind, *RUN)
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", str(steps), "--save-every", half, "--device", dev,
+        "--resume", *kind, *RUN)
+    report = out / "dspark-eval.json"
+    engine = ["--engine", "both"] if os.environ.get("DFLASH_VLLM_PYTHON") and not on_cpu() else []
+    cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
+        "--prompts", str(PROMPTS), "--max-prompts", "2" if on_cpu() else "8", "--max-new-tokens", "32" if on_cpu() else "96",
+        "--device", dev, "--heldout-fraction", "0.05", "--out", str(report), "--quiet", *engine)
+    values = json.loads(report.read_text())
+    if not values["decoding"]["matched_teacher"]:
+        raise RuntimeError("greedy DSpark decoding did not reproduce the teacher's output")
+    served = values.get("vllm", {})
+    if served and not served.get("matched_teacher"):
+        raise RuntimeError("vLLM's dspark method did not reproduce the teacher's output")
+    accepted = values["decoding"]["accepted_length"]
+    return (f"{steps} steps with a resume, DSpark greedy decode = teacher, accepted {accepted:.2f}"
+            + (f", vLLM dspark accepted {served.get('accepted_length', 0):.2f}" if served else "")), \
+        {"accepted_length": accepted, "vllm": served}
+
+
 def part_ddp(out: Path):
     """1-rank DDP and FSDP2 under torchrun (NCCL on CUDA) against the unwrapped model."""
     import safetensors.torch

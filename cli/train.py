@@ -75,7 +75,7 @@ def _echo_serve_commands(export_dir) -> None:
     from dflash_train.export import read_export_config
     from dflash_train.serving import serve_commands
 
-    commands = serve_commands(export_dir, read_export_config(export_dir).block_size)
+    commands = serve_commands(export_dir, read_export_config(export_dir))
     typer.echo("serve it with its teacher (TEACHER: the model the cache was built from):")
     typer.echo(f"  vLLM:   {commands['vllm']}")
     typer.echo(f"  SGLang: {commands['sglang']}")

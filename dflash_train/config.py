@@ -16,6 +16,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import DataConfig
+from dflash_train.dspark import DRAFTER_KINDS, DSparkConfig
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossConfig
 from dflash_train.model import ATTENTION_CHOICES
@@ -25,6 +26,10 @@ from dflash_train.noise import NoiseConfig
 @dataclass(frozen=True)
 class ModelOptions:
     """Drafter shape; unset fields are derived from the teacher config saved in the cache."""
+
+    kind: str = field(default="dflash", metadata={"name": "model_kind"})
+    """Drafter kind: "dflash" (the block-parallel drafter) or "dspark" (DFlash's backbone plus
+    a Markov logit-bias head and a confidence head, set up by the dspark section)."""
 
     num_layers: int = 5
     """Drafter decoder layers."""
@@ -59,6 +64,8 @@ class ModelOptions:
     same attention; export and serving do not depend on it."""
 
     def __post_init__(self):
+        if self.kind not in DRAFTER_KINDS:
+            raise ConfigError(f"model.kind {self.kind!r} is unknown; use one of {', '.join(DRAFTER_KINDS)}")
         if self.num_layers < 1:
             raise ConfigError(f"--num-layers must be at least 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -141,6 +148,9 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     """The per-position loss and the position weights."""
 
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
+    """DSpark's heads and layout, used when model.kind is "dspark"."""
+
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """Noise added to the tapped hidden states on load."""
 
@@ -204,7 +214,7 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"model": ModelOptions, "loss": LossConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelOptions, "loss": LossConfig, "dspark": DSparkConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:

@@ -226,13 +226,15 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
-    """Per block position k = 1..B-1 of every anchor: the token to predict (x_{a+k}), the teacher's
-    distribution of it (top-k at t = a+k-1) and whether the position counts (a+k < T, loss mask
-    set, anchor slot used). Shapes [N*A, B-1] (+ [k])."""
+def block_targets(batch: Batch, block_size: int, num_positions: int | None = None) -> dict[str, torch.Tensor]:
+    """Per draft position j = 1..P of every anchor a (P = num_positions, default block_size - 1;
+    block_size when the anchor slot predicts too): the token to predict (x_{a+j}), the teacher's
+    distribution of it (top-k at t = a+j-1) and whether the position counts (a+j < T, loss mask
+    set, anchor slot used). Shapes [N*A, P] (+ [k])."""
+    num_positions = block_size - 1 if num_positions is None else num_positions
     n, a = batch.anchors.shape
-    k_offsets = torch.arange(1, block_size, device=batch.anchors.device)
-    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, B-1]
+    k_offsets = torch.arange(1, num_positions + 1, device=batch.anchors.device)
+    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
     in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
     pos = torch.where(in_range, pos, torch.zeros_like(pos))
     flat = pos.view(n, -1)
@@ -245,8 +247,8 @@ def block_targets(batch: Batch, block_size: int) -> dict[str, torch.Tensor]:
     return {
         "targets": targets.view(n * a, -1),
         "valid": valid.view(n * a, -1),
-        "topk_ids": topk_ids.view(n * a, block_size - 1, k),
-        "topk_logprobs": topk_logprobs.view(n * a, block_size - 1, k),
+        "topk_ids": topk_ids.view(n * a, num_positions, k),
+        "topk_logprobs": topk_logprobs.view(n * a, num_positions, k),
     }
 
 

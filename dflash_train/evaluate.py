@@ -6,34 +6,41 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.data import Batch, DataConfig, block_targets, heldout_batches
-from dflash_train.loss import LossConfig, LossOutput, block_loss, tau_from_alpha
-from dflash_train.model import DFlashDrafter
+from dflash_train.loss import CONFIDENCE_SUMS, DraftHeads, LossConfig, LossOutput, block_loss, tau_from_alpha
+from dflash_train.model import DFlashDrafter, DrafterConfig
 
 
-def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Drafter states of block positions 1..B-1 of every anchor, [N*A, B-1, H], and their targets.
-    ``forward`` is the model's wrapper when one must run the forward (DDP)."""
-    block_size = model.cfg.block_size
-    states = (forward or model)(batch.hidden, batch.input_ids, batch.anchors)  # [N, A, B, H]
-    n, a, _, h = states.shape
-    return states[:, :, 1:].reshape(n * a, block_size - 1, h), block_targets(batch, block_size)
+def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], DraftHeads]:
+    """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
+    (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
+    one must run the forward (DDP)."""
+    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True)
+    dspark = model.cfg.dspark
+    heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
+                       confidence=confidence)
+    if dspark is not None:
+        heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
+    return states, block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions), heads
 
 
 def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
     """The drafter's loss and acceptance statistics on one batch (the training objective)."""
-    states, targets = block_states(model, batch, forward)
+    states, targets, heads = block_states(model, batch, forward)
     return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size)
+                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads)
 
 
 SUMS = ("alpha", "greedy", "count", "loss")
 """The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
 
 
-def meter_rows(loss_cfg: LossConfig) -> tuple[str, ...]:
-    """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss."""
+def meter_rows(loss_cfg: LossConfig, drafter_cfg: DrafterConfig | None = None) -> tuple[str, ...]:
+    """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss,
+    then the confidence head's sums when the drafter has one."""
     terms = loss_cfg.term_weights()
-    return SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
+    confidence = drafter_cfg is not None and drafter_cfg.dspark is not None and drafter_cfg.dspark.enable_confidence_head
+    return (SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
+            + (CONFIDENCE_SUMS if confidence else ()))
 
 
 class AcceptanceMeter:
@@ -44,7 +51,7 @@ class AcceptanceMeter:
 
     def add(self, out: LossOutput) -> None:
         parts = {"alpha": out.alpha_sum, "greedy": out.greedy_sum, "count": out.count, "loss": out.loss_sum,
-                 **{f"loss_{name}": value for name, value in out.term_sums.items()}}
+                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums}
         for name, part in parts.items():
             part = part.detach().double()
             self.sums[name] = self.sums[name] + part if name in self.sums else part.clone()
@@ -68,6 +75,10 @@ class AcceptanceMeter:
         total, count = count.sum(), count.clamp(min=1)
         alpha, greedy = self.sums["alpha"] / count, self.sums["greedy"] / count
         terms = {name: float(value.sum() / total) for name, value in self.sums.items() if name.startswith("loss_")}
+        # the confidence head's calibration: its mean predicted acceptance per position next to
+        # the mean acceptance it is trained on (alpha or greedy, dspark.confidence_target)
+        calibration = {"calibration": {name: [round(float(x), 5) for x in self.sums[name] / count]
+                                       for name in ("predicted", "measured")}} if "predicted" in self.sums else {}
         return {
             "loss": float(self.sums["loss"].sum() / total),
             **terms,
@@ -75,6 +86,7 @@ class AcceptanceMeter:
             "greedy": [round(float(x), 5) for x in greedy],
             "tau": tau_from_alpha(alpha),
             "positions": int(total),
+            **calibration,
         }
 
 
@@ -88,10 +100,10 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
     meter, streaks = AcceptanceMeter(), []
     for batch in heldout_batches(cache, data_cfg, max_sequences):
         batch = batch.to(device)
-        states, targets = block_states(model, batch)
+        states, targets, heads = block_states(model, batch)
         meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size))
-        hits = (_argmax_chunks(model, states) == targets["topk_ids"][..., 0]) & targets["valid"]
+                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
+        hits = (_argmax_chunks(model, states, heads.features) == targets["topk_ids"][..., 0]) & targets["valid"]
         used = targets["valid"][:, 0]  # blocks whose first position counts
         streaks.append(streak_lengths(hits)[used])
     model.train(was_training)
@@ -103,10 +115,14 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
     return summary
 
 
-def _argmax_chunks(model: DFlashDrafter, states: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Full-vocabulary argmax of [..., H] states, a chunk of positions at a time."""
+def _argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,
+                   chunk: int = 1024) -> torch.Tensor:
+    """Full-vocabulary argmax of [..., H] states (plus the Markov bias of features [..., r]), a
+    chunk of positions at a time."""
     flat = states.reshape(-1, states.shape[-1])
-    out = torch.cat([model.logits(flat[i:i + chunk]).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    feats = None if features is None else features.reshape(-1, features.shape[-1])
+    out = torch.cat([model.logits(flat[i:i + chunk], None if feats is None else feats[i:i + chunk]).argmax(-1)
+                     for i in range(0, flat.shape[0], chunk)])
     return out.view(states.shape[:-1])
 
 
@@ -130,10 +146,12 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     The first anchor is the turn's first token (the teacher's prefill produces it); a round
     accepts drafts while they equal the teacher's top-1 at that position, produces the accepted
     drafts plus one teacher token, and the next anchor follows them. On sequences that are the
-    teacher's own greedy output this is what real greedy decoding accepts. Returns (tokens
-    produced by rounds, rounds) and counts each round's length in ``histogram``.
+    teacher's own greedy output this is what real greedy decoding accepts (for DSpark too: along
+    an accepted streak each drafted token is the true one, so teacher-forced Markov inputs are the
+    drafted ones). Returns (tokens produced by rounds, rounds) and counts each round's length in
+    ``histogram``.
     """
-    block = model.cfg.block_size
+    block = model.cfg.num_draft_positions + 1
     produced = rounds = 0
     cursors = [[[s, e] for s, e in assistant_spans(batch.loss_mask[r], int(batch.lengths[r])) if e - s > 1]
                for r in range(len(batch.ids))]
@@ -142,7 +160,8 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
         for r, spans in enumerate(cursors):
             if spans:
                 anchors[r, 0] = spans[0][0]
-        guesses = _argmax_chunks(model, model(batch.hidden, batch.input_ids, anchors)[:, 0, 1:])  # [N, B-1]
+        states, features, _ = model(batch.hidden, batch.input_ids, anchors, heads=True)
+        guesses = _argmax_chunks(model, states, features)  # [N, P]
         for r, spans in enumerate(cursors):
             if not spans:
                 continue
@@ -164,7 +183,7 @@ def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_
                   device: torch.device) -> dict:
     """Greedy replay (see replay_batch) over the held-out split of a cache."""
     model.eval()
-    produced, rounds, histogram = 0, 0, torch.zeros(model.cfg.block_size + 1, dtype=torch.long)
+    produced, rounds, histogram = 0, 0, torch.zeros(model.cfg.num_draft_positions + 2, dtype=torch.long)
     for batch in heldout_batches(cache, data_cfg, max_sequences):
         p, r = replay_batch(model, batch.to(device), histogram)
         produced, rounds = produced + p, rounds + r

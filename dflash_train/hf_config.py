@@ -7,6 +7,8 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from dflash_common.errors import ConfigError
+from dflash_train.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.dspark import DSparkConfig
 from dflash_train.model import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
 
 
@@ -94,6 +96,12 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
     }
     if cfg.any_sliding:
         config["sliding_window"] = cfg.sliding_window
+    if cfg.dspark is not None:
+        # vLLM maps DSparkDraftModel with model_type qwen3 to its Qwen3DSparkModel and reads the
+        # DSpark fields at the top level. sample_from_anchor stays out of dflash_config: vLLM's
+        # DFlash runtime, which DSpark's extends, refuses dflash_config.sample_from_anchor = true.
+        config["architectures"] = [DSPARK_ARCHITECTURE]
+        config.update(cfg.dspark.export_fields())
     return config
 
 
@@ -126,6 +134,7 @@ def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
         # A Qwen3 config may carry an unused window; it only matters when a layer slides.
         sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
         mask_token=dflash.get("mask_token"),
+        dspark=DSparkConfig.from_export(config) if DSPARK_ARCHITECTURE in (config.get("architectures") or ()) else None,
     )
 
 

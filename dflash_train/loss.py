@@ -1,10 +1,13 @@
 """The drafter's training objective (docs/design.md, "The objective").
 
-Every function here is a pure tensor function over one batch of blocks laid out per block
-position: column `p` of an `[M, P]` input is block position `k = p + 1`, `P = block_size - 1`.
-The caller gathers, for every block and column, the drafter's final-norm output state, the
-target token `x_{a+k}`, the teacher's top-k at `t = a + k - 1`, and whether the position is
-valid. This module turns that into the loss, the acceptance estimates, and the position weights.
+Every function here is a pure tensor function over one batch of blocks laid out per draft
+position: column `p` of an `[M, P]` input is draft position `k = p + 1`, `P = block_size - 1`
+(DFlash) or `block_size` (DSpark's sample_from_anchor, where the anchor slot predicts too).
+The caller gathers, for every block and column, the drafter's final-norm output state of the
+slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a + k - 1`, and
+whether the position is valid; for DSpark also the Markov features and confidence logits
+(`DraftHeads`). This module turns that into the loss, the acceptance estimates, the position
+weights and the confidence head's BCE term.
 
 Full-vocabulary logits are the memory hazard (production: vocab 248,320), so they only ever
 exist for one chunk of valid positions at a time, and each chunk runs under activation
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_common.errors import ConfigError
@@ -185,6 +189,30 @@ def check_terms(terms) -> None:
         raise ConfigError(f"loss terms {terms!r} weigh every term 0; give one a positive weight (e.g. {example})")
 
 
+CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured")
+"""The names of LossOutput.confidence_sums, in the order meters keep them."""
+
+
+@dataclass
+class DraftHeads:
+    """DSpark's additions to block_loss's inputs, all on the same [M, P] grid."""
+
+    features: torch.Tensor | None = None
+    """[M, P, r] Markov features; the logits get the bias `features @ bias_weight.T`."""
+
+    bias_weight: torch.Tensor | None = None
+    """[V, r] the Markov head's W2."""
+
+    confidence: torch.Tensor | None = None
+    """[M, P] confidence head logits of each position's acceptance."""
+
+    confidence_alpha: float = 1.0
+    """Weight of the confidence BCE in the loss."""
+
+    confidence_target: str = "alpha"
+    """"alpha" (sampling acceptance) or "greedy" (argmax equals the teacher's top-1)."""
+
+
 def set_head_matmul(head_matmul: str, device: torch.device) -> None:
     """Let CUDA's fp32 matmuls (under bf16 autocast only the LM head in the loss) use TF32."""
     if device.type == "cuda":
@@ -213,6 +241,10 @@ class LossOutput:
 
     term_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """[P] float32 sums of each term's unweighted value, when the loss has several terms."""
+
+    confidence_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With a confidence head, [P] float32 sums of its BCE ("loss_confidence"), its predicted
+    acceptance ("predicted") and the acceptance it is trained on ("measured")."""
 
     @staticmethod
     def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
@@ -361,6 +393,8 @@ def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch
 def _chunk_terms(
     states: torch.Tensor,
     lm_head_weight: torch.Tensor,
+    features: torch.Tensor | None,
+    bias_weight: torch.Tensor | None,
     targets: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_logprobs: torch.Tensor,
@@ -375,6 +409,8 @@ def _chunk_terms(
     # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
     with torch.autocast(device_type=states.device.type, enabled=False):
         logits = states.float() @ lm_head_weight.float().T
+        if features is not None:
+            logits = logits + features.float() @ bias_weight.float().T
         log_norm = torch.logsumexp(logits, dim=-1)
         log_q = logits.gather(1, topk_ids) - log_norm[:, None]
         teacher_logp = topk_logprobs.float()
@@ -398,14 +434,15 @@ def _chunk_terms(
 
 
 def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_logprobs: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
+                  topk_logprobs: torch.Tensor, valid: torch.Tensor, block_size: int, heads: DraftHeads) -> None:
     """Shapes of block_loss's inputs, each refused with the shape it should have."""
     if states.dim() != 3:
         raise ValueError(f"states must be [M, P, H], got shape {tuple(states.shape)}")
     num_blocks, num_positions, hidden = states.shape
-    if num_positions != block_size - 1:
+    if num_positions not in (block_size - 1, block_size):
         raise ValueError(
-            f"states has {num_positions} block positions, block_size {block_size} needs {block_size - 1}"
+            f"states has {num_positions} draft positions, block_size {block_size} needs {block_size - 1} "
+            f"(or {block_size} when the anchor slot predicts)"
         )
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden:
         raise ValueError(f"lm_head_weight must be [V, {hidden}], got shape {tuple(lm_head_weight.shape)}")
@@ -422,6 +459,14 @@ def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: t
             f"topk_logprobs shape {tuple(topk_logprobs.shape)} differs from "
             f"topk_ids shape {tuple(topk_ids.shape)}"
         )
+    if (heads.features is None) != (heads.bias_weight is None):
+        raise ValueError("DraftHeads needs features and bias_weight together, or neither")
+    if heads.features is not None and (tuple(heads.features.shape[:2]) != grid
+                                       or heads.bias_weight.shape != (lm_head_weight.shape[0], heads.features.shape[2])):
+        raise ValueError(f"Markov features must be [M, P, r] with M, P = {list(grid)} and bias_weight [V, r], got "
+                         f"{tuple(heads.features.shape)} and {tuple(heads.bias_weight.shape)}")
+    if heads.confidence is not None and tuple(heads.confidence.shape) != grid:
+        raise ValueError(f"confidence logits must be [M, P] = {list(grid)}, got {tuple(heads.confidence.shape)}")
 
 
 def block_loss(
@@ -433,6 +478,7 @@ def block_loss(
     valid: torch.Tensor,
     cfg: LossConfig,
     block_size: int,
+    heads: DraftHeads | None = None,
 ) -> LossOutput:
     """Weighted training loss of a batch of blocks.
 
@@ -440,9 +486,12 @@ def block_loss(
     teacher's frozen LM head (keep it fp32 to avoid a per-chunk upcast); targets [M, P]:
     x_{a+k}; topk_ids / topk_logprobs [M, P, k]: the teacher's distinct top-k ids and
     log-probs at t = a+k-1; valid [M, P] bool. Values at invalid positions are never read, so
-    they may hold padding. P must equal block_size - 1.
+    they may hold padding. P is block_size - 1, or block_size when the anchor slot predicts.
+    `heads` adds DSpark's Markov bias to the logits and its confidence BCE (weighted by
+    confidence_alpha, a mean over valid positions) to the loss.
     """
-    _check_inputs(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, block_size)
+    heads = heads or DraftHeads()
+    _check_inputs(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, block_size, heads)
     num_blocks, num_positions, hidden = states.shape
     valid = valid.bool()
     rows = valid.reshape(-1).nonzero().squeeze(1)
@@ -451,23 +500,28 @@ def block_loss(
 
     if num_valid == 0:
         zeros = torch.zeros(num_positions, dtype=torch.float32, device=device)
+        connected = [t for t in (states, heads.features, heads.confidence) if t is not None]
         return LossOutput(
-            # An empty sum keeps the graph connected, so backward still reaches the drafter.
-            loss=states.reshape(-1)[:0].float().sum(),
+            # An empty sum keeps the graph connected, so backward still reaches every parameter.
+            loss=sum(t.reshape(-1)[:0].float().sum() for t in connected),
             alpha_sum=zeros,
             greedy_sum=zeros.clone(),
             count=torch.zeros(num_positions, dtype=torch.long, device=device),
             loss_sum=zeros.clone(),
             term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
+            confidence_sums={name: zeros.clone() for name in CONFIDENCE_SUMS} if heads.confidence is not None else {},
         )
 
     valid_states = states.reshape(-1, hidden).index_select(0, rows)
     valid_targets = targets.reshape(-1).index_select(0, rows).long()
     valid_ids = topk_ids.reshape(num_blocks * num_positions, -1).index_select(0, rows).long()
     valid_logprobs = topk_logprobs.reshape(num_blocks * num_positions, -1).index_select(0, rows)
+    valid_features = (None if heads.features is None
+                      else heads.features.reshape(num_blocks * num_positions, -1).index_select(0, rows))
     # With k >= V the top-k is the whole vocabulary and there is no tail bucket to compare.
     has_tail = valid_ids.shape[1] < lm_head_weight.shape[0]
-    recompute = torch.is_grad_enabled() and (states.requires_grad or lm_head_weight.requires_grad)
+    recompute = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (states, lm_head_weight, valid_features))
 
     weights_by_term = cfg.term_weights()
     names = _computed_terms(weights_by_term)
@@ -475,8 +529,9 @@ def block_loss(
     step = cfg.positions_per_chunk(lm_head_weight.shape[0])
     for start in range(0, num_valid, step):
         piece = slice(start, start + step)
-        args = (valid_states[piece], lm_head_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece],
-                names, float(cfg.lk_eta), has_tail)
+        args = (valid_states[piece], lm_head_weight, None if valid_features is None else valid_features[piece],
+                heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
+                float(cfg.lk_eta), has_tail)
         parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
     per_term, alpha, greedy, confidence = (torch.cat(piece, dim=-1) for piece in zip(*parts))
     alpha, confidence = alpha.detach(), confidence.detach()
@@ -493,6 +548,14 @@ def block_loss(
     loss = (valid_weights * per_position).sum() / num_valid
 
     columns = rows % num_positions
+    confidence_sums = {}
+    if heads.confidence is not None:
+        logit = heads.confidence.reshape(-1).index_select(0, rows).float()
+        measured = alpha if heads.confidence_target == "alpha" else greedy.detach()
+        bce = F.binary_cross_entropy_with_logits(logit, measured, reduction="none")
+        loss = loss + heads.confidence_alpha * bce.sum() / num_valid
+        confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
+                           zip(CONFIDENCE_SUMS, (bce, torch.sigmoid(logit), measured))}
     return LossOutput(
         loss=loss,
         alpha_sum=_sum_per_column(alpha, columns, num_positions),
@@ -501,6 +564,7 @@ def block_loss(
         loss_sum=_sum_per_column(per_position, columns, num_positions),
         term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
         if len(weights_by_term) > 1 else {},
+        confidence_sums=confidence_sums,
     )
 
 

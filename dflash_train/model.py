@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
+from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, DSparkConfig, MarkovHead
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -72,6 +73,8 @@ class DrafterConfig:
     mask_token: str | None = None
     """The tokenizer's token at mask_token_id (e.g. "<|MASK|>"), None when that id is a spare embedding row;
     exported as dflash_config.mask_token, which SGLang checks against the tokenizer."""
+    dspark: DSparkConfig | None = None
+    """DSpark's heads and layout; None is a DFlash drafter."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -119,6 +122,8 @@ class DrafterConfig:
         if bad:
             raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
         object.__setattr__(self, "layer_types", types)
+        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
+            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
 
         if self.any_sliding:
             if self.sliding_window is None:
@@ -133,6 +138,17 @@ class DrafterConfig:
     def any_sliding(self) -> bool:
         """Whether at least one layer uses sliding-window attention."""
         return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def num_draft_positions(self) -> int:
+        """P, the tokens one block drafts: block_size with DSpark's sample_from_anchor (the
+        anchor slot predicts too), else block_size - 1."""
+        return self.block_size - 1 + self.first_slot_predicts
+
+    @property
+    def first_slot_predicts(self) -> int:
+        """1 when the anchor slot predicts (draft position j comes from slot j - 1), else 0 (slot j)."""
+        return int(self.dspark is not None and self.dspark.sample_from_anchor)
 
     @property
     def num_context_layers(self) -> int:
@@ -452,6 +468,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        heads = cfg.dspark
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.hidden_size, heads.markov_rank, heads.markov_head_type)
+                            if heads is not None and heads.markov_rank > 0 else None)
+        self.confidence_head = (ConfidenceHead(cfg.hidden_size, heads.markov_rank, heads.confidence_head_with_markov)
+                                if heads is not None and heads.enable_confidence_head else None)
         # Frozen teacher pieces: buffers follow .to() but stay out of state_dict and the optimizer.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
@@ -477,12 +498,17 @@ class DFlashDrafter(nn.Module):
         return model.to(device)
 
     def reset_parameters(self) -> None:
-        """Linear weights ~ N(0, 0.02), norm weights 1 (the HF Qwen3 initialisation)."""
+        """Linear weights ~ N(0, 0.02) and biases 0, norm weights 1 (the HF Qwen3 initialisation);
+        the Markov embedding W1 ~ N(0, 0.01) (DSpark's)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=MARKOV_EMBED_STD)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -514,11 +540,15 @@ class DFlashDrafter(nn.Module):
         """Teacher input embeddings of token ids, in the model dtype."""
         return F.embedding(token_ids, self.embed_weight).to(self.dtype)
 
-    def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
+    def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
+                heads: bool = False) -> Tensor | tuple[Tensor, Tensor | None, Tensor | None]:
         """Final-normed block states [N, A, B, H] for many anchors per sequence in one pass.
 
         context_hidden [N, T, n_layers, H]; input_ids [N, T] (padded); anchors [N, A] long, -1 for
         unused slots (their outputs are finite but meaningless).
+
+        With `heads`, the draft positions' outputs under teacher forcing instead (see
+        `draft_outputs`): the heads run inside the forward so a DDP or FSDP wrapper sees them.
         """
         n, seq_len = input_ids.shape
         if context_hidden.shape[:2] != (n, seq_len):
@@ -545,7 +575,24 @@ class DFlashDrafter(nn.Module):
         }
         for index, layer in enumerate(self.layers):
             x = layer(x, context[index], cos, sin, attend_by_window[self.cfg.layer_window(index)])
-        return self.norm(x).view(n, num_anchors, block_size, -1)
+        states = self.norm(x).view(n, num_anchors, block_size, -1)
+        if not heads:
+            return states
+        # draft position j = 1..P follows x_{a+j-1}: the anchor, then the true tokens (teacher forcing)
+        prev_pos = safe_anchors.unsqueeze(-1) + torch.arange(self.cfg.num_draft_positions, device=anchors.device)
+        prev_ids = torch.gather(input_ids, 1, prev_pos.clamp(max=seq_len - 1).view(n, -1))
+        return self.draft_outputs(states.view(n * num_anchors, block_size, -1),
+                                  prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
+
+    def draft_outputs(self, states: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(positions [M, P, H], Markov features [M, P, r] or None, confidence logits [M, P] or
+        None) of whole blocks' states [M, B, H], position j's previous token being prev_ids[:, j-1]."""
+        first = self.cfg.first_slot_predicts
+        positions = states[:, 1 - first:1 - first + self.cfg.num_draft_positions]
+        prev_embed = self.markov_head.embed(prev_ids) if self.markov_head is not None else None
+        features = self.markov_head.features(prev_embed, positions) if self.markov_head is not None else None
+        confidence = self.confidence_head(positions, prev_embed) if self.confidence_head is not None else None
+        return positions, features, confidence
 
     def _many_block_attend(self, anchors: Tensor, seq_len: int, window: int | None) -> AttendFn:
         if self.attention_backend == "flex":
@@ -578,6 +625,15 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context_kv[index], cos, sin, _sdpa_attend(mask, kv_groups))
         return self.norm(x)
 
-    def logits(self, states: Tensor) -> Tensor:
-        """Teacher LM head over drafter states [..., H] -> [..., V]; callers chunk large inputs."""
-        return states.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+    def logits(self, states: Tensor, features: Tensor | None = None) -> Tensor:
+        """Teacher LM head over drafter states [..., H] -> [..., V], plus the Markov bias of
+        features [..., r] when given; callers chunk large inputs."""
+        logits = states.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+        if features is not None:
+            logits = logits + self.markov_head.bias(features).to(logits.dtype)
+        return logits
+
+    @property
+    def bias_weight(self) -> Tensor | None:
+        """W2 [V, r] of the Markov head, None without one."""
+        return None if self.markov_head is None else self.markov_head.markov_w2.weight

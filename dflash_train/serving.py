@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.errors import DFlashError
+from dflash_train.model import DrafterConfig
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
 """Environment variable naming the python of an environment with vLLM."""
@@ -80,6 +81,8 @@ class EngineRun:
     name: str
     drafter: str | None = None
     num_speculative_tokens: int = 0
+    method: str = "dflash"
+    """vLLM's speculative method for the drafter: "dflash" or "dspark"."""
 
 
 def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -97,7 +100,7 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
         # room for the longest prompt, its answer and one block of drafts past it
         "max_model_len": longest + max_new_tokens + spec + 1,
         "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
-                  "num_speculative_tokens": r.num_speculative_tokens} for r in runs],
+                  "num_speculative_tokens": r.num_speculative_tokens, "method": r.method} for r in runs],
     }
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
                TOKENIZERS_PARALLELISM="false")
@@ -175,8 +178,12 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
     `reference`, when given, is another engine's greedy output (transformers') for the same
     prompts; the report says whether vLLM's teacher-alone output equals it.
     """
+    from dflash_train.export import read_export_config
+
+    drafter_cfg = read_export_config(drafter_dir)
     result = run_vllm(cfg, teacher, prompts, max_new_tokens, stop_token_ids,
-                      [EngineRun("teacher"), EngineRun("drafter", drafter_dir, block_size - 1)])
+                      [EngineRun("teacher"), EngineRun("drafter", drafter_dir, drafter_cfg.num_draft_positions,
+                                                       speculative_method(drafter_cfg))])
     alone, spec = result["runs"]
     tokens = sum(len(o) for o in spec["outputs"])
     report = {
@@ -186,6 +193,7 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
         "block_size": block_size,
         "dtype": cfg.dtype,
         **spec_summary(spec, block_size),
+        "num_speculative_tokens": drafter_cfg.num_draft_positions,
         "tokens_per_second": tokens / spec["seconds"],
         "teacher_tokens_per_second": sum(len(o) for o in alone["outputs"]) / alone["seconds"],
         "matched_teacher": spec["outputs"] == alone["outputs"],
@@ -198,10 +206,26 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
     return report
 
 
-def serve_commands(export_dir: str | os.PathLike[str], block_size: int, teacher: str = "TEACHER") -> dict[str, str]:
-    """The vLLM and SGLang command lines that serve an exported drafter next to its teacher."""
+def speculative_method(cfg: DrafterConfig) -> str:
+    """vLLM's speculative method for a drafter: "dspark" or "dflash"."""
+    return "dspark" if cfg.dspark is not None else "dflash"
+
+
+def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teacher: str = "TEACHER") -> dict[str, str]:
+    """The vLLM and SGLang command lines that serve an exported drafter next to its teacher.
+
+    A DSpark drafter proposes num_draft_positions tokens (block_size with sample_from_anchor);
+    vLLM 0.32 runs it only on its GPU model runner and only with the vanilla Markov head, and no
+    SGLang release this was checked against has a DSpark algorithm, so none is claimed for it."""
     drafter = str(export_dir)
-    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1})
+    spec = json.dumps({"method": speculative_method(cfg), "model": drafter,
+                       "num_speculative_tokens": cfg.num_draft_positions})
+    if cfg.dspark is not None:
+        vllm = f"vllm serve {teacher} --speculative-config '{spec}'"
+        if cfg.dspark.markov_rank and cfg.dspark.markov_head_type != "vanilla":
+            vllm += f"  # vLLM 0.32 serves only markov_head_type vanilla, not {cfg.dspark.markov_head_type}"
+        return {"vllm": vllm, "sglang": "not available: SGLang has no DSpark algorithm to serve it with"}
+    block_size = cfg.block_size
     return {
         "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
         "sglang": (f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm DFLASH "

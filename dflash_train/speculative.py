@@ -17,6 +17,13 @@ One generation, as the reference DFlash decoder runs it:
 
 Greedy output equals the teacher's own greedy output (up to floating-point ties; exact for fp32).
 
+A DSpark drafter drafts P tokens per block (B with sample_from_anchor: the anchor slot predicts
+too) and drafts them semi-autoregressively: the backbone runs the block once, then position j's
+logits get the Markov bias of the token drafted at j - 1 (the anchor for j = 1), left to right.
+Each draft is then drawn from the distribution it was drafted from, so rejection sampling stays
+exact. With `confidence_threshold` > 0 a block stops before the position where the confidence
+head's cumulative acceptance estimate falls below it: fewer drafts, the same output.
+
 Rolling the teacher's cache back: attention layers are cropped (`crop` with a negative count;
 sliding-window layers are switched to recording their past after the prefill, so a crop still
 works once the window is full). Layers whose state cannot be cropped (the recurrent state of the
@@ -62,6 +69,10 @@ class SpecConfig:
     """Token ids that end the generation; the stop token is kept as the last output token."""
     seed: int = 0
     """Seed of the sampling generator (drafts, acceptance draws, corrections)."""
+    confidence_threshold: float = 0.0
+    """DSpark drafters with a confidence head: end a block before the first position whose
+    cumulative predicted acceptance (the product of the head's estimates so far) is below this;
+    0 never stops early (the default)."""
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -77,6 +88,9 @@ class SpecConfig:
         object.__setattr__(self, "stop_token_ids", stops)
         if not is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed={self.seed!r} must be a non-negative integer")
+        if not is_real(self.confidence_threshold) or not 0 <= self.confidence_threshold <= 1:
+            raise ConfigError(f"confidence_threshold={self.confidence_threshold!r} must be in [0, 1]; 0 never stops a "
+                              "block early")
 
     @property
     def greedy(self) -> bool:
@@ -101,8 +115,9 @@ class SpecResult:
     rerun_forwards: int = 0
     """Extra teacher forwards that rebuilt a non-croppable (recurrent) cache after a rejection."""
     draft_tokens: list[list[int]] = field(default_factory=list)
-    """Per verify forward, the drafter's B-1 proposals (for per-position acceptance analysis);
-    empty for the teacher alone."""
+    """Per verify forward, the drafter's proposals (P = block_size - 1, or block_size for DSpark's
+    sample_from_anchor; fewer where the confidence threshold ended a block), for per-position
+    acceptance analysis; empty for the teacher alone."""
 
 
 def mean_accepted_length(results: Sequence[SpecResult]) -> float:
@@ -279,6 +294,47 @@ def _check_prompt(teacher: torch.nn.Module, prompt_ids: Sequence[int]) -> int:
     return vocab
 
 
+def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConfig, generator: torch.Generator,
+           device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """(drafts [n], the distributions q [n, V] they were sampled from, None when greedy) of one
+    block from its draft positions' states [P, H]. DFlash draws all positions at once; DSpark
+    adds each position's Markov bias from the token drafted before it, and stops at the
+    confidence threshold."""
+    markov, confidence = drafter.markov_head, drafter.confidence_head
+    stop_below = cfg.confidence_threshold if confidence is not None else 0.0
+    if markov is None and stop_below == 0:
+        logits = drafter.logits(positions).float().to(device)
+        if cfg.greedy:
+            return logits.argmax(dim=-1), None
+        q = probs_from_logits(logits, cfg.temperature, cfg.top_p)
+        return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
+    drafts: list[Tensor] = []
+    dists: list[Tensor] = []
+    prev = torch.tensor(anchor, device=positions.device)
+    state, reach = None, 1.0
+    for j in range(positions.shape[0]):
+        prev_embed = markov.embed(prev) if markov is not None else None
+        if stop_below > 0:
+            reach *= float(torch.sigmoid(confidence(positions[j], prev_embed)))
+            if reach < stop_below:
+                break
+        features = None
+        if markov is not None:
+            features, state = markov.step(prev_embed, positions[j], state)
+        logits = drafter.logits(positions[j], features).float().to(device)
+        if cfg.greedy:
+            token = logits.argmax()
+        else:
+            dists.append(probs_from_logits(logits, cfg.temperature, cfg.top_p))
+            token = torch.multinomial(dists[-1], 1, generator=generator)[0]
+        drafts.append(token)
+        prev = token.to(positions.device)
+    out = torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long, device=device)
+    if cfg.greedy:
+        return out, None
+    return out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device)
+
+
 def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) -> None:
     if vocab != drafter.cfg.vocab_size:
         raise ConfigError(f"the teacher's vocabulary has {vocab} rows, the drafter expects "
@@ -320,7 +376,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     """Generate with DFlash block speculative decoding (see the module docstring for the rounds).
 
     The teacher must be in eval mode (no dropout) for greedy output to equal its own greedy output.
-    Every verify forward runs a full block, also in the last round, as the reference decoder does.
+    Every verify forward runs a full block, also in the last round, as the reference decoder does
+    (unless the confidence threshold ended the block early).
     """
     vocab = _check_prompt(teacher, prompt_ids)
     _check_pair(teacher, drafter, vocab)
@@ -328,7 +385,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     drafter_device = drafter.fc.weight.device
     generator = torch.Generator(device=logits_device).manual_seed(cfg.seed)
     keyword = _cache_keyword(type(teacher))
-    block_size = drafter.cfg.block_size
+    block_size, num_positions = drafter.cfg.block_size, drafter.cfg.num_draft_positions
+    first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
     mask_block = torch.full((block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter_device)
 
     start = time.perf_counter()
@@ -348,13 +406,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         while not done:
             block = torch.cat((torch.tensor([anchor], device=drafter_device), mask_block))
             states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
-            draft_logits = drafter.logits(states[0, 1:]).float().to(logits_device)
-            if cfg.greedy:
-                q = None
-                drafts = draft_logits.argmax(dim=-1)
-            else:
-                q = probs_from_logits(draft_logits, cfg.temperature, cfg.top_p)
-                drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            drafts, q = _draft(drafter, states[0, first:first + num_positions], anchor, cfg, generator, logits_device)
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
@@ -374,7 +426,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
             if done:
                 break  # nothing after this round is needed: skip the rollback and context update
 
-            if rollback.rollback(verified=block_size, kept=kept):
+            if rollback.rollback(verified=verify_ids.shape[0], kept=kept):
                 _, cache = _run(teacher, verify_ids[:kept], cache, keyword, 1)
                 taps.take()  # the verify forward already gave these positions' features
                 rollback.after_rerun()

@@ -70,6 +70,7 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
         cache.teacher_config(), tuple(cache.layer_ids), mask_id, block_size=cfg.model.block_size,
         num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
         sliding_layers=cfg.model.sliding_layers, mask_token=mask_token_text(tokenizer, mask_id), **cfg.model.overrides(),
+        dspark=cfg.dspark if cfg.model.kind == "dspark" else None,
     )
     check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
@@ -170,7 +171,7 @@ def global_train_metrics(meter: AcceptanceMeter, tokens: int, seconds: float, dr
                          rows: tuple[str, ...], info: DistInfo, device: torch.device) -> tuple[dict, float]:
     """Loss, acceptance and tau since the last log over every rank's share of the batches, and
     the session's tokens/s over all ranks. Every rank calls this at the same steps."""
-    stats = torch.cat([meter.stacked(drafter_cfg.block_size - 1, rows).flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
+    stats = torch.cat([meter.stacked(drafter_cfg.num_draft_positions, rows).flatten(), torch.tensor([float(tokens)], dtype=torch.float64)])
     stats = global_sum_tensor(stats, info, device)
     return AcceptanceMeter.from_stacked(stats[:-1].view(len(rows), -1), rows).summary(), float(stats[-1]) / max(seconds, 1e-9)
 
@@ -181,7 +182,8 @@ def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torc
     reduce-scatters) in the same order, with zero gradients."""
     hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    return forward(hidden, ids, torch.full((1, 1), -1, device=device)).sum() * 0.0
+    outputs = forward(hidden, ids, torch.full((1, 1), -1, device=device), heads=True)
+    return sum(out.sum() for out in outputs if out is not None) * 0.0
 
 
 # What a run folder may hold before its config.json exists: a sweep writes the run's log first.
@@ -340,7 +342,7 @@ def run_steps(s: Session) -> None:
         s.step += 1
         if s.step % cfg.log_every == 0 or s.step == s.steps:
             summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg,
-                                                 meter_rows(cfg.loss), info, device)
+                                                 meter_rows(cfg.loss, s.model.cfg), info, device)
             if info.is_main:
                 norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
                 s.metrics.write({"kind": "train", "step": s.step, "lr": s.scheduler.get_last_lr()[0],

@@ -52,7 +52,7 @@ def _run(request: dict, run: dict) -> dict:
                        max_model_len=request["max_model_len"], seed=request.get("seed", 0),
                        disable_log_stats=False, enforce_eager=True)
     if run.get("drafter"):
-        engine_args["speculative_config"] = {"method": "dflash", "model": run["drafter"],
+        engine_args["speculative_config"] = {"method": run.get("method", "dflash"), "model": run["drafter"],
                                              "num_speculative_tokens": run["num_speculative_tokens"]}
     llm = LLM(**engine_args)
     try:

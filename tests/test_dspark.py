@@ -1,0 +1,224 @@
+"""DSpark (model.kind = dspark): heads, loss, training with exact resume, export, lossless decoding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
+from typer.testing import CliRunner
+
+from cli.train import app
+from dflash_common.errors import ConfigError
+from dflash_train.config import config_from_dict
+from dflash_train.dspark import DSparkConfig
+from dflash_train.export import load_drafter, read_export_config
+from dflash_train.loss import DraftHeads, LossConfig, block_loss, bucket_alpha
+from dflash_train.model import DFlashDrafter, DrafterConfig
+from dflash_train.speculative import SpecConfig, speculative_generate, teacher_generate
+from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(markov_rank=-1), dict(markov_rank=2.5), dict(markov_head_type="lstm"), dict(confidence_head_alpha=-1.0),
+    dict(confidence_target="loss"), dict(markov_rank=0), dict(sample_from_anchor="yes"),
+])
+def test_dspark_config_refuses_bad_values(overrides):
+    with pytest.raises(ConfigError):
+        DSparkConfig(**overrides)
+
+
+def test_plain_dflash_in_dspark_layout_is_allowed():
+    cfg = DSparkConfig(markov_rank=0, confidence_head_with_markov=False)
+    assert cfg.markov_rank == 0
+
+
+def _drafter(teacher, block_size=4, seed=0, **dspark) -> DFlashDrafter:
+    cfg = DrafterConfig.from_teacher(teacher.config.to_dict(), LAYER_IDS, RUN_MASK, block_size=block_size,
+                                     num_hidden_layers=1, dspark=DSparkConfig(**{"markov_rank": 8, **dspark}))
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg, teacher.get_input_embeddings().weight, teacher.get_output_embeddings().weight).eval()
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_teacher_forced_heads_are_the_decoding_steps(head_type):
+    """forward(heads=True) gives, for draft position j, slot j-1's state (sample_from_anchor), the
+    Markov feature of x_{a+j-1} computed by the same step the decoder runs, and the confidence of it."""
+    teacher = run_teacher("qwen3", 0.1)
+    drafter = _drafter(teacher, markov_head_type=head_type)
+    assert drafter.cfg.num_draft_positions == 4
+    torch.manual_seed(1)
+    hidden = torch.randn(1, 12, len(LAYER_IDS), 64)
+    ids = torch.randint(0, RUN_VOCAB - 1, (1, 12))
+    anchors = torch.tensor([[3, 6]])
+    with torch.no_grad():
+        states = drafter(hidden, ids, anchors)
+        positions, features, confidence = drafter(hidden, ids, anchors, heads=True)
+        assert torch.equal(positions, states.view(2, 4, -1))
+        for block, a in enumerate(anchors[0].tolist()):
+            state = None
+            for j in range(4):
+                prev = drafter.markov_head.embed(ids[0, a + j])
+                feature, state = drafter.markov_head.step(prev, positions[block, j], state)
+                torch.testing.assert_close(features[block, j], feature)
+                torch.testing.assert_close(confidence[block, j], drafter.confidence_head(positions[block, j], prev))
+    if head_type == "vanilla":  # the bias is W2 W1[prev]
+        bias = drafter.logits(positions, features) - drafter.logits(positions)
+        w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+        prev_ids = torch.stack([ids[0, a:a + 4] for a in anchors[0].tolist()])
+        torch.testing.assert_close(bias, (w1[prev_ids] @ w2.T).detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_loss_uses_the_biased_logits_and_adds_the_confidence_bce():
+    torch.manual_seed(0)
+    m, p, h, v, r, k = 3, 4, 8, 20, 2, 5
+    states, lm_head = torch.randn(m, p, h), torch.randn(v, h)
+    features, w2 = torch.randn(m, p, r), torch.randn(v, r)
+    targets = torch.randint(0, v, (m, p))
+    topk_ids = torch.stack([torch.randperm(v)[:k] for _ in range(m * p)]).view(m, p, k)
+    topk_logprobs = torch.log_softmax(torch.randn(m, p, v), -1).gather(-1, topk_ids)
+    valid = torch.ones(m, p, dtype=torch.bool)
+    valid[0, 3] = False
+    logit = torch.randn(m, p)
+    cfg = LossConfig(weighting="none")
+    plain = block_loss(states, lm_head, targets, topk_ids, topk_logprobs, valid, cfg, p)
+    heads = DraftHeads(features=features, bias_weight=w2, confidence=logit, confidence_alpha=0.5)
+    out = block_loss(states, lm_head, targets, topk_ids, topk_logprobs, valid, cfg, p, heads)
+    # alpha from the full biased logits by hand
+    q = torch.softmax(states @ lm_head.T + features @ w2.T, -1)
+    q_buckets = torch.cat([q.gather(-1, topk_ids), (1 - q.gather(-1, topk_ids).sum(-1, keepdim=True))], -1)
+    p_topk = topk_logprobs.exp()
+    p_buckets = torch.cat([p_topk, (1 - p_topk.sum(-1, keepdim=True)).clamp(min=0)], -1)
+    alpha = bucket_alpha(p_buckets, q_buckets) * valid
+    torch.testing.assert_close(out.alpha_sum, alpha.sum(0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.alpha_sum, plain.alpha_sum)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, alpha, reduction="none")[valid]
+    main = out.loss_sum.sum() / valid.sum()
+    torch.testing.assert_close(out.loss, main + 0.5 * bce.mean(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.confidence_sums["measured"], alpha.sum(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.confidence_sums["predicted"], (torch.sigmoid(logit) * valid).sum(0))
+    with pytest.raises(ValueError, match="draft positions"):
+        block_loss(states[:, :2], lm_head, targets[:, :2], topk_ids[:, :2], topk_logprobs[:, :2], valid[:, :2], cfg, p)
+
+
+def test_grid_sweeps_the_drafter_kind():
+    axes = parse_grid(["model.kind=dflash,dspark"])
+    kinds = []
+    for assignment in expand_grid(axes):
+        cfg = config_from_dict({"cache": "c", "out": "o", **run_overrides(axes, assignment)})
+        kinds.append(cfg.model.kind)
+    assert kinds == ["dflash", "dspark"]
+    with pytest.raises(ConfigError, match="model.kind"):
+        config_from_dict({"cache": "c", "out": "o", "model": {"kind": "eagle"}})
+
+
+TRAIN = ["--steps", "6", "--save-every", "3", "--num-layers", "1", "--block-size", "4", "--eval-sequences", "8",
+         "--heldout-fraction", "0.1", "--batch-tokens", "600", "--log-every", "3", "--quiet", "--model-kind", "dspark",
+         "--markov-rank", "8", "--markov-head-type", "rnn"]
+
+
+def test_dspark_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
+    """A cache built for DFlash trains a DSpark drafter unchanged; a resume from step 3 ends with
+    the weights of the straight run; the export is what vLLM's DSpark loader reads."""
+    runner = CliRunner()
+    straight = tmp_path / "straight"
+    result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *TRAIN])
+    assert result.exit_code == 0, result.output
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    shutil.rmtree(resumed / "drafter")
+    again = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(resumed), "--resume", *TRAIN])
+    assert again.exit_code == 0, again.output
+    a = safetensors.torch.load_file(str(straight / "checkpoints" / "step-000006" / "model.safetensors"))
+    b = safetensors.torch.load_file(str(resumed / "checkpoints" / "step-000006" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.joint_proj.weight",
+            "confidence_head.proj.weight", "confidence_head.proj.bias"} <= set(a)
+
+    config = json.loads((straight / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DSparkDraftModel"] and config["model_type"] == "qwen3"
+    assert (config["sample_from_anchor"], config["markov_rank"], config["markov_head_type"]) == (True, 8, "rnn")
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    assert config["confidence_head_alpha"] == 1.0 and "sample_from_anchor" not in config["dflash_config"]
+    assert read_export_config(straight / "drafter").dspark == DSparkConfig(markov_rank=8, markov_head_type="rnn")
+    spec = json.dumps({"method": "dspark", "model": str(straight / "drafter"), "num_speculative_tokens": 4})
+    assert f"vllm serve TEACHER --speculative-config '{spec}'" in result.output
+    assert "only markov_head_type vanilla" in result.output
+
+    records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train[-1]["alpha"]) == 4 and "loss_confidence" in train[-1]
+    evaluation = [r for r in records if r["kind"] == "eval"][-1]
+    assert len(evaluation["calibration"]["predicted"]) == len(evaluation["calibration"]["measured"]) == 4
+    assert all(0 <= x <= 1 for x in evaluation["calibration"]["predicted"])
+
+
+def _successor_bias(drafter: DFlashDrafter, strength: float) -> None:
+    """A vanilla Markov head whose bias favours token prev + 1: drafts follow the drafted chain."""
+    with torch.no_grad():
+        w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+        codes = torch.linalg.qr(torch.randn(RUN_VOCAB, RUN_VOCAB))[0]  # orthonormal rows: full rank
+        w1.copy_(codes)
+        w2.copy_(strength * codes.roll(1, dims=0))  # W2[t] W1[prev] = strength when t = prev + 1, else 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+def test_dspark_greedy_decoding_equals_the_teacher(arch, head_type):
+    teacher = run_teacher(arch, 0.3)
+    drafter = _drafter(teacher, block_size=5, markov_head_type=head_type)
+    prompt = [3, 3, 7, 7, 7, 1]
+    cfg = SpecConfig(max_new_tokens=30)
+    reference = teacher_generate(teacher, prompt, cfg).tokens
+    result = speculative_generate(teacher, drafter, prompt, cfg)
+    assert result.tokens == reference
+    assert all(len(d) == 5 for d in result.draft_tokens)  # block_size drafts: the anchor slot predicts
+
+
+def test_drafts_are_semi_autoregressive_and_the_confidence_stop_is_lossless():
+    teacher = run_teacher("qwen3", 0.3)
+    drafter = _drafter(teacher, block_size=5, markov_rank=RUN_VOCAB)
+    _successor_bias(drafter, 200.0)
+    prompt = [3, 3, 7, 7, 7, 1]
+    cfg = SpecConfig(max_new_tokens=20)
+    reference = teacher_generate(teacher, prompt, cfg).tokens
+    result = speculative_generate(teacher, drafter, prompt, cfg)
+    assert result.tokens == reference
+    # each draft follows the one drafted before it, starting from the anchor
+    anchors = [reference[0]] + [reference[sum(result.accepted_lengths[:i + 1])] for i in range(len(result.draft_tokens) - 1)]
+    for anchor, drafts in zip(anchors, result.draft_tokens):
+        assert drafts == [(anchor + j) % RUN_VOCAB for j in range(1, 6)]
+
+    with torch.no_grad():  # a confidence head that predicts acceptance 0.6 everywhere: 0.6, 0.36, 0.22 ...
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.bias.fill_(torch.logit(torch.tensor(0.6)).item())
+    stopped = speculative_generate(teacher, drafter, prompt, SpecConfig(max_new_tokens=20, confidence_threshold=0.3))
+    assert stopped.tokens == reference
+    assert all(len(d) == 2 for d in stopped.draft_tokens)
+    with pytest.raises(ConfigError, match="confidence_threshold"):
+        SpecConfig(confidence_threshold=1.5)
+
+
+def test_sampled_dspark_decoding_runs_with_markov_drafts():
+    teacher = run_teacher("qwen3", 0.3)
+    drafter = _drafter(teacher, block_size=4, markov_head_type="gated")
+    result = speculative_generate(teacher, drafter, [3, 3, 7], SpecConfig(max_new_tokens=16, temperature=0.8, seed=3))
+    assert len(result.tokens) == 16 and all(len(d) == 4 for d in result.draft_tokens)
+
+
+def test_export_round_trip_loads_the_heads(tmp_path):
+    from dflash_train.export import export_drafter
+
+    teacher = run_teacher("qwen3", 0.1)
+    drafter = _drafter(teacher, markov_head_type="gated", sample_from_anchor=False, confidence_target="greedy")
+    assert drafter.cfg.num_draft_positions == 3
+    export_drafter(drafter, tmp_path / "exp", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "exp", teacher.get_input_embeddings().weight,
+                          teacher.get_output_embeddings().weight, dtype=torch.float32)
+    assert loaded.cfg == drafter.cfg
+    state = drafter.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in loaded.state_dict().items())
