@@ -17,6 +17,7 @@ decoding of held-out prompts greedy and at temperature 1 in the built-in decoder
 folder gets summary.md (means, 95% intervals over seeds, differences from kl+streak paired by
 seed, the real accepted length at T=0 and T=1) and its plots. Everything resumes: rerunning
 the same command skips finished runs. `--tiny` runs the same pipeline at toy size.
+`--study drafters` compares DFlash with DSpark the same way (OUT/<cache>_drafters).
 """
 
 from __future__ import annotations
@@ -44,27 +45,38 @@ OBJECTIVES: dict[str, dict] = {
 
 REFERENCE = "kl+streak"
 
+DRAFTERS: dict[str, dict] = {"dflash": {"model.kind": "dflash"}, "dspark": {"model.kind": "dspark"}}
+"""`--study drafters` (issue 24): DFlash against DSpark (vanilla Markov head of rank 256, the
+confidence head, sample_from_anchor) under the default objective, at equal training tokens."""
+
 STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
 
 
-def objective_axis(names=tuple(OBJECTIVES)):
+STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters")}
+"""Per study: its grid key, its configurations, the reference and the suffix of its sweep folders."""
+
+
+def bundle_axis(key: str, bundles: dict[str, dict]):
+    """A grid key whose values name configurations; each value's settings come as its extras."""
     from dflash_train.sweep import GridAxis
 
-    return GridAxis("objective", (), tuple(names), extras=tuple(tuple(OBJECTIVES[n].items()) for n in names))
+    return GridAxis(key, (), tuple(bundles), extras=tuple(tuple(settings.items()) for settings in bundles.values()))
 
 
-def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress=None) -> dict[str, object]:
+def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress=None,
+              study: str = "objectives") -> dict[str, object]:
     """One sweep per cache; returns {cache name: SweepResult}."""
+    key, bundles, reference, suffix = STUDIES[study]
     results = {}
     for spec in (recipe.QUICKSTART, recipe.MANPAGES):
         if spec.name not in caches:
             continue
         teacher = spec.teacher or recipe.ensure_manpage_teacher(settings)
         cache = recipe.build(spec, teacher, settings)
-        results[spec.name] = recipe.sweep(spec, cache, teacher, settings, "full", progress, grid=(objective_axis(),),
-                                          reference=(("objective", REFERENCE),))
+        results[spec.name] = recipe.sweep(replace(spec, name=spec.name + suffix), cache, teacher, settings, "full",
+                                          progress, grid=(bundle_axis(key, bundles),), reference=((key, reference),))
     return results
 
 
@@ -72,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=recipe.ROOT / "objectives")
     parser.add_argument("--caches", default="quickstart,manpages")
+    parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
+                        help="objectives (issue 23) or drafters: DFlash against DSpark (OUT/<cache>_drafters)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--parallel", type=int, default=None)
@@ -85,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = replace(settings, sample_temperature=1.0, **overrides)
     from cli.common import BarProgress
 
-    results = run_study(settings, tuple(c.strip() for c in args.caches.split(",")), BarProgress(enabled=not args.quiet))
+    results = run_study(settings, tuple(c.strip() for c in args.caches.split(",")), BarProgress(enabled=not args.quiet),
+                        args.study)
     for name, result in results.items():
         print(f"\n## {name}\n\n{result.report.summary}")
 

@@ -340,3 +340,11 @@ def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tm
     assert config["terms"] == {"ce": 0.1, "tv": 0.9}
     assert json.loads((runs / "objective-kl+dpace_seed-0" / "config.json").read_text())["loss"]["weighting"] == "dpace"
     assert "real accepted length, T=1" in result.report.summary
+    # the drafters study: DFlash against DSpark, the same way
+    drafters = objectives.run_study(settings, ("quickstart",), study="drafters")["quickstart"]
+    assert "Reference: **drafter=dflash**" in drafters.report.summary
+    dspark = json.loads((tmp_path / "obj" / "quickstart_drafters" / "runs" / "drafter-dspark_seed-0" / "drafter" /
+                         "config.json").read_text())
+    assert dspark["architectures"] == ["DSparkDraftModel"]
+    with open(tmp_path / "obj" / "quickstart_drafters" / "summary.csv", newline="") as f:
+        assert all(r["matched_teacher"] == "True" for r in csv.DictReader(f))
