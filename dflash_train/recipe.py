@@ -285,7 +285,10 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
         result = speculative_generate(teacher.model, drafter, prompt["ids"], spec)
         results.append(result)
         matched.append(result.tokens == prompt["output"] or not spec.greedy)
+    lengths = [n for result in results for n in result.accepted_lengths]
     return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
+            # rounds by tokens produced (index n: n tokens): acceptance by block position follows
+            "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
             "matched_teacher": all(matched) if spec.greedy else None,
             "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok]}
 

@@ -101,8 +101,50 @@ def main(argv: list[str] | None = None) -> None:
 
     results = run_study(settings, tuple(c.strip() for c in args.caches.split(",")), BarProgress(enabled=not args.quiet),
                         args.study)
+    key = STUDIES[args.study][0]
     for name, result in results.items():
-        print(f"\n## {name}\n\n{result.report.summary}")
+        table = position_table(result.out, key)
+        (result.out / "positions.md").write_text(table)
+        print(f"\n## {name}\n\n{result.report.summary}\n### Acceptance by draft position (real decoding)\n\n{table}")
+
+
+def reached(histogram: list[int]) -> list[float]:
+    """Per draft position k = 1, 2, ...: the share of verify rounds whose k-th draft was accepted,
+    from a histogram of tokens per round (a round of n tokens accepted n - 1 drafts)."""
+    rounds = sum(histogram)
+    return [sum(histogram[k + 1:]) / rounds for k in range(1, max(len(histogram) - 1, 2))] if rounds else []
+
+
+def position_table(sweep_dir: Path, key: str) -> str:
+    """Markdown: per configuration (mean over seeds) the share of real verify rounds that accept
+    draft position k, greedy and sampled, and the training tokens/s; the acceptance decay along
+    the block that DSpark's Markov head is meant to slow."""
+    import json
+
+    from dflash_train.recipe import read_measure
+    from dflash_train.sweep.status import read_metrics
+
+    groups: dict[str, list[Path]] = {}
+    for run in sorted((sweep_dir / "runs").iterdir()):
+        if (run / "config.json").exists():
+            groups.setdefault(run.name.split("_seed-")[0].removeprefix(f"{key}-"), []).append(run)
+    lines = ["| configuration | decoding | " + " | ".join(f"k={k}" for k in range(1, 9)) + " | train tokens/s |",
+             "|---|---|" + "---:|" * 9]
+    for name, runs in groups.items():
+        speed = [read_metrics(r).final_train.get("tokens_per_s") for r in runs]
+        speed = [s for s in speed if s]
+        for kind in ("decoding", "sampling"):
+            curves = [reached(((read_measure(r) or {}).get(kind) or {}).get("accepted_histogram", [])) for r in runs]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            width = max(len(c) for c in curves)
+            mean = [sum((c + [0.0] * width)[k] for c in curves) / len(curves) for k in range(min(width, 8))]
+            label = "greedy" if kind == "decoding" else "T=" + json.dumps((read_measure(runs[0]) or {})[kind]["temperature"])
+            cells = [f"{x:.3f}" for x in mean] + [""] * (8 - len(mean))
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {sum(speed) / len(speed):,.0f} |"
+                         if speed else f"| {name} | {label} | " + " | ".join(cells) + " | n/a |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

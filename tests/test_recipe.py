@@ -319,6 +319,15 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, 
     assert (paper["loss"]["weighting"], paper["noise"]["schedule"]) == ("decay", "off")
 
 
+def test_acceptance_by_position_from_the_rounds_histogram():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import objectives
+
+    # 4 rounds: one of 1 token (no draft accepted), two of 2, one of 3
+    assert objectives.reached([0, 1, 2, 1]) == [0.75, 0.25]
+    assert objectives.reached([0, 5]) == [0.0] and objectives.reached([]) == []
+
+
 @pytest.mark.slow
 def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tmp_path, one_thread):
     sys.path.insert(0, str(ROOT / "examples"))
@@ -348,3 +357,5 @@ def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tm
     assert dspark["architectures"] == ["DSparkDraftModel"]
     with open(tmp_path / "obj" / "quickstart_drafters" / "summary.csv", newline="") as f:
         assert all(r["matched_teacher"] == "True" for r in csv.DictReader(f))
+    table = objectives.position_table(tmp_path / "obj" / "quickstart_drafters", "drafter")
+    assert "| dflash | greedy |" in table and "| dspark | T=1.0 |" in table
