@@ -21,10 +21,14 @@ class VerifyReport:
     shards_checked: int = 0
     bad_shards: dict[str, list[str]] = field(default_factory=dict)
     uncommitted: list[str] = field(default_factory=list)
+    head_problem: str | None = None
+    """What is wrong with teacher/head.safetensors (Cache.load_teacher_head's refusal), or None."""
+    head_checksum_recorded: bool = True
+    """False for caches built before the head's checksum was recorded: its bytes were not compared."""
 
     @property
     def ok(self) -> bool:
-        return not self.bad_shards
+        return not self.bad_shards and self.head_problem is None
 
 
 def _nonfinite_bf16(bits: np.ndarray) -> int:
@@ -180,6 +184,11 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         report.shards_checked += 1
         progress.advance(1)
     progress.close()
+    report.head_checksum_recorded = fmt.teacher_head_checked(cache.manifest)
+    try:  # the same checks as every reader of the head (checksum, dtype, finiteness)
+        cache.load_teacher_head()
+    except CacheError as err:
+        report.head_problem = str(err)
     listed = {s.name for s in cache.shards}
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
     if cache.fs.exists(shards_dir):
