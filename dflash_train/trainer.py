@@ -205,6 +205,9 @@ def check_run_folder(out: Path) -> None:
         return
     for name in RUN_ENTRIES:
         refuse_links(out / name, out)
+    if (out / "checkpoints").is_dir():  # step folders are pruned, and leftovers deleted
+        for entry in (out / "checkpoints").iterdir():
+            refuse_links(entry)
     config = out / "config.json"
     if config.is_file():
         try:
