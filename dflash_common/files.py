@@ -153,10 +153,12 @@ def one_writer(folder: str | os.PathLike, what: str, fix: str, name: str = LOCK_
 
 def foreign_entries(folder: str | os.PathLike, ours: Callable[[os.DirEntry], bool]) -> list[str]:
     """The sorted names in `folder` that `ours` does not claim ([] when there is no such folder):
-    what a command about to replace or delete the folder's contents must refuse to touch."""
+    what a command about to replace or delete the folder's contents must refuse to touch. Hidden
+    names come last: a refusal names the first, and a user's own files say more about a folder
+    than a lock or a temporary does."""
     try:
         with os.scandir(folder) as entries:
-            return sorted(entry.name for entry in entries if not ours(entry))
+            return sorted((entry.name for entry in entries if not ours(entry)), key=lambda name: (name.startswith("."), name))
     except (FileNotFoundError, NotADirectoryError):
         return []
 

@@ -256,16 +256,6 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     check_run_folder(Path(cfg.out))
     # the run ends by replacing drafter/: refuse a user's files there now, not after the training
     check_export_folder(Path(cfg.out) / "drafter")
-    # rank 0 does every write of a run (config, metrics, checkpoints, export), so it alone holds
-    # the folder's lock; a second run on the same --out stops here, before anything is written
-    main = int(os.environ.get("RANK", 0)) == 0
-    with (one_writer(Path(cfg.out), "dflash-train run",
-                     f"wait for it to end (or stop it), or choose another --out than {cfg.out}") if main else nullcontext()):
-        return _train_locked(cfg, resume, progress, resume_from)
-
-
-def _train_locked(cfg: TrainConfig, resume: bool, progress: Progress | None,
-                  resume_from: str | Path | None) -> TrainResult:
     cache = open_cache(cfg.cache, cfg.storage_options)
     if not cache.complete:
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
@@ -273,6 +263,17 @@ def _train_locked(cfg: TrainConfig, resume: bool, progress: Progress | None,
     # training with a decoder error hours in, whenever the epoch plan first reaches it
     skipped_sequences = check_shards(cache, cfg.data.skip_shards)
     device = resolve_device(cfg.device)
+    # rank 0 does every write of a run (config, metrics, checkpoints, export), so it alone holds
+    # the folder's lock; a second run on the same --out stops here, before anything is written.
+    # Taken after the read-only checks above, so their refusals leave no folder behind.
+    main = int(os.environ.get("RANK", 0)) == 0
+    with (one_writer(Path(cfg.out), "dflash-train run",
+                     f"wait for it to end (or stop it), or choose another --out than {cfg.out}") if main else nullcontext()):
+        return _train_locked(cfg, cache, device, resume, progress, resume_from, skipped_sequences)
+
+
+def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, progress: Progress | None,
+                  resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
     info = init_distributed(device)
     try:
