@@ -173,9 +173,8 @@ def verify(
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
         if report.head_problem:
             typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
-        elif not report.head_checksum_recorded:
-            typer.echo("note: teacher/head.safetensors was not compared with a checksum: this cache was built before "
-                       "dflash recorded one (its dtype and values were checked)", err=True)
+        if report.head_note:
+            typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None
         if deep:
             from dflash_cache.verify import deep_verify
