@@ -171,6 +171,10 @@ def verify(
             typer.echo(f"note: {name} is not listed in the manifest (left by an interrupted build; rerun the build to finish it)", err=True)
         for name, problems in report.bad_shards.items():
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
+        if report.head_problem:
+            typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
+        if report.head_note:
+            typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None
         if deep:
             from dflash_cache.verify import deep_verify
@@ -179,8 +183,13 @@ def verify(
                                       skip=set(report.bad_shards))
             for seq, problem in deep_report.mismatches.items():
                 typer.echo(f"MISMATCH {seq}: {problem}", err=True)
+        if report.head_problem and not report.bad_shards:
+            typer.echo("error: the teacher head is damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
+            raise typer.Exit(1)
         if not report.ok:
-            typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
+            typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged"
+                       f"{' and so is the teacher head' if report.head_problem else ''}; rebuild the cache with "
+                       "`dflash-cache build ... --overwrite`", err=True)
             raise typer.Exit(1)
         if deep_report is not None and not deep_report.ok:
             typer.echo(f"error: {len(deep_report.mismatches)} of {deep_report.checked} re-run sequences differ from what {deep_report.teacher} computes now; the cache does not hold this teacher's outputs, rebuild it with `dflash-cache build ... --overwrite`", err=True)

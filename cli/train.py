@@ -127,6 +127,11 @@ def eval_(
             raise ConfigError(f"--max-sequences {max_sequences} and --max-prompts {max_prompts} must be at least 1 "
                               "(leave --max-prompts unset for every prompt)")
         dev = resolve_device(device)
+        path = Path(out) if out else Path(checkpoint) / "eval.json"
+        from dflash_common.files import refuse_links
+
+        for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log")):
+            refuse_links(written)  # before any work: the report would be written through it at the end
         report: dict = {"checkpoint": checkpoint}
         lines: list[tuple[str, str]] = []
         if cache:
@@ -140,7 +145,6 @@ def eval_(
             lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
                       ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
                       ("held-out loss", f"{o['loss']:.4f}")]
-        path = Path(out) if out else Path(checkpoint) / "eval.json"
         if teacher and prompts:
             from dflash_train.decoding import resolve_template_kwargs
 
@@ -153,7 +157,9 @@ def eval_(
             report.update(real)
             lines += real_lines
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
+        from dflash_common.files import write_file_atomic
+
+        write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
         typer.echo("\n".join(f"{k:<40}{v}" for k, v in lines))
         if cache:
             from dflash_train.evaluate import plot_acceptance

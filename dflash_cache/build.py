@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from dflash_cache.teacher import (
 )
 from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
 from dflash_common.errors import BadRowError, CacheError, ConfigError
+from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.settings import first_difference
 
@@ -226,6 +227,20 @@ def _is_manifest_leftover(path: str) -> bool:
     return path.rstrip("/").rsplit("/", 1)[-1].startswith(f"{fmt.MANIFEST}.tmp-")
 
 
+def _is_lock(path: str) -> bool:
+    """A rank's lock file (_lock_name): a build takes it before it writes its manifest."""
+    return bool(_LOCK.match(path.rstrip("/").rsplit("/", 1)[-1]))
+
+
+# One writer per rank of a cache: each rank writes only its own shards (shard-rRRRRR-*), so two
+# ranks of one torchrun build share the folder, and two builds of the same rank are refused.
+_LOCK = re.compile(r"^\.dflash-r\d{5}\.lock$")
+
+
+def _lock_name(rank: int) -> str:
+    return f".dflash-r{rank:05d}.lock"
+
+
 @contextmanager
 def _writing(what: str, url: str):
     """A full disk or a failing store is an expected failure: one line, and the rerun resumes."""
@@ -260,24 +275,34 @@ def _delete_cache(fs, root: str, url: str) -> None:
     fs.rm(fmt.join(root, fmt.MANIFEST))
 
 
-def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
+def _existing_manifest(fs, root: str, url: str) -> dict | None:
+    """The manifest of the cache at --out (None: a new or empty folder); refuses a file, a
+    non-empty folder without one, and another tool's manifest. Read-only: checked before the
+    build's lock file is made, so a folder that is not ours is never written into."""
     manifest_path = fmt.join(root, fmt.MANIFEST)
     if fs.isfile(root):
         raise CacheError(f"--out {url} is a file, not a folder; choose a new or empty folder for the cache")
     if not fs.exists(manifest_path) and fs.exists(root):
-        others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p)]
+        others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p) and not _is_lock(p)]
         # checked again after the listing: another rank of this build writes the manifest first,
         # and may have done so since the first check (then the listing shows it, or its shards)
         if others and not fs.exists(manifest_path):
             raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
-    if fs.exists(manifest_path):
-        try:
-            existing = fmt.read_json(fs, manifest_path)
-        except ValueError:
-            existing = None
-        if not isinstance(existing, dict) or existing.get("format") != fmt.FORMAT_NAME:
-            raise CacheError(f"{url} holds a manifest.json that is not a dflash cache's; choose another --out "
-                             "(--overwrite deletes only dflash caches)")
+    if not fs.exists(manifest_path):
+        return None
+    try:
+        existing = fmt.read_json(fs, manifest_path)
+    except ValueError:
+        existing = None
+    if not isinstance(existing, dict) or existing.get("format") != fmt.FORMAT_NAME:
+        raise CacheError(f"{url} holds a manifest.json that is not a dflash cache's; choose another --out "
+                         "(--overwrite deletes only dflash caches)")
+    return existing
+
+
+def _prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> None:
+    existing = _existing_manifest(fs, root, url)
+    if existing is not None:
         problem = _mismatch(existing, header) if existing.get("format_version") == fmt.FORMAT_VERSION else "format version differs"
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
@@ -325,10 +350,12 @@ class _ManifestKeeper:
             if self.live and manifest_due(len(self.records), time.perf_counter() - self.last_written, self.last_write_s):
                 self.write(complete=False)
 
-    def write(self, complete: bool, **extra) -> dict:
+    def write(self, complete: bool, fault: bool = True, **extra) -> dict:
+        """`fault`: whether this write counts as a `during_manifest_write` fault point (the crash
+        tests count the writes that follow commits; the one recording the head is not one)."""
         started = time.perf_counter()
         manifest = fmt.write_manifest(self.fs, self.root, self.header, self.records, complete,
-                                      fault_point="during_manifest_write", **extra)
+                                      fault_point="during_manifest_write" if fault else None, **extra)
         self.last_written = time.perf_counter()
         self.last_write_s = self.last_written - started
         return manifest
@@ -365,6 +392,11 @@ def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
     last_run = {"seconds": max(r["seconds"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
                 "padding_fraction": max(r["padding_fraction"] for r in runs)}
     header = {k: v for k, v in manifest.items() if k not in ("shards", "totals", "complete", "last_run")}
+    # rank 0 wrote the teacher head and put its record in its marker (the first manifest may be
+    # another rank's, written before the head existed)
+    head = runs[0].get("teacher_head")
+    if head:
+        header["teacher_head"] = head
     keeper = _ManifestKeeper(fs, root, header, records, live=False)
     return keeper.write(complete=True, last_run=last_run)
 
@@ -430,6 +462,17 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
     # the layer choice is refused from the config alone, before a large teacher is loaded
     resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
+    with ExitStack() as held:
+        if fmt.is_local(fs):
+            # one build per rank of a folder, for the whole build (before the teacher is loaded, so
+            # a second build stops at once); object stores have no lock: one writer is the user's job
+            _existing_manifest(fs, root, cfg.out)  # never make a lock file in a folder that is not ours
+            held.enter_context(one_writer(root, "dflash-cache build" + (f" of rank {cfg.rank}" if cfg.world_size > 1 else ""),
+                                          "wait for it to end (or stop it), or choose another --out", _lock_name(cfg.rank)))
+        return _build_locked(cfg, progress, files, total_rows, fs, root)
+
+
+def _build_locked(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str) -> dict:
     teacher = load_teacher(cfg.teacher)
     header = _header(cfg, teacher, files)
     with fmt.reaching(cfg.out):
@@ -437,7 +480,13 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
 
     records = committed_records(fs, root, cfg.rank)
     manifest_path = fmt.join(root, fmt.MANIFEST)
-    previous_run = fmt.read_json(fs, manifest_path).get("last_run") if fs.exists(manifest_path) else None
+    previous = fmt.read_json(fs, manifest_path) if fs.exists(manifest_path) else {}
+    previous_run = previous.get("last_run")
+    marker = _rank_marker(root, cfg.rank)
+    # the head's record, kept from the manifest (one process) or this rank's marker (several)
+    # when the head is not written again below
+    head_record = previous.get("teacher_head") or (fmt.read_json(fs, marker).get("teacher_head")
+                                                   if fs.exists(marker) else None)
     with _writing("the manifest", cfg.out):  # first: it marks the folder as a cache under construction
         keeper = _ManifestKeeper(fs, root, header, records, live=cfg.world_size == 1)
     if cfg.world_size == 1:  # other ranks may be writing a manifest of their own right now
@@ -445,9 +494,17 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
             if _is_manifest_leftover(path):
                 fs.rm(path)
     removed = _remove_uncommitted(fs, root, cfg.rank, {r["name"] for r in records})
-    if cfg.rank == 0 and not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD)):
+    # rewritten when missing, and when its record is lost before this rank committed anything (a
+    # build killed between writing the head and recording it): then a rewrite costs little
+    if cfg.rank == 0 and (not fs.exists(fmt.join(root, fmt.TEACHER_DIR, fmt.TEACHER_HEAD))
+                          or (not records and not head_record)):
         with _writing("the teacher files", cfg.out):
-            write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
+            head_record = write_teacher_files(fs, root, teacher.model, teacher.tokenizer)
+    if cfg.rank == 0 and head_record:
+        keeper.header["teacher_head"] = head_record
+        if keeper.live:  # recorded at once, not with the first commit
+            with _writing("the manifest", cfg.out):
+                keeper.write(complete=False, fault=False)
     if fs.exists(_rank_marker(root, cfg.rank)):  # this rank is at work again, not finished
         fs.rm(_rank_marker(root, cfg.rank))
     start_row = records[-1]["rows"][1] if records else 0
@@ -521,7 +578,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         # Each rank marks itself done; whichever rank sees all markers merges the manifest (the
         # last to finish always does, and a duplicate merge writes the same bytes).
         fs.makedirs(fmt.join(root, RANKS_DIR), exist_ok=True)
-        fmt.write_json_atomic(fs, _rank_marker(root, cfg.rank), {"rank": cfg.rank, **last_run})
+        head = {"teacher_head": head_record} if cfg.rank == 0 and head_record else {}
+        fmt.write_json_atomic(fs, _rank_marker(root, cfg.rank), {"rank": cfg.rank, **last_run, **head})
         try:
             manifest = finalize_cache(cfg.out, cfg.storage_options)
         except CacheError as err:

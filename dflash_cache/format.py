@@ -170,6 +170,36 @@ def checksum(data: bytes | memoryview | np.ndarray) -> str:
     return xxhash.xxh64(data).hexdigest()
 
 
+# The teacher head (teacher/head.safetensors) is checked like a shard: the manifest's
+# ``teacher_head`` records its size and checksum at build (absent in caches built before it was
+# recorded: then it is not checked, and verify says so). Its tensors must be floating point of
+# these dtypes: the drafter's LM head and embedding are used as they are.
+TEACHER_HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+TEACHER_HEAD_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def teacher_head_record(data: bytes) -> dict:
+    """The manifest's ``teacher_head`` entry for the head file's bytes."""
+    return {"bytes": len(data), "checksum": checksum(data)}
+
+
+def teacher_head_problem(data: bytes, record: Any) -> str | None:
+    """What is wrong with the head's bytes against the manifest's record (None: they match, or
+    no record exists: see teacher_head_checked)."""
+    if not isinstance(record, dict):
+        return None
+    if len(data) != record.get("bytes"):
+        return f"is {len(data):,} bytes, the manifest records {record.get('bytes')!r}"
+    if checksum(data) != record.get("checksum"):
+        return "does not match the checksum the manifest records (damaged or changed since the build)"
+    return None
+
+
+def teacher_head_checked(manifest: dict) -> bool:
+    """Whether the manifest records the head's checksum (caches built before it do not)."""
+    return isinstance(manifest.get("teacher_head"), dict)
+
+
 # --- file system helpers -------------------------------------------------------------------
 
 

@@ -429,13 +429,39 @@ class Cache:
         return json.loads(self.fs.cat_file(self.teacher_path("config.json")))
 
     def load_teacher_head(self, device: str = "cpu") -> dict:
-        """{'embed_tokens.weight': [V, H], 'lm_head.weight': [V, H]} as torch tensors."""
+        """{'embed_tokens.weight': [V, H], 'lm_head.weight': [V, H]} as torch tensors, checked: the
+        file against the checksum the manifest records (when it records one), each tensor for a
+        floating dtype and for NaN/Inf. A drafter trains on this head frozen, so a damaged one
+        would train silently into a useless drafter; any problem is one CacheError line."""
         import safetensors.torch
+        import torch
+        from safetensors import SafetensorError
 
         path = self.teacher_path(fmt.TEACHER_HEAD)
+        where = f"{self.url}: {fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD}"
+        fix = "rebuild the cache with `dflash-cache build ... --overwrite` (or restore the file)"
         if not self.fs.exists(path):
-            raise CacheError(f"{self.url}: the teacher head ({fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD}) is missing; rebuild the cache")
-        tensors = safetensors.torch.load(self.fs.cat_file(path))
+            raise CacheError(f"{where} (the teacher head) is missing; {fix}")
+        data = self.fs.cat_file(path)
+        problem = fmt.teacher_head_problem(data, self.manifest.get("teacher_head"))
+        if problem:
+            raise CacheError(f"{where} {problem}; {fix}")
+        try:
+            tensors = safetensors.torch.load(data)
+        except (SafetensorError, ValueError, RuntimeError) as err:
+            raise CacheError(f"{where} is not a readable safetensors file ({str(err)[:120]}); {fix}") from None
+        for name in fmt.TEACHER_HEAD_TENSORS:
+            tensor = tensors.get(name)
+            if tensor is None:
+                raise CacheError(f"{where} lacks the tensor {name!r}; {fix}")
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in fmt.TEACHER_HEAD_DTYPES:
+                raise CacheError(f"{where} holds {name} as {dtype}; a teacher head is {', '.join(fmt.TEACHER_HEAD_DTYPES)} "
+                                 f"(the drafter uses it as it is): {fix}")
+            # in row blocks: a boolean mask of a production head at once would be another 1.3 GB
+            bad = sum(int((~torch.isfinite(rows)).sum()) for rows in tensor.split(8192))
+            if bad:
+                raise CacheError(f"{where} holds {bad:,} NaN/Inf value(s) in {name}; {fix}")
         return {k: v.to(device) for k, v in tensors.items()}
 
     def load_tokenizer(self):

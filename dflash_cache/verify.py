@@ -21,10 +21,15 @@ class VerifyReport:
     shards_checked: int = 0
     bad_shards: dict[str, list[str]] = field(default_factory=dict)
     uncommitted: list[str] = field(default_factory=list)
+    head_problem: str | None = None
+    """What is wrong with teacher/head.safetensors (Cache.load_teacher_head's refusal), or None."""
+    head_note: str | None = None
+    """What verify could not check of the head and why (a cache built before its checksum was
+    recorded; a build that has not written it yet), or None."""
 
     @property
     def ok(self) -> bool:
-        return not self.bad_shards
+        return not self.bad_shards and self.head_problem is None
 
 
 def _nonfinite_bf16(bits: np.ndarray) -> int:
@@ -180,6 +185,18 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         report.shards_checked += 1
         progress.advance(1)
     progress.close()
+    if not cache.complete and not cache.fs.exists(cache.teacher_path(fmt.TEACHER_HEAD)):
+        # a build stopped before writing it (a full disk, say): its rerun writes it
+        report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} is not written yet (the build has not finished; "
+                            "its rerun writes it)")
+    else:
+        try:  # the same checks as every reader of the head (checksum, dtype, finiteness)
+            cache.load_teacher_head()
+        except CacheError as err:
+            report.head_problem = str(err)
+        if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):
+            report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
+                                "built before dflash recorded one (its dtypes and values were checked)")
     listed = {s.name for s in cache.shards}
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
     if cache.fs.exists(shards_dir):

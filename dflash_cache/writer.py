@@ -239,8 +239,9 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     return record
 
 
-def write_teacher_files(fs, root: str, model, tokenizer) -> None:
-    """Save what stage 2 needs of the teacher, once: embeddings, LM head, config, tokenizer."""
+def write_teacher_files(fs, root: str, model, tokenizer) -> dict:
+    """Save what stage 2 needs of the teacher, once: embeddings, LM head, config, tokenizer.
+    Returns the head's record for the manifest (fmt.teacher_head_record)."""
     teacher_dir = fmt.join(root, fmt.TEACHER_DIR)
     head = {
         # clones: safetensors refuses tensors that share memory (teachers with tied embeddings)
@@ -255,7 +256,9 @@ def write_teacher_files(fs, root: str, model, tokenizer) -> None:
             if path.is_file():
                 fs.pipe_file(fmt.join(teacher_dir, path.name), path.read_bytes())
     # The head is written last: its presence marks the teacher folder complete.
-    fmt.write_bytes_atomic(fs, fmt.join(teacher_dir, fmt.TEACHER_HEAD), safetensors.torch.save(head))
+    data = safetensors.torch.save(head)
+    fmt.write_bytes_atomic(fs, fmt.join(teacher_dir, fmt.TEACHER_HEAD), data)
+    return fmt.teacher_head_record(data)
 
 
 class BackgroundWriter:

@@ -23,3 +23,12 @@ class CacheError(DFlashError):
 
 class TeacherError(DFlashError):
     """The teacher model cannot be loaded or produced unusable outputs."""
+
+
+class OutputError(DFlashError):
+    """An output folder cannot be written safely: a symlink where dflash writes or deletes, or
+    another process writing the same folder."""
+
+
+class TrainingError(DFlashError):
+    """Training cannot go on: its loss or weights stopped being finite."""

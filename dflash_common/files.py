@@ -1,12 +1,27 @@
-"""Durable local writes: fsync, and a file replaced whole or not at all; and what in a folder a
-command that replaces or deletes its contents did not write."""
+"""Durable local writes: fsync, and a file replaced whole or not at all; what in a folder a
+command that replaces or deletes its contents did not write; no write or delete that follows a
+symlink; and one writer per output folder.
+
+Every file and folder a command writes or deletes inside its output (a run folder, a drafter
+export, regenerate's OUT.parts) goes through `write_atomic`, `append_line`, `remove_file` or
+`remove_tree` with the output as `root`: they refuse a symlink at the path or at any folder
+between `root` and it, so a link planted in an output never sends a write or a delete outside it.
+`root` itself may be a link: it is the folder the user named."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import shutil
+import socket
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import BinaryIO
+
+from dflash_common.errors import OutputError
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -28,19 +43,41 @@ def fsync_tree(path: str | os.PathLike) -> None:
         list(pool.map(fsync_path, files))
 
 
-def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
+def refuse_links(path: str | os.PathLike, root: str | os.PathLike | None = None) -> None:
+    """Raise OutputError when `path`, or a folder between `root` (not included) and it, is a
+    symlink; with no `root`, only `path` itself is looked at. One lstat per component."""
+    path = os.fspath(path)
+    parts = [path]
+    if root is not None:
+        relative = os.path.relpath(path, root or os.curdir)
+        if relative != "." and not relative.startswith(".."):
+            names = relative.split(os.sep)
+            parts = [os.path.join(root, *names[: i + 1]) for i in range(len(names))]
+    for part in parts:
+        if os.path.islink(part):
+            kind = "folder" if os.path.isdir(part) else "file"
+            raise OutputError(f"{part} is a symlink (to {os.readlink(part)}); dflash writes and deletes only real files "
+                              f"and folders in its output and never follows a link out of it, so nothing was written "
+                              f"or deleted: replace the link with a real {kind} (or remove it), or choose another output folder")
+
+
+def write_file_atomic(path: str | os.PathLike, data: bytes, root: str | os.PathLike | None = None) -> None:
     """Write `data` to `path` whole (see write_atomic)."""
-    write_atomic(path, lambda f: f.write(data))
+    write_atomic(path, lambda f: f.write(data), root)
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], root: str | os.PathLike | None = None) -> None:
     """Make `path` whole with `write(file)`: into a temporary sibling (".NAME.tmp-XXXXXXXX"),
     fsynced, renamed over `path`, and the folder fsynced, so a crash leaves the old file or the new
-    one; when `write` raises, the sibling is removed and the error goes on."""
+    one; when `write` raises, the sibling is removed and the error goes on. A symlink at `path` or
+    between `root` and it is refused (refuse_links), and the temporary is created new
+    (O_EXCL | O_NOFOLLOW), so nothing is written through a link."""
+    refuse_links(path, root)
     folder, name = os.path.split(os.fspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -52,12 +89,76 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     fsync_path(folder or ".")
 
 
+def append_line(path: str | os.PathLike, line: str, root: str | os.PathLike | None = None) -> None:
+    """Append `line` (and a newline) to `path`, created when missing. A log is appended, not
+    rewritten (a rename per line would cost the whole file each time), so the final link is
+    refused by O_NOFOLLOW as well as by refuse_links: a link made after the check still fails."""
+    refuse_links(path, root)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_links(path)
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def remove_file(path: str | os.PathLike, root: str | os.PathLike | None = None, missing_ok: bool = False) -> None:
+    """Delete one file of an output (refusing links on the way, see refuse_links)."""
+    refuse_links(path, root)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def remove_tree(path: str | os.PathLike, root: str | os.PathLike | None = None, ignore_errors: bool = False) -> None:
+    """Delete a folder of an output and everything in it. A link at `path` or above it up to
+    `root` is refused (deleting "in" it would delete another folder's files); links inside are
+    removed as links by shutil.rmtree, never followed."""
+    refuse_links(path, root)
+    shutil.rmtree(path, ignore_errors=ignore_errors)
+
+
+LOCK_FILE = ".dflash.lock"
+
+
+@contextmanager
+def one_writer(folder: str | os.PathLike, what: str, fix: str, name: str = LOCK_FILE) -> Iterator[None]:
+    """Hold an exclusive OS lock (flock) on `folder`/`name` while the block runs: a second process
+    asking for it gets an OutputError naming the holder (its pid and host, which the holder writes
+    into the file) and `fix`. The kernel releases the lock when its process ends however it ends
+    (SIGKILL included), so a crash never leaves a stale lock; the file stays. `folder` is created.
+    Local file systems only (NFS v4 honours flock across hosts); object stores have no such lock."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    refuse_links(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 400, 0).decode("utf-8", "replace").strip() or "a process that has not written its name yet"
+            raise OutputError(f"{folder} is being written by another {what} ({holder}); two writers would mix their "
+                              f"files: {fix}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
 def foreign_entries(folder: str | os.PathLike, ours: Callable[[os.DirEntry], bool]) -> list[str]:
     """The sorted names in `folder` that `ours` does not claim ([] when there is no such folder):
-    what a command about to replace or delete the folder's contents must refuse to touch."""
+    what a command about to replace or delete the folder's contents must refuse to touch. Hidden
+    names come last: a refusal names the first, and a user's own files say more about a folder
+    than a lock or a temporary does."""
     try:
         with os.scandir(folder) as entries:
-            return sorted(entry.name for entry in entries if not ours(entry))
+            return sorted((entry.name for entry in entries if not ours(entry)), key=lambda name: (name.startswith("."), name))
     except (FileNotFoundError, NotADirectoryError):
         return []
 

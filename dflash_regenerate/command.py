@@ -18,7 +18,7 @@ from dflash_cache.corpus import (
 )
 from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
-from dflash_common.files import foreign_entries, holds, write_file_atomic
+from dflash_common.files import foreign_entries, holds, refuse_links, remove_file, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_regenerate.config import (
     PART_TEMPORARY,
@@ -29,6 +29,7 @@ from dflash_regenerate.config import (
     SETTINGS_VERSION,
     RegenerateConfig,
     RegenerateResult,
+    output_root,
     parts_dir,
 )
 from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
@@ -115,13 +116,13 @@ def _overwritten_files(cfg: RegenerateConfig) -> list[str]:
 
 def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
     """Check or start OUT.parts; returns the merged summary when the output is already complete."""
-    folder = parts_dir(cfg.out)
+    folder, root = parts_dir(cfg.out), output_root(cfg.out)
     settings_path = os.path.join(folder, SETTINGS)
     if cfg.overwrite:
         for path in _overwritten_files(cfg):  # checked again: files may have come since regenerate() looked
-            os.remove(path)
-        if os.path.exists(cfg.out):
-            os.remove(cfg.out)
+            remove_file(path, root)
+        if os.path.lexists(cfg.out):
+            remove_file(cfg.out, root)
     existing = read_json(settings_path)
     if existing is None:
         if os.path.exists(cfg.out):
@@ -131,14 +132,14 @@ def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
         if os.path.isdir(folder) and any(".tmp-" not in name for name in os.listdir(folder)):
             raise ConfigError(f"{folder} is not empty but has no {SETTINGS}; delete it or pass --overwrite")
         os.makedirs(folder, exist_ok=True)
-        write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+        write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode(), root)
         return None
     _refuse_mismatch(cfg, existing, settings, RESUME_KEYS)
     merged = existing.get("merged")
     if merged is not None:
         if not os.path.exists(cfg.out):
             # Deleted after the merge, and its parts went with the merge: generate it again.
-            write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode())
+            write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode(), root)
             return None
         if file_checksum(cfg.out) != merged.get("checksum"):
             raise ConfigError(f"{cfg.out} changed since this command finished it; keep it, or pass --overwrite to "
@@ -161,10 +162,7 @@ def _remove_stale_temporaries(cfg: RegenerateConfig) -> None:
         out_dir, base = os.path.split(os.path.abspath(cfg.out))
         stale.extend(os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith(f".{base}.tmp-"))
     for path in stale:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+        remove_file(path, output_root(cfg.out), missing_ok=True)
 
 
 def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> RegenerateResult:
@@ -176,6 +174,9 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     if total_rows == 0:
         raise ConfigError(f"the corpus {cfg.data!r} has no rows; point --data at a non-empty file")
     settings = _plain_settings(cfg, files, total_rows)
+    # before the teacher loads (and again where each file is written or deleted)
+    refuse_links(parts_dir(cfg.out), output_root(cfg.out))
+    refuse_links(cfg.out, output_root(cfg.out))
     if cfg.overwrite:
         _overwritten_files(cfg)  # refuse a user's file in OUT.parts before loading the teacher, not after
     existing = None if cfg.overwrite else read_json(os.path.join(parts_dir(cfg.out), SETTINGS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -36,6 +37,12 @@ SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoni
 def parts_dir(out: str) -> str:
     """The folder holding `out`'s parts: `OUT.parts` for `OUT.jsonl`."""
     return out[: -len(".jsonl")] + ".parts" if out.endswith(".jsonl") else out + ".parts"
+
+
+def output_root(out: str) -> str:
+    """The folder OUT and OUT.parts are in: every write and delete of regenerate goes through
+    dflash_common.files with it as root, so a symlinked OUT.parts (or a link in it) is refused."""
+    return os.path.dirname(os.path.abspath(out))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import write_atomic, write_file_atomic
+from dflash_common.files import remove_file, write_atomic, write_file_atomic
 from dflash_common.progress import Progress
-from dflash_regenerate.config import SETTINGS, RegenerateResult, parts_dir
+from dflash_regenerate.config import SETTINGS, RegenerateResult, output_root, parts_dir
 from dflash_regenerate.generation import PartOutcome
 from dflash_regenerate.plan import part_name, part_rows, record_name
 
@@ -35,11 +35,12 @@ def _rows_bytes(rows: list[dict]) -> bytes:
 def commit_part(folder: str, index: int, rows_span: tuple[int, int], outcome: PartOutcome) -> dict:
     """Write part `index` whole, then its record (the commit); returns the record."""
     data = _rows_bytes(outcome.rows)
-    write_file_atomic(os.path.join(folder, part_name(index)), data)
+    root = output_root(folder)
+    write_file_atomic(os.path.join(folder, part_name(index)), data, root)
     record = {"index": index, "rows": list(rows_span), "written": len(outcome.rows), "skipped": dict(outcome.skipped),
               "tokens": outcome.tokens, "truncated": outcome.truncated, "empty": outcome.empty, "bytes": len(data),
               "checksum": xxhash.xxh64_hexdigest(data)}
-    write_file_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode())
+    write_file_atomic(os.path.join(folder, record_name(index)), (json.dumps(record) + "\n").encode(), root)
     return record
 
 
@@ -105,13 +106,11 @@ def merge_parts(out: str, progress: Progress | None = None) -> RegenerateResult:
     rows, skipped, tokens, truncated, empty = sum_records(records.values())
     merged = {"rows": rows, "skipped": dict(skipped), "tokens": tokens, "truncated": truncated, "empty": empty,
               "checksum": file_checksum(out)}
-    write_file_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode())
+    write_file_atomic(os.path.join(folder, SETTINGS), (json.dumps(dict(settings, merged=merged), indent=1) + "\n").encode(),
+                      output_root(out))
     for index in range(num_parts):  # the merged file holds it all now; keep only the settings
         for name in (record_name(index), part_name(index)):
-            try:
-                os.remove(os.path.join(folder, name))
-            except FileNotFoundError:
-                pass
+            remove_file(os.path.join(folder, name), output_root(out), missing_ok=True)
     result = complete_result(out, merged)
     progress.message(f"wrote {rows:,} rows to {out}" + _summary(result))
     return result

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import uuid
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dflash_common.errors import DFlashError
 from dflash_common.faults import maybe_fault
-from dflash_common.files import fsync_path
+from dflash_common.files import fsync_path, refuse_links, remove_tree
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
@@ -109,16 +108,26 @@ def step_dir_name(step: int) -> str:
 
 
 class CheckpointManager:
-    """Saves, finds and loads the checkpoints of one run folder, keeping the newest ``keep``."""
+    """Saves, finds and loads the checkpoints of one run folder, keeping the newest ``keep``.
+
+    ``root`` is the run's checkpoints/ folder; it and every step folder must be real folders, not
+    symlinks: pruning deletes old step folders, and through a link that would delete another
+    run's checkpoints (refused with refuse_links, the run folder being the output's root)."""
 
     def __init__(self, root: str | Path, keep: int = 3):
         self.root, self.keep = Path(root), keep
+        self.run = self.root.parent
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
+        refuse_links(self.root, self.run)
         if not self.root.exists():
             return []
-        found = [p for p in self.root.glob("step-*") if p.is_dir() and (p / COMPLETE).exists()]
+        found = []
+        for p in self.root.glob("step-*"):
+            refuse_links(p)
+            if p.is_dir() and (p / COMPLETE).exists():
+                found.append(p)
         return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
     def latest(self) -> Path | None:
@@ -126,6 +135,7 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def save(self, step: int, model_state: dict, trainer_state: dict, config: dict) -> Path:
+        refuse_links(self.root, self.run)
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -140,8 +150,8 @@ class CheckpointManager:
         (tmp / COMPLETE).write_text(f"{step}\n")
         fsync_path(tmp)
         maybe_fault("checkpoint_before_rename")
-        if final.exists():  # an older incomplete attempt at this step
-            shutil.rmtree(final)
+        if os.path.lexists(final):  # an older incomplete attempt at this step
+            remove_tree(final, self.run)
         os.rename(tmp, final)
         fsync_path(self.root)
         self._prune()
@@ -149,9 +159,9 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep] if self.keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old, self.run, ignore_errors=True)
         for leftover in self.root.glob(".tmp-step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove_tree(leftover, self.run, ignore_errors=True)
 
     @staticmethod
     def load(path: str | Path) -> dict:

@@ -110,6 +110,15 @@ def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
     return float(global_sum_tensor(torch.tensor([float(value)], dtype=torch.float64), info, device)[0])
 
 
+def global_min(value: int, info: DistInfo, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (every rank calls this at the same point)."""
+    if not info.active:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.cpu()[0])
+
+
 def global_sum_tensor(t: torch.Tensor, info: DistInfo, device: torch.device) -> torch.Tensor:
     """``t`` summed over all ranks (every rank calls this at the same point), on the CPU."""
     if not info.active:

@@ -242,5 +242,8 @@ def plot_acceptance(curves: dict[str, list[float]], path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from dflash_common.files import write_atomic
+
+    # whole or not at all, and never through a link at `path` (an eval.png beside a drafter)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.files import foreign_entries, holds
+from dflash_common.files import foreign_entries, holds, refuse_links, remove_tree
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -52,6 +52,11 @@ def check_export_folder(out_dir: str | os.PathLike[str]) -> None:
     than an earlier export (our config.json, model.safetensors and nothing else), since an export
     replaces the whole folder and everything in it would be lost."""
     out_dir = Path(out_dir)
+    # the folder is replaced whole (renamed away and deleted): a link there, or at a file in it,
+    # would be replaced or followed, not the folder it names
+    refuse_links(out_dir)
+    for name in EXPORT_FILES:
+        refuse_links(out_dir / name)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a folder; choose a new or empty folder for the export")
     config = out_dir / CONFIG_FILE
@@ -104,7 +109,7 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
             retired = out_dir.parent / f".{out_dir.name}.old-{tag}"
             out_dir.rename(retired)
             staging.rename(out_dir)
-            shutil.rmtree(retired)
+            remove_tree(retired)
         else:
             staging.rename(out_dir)
     finally:

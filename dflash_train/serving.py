@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.errors import DFlashError
+from dflash_common.files import refuse_links
 from dflash_train.model import DrafterConfig
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
@@ -115,6 +116,7 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
             os.close(handle)  # reopened below; the descriptor itself would leak
             log_path = Path(name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_links(log_path)  # opened for writing below: never truncate a file a link names
         with open(log_path, "w") as log:
             try:
                 proc = subprocess.run([str(python), str(WORKER), str(request_path), str(result_path)], env=env,
@@ -264,6 +266,7 @@ class VllmServer:
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                    "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
                    "--dtype", self.cfg.dtype, "--max-model-len", str(self.max_model_len), "--enforce-eager"]
+        refuse_links(self.log)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,8 @@ from dflash_cache import open_cache
 from dflash_cache.format import check_servable_layers
 from dflash_cache.verify import check_shards
 from dflash_common.devices import bind_device, resolve_device
-from dflash_common.errors import CacheError, ConfigError
-from dflash_common.files import foreign_entries, holds
+from dflash_common.errors import CacheError, ConfigError, TrainingError
+from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.settings import shown
 from dflash_train.checkpoint import (
@@ -34,6 +36,7 @@ from dflash_train.distributed import (
     barrier,
     clip_gradients,
     data_parallel,
+    global_min,
     global_sum,
     global_sum_tensor,
     init_distributed,
@@ -97,18 +100,18 @@ class MetricsLog:
     """metrics.jsonl in the run folder (appended, so a resumed run continues it), TensorBoard optionally."""
 
     def __init__(self, out: Path, tensorboard: bool):
-        self.path = out / "metrics.jsonl"
+        self.out, self.path = out, out / "metrics.jsonl"
         self.writer = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("--tensorboard needs the tensorboard package; pip install tensorboard") from None
+            refuse_links(out / "tensorboard", out)  # its event files are written by TensorBoard, not through us
             self.writer = SummaryWriter(str(out / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record), root=self.out)
         if self.writer is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
@@ -186,18 +189,27 @@ def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torc
     return sum(out.sum() for out in outputs if out is not None) * 0.0
 
 
-# What a run folder may hold before its config.json exists: a sweep writes the run's log first.
-_BEFORE_CONFIG = {"train.log"}
+# What a run folder may hold before its config.json exists: a sweep writes the run's log first,
+# and the run's lock (one_writer) is taken before config.json is written.
+_BEFORE_CONFIG = {"train.log", LOCK_FILE}
+# What a run writes or deletes in its folder; none of them may be a symlink (see refuse_links).
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", "drafter", "tensorboard", LOCK_FILE)
 
 
 def check_run_folder(out: Path) -> None:
     """Refuse an --out that is not ours to write into: a file, or a non-empty folder that is not a
     dflash-train run (a run writes config.json first), since training replaces config.json and
-    drafter/ there."""
+    drafter/ there; and a run folder where one of the entries a run writes is a symlink, before
+    any work (every write checks again)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder; choose a new or empty folder for the run")
     if not out.is_dir():
         return
+    for name in RUN_ENTRIES:
+        refuse_links(out / name, out)
+    if (out / "checkpoints").is_dir():  # step folders are pruned, and leftovers deleted
+        for entry in (out / "checkpoints").iterdir():
+            refuse_links(entry)
     config = out / "config.json"
     if config.is_file():
         try:
@@ -253,6 +265,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     # training with a decoder error hours in, whenever the epoch plan first reaches it
     skipped_sequences = check_shards(cache, cfg.data.skip_shards)
     device = resolve_device(cfg.device)
+    # rank 0 does every write of a run (config, metrics, checkpoints, export), so it alone holds
+    # the folder's lock; a second run on the same --out stops here, before anything is written.
+    # Taken after the read-only checks above, so their refusals leave no folder behind.
+    main = int(os.environ.get("RANK", 0)) == 0
+    with (one_writer(Path(cfg.out), "dflash-train run",
+                     f"wait for it to end (or stop it), or choose another --out than {cfg.out}") if main else nullcontext()):
+        return _train_locked(cfg, cache, device, resume, progress, resume_from, skipped_sequences)
+
+
+def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, progress: Progress | None,
+                  resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
     info = init_distributed(device)
     try:
@@ -293,7 +316,7 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
                           else (0, LoaderState(manifest_fingerprint=cache.fingerprint)))
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+        write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
     metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
     if cfg.data.skip_shards and info.is_main:
         progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")
@@ -324,6 +347,9 @@ def run_steps(s: Session) -> None:
                                 pin_memory=device.type == "cuda"))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
+    # the first step whose loss was NaN/Inf, kept on the device: a per-step check would make
+    # the host wait for every step's loss; it is read at the log and save steps (stop_if_diverged)
+    first_bad = torch.full((), FINITE, dtype=torch.long, device=device)
     s.progress.start(s.steps - s.step, "training", "step")
     s.model.train()
     while s.step < s.steps:
@@ -335,11 +361,14 @@ def run_steps(s: Session) -> None:
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens
+                first_bad = torch.where(torch.isfinite(result.loss.detach()), first_bad, first_bad.clamp(max=s.step + 1))
         grad_norm = clip_gradients(s.model, cfg.optim.grad_clip)
         s.optimizer.step()
         s.scheduler.step()
         s.optimizer.zero_grad(set_to_none=True)
         s.step += 1
+        if s.step % cfg.log_every == 0 or s.step % cfg.save_every == 0 or s.step == s.steps:
+            stop_if_diverged(s, first_bad)  # before the metrics line and the save: neither gets NaN
         if s.step % cfg.log_every == 0 or s.step == s.steps:
             summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg,
                                                  meter_rows(cfg.loss, s.model.cfg), info, device)
@@ -354,6 +383,35 @@ def run_steps(s: Session) -> None:
         if s.step % cfg.save_every == 0 or s.step == s.steps:
             save_checkpoint(s)
     s.progress.close()
+
+
+FINITE = torch.iinfo(torch.int64).max  # first_bad's value while every loss was finite
+
+
+def _nonfinite_weights(model: torch.nn.Module) -> int:
+    """NaN/Inf values in this rank's trained weights (its shards under FSDP), in one host sync."""
+    counts = [(~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)).sum()
+              for p in model.parameters() if p.requires_grad]
+    return int(torch.stack(counts).sum()) if counts else 0
+
+
+def stop_if_diverged(s: Session, first_bad: torch.Tensor) -> None:
+    """Stop the run (every rank, at the same steps) when a loss since the start was NaN/Inf on any
+    rank or the weights now hold one: those weights are never saved nor exported, and the
+    checkpoints already saved (all finite, as each save is preceded by this check) are kept."""
+    bad = global_min(int(first_bad), s.info, s.device)
+    broken = global_sum(float(_nonfinite_weights(s.model)), s.info, s.device)
+    if bad == FINITE and not broken:
+        return
+    what = f"the loss was NaN/Inf at step {bad}" if bad != FINITE else f"the weights hold NaN/Inf after step {s.step}"
+    if s.info.is_main:
+        s.metrics.write({"kind": "stopped", "step": bad if bad != FINITE else s.step, "reason": "non-finite loss or weights"})
+    s.progress.close()
+    latest = s.manager.latest()
+    kept = f"the last finite checkpoint, {latest.name}, is kept" if latest else "no checkpoint was saved before it"
+    raise TrainingError(f"training diverged: {what} (lr {s.cfg.optim.lr:g}); the run stopped without saving or exporting "
+                        f"those weights ({kept}): lower --lr or check the cache with `dflash-cache verify`, then train "
+                        "again into a new --out")
 
 
 def save_checkpoint(s: Session) -> None:

@@ -299,3 +299,104 @@ def test_a_shard_folder_linked_from_inside_the_cache_is_read_by_verify_and_run_a
     trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--steps", "1",
                                              "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--quiet"])
     assert trained.exit_code == 0, trained.output
+
+
+def _real_tree(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under `folder` without following links: files by content, links by target."""
+    import os
+
+    tree: dict[str, bytes | str] = {}
+    for top, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(top) / name
+            key = str(path.relative_to(folder))
+            tree[key] = f"-> {os.readlink(path)}" if path.is_symlink() else (path.read_bytes() if path.is_file() else "dir")
+    return tree
+
+
+# An entry of an output replaced by a symlink to a copy outside it, the command that writes or
+# deletes there, and the link it must name. Before, each wrote or deleted through the link (or
+# ended in a traceback).
+_LINKS = {
+    "metrics.jsonl appended on --resume": "run/metrics.jsonl",
+    "config.json overwritten": "run/config.json",
+    "checkpoints pruned by --keep-checkpoints": "run/checkpoints",
+    "an old step folder pruned": "run/checkpoints/step-000001",
+    "drafter replaced at the end": "run/drafter",
+    "drafter/eval.json overwritten by eval": "run/drafter/eval.json",
+    "export OUT replaced": "out",
+    "regenerate OUT.parts": "regen/out.parts",
+}
+
+
+@pytest.mark.parametrize("case", list(_LINKS))
+def test_a_symlink_in_an_output_is_refused_and_nothing_outside_changes(setup, tmp_path, case):
+    import os
+    import shutil
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(setup["root"] / "run", run)
+    outside.mkdir()
+    link = tmp_path / _LINKS[case]
+    target = outside / link.name
+    if case == "an old step folder pruned":
+        shutil.copytree(run / "checkpoints" / "step-000002", target)  # another run's checkpoint
+    elif case == "export OUT replaced":
+        shutil.copytree(run / "drafter", target)
+    elif case == "regenerate OUT.parts":
+        target.mkdir()
+        (target / "notes.txt").write_text("someone else's folder")
+        link.parent.mkdir()
+    elif (run / _LINKS[case].removeprefix("run/")).is_dir():
+        shutil.move(run / _LINKS[case].removeprefix("run/"), target)
+    elif link.exists():
+        shutil.move(link, target)
+    else:
+        target.write_text("someone else's file\n")
+    os.symlink(target, link)
+    train = ["--cache", setup["cache"], "--out", str(run), "--num-layers", "1", "--block-size", "4", "--eval-sequences",
+             "0", "--heldout-fraction", "0.1", "--quiet"]
+    app, args = {
+        "checkpoints pruned by --keep-checkpoints": (train_app, ["run", *train, "--resume", "--steps", "4", "--save-every",
+                                                                 "1", "--keep-checkpoints", "1"]),
+        "an old step folder pruned": (train_app, ["run", *train, "--resume", "--steps", "4", "--save-every", "1",
+                                                  "--keep-checkpoints", "1"]),
+        "drafter/eval.json overwritten by eval": (train_app, ["eval", "--checkpoint", str(run / "drafter"), "--cache",
+                                                              setup["cache"], "--quiet"]),
+        "export OUT replaced": (train_app, ["export", str(run / "checkpoints" / "step-000002"), str(link)]),
+        "regenerate OUT.parts": (cache_app, ["regenerate", "--teacher", setup["teacher"], "--data", setup["data"], "--out",
+                                             str(tmp_path / "regen" / "out.jsonl"), "--quiet"]),
+    }.get(case, (train_app, ["run", *train, "--resume", "--steps", "3"]))
+    before, outside_before = _real_tree(tmp_path / "run"), _real_tree(outside)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, (case, result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {link} is a symlink (to {target}); dflash writes and deletes "
+                                                   "only real files and folders in its output"), result.output
+    assert "replace the link with a real" in lines[0]
+    assert _real_tree(outside) == outside_before and _real_tree(tmp_path / "run") == before
+
+
+def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_path):
+    """--lr 1e30 made the loss NaN, yet the run exited 0 and exported NaN weights."""
+    import math
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(train_app, ["run", "--cache", setup["cache"], "--out", str(out), "--steps", "8", "--num-layers",
+                                            "1", "--block-size", "4", "--eval-sequences", "0", "--save-every", "1",
+                                            "--log-every", "1", "--warmup-steps", "0", "--lr", "1e30", "--quiet"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: training diverged: "), result.output
+    assert "the run stopped without saving or exporting those weights" in lines[0] and "lower --lr" in lines[0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stopped = records[-1]
+    assert stopped["kind"] == "stopped"
+    assert f"step {stopped['step']}" in lines[0]
+    trained = [r for r in records if r["kind"] == "train"]
+    assert all(math.isfinite(r["loss"]) for r in trained) and len(trained) < 8
+    assert not (out / "drafter").exists()
+    for step in (out / "checkpoints").glob("step-*"):  # whatever was saved is finite
+        assert all(bool(t.isfinite().all()) for t in load_file(step / "model.safetensors").values()), step

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fsspec
@@ -408,3 +409,69 @@ def test_damaged_checkpoint_file_is_one_typed_error(tmp_path, damage):
         target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"cannot be read .*; resume from an older one with --resume-from "):
         CheckpointManager.load(path)
+
+
+# --- one writer per output folder ------------------------------------------------------------
+
+
+def _paused_at_fault(command: list[str], point: str, gate: Path, ready) -> subprocess.Popen:
+    """A real process that stops at its first `point` (dflash_common.faults) and waits there for
+    `gate`, holding its output folder, until `ready()` says it is there; opening the gate kills it."""
+    proc = subprocess.Popen([sys.executable, "-m", *command], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "DFLASH_FAULT": f"{point}:1", "DFLASH_FAULT_GATE": str(gate)})
+    deadline = time.time() + 120
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert ready() and proc.poll() is None, proc.communicate()
+    return proc
+
+
+def _second_writer_is_refused(command: list[str], first: subprocess.Popen, what: str, folder: Path) -> None:
+    second = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1, second.stderr
+    line = _one_line_error(second.stderr)
+    assert line.startswith(f"error: {folder} is being written by another {what} (pid {first.pid} on "), line
+    assert line.endswith("two writers would mix their files: wait for it to end (or stop it), or choose another --out"
+                         + (f" than {folder}" if what == "dflash-train run" else "")), line
+
+
+def _stop(proc: subprocess.Popen, gate: Path) -> None:
+    gate.touch()
+    proc.communicate(timeout=120)
+    assert proc.returncode == -9  # its fault fired: SIGKILL, no cleanup ran
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, train_cache):
+    """Two `dflash-train run --out X` started together both exited 0 with their metrics and
+    checkpoints interleaved. The second now stops at once naming the first; once the first is
+    gone (even SIGKILLed) the folder is free again."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    command = ["cli.train", "run", "--cache", train_cache, "--out", str(out), *TRAIN_ARGS]
+    first = _paused_at_fault(command, "checkpoint_after_files", gate,
+                             lambda: any((p / "trainer.pt").exists() for p in out.glob("checkpoints/.tmp-step-*")))
+    before = _tree(out)
+    try:
+        _second_writer_is_refused(command, first, "dflash-train run", out)
+        assert _tree(out) == before  # not a line of metrics, not a checkpoint
+    finally:
+        _stop(first, gate)
+    resumed = CliRunner().invoke(train_app, ["run", "--cache", train_cache, "--out", str(out), "--resume", *TRAIN_ARGS])
+    assert resumed.exit_code == 0, resumed.output
+
+
+def test_a_second_build_on_the_same_out_is_refused_and_leaves_the_first_ones_shard(build_case, tmp_path):
+    """The second build deleted the first's in-flight shard as a crash's leftover, and both exited 0."""
+    out, gate = tmp_path / "cache", tmp_path / "gate"
+    command = ["cli.cache", *build_case["args"], "--out", str(out)]
+    in_flight = out / "shards" / "shard-r00000-000000"
+    first = _paused_at_fault(command, "after_shard_files", gate, in_flight.is_dir)
+    before = _tree(out)
+    try:
+        _second_writer_is_refused(command, first, "dflash-cache build", out)
+        assert _tree(out) == before and in_flight.is_dir()
+    finally:
+        _stop(first, gate)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

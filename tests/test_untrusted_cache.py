@@ -335,3 +335,76 @@ def test_the_zarr_read_path_is_checked_the_same(built, tmp_path):
     reopened.shards[1].__dict__["_chunk_files"] = None
     assert reopened.shards[1].checksum_problems() == ["hidden states checksum mismatch"]
     assert reopened.shards[1].checksum_problems([fmt.TOKENS, fmt.SEQUENCES]) == []
+
+
+# --- 3. the teacher head: checksummed like the shards, and checked for its dtype and values ------
+
+
+def _rewrite_head(cache: Path, change, record: bool) -> None:
+    """Rewrite teacher/head.safetensors with `change` applied to its tensors; with `record`, the
+    manifest's checksum is made to match (so only the dtype or value checks can see it), without,
+    the record is dropped as in a cache built before the head was checksummed."""
+    import safetensors.torch
+
+    path = cache / fmt.TEACHER_DIR / fmt.TEACHER_HEAD
+    data = safetensors.torch.save(change(safetensors.torch.load(path.read_bytes())))
+    path.write_bytes(data)
+    manifest = _manifest(cache)
+    if record:
+        manifest["teacher_head"] = fmt.teacher_head_record(data)
+    else:
+        manifest.pop("teacher_head")
+    (cache / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _nan_row(tensors):
+    tensors["lm_head.weight"][7] = float("nan")  # one row: the width, 64 values
+    return tensors
+
+
+def _int8(tensors):
+    import torch
+
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.int8)
+    return tensors
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("one flipped byte", "teacher/head.safetensors does not match the checksum the manifest records"),
+    ("a NaN row", "teacher/head.safetensors holds 64 NaN/Inf value(s) in lm_head.weight"),
+    ("an int8 head", "teacher/head.safetensors holds lm_head.weight as int8; a teacher head is float16, bfloat16, float32"),
+    ("a NaN row in a cache built before the head checksum", "holds 64 NaN/Inf value(s) in lm_head.weight"),
+])
+def test_a_damaged_teacher_head_stops_run_and_verify(built, tmp_path, damage, expected):
+    """The head was outside the checksums: a flipped byte, a NaN row or an int8 head trained
+    silently and verify said ok. Now each is one line in run and a BAD line in verify."""
+    cache = _copy(built, tmp_path)
+    assert _manifest(cache)["teacher_head"]["checksum"]  # recorded at build
+    head = cache / fmt.TEACHER_DIR / fmt.TEACHER_HEAD
+    if damage == "one flipped byte":
+        _flip(head, 1, at=0.9)
+    else:
+        _rewrite_head(cache, _int8 if damage == "an int8 head" else _nan_row, record="before" not in damage)
+    before = head.read_bytes()
+    result = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), *RUN])
+    assert result.exit_code == 1, result.output
+    assert expected in _one_line_error(result.output) and "rebuild the cache" in result.output, result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    verify = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verify.exit_code == 1 and f"BAD teacher head: {cache}: " in verify.output and expected in verify.output, \
+        verify.output
+    assert "error: the teacher head is damaged" in verify.output
+    assert head.read_bytes() == before
+
+
+def test_a_cache_built_before_the_head_checksum_still_trains_and_verify_says_it_was_not_compared(built, tmp_path):
+    cache = _copy(built, tmp_path)
+    manifest = _manifest(cache)
+    del manifest["teacher_head"]
+    (cache / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    verify = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verify.exit_code == 0, verify.output
+    assert "note: teacher/head.safetensors was not compared with a checksum" in verify.output
+    result = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), *RUN])
+    assert result.exit_code == 0, result.output
+    assert "not compared" not in CliRunner().invoke(cache_app, ["verify", str(built), "--quiet"]).output
