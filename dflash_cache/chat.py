@@ -34,8 +34,12 @@ def check_template_kwargs(kwargs) -> None:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
     try:
-        json.dumps(kwargs)
-    except (TypeError, ValueError):
+        # allow_nan=False: NaN and Infinity are not JSON, and they are written into manifests and settings
+        json.dumps(kwargs, allow_nan=False)
+    except ValueError:
+        raise ConfigError(f"chat template kwargs {kwargs!r} hold a number that is not finite (NaN or Infinity), "
+                          "which JSON cannot hold; pass finite numbers") from None
+    except TypeError:
         raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
 
 

@@ -39,6 +39,7 @@ def setup(tmp_path_factory, teacher_dir):
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "plain-file").write_text("x")
+    (root / "empty.jsonl").write_text("\n")
     bad_ckpt = root / "bad-ckpt"
     bad_ckpt.mkdir()
     step = root / "run" / "checkpoints" / "step-000002"
@@ -99,6 +100,17 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                               "trainer.pt lacks 'step'"),
         "export out a file": (train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"),
                                           str(root / "plain-file")], "is a file, not a folder"),
+        # issue 25: wrong outcomes and misleading messages
+        "verify deep sample -1": (cache_app, ["verify", cache, "--deep", "--sample", "-1"], "--sample -1 must be at least 1"),
+        "data /dev/null": (cache_app, ["build", "--teacher", teacher, "--data", "/dev/null", "--out", str(root / "c-null"),
+                                       "--quiet"], "corpus path /dev/null is not a regular file or folder"),
+        "dry run on an empty corpus": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "empty.jsonl"),
+                                                   "--out", str(root / "c-empty"), "--dry-run", "--quiet"], "has no rows"),
+        "template kwargs NaN": (cache_app, build + ["--out", str(root / "c-kw"), "--layers", "0", "--chat-template-kwargs",
+                                                    '{"a": NaN}'], "not finite (NaN or Infinity)"),
+        "regenerate template kwargs Infinity": (cache_app, ["regenerate", "--teacher", teacher, "--data", data, "--out",
+                                                            str(root / "regen.jsonl"), "--chat-template-kwargs",
+                                                            '{"a": [Infinity]}'], "not finite (NaN or Infinity)"),
     }
 
 
