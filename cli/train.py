@@ -18,11 +18,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _train_config(config, resume, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
+    from dflash_common.settings_files import load_settings_file
     from dflash_train.config import config_from_dict, merge, read_config_file
     from dflash_train.knobs import option_overrides, set_overrides
 
     saved = Path(knob_values["out"]) / "config.json"
-    base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
+    base = read_config_file(config) if config else (
+        load_settings_file(str(saved), f"the run's saved config {saved}", fix="pass --config, or start a new --out")
+        if resume and saved.exists() else {})
     return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 import types
 import typing
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_common.settings_files import load_settings_file
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import DataConfig
 from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
@@ -301,10 +301,9 @@ def read_config_file(path: str) -> dict:
     if p.suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path} is neither .toml nor .json; write the config as TOML or JSON "
                           "(YAML is not read)")
-    try:
-        values = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"config file {path} cannot be parsed: {err}") from None
+    if not p.is_file():
+        raise ConfigError(f"config file {path} is not a regular file; pass a .toml or .json file")
+    values = load_settings_file(path, f"config file {path}", fix="fix the file, or pass another --config")
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} holds a JSON {type(values).__name__}, not a table of options; write an "
                           'object such as {"optim": {"lr": 0.001}}')

@@ -19,6 +19,7 @@ from dflash_cache.chat import render_chat
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
+from dflash_common.settings_files import load_settings_file
 from dflash_train.data import collate
 from dflash_train.evaluate import load_trained_drafter, replay_batch
 from dflash_train.model import DFlashDrafter
@@ -66,8 +67,8 @@ def run_config_of(checkpoint: str) -> dict | None:
     folder = Path(checkpoint)
     for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
         try:
-            values = json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            values = load_settings_file(str(candidate))
+        except (OSError, DFlashError):
             continue
         if isinstance(values, dict) and "optim" in values and isinstance(values.get("data"), dict):
             return values

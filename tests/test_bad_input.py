@@ -40,6 +40,20 @@ def setup(tmp_path_factory, teacher_dir):
         (root / name).write_text(text)
     (root / "plain-file").write_text("x")
     (root / "empty.jsonl").write_text("\n")
+    # files that never end, are not text, or hold what Python cannot parse (issue 25)
+    import os
+    import shutil
+
+    os.symlink("/dev/zero", root / "zero.toml")
+    (root / "huge.toml").write_text("# padding\n" * 1_000_000)
+    (root / "binary.toml").write_bytes(b"\x00\xff\xfe\x89PNG")
+    (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "digits.toml").write_text("[data]\nnum_anchors = 1" + "0" * 5000 + "\n")
+    for damage in ("manifest.json", "teacher/config.json"):
+        copy = root / f"cache-zero-{damage.split('/')[0].removesuffix('.json')}"
+        shutil.copytree(root / "cache", copy)
+        (copy / damage).unlink()
+        os.symlink("/dev/zero", copy / damage)
     bad_ckpt = root / "bad-ckpt"
     bad_ckpt.mkdir()
     step = root / "run" / "checkpoints" / "step-000002"
@@ -100,6 +114,21 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                               "trainer.pt lacks 'step'"),
         "export out a file": (train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"),
                                           str(root / "plain-file")], "is a file, not a folder"),
+        # issue 25: unbounded reads and unparsable settings files
+        "config linked to /dev/zero": (train_app, run + fresh + ["--config", str(root / "zero.toml")],
+                                       "zero.toml is not a regular file"),
+        "config of 10 MB": (train_app, run + fresh + ["--config", str(root / "huge.toml")],
+                            "huge.toml is larger than 8 MiB (or never ends, like a link to /dev/zero), so it was not read"),
+        "config binary": (train_app, run + fresh + ["--config", str(root / "binary.toml")], "binary.toml is not UTF-8 text"),
+        "config nested 100,000 deep": (train_app, run + fresh + ["--config", str(root / "deep.json")],
+                                       "deep.json is nested too deeply to parse"),
+        "config with a 5,000-digit integer": (train_app, run + fresh + ["--config", str(root / "digits.toml")],
+                                              "digits.toml cannot be parsed (Exceeds the limit (4300 digits)"),
+        "manifest linked to /dev/zero": (cache_app, ["info", str(root / "cache-zero-manifest")],
+                                         "manifest.json is larger than 64 MiB (or never ends"),
+        "teacher config linked to /dev/zero": (train_app, run + ["--cache", str(root / "cache-zero-teacher"), "--out",
+                                                                 str(root / "zero-run")],
+                                               "teacher/config.json is larger than 8 MiB (or never ends"),
         # issue 25: wrong outcomes and misleading messages
         "verify deep sample -1": (cache_app, ["verify", cache, "--deep", "--sample", "-1"], "--sample -1 must be at least 1"),
         "data /dev/null": (cache_app, ["build", "--teacher", teacher, "--data", "/dev/null", "--out", str(root / "c-null"),
