@@ -49,6 +49,11 @@ def setup(tmp_path_factory, teacher_dir):
     (root / "binary.toml").write_bytes(b"\x00\xff\xfe\x89PNG")
     (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (root / "digits.toml").write_text("[data]\nnum_anchors = 1" + "0" * 5000 + "\n")
+    loops = root / "loop-teacher"  # a template of nested loops: 10^10 steps, hours for one row
+    shutil.copytree(teacher, loops)
+    template = (loops / "chat_template.jinja").read_text()
+    (loops / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + template)
     for damage in ("manifest.json", "teacher/config.json"):
         copy = root / f"cache-zero-{damage.split('/')[0].removesuffix('.json')}"
         shutil.copytree(root / "cache", copy)
@@ -129,6 +134,10 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
         "teacher config linked to /dev/zero": (train_app, run + ["--cache", str(root / "cache-zero-teacher"), "--out",
                                                                  str(root / "zero-run")],
                                                "teacher/config.json is larger than 8 MiB (or never ends"),
+        "template of nested loops": (cache_app, ["build", "--teacher", str(root / "loop-teacher"), "--data", data, "--out",
+                                                 str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
+                                     "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
+                                     "times for one chat"),
         # issue 25: wrong outcomes and misleading messages
         "verify deep sample -1": (cache_app, ["verify", cache, "--deep", "--sample", "-1"], "--sample -1 must be at least 1"),
         "data /dev/null": (cache_app, ["build", "--teacher", teacher, "--data", "/dev/null", "--out", str(root / "c-null"),
