@@ -129,6 +129,12 @@ def eval_(
         if max_sequences < 1 or (max_prompts is not None and max_prompts < 1):
             raise ConfigError(f"--max-sequences {max_sequences} and --max-prompts {max_prompts} must be at least 1 "
                               "(leave --max-prompts unset for every prompt)")
+        path = Path(out) if out else Path(checkpoint) / "eval.json"
+        # checked before minutes of evaluation, whose report would then have nowhere to go
+        if path.is_dir():
+            raise ConfigError(f"--out {path} is a folder; pass the report's file name, e.g. {path / 'eval.json'}")
+        if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+            raise ConfigError(f"--out {path} lies under a file, not a folder; pass another path")
         dev = resolve_device(device)
         report: dict = {"checkpoint": checkpoint}
         lines: list[tuple[str, str]] = []
@@ -143,7 +149,6 @@ def eval_(
             lines += [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
                       ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
                       ("held-out loss", f"{o['loss']:.4f}")]
-        path = Path(out) if out else Path(checkpoint) / "eval.json"
         if teacher and prompts:
             from dflash_train.decoding import resolve_template_kwargs
 

@@ -182,7 +182,16 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None):
     open) would hide objects other clients wrote or deleted since: opening a cache starts
     from a fresh view of the store.
     """
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ValueError as err:
+        if "Protocol not known" not in str(err):
+            raise
+        scheme = str(url).split("://", 1)[0]
+        raise ConfigError(f"{url}: the URL scheme {scheme}:// is unknown; give a local path or a URL fsspec reads "
+                          "(file://, s3://, gs://, ...)") from None
+    except ImportError as err:  # a known scheme whose client (s3fs, gcsfs, ...) is not installed
+        raise ConfigError(f"{url}: {str(err).splitlines()[0] if str(err) else 'its client is not installed'}") from None
     if not is_local(fs):
         fs.invalidate_cache()
     return fs, root.rstrip("/")

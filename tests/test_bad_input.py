@@ -49,6 +49,10 @@ def setup(tmp_path_factory, teacher_dir):
     (root / "binary.toml").write_bytes(b"\x00\xff\xfe\x89PNG")
     (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (root / "digits.toml").write_text("[data]\nnum_anchors = 1" + "0" * 5000 + "\n")
+    (root / "surrogate.jsonl").write_text('{"id": "s", "messages": [{"role": "user", "content": "a\\ud800b"}, '
+                                          '{"role": "assistant", "content": "ok"}]}\n')
+    (root / "prompts-surrogate.jsonl").write_text('{"prompt": "a\\ud800b"}\n')
+    (root / "a-folder").mkdir()
     loops = root / "loop-teacher"  # a template of nested loops: 10^10 steps, hours for one row
     shutil.copytree(teacher, loops)
     template = (loops / "chat_template.jinja").read_text()
@@ -138,6 +142,25 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                  str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
                                      "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
                                      "times for one chat"),
+        # issue 25: tracebacks
+        "seed 10**20": (train_app, run + fresh + ["--seed", str(10**20)],
+                        "seed = 100000000000000000000 must be a whole number below 2**63"),
+        "set a 5,000-digit integer": (train_app, run + fresh + ["--set", "data.num_anchors=1" + "0" * 5000],
+                                      "--set data.num_anchors=... cannot be read (Exceeds the limit (4300 digits)"),
+        "betas 2,3": (train_app, run + fresh + ["--betas", "2,3"], "--betas 2,3 must each be in [0, 1)"),
+        "block size 100000": (train_app, run + fresh + ["--block-size", "100000"], "--block-size 100000 is larger than 256"),
+        "a lone surrogate in a corpus row": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "surrogate.jsonl"),
+                                                         "--out", str(root / "c-sur"), "--layers", "0", "--dry-run",
+                                                         "--quiet"],
+                                             "surrogate.jsonl row 1: messages[0] content holds a lone surrogate '\\ud800'"),
+        "a lone surrogate in eval --prompts": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
+                                                           teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
+                                                           "--out", str(root / "sur-eval.json"), "--quiet"],
+                                               "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+        "eval out a folder": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
+                                          "--out", str(root / "a-folder"), "--quiet"],
+                              "a-folder is a folder; pass the report's file name"),
+        "unknown URL scheme": (cache_app, ["info", "foo://bar"], "foo://bar: the URL scheme foo:// is unknown"),
         # issue 25: wrong outcomes and misleading messages
         "verify deep sample -1": (cache_app, ["verify", cache, "--deep", "--sample", "-1"], "--sample -1 must be at least 1"),
         "data /dev/null": (cache_app, ["build", "--teacher", teacher, "--data", "/dev/null", "--out", str(root / "c-null"),
@@ -349,3 +372,21 @@ def test_a_shard_folder_linked_from_inside_the_cache_is_read_by_verify_and_run_a
     trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--steps", "1",
                                              "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--quiet"])
     assert trained.exit_code == 0, trained.output
+
+
+def test_a_vllm_python_named_bare_or_answering_garbage_is_one_line(setup, tmp_path, monkeypatch):
+    """`--vllm-python NAME` for a file here ran NAME from PATH (FileNotFoundError); a python whose
+    result is not JSON was a traceback."""
+    fake = tmp_path / "fakepython"
+    fake.write_text('#!/bin/sh\necho "garbage"\nprintf "not json {" > "$3"\n')  # the worker's argv: WORKER REQUEST RESULT
+    fake.chmod(0o755)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(train_app, ["eval", "--checkpoint", str(setup["root"] / "run" / "drafter"), "--teacher",
+                                            setup["teacher"], "--prompts", "prompts.jsonl", "--engine", "vllm",
+                                            "--vllm-python", "fakepython", "--max-new-tokens", "2", "--out", "r.json",
+                                            "--quiet"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: the result of vLLM python {fake} is not valid JSON"), lines
+    assert not (tmp_path / "r.json").exists()
