@@ -58,6 +58,9 @@ def setup(tmp_path_factory, teacher_dir):
     template = (loops / "chat_template.jinja").read_text()
     (loops / "chat_template.jinja").write_text(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + template)
+    shutil.copytree(teacher, root / "zero-teacher")
+    (root / "zero-teacher" / "config.json").unlink()
+    os.symlink("/dev/zero", root / "zero-teacher" / "config.json")
     for damage in ("manifest.json", "teacher/config.json"):
         copy = root / f"cache-zero-{damage.split('/')[0].removesuffix('.json')}"
         shutil.copytree(root / "cache", copy)
@@ -138,6 +141,10 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
         "teacher config linked to /dev/zero": (train_app, run + ["--cache", str(root / "cache-zero-teacher"), "--out",
                                                                  str(root / "zero-run")],
                                                "teacher/config.json is larger than 8 MiB (or never ends"),
+        "a teacher's config.json linked to /dev/zero": (cache_app, ["build", "--teacher", str(root / "zero-teacher"), "--data",
+                                                                    data, "--out", str(root / "c-zero"), "--layers", "0",
+                                                                    "--dry-run", "--quiet"],
+                                                        "zero-teacher/config.json is larger than 8 MiB (or never ends"),
         "template of nested loops": (cache_app, ["build", "--teacher", str(root / "loop-teacher"), "--data", data, "--out",
                                                  str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
                                      "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
