@@ -136,6 +136,40 @@ def retry_delay(attempt: int, base: float, cap: float = 30.0) -> float:
     return min(cap, base * 2 ** (attempt - 1))
 
 
+class _Deadline:
+    """Cuts a request's connection when its time is up: httpx bounds each read, so a server
+    dripping its status line or headers a byte at a time would otherwise hold the request for
+    ever. `trace` (an httpx trace extension) learns the request's socket as it connects."""
+
+    def __init__(self, seconds: float):
+        self.fired, self.sockets = False, []
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+
+    def trace(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            sock = info["return_value"].get_extra_info("socket")
+            if sock is not None:
+                self.sockets.append(sock)
+
+    def _fire(self) -> None:
+        import socket
+
+        self.fired = True
+        for sock in self.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns, httpx raises a ReadError
+            except OSError:
+                pass
+
+    def __enter__(self) -> "_Deadline":
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.cancel()
+
+
 class ChatServers:
     """Chat completions over the configured endpoints, `concurrency` at a time."""
 
@@ -145,9 +179,12 @@ class ChatServers:
         self.cfg, self.on_retry = cfg, on_retry
         self.secrets = cfg.secrets
         headers = {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
-        limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+        # No keep-alive: each request opens its own connection, so _attempt can cut exactly that
+        # one at its deadline (a reused connection is not visible to it). A connect costs far less
+        # than an answer.
+        limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=0)
         # httpx's timeout bounds each read, not the request (a server dripping a byte a second
-        # never trips it); _read adds the per-request deadline. Redirects are not followed: a
+        # never trips it); _attempt adds the per-request deadline. Redirects are not followed: a
         # redirect's body is not an answer (follow_redirects=False is httpx's default, kept explicit).
         self.clients = [httpx.Client(base_url=url, headers=headers, timeout=cfg.request_timeout, limits=limits,
                                      follow_redirects=False) for url in cfg.endpoints]
@@ -168,6 +205,10 @@ class ChatServers:
     def _client(self):
         with self._lock:
             return self.clients[next(self._next) % len(self.clients)]
+
+    @property
+    def _expired(self) -> str:
+        return f"no whole answer within --request-timeout {self.cfg.request_timeout:g} s"
 
     def _redact(self, text: str) -> str:
         return redact(text, self.secrets)
@@ -190,7 +231,7 @@ class ChatServers:
                 raise RequestRefused(f"{url} sent {what} larger than {limit:,} bytes, which was not "
                                      f"read further; lower --max-new-tokens or check the server")
             if time.monotonic() > deadline:
-                raise _Retry(f"no whole answer within --request-timeout {self.cfg.request_timeout:g} s")
+                raise _Retry(self._expired)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -201,16 +242,23 @@ class ChatServers:
         url = self._shown(client)
         deadline = time.monotonic() + self.cfg.request_timeout
         limit = answer_byte_limit(body.get("max_tokens") or 0)
-        try:
-            with client.stream("POST", "/chat/completions", json=body) as response:
-                status = response.status_code
-                if 200 <= status < 300:
-                    data = self._read(response, url, deadline, limit, "an answer")
-                else:
-                    error = _error_text(self._read(response, url, deadline, ERROR_BODY_BYTES, None))
-                    location = response.headers.get("location", "")
-        except httpx.TransportError as err:  # refused, reset, timed out
-            raise _Retry(self._redact(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)) from None
+        with _Deadline(self.cfg.request_timeout) as watchdog:
+            try:
+                return self._exchange(client, body, url, deadline, limit, watchdog.trace)
+            except httpx.TransportError as err:  # refused, reset, timed out, or cut at the deadline
+                if watchdog.fired:
+                    raise _Retry(self._expired) from None
+                raise _Retry(self._redact(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)) from None
+
+    def _exchange(self, client, body: dict[str, Any], url: str, deadline: float, limit: int, trace) -> Completion:
+        """_attempt's request and the reading of its reply."""
+        with client.stream("POST", "/chat/completions", json=body, extensions={"trace": trace}) as response:
+            status = response.status_code
+            if 200 <= status < 300:
+                data = self._read(response, url, deadline, limit, "an answer")
+            else:
+                error = _error_text(self._read(response, url, deadline, ERROR_BODY_BYTES, None))
+                location = response.headers.get("location", "")
         if 200 <= status < 300:
             return _completion(data, url, self._redact)
         error = self._redact(error)

@@ -424,3 +424,24 @@ def test_an_answer_larger_than_the_cap_is_not_read_and_is_a_bad_row(tmp_path, se
     data = write_jsonl(tmp_path / "in.jsonl", rows(1))
     line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--max-new-tokens", "16"))
     assert "row 1" in line and f"an answer larger than {answer_byte_limit(16):,} bytes" in line, line
+
+
+def test_request_timeout_also_bounds_a_status_line_dripped_byte_by_byte(tmp_path, server):
+    """httpx's timeout is per read: headers dripped a byte at a time never trip it."""
+    import time
+
+    def drip_headers(handler, request):
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" * 4:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            pass
+
+    s = server([(200, drip_headers)])
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    started = time.monotonic()
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--request-timeout", "2", "--max-retries", "0"))
+    assert time.monotonic() - started < 8
+    assert "no whole answer within --request-timeout 2 s" in line, line
