@@ -232,7 +232,6 @@ def regenerate(
 
     def action():
         from dflash_cache.teacher import TeacherConfig
-        from dflash_common.errors import ConfigError
         from dflash_regenerate import RegenerateConfig, merge_parts, ranks_from_env
         from dflash_regenerate import regenerate as regenerate_corpus
         from dflash_regenerate.chat_server import ServerConfig
