@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.redact import display_url, redact, url_secrets
+from dflash_common.values import text_problem
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # Statuses that say every request will fail the same way (the key, the URL or the model is
@@ -401,6 +402,8 @@ def _completion(body: bytes, url: str, redact_text: Callable[[str], str]) -> Com
             problem = f"with message.reasoning_content a JSON {type(reasoning).__name__}, not a string"
         elif finish is not None and not isinstance(finish, str):
             problem = f"with finish_reason a JSON {type(finish).__name__}, not a string"
+        elif text_problem(text or "") or text_problem(reasoning or ""):  # a JSON escape; no UTF-8 file can hold it
+            problem = f"with an answer that {text_problem(text or '') or text_problem(reasoning or '')}"
     if problem:
         raise RequestRefused(redact_text(f"{url} answered {problem}"))
     return Completion(text=text or "", reasoning=reasoning, tokens=tokens, finish_reason=str(finish))

@@ -362,6 +362,7 @@ def test_redirects_and_replies_that_are_no_chat_server_stop_the_command(tmp_path
     ({"content": "ok"}, "3 tokens", "usage a JSON str, not an object"),
     ({"content": "ok"}, {"completion_tokens": "3"}, "usage.completion_tokens '3', not a count"),
     ("hello", {"completion_tokens": 3}, "without choices[0].message"),
+    ({"content": "a\ud800b"}, {"completion_tokens": 3}, "with an answer that holds a lone surrogate '\\ud800'"),
 ])
 def test_an_answer_of_the_wrong_shape_is_a_bad_row(tmp_path, server, message, usage, expected):
     reply = json.dumps({"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage}).encode()
