@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from cli.common import BarProgress, json_option, run, split_ints
+from dflash_common.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
@@ -165,6 +166,8 @@ def verify(
         from dflash_cache import open_cache
         from dflash_cache.verify import verify_cache
 
+        if deep and sample < 1:  # -1 re-ran nothing and said ok
+            raise ConfigError(f"--sample {sample} must be at least 1: the number of sequences --deep re-runs, e.g. 64")
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         report = verify_cache(cache, BarProgress(enabled=not quiet))
         for name in report.uncommitted:
@@ -238,7 +241,6 @@ def regenerate(
 
     def action():
         from dflash_cache.teacher import TeacherConfig
-        from dflash_common.errors import ConfigError
         from dflash_regenerate import RegenerateConfig, merge_parts, ranks_from_env
         from dflash_regenerate import regenerate as regenerate_corpus
         from dflash_regenerate.chat_server import ServerConfig

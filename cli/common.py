@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dflash_common.errors import DFlashError
 from dflash_common.progress import Progress
+from dflash_common.redact import redact
 from dflash_common.values import json_object as json_option  # noqa: F401 (the commands' name for it)
 
 # Our own bar reports progress; transformers' per-load bars and warnings would bury it and break
@@ -68,7 +69,8 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
     except DFlashError as err:
         if debug:
             traceback.print_exc()
-        typer.echo(f"error: {err}", err=True)
+        # a last guard: no URL credentials or bearer token reach the terminal (or a CI log)
+        typer.echo(f"error: {redact(str(err))}", err=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; {resume_hint}", err=True)

@@ -18,11 +18,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _train_config(config, resume, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
+    from dflash_common.settings_files import load_settings_file
     from dflash_train.config import config_from_dict, merge, read_config_file
     from dflash_train.knobs import option_overrides, set_overrides
 
     saved = Path(knob_values["out"]) / "config.json"
-    base = read_config_file(config) if config else (json.loads(saved.read_text()) if resume and saved.exists() else {})
+    base = read_config_file(config) if config else (
+        load_settings_file(str(saved), f"the run's saved config {saved}", fix="pass --config, or start a new --out")
+        if resume and saved.exists() else {})
     return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
 
 
@@ -126,6 +129,12 @@ def eval_(
         if max_sequences < 1 or (max_prompts is not None and max_prompts < 1):
             raise ConfigError(f"--max-sequences {max_sequences} and --max-prompts {max_prompts} must be at least 1 "
                               "(leave --max-prompts unset for every prompt)")
+        path = Path(out) if out else Path(checkpoint) / "eval.json"
+        # checked before minutes of evaluation, whose report would then have nowhere to go
+        if path.is_dir():
+            raise ConfigError(f"--out {path} is a folder; pass the report's file name, e.g. {path / 'eval.json'}")
+        if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+            raise ConfigError(f"--out {path} lies under a file, not a folder; pass another path")
         dev = resolve_device(device)
         path = Path(out) if out else Path(checkpoint) / "eval.json"
         from dflash_common.files import refuse_links

@@ -22,9 +22,9 @@ from dflash_cache import format as fmt
 from dflash_cache.corpus import (
     CorpusConfig,
     corpus_fingerprint,
-    count_rows,
     iter_rows,
     list_corpus_files,
+    require_rows,
     tokenize_row,
 )
 from dflash_cache.teacher import (
@@ -136,6 +136,7 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
     """Tokenize the whole corpus and size the cache, before any teacher work."""
     progress = progress or Progress()
     files = list_corpus_files(cfg.corpus.data)
+    total_rows = require_rows(files, cfg.corpus.data)  # refused as the build refuses it, before the tokenizer loads
     tokenizer = load_tokenizer(cfg.teacher)
     teacher_config = load_config(cfg.teacher)
     layers = resolve_layers(cfg.teacher, int(teacher_config.num_hidden_layers), exact_count=True)
@@ -145,7 +146,7 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
     skipped: Counter = Counter()
     rows = sequences = tokens = loss_tokens = 0
     seen: dict[str, int] = {}
-    progress.start(count_rows(files), "tokenizing", "rows")
+    progress.start(total_rows, "tokenizing", "rows")
     for row in iter_rows(cfg.corpus):
         rows += 1
         result = _sequence_or_skip(row, tokenizer, cfg.corpus, seen)
@@ -456,9 +457,7 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     """Build (or resume) the cache; returns the final manifest."""
     progress = progress or Progress()
     files = list_corpus_files(cfg.corpus.data)
-    total_rows = count_rows(files)
-    if total_rows == 0:
-        raise ConfigError(f"the corpus {cfg.corpus.data!r} has no rows; point --data at a non-empty file")
+    total_rows = require_rows(files, cfg.corpus.data)
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
     # the layer choice is refused from the config alone, before a large teacher is loaded
     resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)

@@ -5,6 +5,7 @@ them."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,17 +35,87 @@ def check_template_kwargs(kwargs) -> None:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
     try:
-        json.dumps(kwargs)
-    except (TypeError, ValueError):
+        # allow_nan=False: NaN and Infinity are not JSON, and they are written into manifests and settings
+        json.dumps(kwargs, allow_nan=False)
+    except ValueError:
+        raise ConfigError(f"chat template kwargs {kwargs!r} hold a number that is not finite (NaN or Infinity), "
+                          "which JSON cannot hold; pass finite numbers") from None
+    except TypeError:
         raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
+
+
+# Jinja's sandbox caps one range() at 100,000 items, but not how many a template makes: two
+# nested loops are 10^10 steps, hours for one row. While render_chat renders, every range()
+# item a template iterates counts against one budget per render, far above what a real template
+# needs (it loops over the messages); past it the render fails, and the row with it.
+TEMPLATE_RANGE_STEPS = 1_000_000
+_budget = threading.local()
+
+
+class TemplateTooCostly(RuntimeError):
+    """A chat template iterated more range() items than TEMPLATE_RANGE_STEPS for one chat."""
+
+
+class _BudgetedRange:
+    """A sandbox range whose iteration spends the current render's budget."""
+
+    def __init__(self, rng: range):
+        self.rng = rng
+
+    def __len__(self) -> int:
+        return len(self.rng)
+
+    def __getitem__(self, index):
+        return self.rng[index]
+
+    def __contains__(self, value) -> bool:
+        return value in self.rng
+
+    def __iter__(self):
+        for value in self.rng:
+            _budget.left -= 1
+            if _budget.left < 0:
+                raise TemplateTooCostly(f"the chat template iterated range() more than {TEMPLATE_RANGE_STEPS:,} "
+                                        "times for one chat (nested loops?), so rendering was stopped; fix the template")
+            yield value
+
+    def __reversed__(self):
+        return iter(_BudgetedRange(self.rng[::-1]))
+
+
+def _install_range_budget() -> None:
+    """Make the sandbox's range() budgeted. Installed at import, before transformers compiles a
+    template (it does so lazily, and its sandbox takes `range` from jinja2.sandbox.safe_range);
+    outside render_chat the range is the sandbox's own."""
+    import jinja2.sandbox as sandbox
+
+    if getattr(sandbox.safe_range, "dflash_budgeted", False):
+        return
+    original = sandbox.safe_range
+
+    def budgeted_range(*args):
+        rng = original(*args)
+        return _BudgetedRange(rng) if getattr(_budget, "left", None) is not None else rng
+
+    budgeted_range.dflash_budgeted = True
+    sandbox.safe_range = budgeted_range
+
+
+_install_range_budget()
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
                 chat_template_kwargs: dict | None = None) -> str:
     """The chat as text through the tokenizer's template: the one rendering build, regenerate,
-    eval and generate share, so the drafter is trained and measured on the prompts it is served."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
+    eval and generate share, so the drafter is trained and measured on the prompts it is served.
+    A template that loops too long raises TemplateTooCostly (see TEMPLATE_RANGE_STEPS)."""
+    previous = getattr(_budget, "left", None)
+    _budget.left = TEMPLATE_RANGE_STEPS
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    finally:
+        _budget.left = previous
 
 
 def tokenizer_render(tokenizer, chat_template_kwargs: dict | None = None) -> Render:

@@ -25,6 +25,7 @@ import xxhash
 from dflash_cache import fp8
 from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_common.faults import maybe_fault
+from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
@@ -211,7 +212,16 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None):
     open) would hide objects other clients wrote or deleted since: opening a cache starts
     from a fresh view of the store.
     """
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ValueError as err:
+        if "Protocol not known" not in str(err):
+            raise
+        scheme = str(url).split("://", 1)[0]
+        raise ConfigError(f"{url}: the URL scheme {scheme}:// is unknown; give a local path or a URL fsspec reads "
+                          "(file://, s3://, gs://, ...)") from None
+    except ImportError as err:  # a known scheme whose client (s3fs, gcsfs, ...) is not installed
+        raise ConfigError(f"{url}: {str(err).splitlines()[0] if str(err) else 'its client is not installed'}") from None
     if not is_local(fs):
         fs.invalidate_cache()
     return fs, root.rstrip("/")
@@ -250,9 +260,10 @@ def write_json_atomic(fs, path: str, obj: Any, fault_point: str | None = None) -
     write_bytes_atomic(fs, path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode(), fault_point)
 
 
-def read_json(fs, path: str) -> Any:
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read())
+def read_json(fs, path: str, what: str | None = None) -> Any:
+    """A JSON file of a cache (manifest, shard record), bounded and parsed by the one settings reader."""
+    return load_settings_file(path, what or path, "json", MANIFEST_BYTES, CacheError,
+                              "rebuild the cache (dflash-cache build ... --overwrite)", fs=fs)
 
 
 # --- manifest --------------------------------------------------------------------------------
@@ -321,11 +332,8 @@ def read_manifest(fs, root: str, url: str | None = None) -> dict:
         exists = fs.exists(path)
     if not exists:
         raise CacheError(f"{url or root}: no manifest.json; not a dflash cache (build one with `dflash-cache build`)")
-    try:
-        with reaching(url or root):
-            manifest = read_json(fs, path)
-    except json.JSONDecodeError as err:
-        raise CacheError(f"{url or root}: manifest.json is not valid JSON ({err}); rebuild the cache") from None
+    with reaching(url or root):
+        manifest = read_json(fs, path, f"{url or root}: manifest.json")
     return check_manifest(manifest, url or root)
 
 

@@ -35,6 +35,7 @@ import zarr
 from dflash_cache import format as fmt
 from dflash_cache.writer import zarr_store
 from dflash_common.errors import CacheError
+from dflash_common.settings_files import load_settings_file
 
 
 @dataclass(frozen=True)
@@ -426,7 +427,12 @@ class Cache:
         return (self.manifest.get("content_options") or {}).get("chat_template_kwargs")
 
     def teacher_config(self) -> dict:
-        return json.loads(self.fs.cat_file(self.teacher_path("config.json")))
+        what = f"{self.url}: {fmt.TEACHER_DIR}/config.json"
+        values = load_settings_file(self.teacher_path("config.json"), what, "json", error=CacheError,
+                                    fix="rebuild the cache", fs=self.fs)
+        if not isinstance(values, dict):
+            raise CacheError(f"{what} holds a JSON {type(values).__name__}, not a model config; rebuild the cache")
+        return values
 
     def load_teacher_head(self, device: str = "cpu") -> dict:
         """{'embed_tokens.weight': [V, H], 'lm_head.weight': [V, H]} as torch tensors, checked: the

@@ -7,6 +7,7 @@ over chunks of positions so ``[tokens, vocab]`` fp32 logits for a whole batch ne
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ from dflash_cache import format as fmt
 from dflash_cache.chat import stop_token_ids
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
+from dflash_common.settings_files import load_settings_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -212,6 +214,9 @@ def load_tokenizer(cfg: TeacherConfig):
 def load_config(cfg: TeacherConfig):
     from transformers import AutoConfig
 
+    local = os.path.join(os.path.expanduser(cfg.name_or_path), "config.json")
+    if os.path.lexists(local):  # transformers reads it whole: a link to /dev/zero would exhaust memory
+        load_settings_file(local, f"the teacher's {local}", fix="check the teacher folder")
     try:
         return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg)).get_text_config()
     except (OSError, ValueError) as err:

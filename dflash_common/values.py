@@ -23,6 +23,16 @@ def is_real(value: object, finite: bool = False) -> bool:
     return math.isfinite(value) if finite else not math.isnan(value)
 
 
+def text_problem(text: str) -> str | None:
+    """Why a string is not text (a lone surrogate such as \\ud800, which a JSON escape can make and
+    no tokenizer or UTF-8 file can hold), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"holds a lone surrogate {text[err.start]!r} at character {err.start}, which is not text"
+    return None
+
+
 def json_object(text: str | None, option: str) -> dict | None:
     """A JSON-object option such as --storage-options, or None when not given."""
     if not text:

@@ -12,9 +12,9 @@ from itertools import groupby
 from dflash_cache.corpus import (
     CorpusConfig,
     corpus_fingerprint,
-    count_rows,
     iter_rows,
     list_corpus_files,
+    require_rows,
 )
 from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
@@ -170,9 +170,7 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     progress = progress or Progress()
     files = list_corpus_files(cfg.data)
     _check_paths(cfg, files)
-    total_rows = count_rows(files)
-    if total_rows == 0:
-        raise ConfigError(f"the corpus {cfg.data!r} has no rows; point --data at a non-empty file")
+    total_rows = require_rows(files, cfg.data)
     settings = _plain_settings(cfg, files, total_rows)
     # before the teacher loads (and again where each file is written or deleted)
     refuse_links(parts_dir(cfg.out), output_root(cfg.out))

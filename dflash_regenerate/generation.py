@@ -12,6 +12,7 @@ from dflash_cache.chat import cut_at_stop, end_of_turn_text, render_chat, strip_
 from dflash_cache.corpus import CorpusRow
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
+from dflash_common.redact import display_url
 from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
 from dflash_regenerate.config import RegenerateConfig
 from dflash_regenerate.conversations import Conversation, conversation_or_problem
@@ -136,7 +137,7 @@ def load_server_generator(cfg: ServerConfig, on_retry=lambda url, error: None) -
     served = servers.model_ids()
     if cfg.served_model not in served:
         servers.close()
-        raise ConfigError(f"--served-model {cfg.served_model!r} is not served at {cfg.endpoints[0]} (it serves "
+        raise ConfigError(f"--served-model {cfg.served_model!r} is not served at {display_url(cfg.endpoints[0])} (it serves "
                           f"{', '.join(served) or 'nothing'}); pass one of those names")
     return ServerGenerator(servers=servers, identity={"served_model": cfg.served_model})
 

@@ -13,19 +13,18 @@ import xxhash
 from dflash_common.errors import ConfigError
 from dflash_common.files import remove_file, write_atomic, write_file_atomic
 from dflash_common.progress import Progress
+from dflash_common.settings_files import load_settings_file
 from dflash_regenerate.config import SETTINGS, RegenerateResult, output_root, parts_dir
 from dflash_regenerate.generation import PartOutcome
 from dflash_regenerate.plan import part_name, part_rows, record_name
 
 
 def read_json(path: str) -> dict | None:
+    """A settings file or commit record of OUT.parts (None when absent), through the bounded reader."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return load_settings_file(path, fix="it is damaged: delete it or rerun with --overwrite")
     except FileNotFoundError:
         return None
-    except ValueError:
-        raise ConfigError(f"{path} is not valid JSON (damaged); delete it or rerun with --overwrite") from None
 
 
 def _rows_bytes(rows: list[dict]) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 import types
 import typing
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_common.settings_files import load_settings_file
 from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.data import DataConfig
 from dflash_train.dspark import DRAFTER_KINDS, DSparkConfig
@@ -21,6 +21,10 @@ from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.loss import LossConfig
 from dflash_train.model import ATTENTION_CHOICES
 from dflash_train.noise import NoiseConfig
+
+# Tokens per block at most: far above the 16 that drafters use; the training attention mask grows
+# with it (a block size of 100,000 asked for 640 GB).
+MAX_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class ModelOptions:
             raise ConfigError(f"--num-layers must be at least 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ConfigError(f"--block-size must be at least 2, got {self.block_size}")
+        if self.block_size > MAX_BLOCK_SIZE:  # the attention mask grows with it: 100,000 asked for 640 GB
+            raise ConfigError(f"--block-size {self.block_size} is larger than {MAX_BLOCK_SIZE}; a block is one draft "
+                              "step (16 is typical), pass a smaller one")
         if self.attention_backend not in ATTENTION_CHOICES:
             raise ConfigError(f"model.attention_backend {self.attention_backend!r} is unknown; use one of "
                               f"{', '.join(ATTENTION_CHOICES)}")
@@ -122,6 +129,8 @@ class OptimConfig:
             raise ConfigError(f"--warmup-steps must be 0 or more (or unset for 4% of the run), got {self.warmup_steps}")
         if not self.grad_clip >= 0:
             raise ConfigError(f"--grad-clip must be 0 (off) or a positive norm, got {self.grad_clip}")
+        if not all(0 <= beta < 1 for beta in self.betas):  # torch's AdamW raised it as a traceback at the first step
+            raise ConfigError(f"--betas {','.join(f'{b:g}' for b in self.betas)} must each be in [0, 1), e.g. 0.9,0.95")
         if not self.weight_decay >= 0:
             raise ConfigError(f"--weight-decay must be 0 or more, got {self.weight_decay}")
 
@@ -228,7 +237,10 @@ def _type_problem(value: Any, hint: Any) -> str | None:
     if hint is bool:
         return None if isinstance(value, bool) else "must be true or false"
     if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be a whole number"
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "must be a whole number"
+        # torch (seeds, sizes, steps) holds 64-bit integers; a larger one was an OverflowError deep in a run
+        return None if -2**63 <= value < 2**63 else "must be a whole number below 2**63"
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "must be a number"
@@ -266,7 +278,8 @@ def _build(cls, values: dict, where: str):
         problem = _type_problem(value, hints[name])
         if problem:
             prefix = "" if where == "train" else f"{where}."
-            raise ConfigError(f"{prefix}{name} = {value!r} {problem}; fix it in the config file or --set {prefix}{name}=...")
+            shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:40]}...({len(repr(value))} characters)"
+            raise ConfigError(f"{prefix}{name} = {shown} {problem}; fix it in the config file or --set {prefix}{name}=...")
     fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**fixed)
 
@@ -311,10 +324,9 @@ def read_config_file(path: str) -> dict:
     if p.suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path} is neither .toml nor .json; write the config as TOML or JSON "
                           "(YAML is not read)")
-    try:
-        values = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"config file {path} cannot be parsed: {err}") from None
+    if not p.is_file():
+        raise ConfigError(f"config file {path} is not a regular file; pass a .toml or .json file")
+    values = load_settings_file(path, f"config file {path}", fix="fix the file, or pass another --config")
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} holds a JSON {type(values).__name__}, not a table of options; write an "
                           'object such as {"optim": {"lr": 0.001}}')

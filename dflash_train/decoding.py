@@ -19,6 +19,8 @@ from dflash_cache.chat import render_chat
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
+from dflash_common.settings_files import load_settings_file
+from dflash_common.values import text_problem
 from dflash_train.data import collate
 from dflash_train.evaluate import load_trained_drafter, replay_batch
 from dflash_train.model import DFlashDrafter
@@ -50,6 +52,10 @@ def read_prompts(path: str, tokenizer, limit: int | None = None,
             messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ConfigError(f"{path} row {number}: expected a JSON object with 'messages' or 'prompt'") from None
+        contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else [messages]
+        problem = next((text_problem(c) for c in contents if isinstance(c, str) and text_problem(c)), None)
+        if problem:
+            raise ConfigError(f"{path} row {number}: a prompt {problem}; fix the row")
         while messages and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
         prompts.append(Prompt(id=str(row.get("id", f"prompt-{number}")), ids=prompt_ids(tokenizer, messages, chat_template_kwargs)))
@@ -66,8 +72,8 @@ def run_config_of(checkpoint: str) -> dict | None:
     folder = Path(checkpoint)
     for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
         try:
-            values = json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            values = load_settings_file(str(candidate))
+        except (OSError, DFlashError):
             continue
         if isinstance(values, dict) and "optim" in values and isinstance(values.get("data"), dict):
             return values

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.files import foreign_entries, holds, refuse_links, remove_tree
+from dflash_common.settings_files import load_settings_file
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -40,8 +41,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _is_export_config(path: Path) -> bool:
     """Whether `path` is a config.json an export wrote: a DFlash drafter's, not a model's."""
     try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError):
+        values = load_settings_file(str(path))
+    except (OSError, DFlashError):
         return False
     return (isinstance(values, dict) and values.get("architectures") == ["DFlashDraftModel"]
             and isinstance(values.get("dflash_config"), dict))
@@ -124,9 +125,9 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> DrafterConfig:
     if not path.is_file():
         raise ExportError(f"{path} is missing; pass a folder written by export_drafter")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ExportError(f"{path} is not readable JSON ({err}); export the drafter again") from err
+        raw = load_settings_file(str(path), error=ExportError, fix="export the drafter again")
+    except OSError as err:
+        raise ExportError(f"{path} is not readable ({err}); export the drafter again") from err
     if not isinstance(raw, dict):
         raise ExportError(f"{path} holds a {type(raw).__name__}, not a JSON object; export the drafter again")
     try:

@@ -189,6 +189,9 @@ def set_overrides(items: Sequence[str]) -> dict:
             value = json.loads(text)
         except json.JSONDecodeError:
             value = text
+        except (ValueError, RecursionError) as err:  # a 5,000-digit integer, nesting too deep to parse
+            first = str(err).split(";")[0][:100] if str(err) else "nested too deeply"
+            raise ConfigError(f"--set {key.strip()}=... cannot be read ({first}); pass a smaller value") from None
         set_path(out, key.strip().split("."), value)
     return out
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Sequence
 
 from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
+from dflash_common.settings_files import load_settings_file
 from dflash_train.model import DrafterConfig
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
@@ -66,9 +68,12 @@ def find_vllm_python(explicit: str | None = None) -> Path:
     given = explicit or os.environ.get(VLLM_PYTHON_ENV)
     if given:
         path = Path(given)
+        if not path.is_file() and os.sep not in given:  # a bare name: the python on PATH, as a shell finds it
+            path = Path(shutil.which(given) or given)
         if not (path.is_file() and os.access(path, os.X_OK)):
             raise ServingError(f"vLLM python {given} is not an executable file; {INSTALL_HINT}")
-        return path
+        # absolute: subprocess looks a bare name up on PATH, not in the folder it names here
+        return path.absolute()
     candidate = Path.cwd() / VLLM_VENV / "bin" / "python"
     if candidate.is_file():
         return candidate
@@ -130,7 +135,11 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
                 error += ("; PyPI's torchvision/torchaudio wheels are CUDA builds that cannot load with vLLM's CPU torch: "
                           "pip uninstall torchvision torchaudio torchcodec in that environment (make serving does)")
             raise ServingError(f"vLLM failed ({error}); its log is {log_path}")
-        result = json.loads(result_path.read_text())
+        result = load_settings_file(str(result_path), f"the result of vLLM python {python}", error=ServingError,
+                                    fix=f"check that it runs vLLM; its log is {log_path}")
+        if not isinstance(result, dict):
+            raise ServingError(f"the result of vLLM python {python} is a JSON {type(result).__name__}, not the worker's "
+                               f"report; check that it runs vLLM; its log is {log_path}")
     if not cfg.log:
         log_path.unlink(missing_ok=True)
     return result

@@ -39,6 +39,33 @@ def setup(tmp_path_factory, teacher_dir):
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "plain-file").write_text("x")
+    (root / "empty.jsonl").write_text("\n")
+    # files that never end, are not text, or hold what Python cannot parse (issue 25)
+    import os
+    import shutil
+
+    os.symlink("/dev/zero", root / "zero.toml")
+    (root / "huge.toml").write_text("# padding\n" * 1_000_000)
+    (root / "binary.toml").write_bytes(b"\x00\xff\xfe\x89PNG")
+    (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "digits.toml").write_text("[data]\nnum_anchors = 1" + "0" * 5000 + "\n")
+    (root / "surrogate.jsonl").write_text('{"id": "s", "messages": [{"role": "user", "content": "a\\ud800b"}, '
+                                          '{"role": "assistant", "content": "ok"}]}\n')
+    (root / "prompts-surrogate.jsonl").write_text('{"prompt": "a\\ud800b"}\n')
+    (root / "a-folder").mkdir()
+    loops = root / "loop-teacher"  # a template of nested loops: 10^10 steps, hours for one row
+    shutil.copytree(teacher, loops)
+    template = (loops / "chat_template.jinja").read_text()
+    (loops / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + template)
+    shutil.copytree(teacher, root / "zero-teacher")
+    (root / "zero-teacher" / "config.json").unlink()
+    os.symlink("/dev/zero", root / "zero-teacher" / "config.json")
+    for damage in ("manifest.json", "teacher/config.json"):
+        copy = root / f"cache-zero-{damage.split('/')[0].removesuffix('.json')}"
+        shutil.copytree(root / "cache", copy)
+        (copy / damage).unlink()
+        os.symlink("/dev/zero", copy / damage)
     bad_ckpt = root / "bad-ckpt"
     bad_ckpt.mkdir()
     step = root / "run" / "checkpoints" / "step-000002"
@@ -99,6 +126,59 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                               "trainer.pt lacks 'step'"),
         "export out a file": (train_app, ["export", str(root / "run" / "checkpoints" / "step-000002"),
                                           str(root / "plain-file")], "is a file, not a folder"),
+        # issue 25: unbounded reads and unparsable settings files
+        "config linked to /dev/zero": (train_app, run + fresh + ["--config", str(root / "zero.toml")],
+                                       "zero.toml is not a regular file"),
+        "config of 10 MB": (train_app, run + fresh + ["--config", str(root / "huge.toml")],
+                            "huge.toml is larger than 8 MiB (or never ends, like a link to /dev/zero), so it was not read"),
+        "config binary": (train_app, run + fresh + ["--config", str(root / "binary.toml")], "binary.toml is not UTF-8 text"),
+        "config nested 100,000 deep": (train_app, run + fresh + ["--config", str(root / "deep.json")],
+                                       "deep.json is nested too deeply to parse"),
+        "config with a 5,000-digit integer": (train_app, run + fresh + ["--config", str(root / "digits.toml")],
+                                              "digits.toml cannot be parsed (Exceeds the limit (4300 digits)"),
+        "manifest linked to /dev/zero": (cache_app, ["info", str(root / "cache-zero-manifest")],
+                                         "manifest.json is larger than 64 MiB (or never ends"),
+        "teacher config linked to /dev/zero": (train_app, run + ["--cache", str(root / "cache-zero-teacher"), "--out",
+                                                                 str(root / "zero-run")],
+                                               "teacher/config.json is larger than 8 MiB (or never ends"),
+        "a teacher's config.json linked to /dev/zero": (cache_app, ["build", "--teacher", str(root / "zero-teacher"), "--data",
+                                                                    data, "--out", str(root / "c-zero"), "--layers", "0",
+                                                                    "--dry-run", "--quiet"],
+                                                        "zero-teacher/config.json is larger than 8 MiB (or never ends"),
+        "template of nested loops": (cache_app, ["build", "--teacher", str(root / "loop-teacher"), "--data", data, "--out",
+                                                 str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
+                                     "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
+                                     "times for one chat"),
+        # issue 25: tracebacks
+        "seed 10**20": (train_app, run + fresh + ["--seed", str(10**20)],
+                        "seed = 100000000000000000000 must be a whole number below 2**63"),
+        "set a 5,000-digit integer": (train_app, run + fresh + ["--set", "data.num_anchors=1" + "0" * 5000],
+                                      "--set data.num_anchors=... cannot be read (Exceeds the limit (4300 digits)"),
+        "betas 2,3": (train_app, run + fresh + ["--betas", "2,3"], "--betas 2,3 must each be in [0, 1)"),
+        "block size 100000": (train_app, run + fresh + ["--block-size", "100000"], "--block-size 100000 is larger than 256"),
+        "a lone surrogate in a corpus row": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "surrogate.jsonl"),
+                                                         "--out", str(root / "c-sur"), "--layers", "0", "--dry-run",
+                                                         "--quiet"],
+                                             "surrogate.jsonl row 1: messages[0] content holds a lone surrogate '\\ud800'"),
+        "a lone surrogate in eval --prompts": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
+                                                           teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
+                                                           "--out", str(root / "sur-eval.json"), "--quiet"],
+                                               "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+        "eval out a folder": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
+                                          "--out", str(root / "a-folder"), "--quiet"],
+                              "a-folder is a folder; pass the report's file name"),
+        "unknown URL scheme": (cache_app, ["info", "foo://bar"], "foo://bar: the URL scheme foo:// is unknown"),
+        # issue 25: wrong outcomes and misleading messages
+        "verify deep sample -1": (cache_app, ["verify", cache, "--deep", "--sample", "-1"], "--sample -1 must be at least 1"),
+        "data /dev/null": (cache_app, ["build", "--teacher", teacher, "--data", "/dev/null", "--out", str(root / "c-null"),
+                                       "--quiet"], "corpus path /dev/null is not a regular file or folder"),
+        "dry run on an empty corpus": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "empty.jsonl"),
+                                                   "--out", str(root / "c-empty"), "--dry-run", "--quiet"], "has no rows"),
+        "template kwargs NaN": (cache_app, build + ["--out", str(root / "c-kw"), "--layers", "0", "--chat-template-kwargs",
+                                                    '{"a": NaN}'], "not finite (NaN or Infinity)"),
+        "regenerate template kwargs Infinity": (cache_app, ["regenerate", "--teacher", teacher, "--data", data, "--out",
+                                                            str(root / "regen.jsonl"), "--chat-template-kwargs",
+                                                            '{"a": [Infinity]}'], "not finite (NaN or Infinity)"),
     }
 
 
@@ -400,3 +480,21 @@ def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_pat
     assert not (out / "drafter").exists()
     for step in (out / "checkpoints").glob("step-*"):  # whatever was saved is finite
         assert all(bool(t.isfinite().all()) for t in load_file(step / "model.safetensors").values()), step
+
+
+def test_a_vllm_python_named_bare_or_answering_garbage_is_one_line(setup, tmp_path, monkeypatch):
+    """`--vllm-python NAME` for a file here ran NAME from PATH (FileNotFoundError); a python whose
+    result is not JSON was a traceback."""
+    fake = tmp_path / "fakepython"
+    fake.write_text('#!/bin/sh\necho "garbage"\nprintf "not json {" > "$3"\n')  # the worker's argv: WORKER REQUEST RESULT
+    fake.chmod(0o755)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(train_app, ["eval", "--checkpoint", str(setup["root"] / "run" / "drafter"), "--teacher",
+                                            setup["teacher"], "--prompts", "prompts.jsonl", "--engine", "vllm",
+                                            "--vllm-python", "fakepython", "--max-new-tokens", "2", "--out", "r.json",
+                                            "--quiet"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: the result of vLLM python {fake} is not valid JSON"), lines
+    assert not (tmp_path / "r.json").exists()

@@ -206,7 +206,7 @@ def broken_exports(tmp_path, model):
     return [
         (no_config, "config.json is missing"),
         (no_weights, "model.safetensors is missing"),
-        (bad_json, "not readable JSON"),
+        (bad_json, "config.json is not valid JSON"),
         (no_dflash, "no 'dflash_config'"),
         (corrupt, "not a readable safetensors"),
         (rewrite(fresh("missing"), lambda t: t.pop("layers.1.mlp.up_proj.weight")),

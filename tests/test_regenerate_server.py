@@ -22,10 +22,12 @@ from dflash_regenerate.chat_server import ChatServers, ServerConfig, ServerUnava
 
 class ScriptedServer:
     """POST /v1/chat/completions answers `echo: <last user message>` unless the script says
-    otherwise: a list of (status, body) consumed one request at a time, then 200s."""
+    otherwise: a list of (status, body) consumed one request at a time, then 200s. A callable
+    body writes the reply itself (raw bytes, a drip, a redirect): body(handler, request)."""
 
-    def __init__(self, script=(), model="tiny"):
+    def __init__(self, script=(), model="tiny", models=None):
         self.script, self.model, self.requests = list(script), model, []
+        self.models = models if models is not None else {"data": [{"id": model}]}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -41,13 +43,17 @@ class ScriptedServer:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, {"data": [{"id": outer.model}]})
+                if callable(outer.models):
+                    return outer.models(self, None)
+                self._send(200, outer.models)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append(body)
                 if outer.script:
                     status, reply = outer.script.pop(0)
+                    if callable(reply):
+                        return reply(self, body)
                     if status != 200:
                         return self._send(status, reply)
                 user = [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
@@ -70,8 +76,8 @@ class ScriptedServer:
 def server():
     servers = []
 
-    def start(script=(), model="tiny"):
-        s = ScriptedServer(script, model)
+    def start(script=(), model="tiny", models=None):
+        s = ScriptedServer(script, model, models)
         servers.append(s)
         return s
 
@@ -244,3 +250,199 @@ def test_overwrite_deletes_only_what_regenerate_wrote(tmp_path, server):
     again = regen(data, out, healthy.url, "--overwrite")
     assert again.exit_code == 1 and "holds 'notes.txt'" in again.output
     assert out.read_bytes() == done and (parts / "notes.txt").read_text() == "keep" and len(healthy.requests) == 6
+
+
+# --- secrets, refusals that stop the command, hangs and replies of the wrong shape (issue 25) ---
+
+KEY = "sk-live-7f3a9c1e5b"
+PASSWORD = "hunter2-pw-81c4"
+
+
+def _raw(status, data: bytes, headers=()):
+    """A scripted reply written as given: any status, any body, any headers."""
+    def reply(handler, request):
+        handler.send_response(status)
+        for name, value in headers:
+            handler.send_header(name, value)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    return reply
+
+
+def _echo_authorization(status):
+    """A server (or proxy) whose error quotes the request's credentials back."""
+    def reply(handler, request):
+        data = json.dumps({"error": {"message": f"invalid credentials {handler.headers.get('Authorization')} "
+                                                f"for user:{PASSWORD}"}}).encode()
+        _raw(status, data, [("Content-Type", "application/json")])(handler, request)
+    return reply
+
+
+def _one_line(result):
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def _with_password(url):
+    return url.replace("http://", f"http://user:{PASSWORD}@")
+
+
+def test_a_key_with_a_control_character_is_refused_without_printing_it(tmp_path, server, monkeypatch):
+    s = server()
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    for bad in (f"{KEY}\r", f"{KEY}\n", f"{KEY} x", f"{KEY}\u00e9"):
+        monkeypatch.setenv("DFLASH_TEST_KEY", bad)
+        line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--api-key-env", "DFLASH_TEST_KEY"))
+        assert "$DFLASH_TEST_KEY" in line and "control character" in line and KEY not in line, line
+    assert s.requests == [] and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("status,expected", [(401, "refused the API key; check --api-key-env"),
+                                             (403, "refused the API key; check --api-key-env"),
+                                             (404, "check --endpoint")])
+def test_auth_and_wrong_url_stop_the_command_and_no_secret_is_printed(tmp_path, server, monkeypatch, status, expected):
+    """401/403/404 fail every row alike: with --on-bad-row skip they wrote 0 rows and exited 0."""
+    monkeypatch.setenv("DFLASH_TEST_KEY", KEY)
+    s = server([(status, _echo_authorization(status))] * 4)
+    data = write_jsonl(tmp_path / "in.jsonl", rows(3))
+    out = tmp_path / "out.jsonl"
+    result = regen(data, out, _with_password(s.url), "--api-key-env", "DFLASH_TEST_KEY", "--on-bad-row", "skip",
+                   "--concurrency", "1")
+    line = _one_line(result)
+    assert f"HTTP {status}" in line and expected in line and "127.0.0.1" in line, line
+    assert KEY not in result.output and PASSWORD not in result.output and "***" in line, line
+    assert not out.exists() and not list((tmp_path / "out.parts").glob("part-*"))
+
+
+def test_no_credential_is_printed_when_the_server_cannot_be_reached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_TEST_KEY", KEY)
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    result = regen(data, tmp_path / "out.jsonl", f"http://user:{PASSWORD}@127.0.0.1:9/v1", "--api-key-env",
+                   "DFLASH_TEST_KEY")
+    line = _one_line(result)
+    assert "127.0.0.1:9/v1" in line and PASSWORD not in result.output and KEY not in result.output, line
+
+
+def test_retry_messages_hide_what_the_server_echoes(server, monkeypatch):
+    monkeypatch.setenv("DFLASH_TEST_KEY", KEY)
+    s = server([(503, _echo_authorization(503))] * 2)
+    seen = []
+    cfg = ServerConfig(endpoints=(_with_password(s.url),), served_model="tiny", api_key_env="DFLASH_TEST_KEY",
+                       max_retries=1, backoff_s=0.01)
+    with ChatServers(cfg, on_retry=lambda url, error: seen.append(f"{url} {error}")) as servers, \
+            pytest.raises(ServerUnavailable) as raised:
+        servers.complete({"messages": [{"role": "user", "content": "q"}]})
+    text = " ".join(seen) + str(raised.value)
+    assert "invalid credentials" in text and KEY not in text and PASSWORD not in text
+
+
+@pytest.mark.parametrize("status,reply,expected", [
+    (302, _raw(302, json.dumps({"choices": [{"message": {"content": "a login page"}, "finish_reason": "stop"}]}).encode(),
+               [("Location", f"http://user:{PASSWORD}@127.0.0.1:1/login"), ("Content-Type", "application/json")]),
+     "HTTP 302, a redirect to http://***@127.0.0.1:1/login, not an answer"),
+    (307, _raw(307, b""), "HTTP 307, a redirect"),
+    (200, _raw(200, b"<html>Welcome to nginx</html>", [("Content-Type", "text/html")]), "with a body that is not JSON"),
+    (501, _raw(501, b"not implemented"), "HTTP 501 (not implemented), which a retry cannot fix"),
+])
+def test_redirects_and_replies_that_are_no_chat_server_stop_the_command(tmp_path, server, status, reply, expected):
+    """A redirect's body was kept as the answer; a 200 web page was a traceback."""
+    s = server([(status, reply)] * 4)
+    data = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    out = tmp_path / "out.jsonl"
+    line = _one_line(regen(data, out, s.url, "--on-bad-row", "skip", "--concurrency", "1"))
+    assert expected in line and PASSWORD not in line, line
+    assert not out.exists() and len(s.requests) == 1
+
+
+@pytest.mark.parametrize("message,usage,expected", [
+    ({"content": ["a", "list"]}, {"completion_tokens": 3}, "message.content a JSON list, not a string"),
+    ({"content": "ok"}, "3 tokens", "usage a JSON str, not an object"),
+    ({"content": "ok"}, {"completion_tokens": "3"}, "usage.completion_tokens '3', not a count"),
+    ("hello", {"completion_tokens": 3}, "without choices[0].message"),
+    ({"content": "a\ud800b"}, {"completion_tokens": 3}, "with an answer that holds a lone surrogate '\\ud800'"),
+])
+def test_an_answer_of_the_wrong_shape_is_a_bad_row(tmp_path, server, message, usage, expected):
+    reply = json.dumps({"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage}).encode()
+    s = server([(200, _raw(200, reply, [("Content-Type", "application/json")]))])
+    data = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--concurrency", "1"))
+    assert "row 1" in line and expected in line, line
+    skipped = regen(data, tmp_path / "skip.jsonl", s.url, "--concurrency", "1", "--on-bad-row", "skip")
+    assert skipped.exit_code == 0, skipped.output  # the script is spent: r1 is answered, r0 was refused
+    s.script = [(200, _raw(200, reply, [("Content-Type", "application/json")]))]
+    skipped = regen(data, tmp_path / "skip2.jsonl", s.url, "--concurrency", "1", "--on-bad-row", "skip")
+    assert skipped.exit_code == 0 and "bad_row: 1" in skipped.output, skipped.output
+    assert [json.loads(x)["id"] for x in (tmp_path / "skip2.jsonl").read_text().splitlines()] == ["r1"]
+
+
+@pytest.mark.parametrize("models,expected", [
+    (_raw(200, b'[{"id": "tiny"}]'), "answered with a JSON list, not an OpenAI model list"),
+    (_raw(200, b'{"data": "tiny"}'), "not an OpenAI model list"),
+    (_raw(200, b"<html>"), "with a body that is not JSON"),
+    (_raw(401, b'{"error": "no key"}'), "HTTP 401 (no key): it refused the API key"),
+])
+def test_a_model_list_of_the_wrong_shape_is_one_line(tmp_path, server, models, expected):
+    s = server(models=models)
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url))
+    assert f"{s.url}/models" in line and expected in line, line
+    assert s.requests == []
+
+
+def test_request_timeout_is_a_deadline_for_the_whole_answer(tmp_path, server):
+    """A server dripping a byte a second never trips a per-read timeout (it took 44 s for 2)."""
+    import time
+
+    def drip(handler, request):
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        try:
+            for _ in range(30):
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+                time.sleep(0.5)
+        except OSError:
+            pass
+
+    s = server([(200, drip)])
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    started = time.monotonic()
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--request-timeout", "2", "--max-retries", "0"))
+    assert time.monotonic() - started < 8
+    assert "no whole answer within --request-timeout 2 s" in line and "kept failing after 0 retries" in line, line
+
+
+def test_an_answer_larger_than_the_cap_is_not_read_and_is_a_bad_row(tmp_path, server):
+    from dflash_regenerate.chat_server import answer_byte_limit
+
+    huge = json.dumps({"choices": [{"message": {"content": "x" * (answer_byte_limit(16) + 10)},
+                                    "finish_reason": "stop"}]}).encode()
+    s = server([(200, _raw(200, huge, [("Content-Type", "application/json")]))])
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--max-new-tokens", "16"))
+    assert "row 1" in line and f"an answer larger than {answer_byte_limit(16):,} bytes" in line, line
+
+
+def test_request_timeout_also_bounds_a_status_line_dripped_byte_by_byte(tmp_path, server):
+    """httpx's timeout is per read: headers dripped a byte at a time never trip it."""
+    import time
+
+    def drip_headers(handler, request):
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" * 4:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            pass
+
+    s = server([(200, drip_headers)])
+    data = write_jsonl(tmp_path / "in.jsonl", rows(1))
+    started = time.monotonic()
+    line = _one_line(regen(data, tmp_path / "out.jsonl", s.url, "--request-timeout", "2", "--max-retries", "0"))
+    assert time.monotonic() - started < 8
+    assert "no whole answer within --request-timeout 2 s" in line, line

@@ -19,10 +19,10 @@ from dflash_cache.corpus.config import BAD_ROW_POLICIES, OVERLONG_POLICIES, SUPP
 from dflash_cache.corpus.files import corpus_fingerprint, list_corpus_files
 from dflash_cache.corpus.limits import MAX_ROW_DEPTH, row_byte_limit
 from dflash_cache.corpus.messages import parse_messages, row_id
-from dflash_cache.corpus.rows import CorpusRow, count_rows, iter_rows, parse_json_line
+from dflash_cache.corpus.rows import CorpusRow, count_rows, iter_rows, parse_json_line, require_rows
 from dflash_cache.corpus.tokens import TokenizedSequence, assistant_char_spans, token_mask_from_spans, tokenize_row
 
 __all__ = ["BAD_ROW_POLICIES", "OVERLONG_POLICIES", "SUPPORTED_SUFFIXES", "CorpusConfig", "corpus_fingerprint",
            "list_corpus_files", "MAX_ROW_DEPTH", "row_byte_limit", "parse_messages", "row_id", "CorpusRow", "count_rows",
-           "iter_rows", "parse_json_line", "TokenizedSequence", "assistant_char_spans", "token_mask_from_spans",
+           "iter_rows", "parse_json_line", "require_rows", "TokenizedSequence", "assistant_char_spans", "token_mask_from_spans",
            "tokenize_row"]

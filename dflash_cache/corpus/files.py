@@ -101,6 +101,9 @@ def list_corpus_files(data: str) -> list[str]:
                 f"{', '.join(SUPPORTED_SUFFIXES)} or a datasets save_to_disk folder"
             )
         entries = [data]
+    elif os.path.exists(data):  # /dev/null, a pipe, a socket: no corpus, and reading a pipe could block
+        raise ConfigError(f"corpus path {data} is not a regular file or folder; point --data at a corpus file, "
+                          f"folder or glob")
     else:
         raise ConfigError(f"corpus path {data} does not exist; check the path")
     entries = sorted(set(entries))

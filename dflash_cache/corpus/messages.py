@@ -10,7 +10,7 @@ import xxhash
 
 from dflash_cache.corpus.rows import CorpusRow
 from dflash_common.errors import BadRowError
-from dflash_common.values import is_int
+from dflash_common.values import is_int, text_problem
 
 ROLE_ALIASES = {
     "system": "system",
@@ -68,12 +68,16 @@ def _normalise_chat(field: str, messages: Any) -> list[dict]:
             raise ValueError(f"{where} has unknown role {raw_role!r} (known roles: {known})")
         if not isinstance(content, str):
             raise ValueError(f"{where} content must be a string, got {_type_name(content)}")
+        if text_problem(content):
+            raise ValueError(f"{where} content {text_problem(content)}")
         entry = {"role": role, "content": content}
         reasoning = message.get("reasoning_content")
         if role == "assistant" and reasoning is not None:
             # kept (regenerate --reasoning keep): the chat template renders it the teacher's way
             if not isinstance(reasoning, str):
                 raise ValueError(f"{where} reasoning_content must be a string, got {_type_name(reasoning)}")
+            if text_problem(reasoning):
+                raise ValueError(f"{where} reasoning_content {text_problem(reasoning)}")
             entry["reasoning_content"] = reasoning
         normalised.append(entry)
     if not any(m["role"] == "assistant" for m in normalised):
@@ -103,6 +107,8 @@ def parse_messages(row: CorpusRow) -> list[dict] | str:
                 raise ValueError(f"'text' must be a string, got {_type_name(text)}")
             if not text.strip():
                 raise ValueError("empty text")
+            if text_problem(text):
+                raise ValueError(f"'text' {text_problem(text)}")
             return text
     except ValueError as err:
         raise BadRowError(row.path, row.row, str(err)) from None

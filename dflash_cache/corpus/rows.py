@@ -301,6 +301,15 @@ def count_rows(files: Sequence[str]) -> int:
     return sum(_count_rows(entry) for entry in files)
 
 
+def require_rows(files: Sequence[str], data: str) -> int:
+    """count_rows, refusing a corpus without rows: the one check `build`, `build --dry-run` and
+    `regenerate` share (a dry run that passed an empty corpus promised a build that is refused)."""
+    total = count_rows(files)
+    if total == 0:
+        raise ConfigError(f"the corpus {data!r} has no rows; point --data at a non-empty file")
+    return total
+
+
 def _iter_entry(entry: str, skip: int, max_bytes: int) -> Iterator[tuple[int, dict | None, str | None]]:
     if os.path.isdir(entry):
         return _iter_saved_dataset(entry, skip, max_bytes)

@@ -1,0 +1,50 @@
+"""Keeping secrets out of what dflash prints or writes: the one place that says how an API key or
+the credentials in a URL are hidden. Every message that quotes a server's reply, an exception of
+an HTTP client or a URL goes through `redact` (cli.common.run applies it to every error line as
+a last guard)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+HIDDEN = "***"
+
+# scheme://user:password@host or scheme://token@host anywhere in a text (an echoed URL, an
+# exception quoting one): the userinfo is replaced, the rest is kept so the URL stays recognisable.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"<>]+@")
+# "Authorization: Bearer sk-..." / "bearer sk-..." echoed by a server or a proxy.
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\",}]+")
+
+
+def display_url(url: str) -> str:
+    """`url` without its user name and password, for messages (http://***@host:8000/v1)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{HIDDEN}@{parts.netloc.rsplit('@', 1)[1]}"))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The password in a URL (or a lone token, https://TOKEN@host), as a secret to hide wherever
+    it appears; a user name beside a password is no secret (and often a common word)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    secret = parts.password if parts.password else parts.username
+    return [secret] if secret else []
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """`text` with every secret, URL credential and bearer token replaced by ***."""
+    text = str(text)
+    # longest first, so a secret that contains another is hidden whole
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        text = text.replace(secret, HIDDEN)
+    text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{HIDDEN}@", text)
+    return _BEARER.sub(lambda m: f"{m.group(1)}{HIDDEN}", text)
