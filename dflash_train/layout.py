@@ -3,8 +3,8 @@
 ``padded``: one sequence per row, right-padded to the longest ([N, T_max]). ``packed``: the
 sequences laid end to end in one row ([1, sum T]), no padding. Either way a per-token tensor,
 flattened over its first two dimensions, holds sequence i's position t at ``starts[i] + t``:
-the loss targets, the drafter's block tokens and its per-sequence context rows are all read
-through that one index, so the two layouts share every code path but these few functions.
+the loss targets and the drafter's block tokens are read through that one index, so the two
+layouts share every code path but these few functions and the drafter's packed context.
 """
 
 from __future__ import annotations
@@ -43,16 +43,6 @@ def token_positions(lengths: Tensor) -> Tensor:
     total = int(lengths.sum())
     starts = torch.cumsum(lengths, 0) - lengths
     return torch.arange(total, device=lengths.device) - torch.repeat_interleave(starts, lengths, output_size=total)
-
-
-def row_index(lengths: Tensor, width: int) -> Tensor:
-    """Flat packed index [N, width] of sequence i's position t, clamped to its last token: the
-    gather that lays packed per-token tensors (the drafter's context keys and values) out as
-    rows. Positions past a sequence's end repeat its last token; the attention mask never lets a
-    block see them (a block sees context positions < its anchor < T)."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    t = torch.arange(width, device=lengths.device)
-    return starts.unsqueeze(1) + torch.minimum(t.unsqueeze(0), (lengths - 1).clamp(min=0).unsqueeze(1))
 
 
 def padding_fraction(batches: Sequence[Sequence[int]]) -> float:

@@ -18,11 +18,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
 from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, DSparkConfig, MarkovHead
-from dflash_train.layout import row_index, token_positions
+from dflash_train.layout import token_positions
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -543,18 +544,21 @@ class DFlashDrafter(nn.Module):
     def _packed_context_kv(self, context_hidden: Tensor, lengths: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer context keys/values [N, kv_heads, T_max, D] of sequences packed end to end in
         context_hidden [1, sum T, n_layers, H]: fc and the K/V projections run on the real tokens
-        only (rotary positions restarting per sequence), then each sequence's keys/values are
-        gathered into its own row, so every block attends to its own sequence's context alone
-        under the padded layout's mask (the same visibility as a document mask over the packed
-        row, without computing the scores of other sequences' keys). The gather copies 2 x
-        kv_heads x D values a row position per layer, little next to the fc (n_layers x H inputs)
-        and K/V projections it skips on the padding."""
+        only (rotary positions restarting per sequence), then each sequence's keys/values are laid
+        into its own zero-padded row, so every block attends to its own sequence's context alone
+        under the padded layout's mask: the visibility of a document mask over the packed row,
+        without scoring other sequences' keys. The rows hold exactly the padded layout's keys and
+        values (a zero hidden state projects to zero keys and values); they copy 2 x kv_heads x D
+        values a row position per layer, little next to the fc (n_layers x H inputs) and K/V
+        projections skipped on the padding."""
         features = self.context_features(context_hidden)
-        index = row_index(lengths, int(lengths.max()))  # [N, T_max]
-        rows = []
-        for keys, values in self._keys_values(features, token_positions(lengths).unsqueeze(0)):
-            rows.append((keys[0][:, index].transpose(0, 1), values[0][:, index].transpose(0, 1)))
-        return rows
+        split = lengths.tolist()
+
+        def rows(x: Tensor) -> Tensor:  # [1, kv_heads, sum T, D] -> [N, kv_heads, T_max, D]
+            return pad_sequence(x[0].transpose(0, 1).split(split), batch_first=True).transpose(1, 2)
+
+        return [(rows(keys), rows(values))
+                for keys, values in self._keys_values(features, token_positions(lengths).unsqueeze(0))]
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """Teacher input embeddings of token ids, in the model dtype."""

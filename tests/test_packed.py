@@ -24,7 +24,6 @@ from dflash_train.layout import (
     PACKED,
     PADDED,
     padding_fraction,
-    row_index,
     sequence_starts,
     slots,
     token_positions,
@@ -48,8 +47,6 @@ def test_layout_index_arithmetic_hand_values():
     assert sequence_starts(lengths, PADDED, 3).tolist() == [0, 3, 6]
     assert sequence_starts(lengths, PACKED, 6).tolist() == [0, 3, 4]
     assert token_positions(lengths).tolist() == [0, 1, 2, 0, 0, 1]
-    # past its end a sequence repeats its last token, never the next sequence's first
-    assert row_index(lengths, 3).tolist() == [[0, 1, 2], [3, 3, 3], [4, 5, 5]]
     assert padding_fraction([[3, 1, 2], [4]]) == pytest.approx(1 - 10 / 13)
     assert padding_fraction([[5]]) == 0.0
 

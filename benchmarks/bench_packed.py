@@ -1,0 +1,239 @@
+"""Packed against padded training batches (issue #27): how much of a padded batch is padding, and
+the training step's speed and peak memory in each layout (`data.layout`).
+
+Part 1, padding fraction (padded positions / all positions of the epoch's right-padded batches;
+a packed batch has none), from the epoch plan alone: the quickstart cache, the man-page corpus
+(a cache when given, else the corpus tokenized exactly as `dflash-cache build` does, which is
+all the padding depends on) and a synthetic corpus with a ShareGPT-like spread (log-normal
+lengths clipped to 50..4,096 tokens), each at its own batch size and at the default 8,192.
+
+Part 2, step speed: the trainer's step (`trainer.micro_step`: forward, loss, backward, then clip
+and AdamW) on the same batches in both layouts, each (shape, layout, round) in a fresh
+subprocess so its peak memory is its own (bench_trainer.py's method: VmHWM reset after a
+warm-up step; on CUDA torch.cuda.max_memory_allocated), rounds interleaved. Shapes: the
+quickstart's drafter on the quickstart cache's own batches; production width (hidden 5,120, 5
+tapped layers, bench_trainer's drafter) on synthetic sequences of the ShareGPT-like spread.
+
+    .venv/bin/python benchmarks/bench_packed.py --quickstart-cache CACHE [--manpage-cache CACHE]
+    .venv/bin/python benchmarks/bench_packed.py --tiny     # a smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_sequences  # noqa: E402
+
+from dflash_cache import open_cache  # noqa: E402
+from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
+from dflash_train.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
+from dflash_train.distributed import DistInfo  # noqa: E402
+from dflash_train.layout import LAYOUTS, padding_fraction  # noqa: E402
+from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
+
+RESULT_TAG = "RESULT "
+SHAREGPT = dict(median=450, sigma=1.1, low=50, high=4096)  # log-normal lengths, clipped
+
+
+def sharegpt_lengths(count: int, seed: int = 0) -> np.ndarray:
+    """Sequence lengths with a ShareGPT-like spread: log-normal (median 450, sigma 1.1), clipped to 50..4,096."""
+    rng = np.random.default_rng(seed)
+    raw = rng.lognormal(np.log(SHAREGPT["median"]), SHAREGPT["sigma"], count)
+    return np.clip(raw, SHAREGPT["low"], SHAREGPT["high"]).astype(np.int64)
+
+
+def plan_lengths(lengths: np.ndarray, batch_tokens: int, seed: int = 0) -> list[list[int]]:
+    """The lengths of each batch of one epoch, ordered and cut as the trainer's plan does."""
+    order = epoch_order([len(lengths)], seed, 0)
+    return [[int(lengths[i]) for _, i in b] for b in cut_batches(order, [lengths], batch_tokens)]
+
+
+def cache_lengths(url: str) -> np.ndarray:
+    plan = EpochPlan(open_cache(url), DataConfig())
+    return np.concatenate(plan.lengths)
+
+
+def corpus_lengths(data: str, tokenizer_dir: str) -> np.ndarray:
+    """Token counts of a corpus's sequences as `dflash-cache build` tokenizes them (no teacher run)."""
+    from transformers import AutoTokenizer
+
+    from dflash_cache.corpus import CorpusConfig, iter_rows, tokenize_row
+
+    cfg = CorpusConfig(data=data)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = [len(r.input_ids) for r in (tokenize_row(row, tokenizer, cfg) for row in iter_rows(cfg) if row.problem is None)
+           if not isinstance(r, str)]
+    return np.array(out, dtype=np.int64)
+
+
+def padding_table(sources: list[tuple[str, np.ndarray, int]]) -> None:
+    print(f"{'data':<44} {'sequences':>9} {'mean len':>8} {'max len':>7} {'batch tokens':>12} {'batches':>7} "
+          f"{'seqs/batch':>10} {'padded: padding':>15} {'packed':>6}")
+    for name, lengths, own in sources:
+        for batch_tokens in dict.fromkeys((own, 8192)):
+            batches = plan_lengths(lengths, batch_tokens)
+            print(f"{name:<44} {len(lengths):>9,} {lengths.mean():>8.0f} {lengths.max():>7} {batch_tokens:>12,} "
+                  f"{len(batches):>7,} {len(lengths) / len(batches):>10.1f} {padding_fraction(batches):>15.1%} {0:>6.0%}")
+
+
+# --- one (shape, layout) measurement, in its own process ---------------------------------------------------
+
+
+def quickstart_setup(args, layout: str):
+    cache = open_cache(args.quickstart_cache)
+    cfg = TrainConfig(cache=args.quickstart_cache, out="", model=ModelOptions(num_layers=3, block_size=8),
+                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05, layout=layout))
+    model = build_drafter(cfg, cache, torch.device("cpu"))
+    refs = EpochPlan(cache, cfg.data).batches(0)[: args.batches]
+    return cfg, model, [load_batch(cache, cfg.data, r, 0).to("cpu") for r in refs]
+
+
+def production_setup(args, layout: str):
+    cfg = TrainConfig(cache="", out="", model=ModelOptions(block_size=16),
+                      data=DataConfig(batch_tokens=args.prod_batch_tokens, num_anchors=8, layout=layout))
+    model = drafter(args.prod_vocab, args.prod_hidden, args.prod_layers, 5, 16, torch.device("cpu"))
+    # the spread scaled by batch_tokens / 8192, cut at batch_tokens: the default batch's padding, cheaper
+    scale = args.prod_batch_tokens / 8192
+    lengths = np.maximum(1, (sharegpt_lengths(4000, seed=1) * scale).astype(np.int64))
+    batches = plan_lengths(lengths, args.prod_batch_tokens)
+    # the batches whose padding is nearest the spread's median padding: a typical batch, not a lucky one
+    typical = sorted(batches, key=lambda b: abs(padding_fraction([b]) - statistics.median(padding_fraction([x]) for x in batches)))
+    return cfg, model, [synthetic_sequences(b, args.prod_vocab, 5, args.prod_hidden, 64, 8, seed=i, layout=layout)
+                        for i, b in enumerate(typical[: args.batches])]
+
+
+def run_worker(args) -> dict:
+    torch.set_num_threads(args.threads)
+    cfg, model, batches = (quickstart_setup if args.shape == "quickstart" else production_setup)(args, args.layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
+    autocast = torch.autocast("cpu", enabled=False)
+
+    def step(batch):
+        out = micro_step(model, model, batch, cfg, DistInfo(), torch.device("cpu"), autocast)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out
+
+    first = float(step(batches[0]).loss.detach())  # warm-up: allocates gradients and AdamW state
+    before = _status_bytes("VmRSS")
+    reset = _reset_peak_rss()
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    seconds = time.perf_counter() - start
+    peak = _status_bytes("VmHWM") if reset else float("nan")
+    positions = sum(int(b.anchors.numel()) for b in batches)
+    return {"shape": args.shape, "layout": args.layout, "seconds": seconds, "tokens": sum(b.num_tokens for b in batches),
+            "grid_tokens": sum(int(b.input_ids.numel()) for b in batches), "step_peak": peak - before,
+            "first_loss": first, "blocks": positions}
+
+
+def spawn(args, shape: str, layout: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--shape", shape, "--layout", layout]
+    for name in ("quickstart_cache", "batches", "threads", "prod_hidden", "prod_vocab", "prod_layers", "prod_batch_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    return {"error": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}"}
+
+
+def speed_table(args, results: dict) -> None:
+    print(f"{'shape':<11} {'layout':<7} {'tokens/step':>11} {'row positions':>13} {'tok/s best':>10} {'(med)':>8} "
+          f"{'x padded':>8} {'step peak MiB':>13} {'x padded':>8} {'first loss':>11}")
+    for shape in args.shapes:
+        base = results.get((shape, "padded"))
+        for layout in ("padded", "packed"):
+            runs = [r for r in results.get((shape, layout), []) if "error" not in r]
+            if not runs:
+                errors = [r["error"] for r in results.get((shape, layout), [])]
+                print(f"{shape:<11} {layout:<7} {errors[:1]}")
+                continue
+            rates = [r["tokens"] / r["seconds"] for r in runs]
+            peak = max(r["step_peak"] for r in runs)
+            base_ok = [r for r in base if "error" not in r] if base else []
+            base_rate = max(r["tokens"] / r["seconds"] for r in base_ok) if base_ok else float("nan")
+            base_peak = max(r["step_peak"] for r in base_ok) if base_ok else float("nan")
+            n = args.batches
+            print(f"{shape:<11} {layout:<7} {runs[0]['tokens'] / n:>11,.0f} {runs[0]['grid_tokens'] / n:>13,.0f} "
+                  f"{max(rates):>10,.0f} {statistics.median(rates):>8,.0f} {max(rates) / base_rate:>8.2f} "
+                  f"{peak / 2**20:>13,.1f} {peak / base_peak:>8.2f} {runs[0]['first_loss']:>11.6f}")
+    print("tokens/step = real tokens; row positions = positions the context projections run on (padded: rows x "
+          "longest); tok/s = real tokens / step time, best round and (median); step peak = peak RSS during the timed "
+          "steps minus RSS before them; first loss = the warm-up step's loss (the same batch in both layouts)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quickstart-cache", help="the quickstart cache (examples/quickstart.sh's demo/cache)")
+    parser.add_argument("--manpage-cache", help="the man-page cache; without it the man-page corpus is tokenized")
+    parser.add_argument("--manpage-corpus", default=str(ROOT / "examples" / "data" / "manpages.jsonl"))
+    parser.add_argument("--manpage-tokenizer", default=str(ROOT / "examples" / "manpage_teacher"))
+    parser.add_argument("--shapes", default="quickstart,production")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches per process (after one warm-up step)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prod-hidden", type=int, default=5120)
+    parser.add_argument("--prod-vocab", type=int, default=32768)
+    parser.add_argument("--prod-layers", type=int, default=1)
+    parser.add_argument("--prod-batch-tokens", type=int, default=2048)
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke test")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(RESULT_TAG + json.dumps(run_worker(args)), flush=True)
+        return
+    if args.tiny:
+        args.prod_hidden, args.prod_vocab, args.prod_batch_tokens, args.batches, args.rounds = 64, 512, 1024, 1, 1
+    args.shapes = [s for s in args.shapes.split(",") if s != "quickstart" or args.quickstart_cache]
+
+    started = time.perf_counter()
+    sources = []
+    if args.quickstart_cache:
+        sources.append(("quickstart cache", cache_lengths(args.quickstart_cache), 1600))
+    if args.manpage_cache:
+        sources.append(("man-page cache", cache_lengths(args.manpage_cache), 1000))
+    elif not args.tiny:
+        sources.append(("man-page corpus (tokenized as the build does)",
+                        corpus_lengths(args.manpage_corpus, args.manpage_tokenizer), 1000))
+    sources.append((f"synthetic log-normal {SHAREGPT['low']}..{SHAREGPT['high']}", sharegpt_lengths(20000), 8192))
+    print("## padding fraction (padded positions / all positions, epoch 0's batches)")
+    padding_table(sources)
+
+    print(f"\n## step speed, {args.batches} timed batch(es) per process, {args.rounds} round(s), {args.threads} thread(s)")
+    results: dict = {}
+    for rnd in range(args.rounds):
+        for shape in args.shapes:
+            # alternate the order so neither layout always runs right after the other
+            for layout in (("padded", "packed") if rnd % 2 == 0 else ("packed", "padded")):
+                res = spawn(args, shape, layout)
+                results.setdefault((shape, layout), []).append(res)
+                print(f"# round {rnd + 1}: {shape} {layout}: "
+                      + (res.get("error") or f"{res['tokens'] / res['seconds']:,.0f} tok/s, step peak "
+                                              f"{res['step_peak'] / 2**20:,.0f} MiB"), flush=True)
+    speed_table(args, results)
+    print(f"total wall time {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
