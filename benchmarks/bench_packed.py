@@ -105,10 +105,9 @@ def production_setup(args, layout: str):
     cfg = TrainConfig(cache="", out="", model=ModelOptions(block_size=16),
                       data=DataConfig(batch_tokens=args.prod_batch_tokens, num_anchors=8, layout=layout))
     model = drafter(args.prod_vocab, args.prod_hidden, args.prod_layers, 5, 16, torch.device("cpu"))
-    # the spread scaled by batch_tokens / 8192, cut at batch_tokens: the default batch's padding, cheaper
-    scale = args.prod_batch_tokens / 8192
-    lengths = np.maximum(1, (sharegpt_lengths(4000, seed=1) * scale).astype(np.int64))
-    batches = plan_lengths(lengths, args.prod_batch_tokens)
+    # full-length sequences (scaling them down would inflate the blocks' share of the step next to
+    # the context's), cut at prod_batch_tokens: less padding than the default 8,192 has
+    batches = plan_lengths(sharegpt_lengths(4000, seed=1), args.prod_batch_tokens)
     # the batches whose padding is nearest the spread's median padding: a typical batch, not a lucky one
     typical = sorted(batches, key=lambda b: abs(padding_fraction([b]) - statistics.median(padding_fraction([x]) for x in batches)))
     return cfg, model, [synthetic_sequences(b, args.prod_vocab, 5, args.prod_hidden, 64, 8, seed=i, layout=layout)
@@ -204,7 +203,7 @@ def main(argv=None) -> None:
         print(RESULT_TAG + json.dumps(run_worker(args)), flush=True)
         return
     if args.tiny:
-        args.prod_hidden, args.prod_vocab, args.prod_batch_tokens, args.batches, args.rounds = 64, 512, 1024, 1, 1
+        args.prod_hidden, args.prod_vocab, args.batches, args.rounds = 64, 512, 1, 1
     args.shapes = [s for s in args.shapes.split(",") if s != "quickstart" or args.quickstart_cache]
 
     started = time.perf_counter()
