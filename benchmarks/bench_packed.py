@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from dflash_cache import open_cache  # noqa: E402
 from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
+from dflash_train.evaluate import batch_loss  # noqa: E402
 from dflash_train.layout import LAYOUTS, padding_fraction  # noqa: E402
 from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
 
@@ -92,31 +94,34 @@ def padding_table(sources: list[tuple[str, np.ndarray, int]]) -> None:
 # --- one (shape, layout) measurement, in its own process ---------------------------------------------------
 
 
-def quickstart_setup(args, layout: str):
+def quickstart_setup(args):
     cache = open_cache(args.quickstart_cache)
     cfg = TrainConfig(cache=args.quickstart_cache, out="", model=ModelOptions(num_layers=3, block_size=8),
-                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05, layout=layout))
+                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))
     model = build_drafter(cfg, cache, torch.device("cpu"))
     refs = EpochPlan(cache, cfg.data).batches(0)[: args.batches]
-    return cfg, model, [load_batch(cache, cfg.data, r, 0).to("cpu") for r in refs]
+    return cfg, model, {layout: [load_batch(cache, replace(cfg.data, layout=layout), r, 0) for r in refs]
+                        for layout in LAYOUTS}
 
 
-def production_setup(args, layout: str):
-    cfg = TrainConfig(cache="", out="", model=ModelOptions(block_size=16),
-                      data=DataConfig(batch_tokens=args.prod_batch_tokens, num_anchors=8, layout=layout))
+def production_setup(args):
+    cfg = TrainConfig(cache="", out="", model=ModelOptions(block_size=16))
     model = drafter(args.prod_vocab, args.prod_hidden, args.prod_layers, 5, 16, torch.device("cpu"))
     # full-length sequences (scaling them down would inflate the blocks' share of the step next to
     # the context's), cut at prod_batch_tokens: less padding than the default 8,192 has
     batches = plan_lengths(sharegpt_lengths(4000, seed=1), args.prod_batch_tokens)
     # the batches whose padding is nearest the spread's median padding: a typical batch, not a lucky one
-    typical = sorted(batches, key=lambda b: abs(padding_fraction([b]) - statistics.median(padding_fraction([x]) for x in batches)))
-    return cfg, model, [synthetic_sequences(b, args.prod_vocab, 5, args.prod_hidden, 64, 8, seed=i, layout=layout)
-                        for i, b in enumerate(typical[: args.batches])]
+    median = statistics.median(padding_fraction([b]) for b in batches)
+    typical = sorted(batches, key=lambda b: abs(padding_fraction([b]) - median))[: args.batches]
+    return cfg, model, {layout: [synthetic_sequences(b, args.prod_vocab, 5, args.prod_hidden, 64, 8, seed=i, layout=layout)
+                                 for i, b in enumerate(typical)] for layout in LAYOUTS}
 
 
 def run_worker(args) -> dict:
+    """Both layouts in one process on one model, their steps alternating round by round, so the
+    machine's load falls on both alike; each step's peak RSS is read on its own."""
     torch.set_num_threads(args.threads)
-    cfg, model, batches = (quickstart_setup if args.shape == "quickstart" else production_setup)(args, args.layout)
+    cfg, model, batches = (quickstart_setup if args.shape == "quickstart" else production_setup)(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
     autocast = torch.autocast("cpu", enabled=False)
 
@@ -127,23 +132,33 @@ def run_worker(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return out
 
-    first = float(step(batches[0]).loss.detach())  # warm-up: allocates gradients and AdamW state
-    before = _status_bytes("VmRSS")
-    reset = _reset_peak_rss()
-    start = time.perf_counter()
-    for batch in batches:
-        step(batch)
-    seconds = time.perf_counter() - start
-    peak = _status_bytes("VmHWM") if reset else float("nan")
-    positions = sum(int(b.anchors.numel()) for b in batches)
-    return {"shape": args.shape, "layout": args.layout, "seconds": seconds, "tokens": sum(b.num_tokens for b in batches),
-            "grid_tokens": sum(int(b.input_ids.numel()) for b in batches), "step_peak": peak - before,
-            "first_loss": first, "blocks": positions}
+    with torch.no_grad():  # the same weights, the same batch: the two layouts' losses side by side
+        first = {layout: float(batch_loss(model, b[0], cfg.loss).loss) for layout, b in batches.items()}
+    for layout in LAYOUTS:  # warm-up: allocates gradients and AdamW state
+        step(batches[layout][0])
+    seconds = {layout: [] for layout in LAYOUTS}
+    peaks = {layout: [] for layout in LAYOUTS}
+    for rnd in range(args.rounds):
+        # alternate the order so neither layout always runs right after the other
+        for layout in (LAYOUTS if rnd % 2 else LAYOUTS[::-1]):
+            total = 0.0
+            for batch in batches[layout]:
+                before = _status_bytes("VmRSS")
+                reset = _reset_peak_rss()
+                start = time.perf_counter()
+                step(batch)
+                total += time.perf_counter() - start
+                peaks[layout].append((_status_bytes("VmHWM") if reset else float("nan")) - before)
+            seconds[layout].append(total)
+    return {layout: {"seconds": seconds[layout], "step_peak": max(peaks[layout]), "first_loss": first[layout],
+                     "tokens": sum(b.num_tokens for b in batches[layout]),
+                     "row_positions": sum(int(b.input_ids.numel()) for b in batches[layout])} for layout in LAYOUTS}
 
 
-def spawn(args, shape: str, layout: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--shape", shape, "--layout", layout]
-    for name in ("quickstart_cache", "batches", "threads", "prod_hidden", "prod_vocab", "prod_layers", "prod_batch_tokens"):
+def spawn(args, shape: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--shape", shape]
+    for name in ("quickstart_cache", "batches", "rounds", "threads", "prod_hidden", "prod_vocab", "prod_layers",
+                 "prod_batch_tokens"):
         value = getattr(args, name)
         if value is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
@@ -157,27 +172,24 @@ def spawn(args, shape: str, layout: str) -> dict:
 
 def speed_table(args, results: dict) -> None:
     print(f"{'shape':<11} {'layout':<7} {'tokens/step':>11} {'row positions':>13} {'tok/s best':>10} {'(med)':>8} "
-          f"{'x padded':>8} {'step peak MiB':>13} {'x padded':>8} {'first loss':>11}")
-    for shape in args.shapes:
-        base = results.get((shape, "padded"))
+          f"{'x padded':>8} {'(med)':>6} {'step peak MiB':>13} {'x padded':>8} {'first loss':>11}")
+    for shape, res in results.items():
+        if "error" in res:
+            print(f"{shape:<11} {res['error']}")
+            continue
+        base = res["padded"]
+        base_rates = [base["tokens"] / t for t in base["seconds"]]
         for layout in ("padded", "packed"):
-            runs = [r for r in results.get((shape, layout), []) if "error" not in r]
-            if not runs:
-                errors = [r["error"] for r in results.get((shape, layout), [])]
-                print(f"{shape:<11} {layout:<7} {errors[:1]}")
-                continue
-            rates = [r["tokens"] / r["seconds"] for r in runs]
-            peak = max(r["step_peak"] for r in runs)
-            base_ok = [r for r in base if "error" not in r] if base else []
-            base_rate = max(r["tokens"] / r["seconds"] for r in base_ok) if base_ok else float("nan")
-            base_peak = max(r["step_peak"] for r in base_ok) if base_ok else float("nan")
+            r = res[layout]
+            rates = [r["tokens"] / t for t in r["seconds"]]
             n = args.batches
-            print(f"{shape:<11} {layout:<7} {runs[0]['tokens'] / n:>11,.0f} {runs[0]['grid_tokens'] / n:>13,.0f} "
-                  f"{max(rates):>10,.0f} {statistics.median(rates):>8,.0f} {max(rates) / base_rate:>8.2f} "
-                  f"{peak / 2**20:>13,.1f} {peak / base_peak:>8.2f} {runs[0]['first_loss']:>11.6f}")
+            print(f"{shape:<11} {layout:<7} {r['tokens'] / n:>11,.0f} {r['row_positions'] / n:>13,.0f} "
+                  f"{max(rates):>10,.0f} {statistics.median(rates):>8,.0f} {max(rates) / max(base_rates):>8.2f} "
+                  f"{statistics.median(rates) / statistics.median(base_rates):>6.2f} {r['step_peak'] / 2**20:>13,.1f} "
+                  f"{r['step_peak'] / base['step_peak']:>8.2f} {r['first_loss']:>11.6f}")
     print("tokens/step = real tokens; row positions = positions the context projections run on (padded: rows x "
-          "longest); tok/s = real tokens / step time, best round and (median); step peak = peak RSS during the timed "
-          "steps minus RSS before them; first loss = the warm-up step's loss (the same batch in both layouts)")
+          "longest); tok/s = real tokens / step time, best round and (median); step peak = the largest peak RSS of "
+          "one step minus the RSS before it; first loss = both layouts' loss on the same first batch and weights")
 
 
 def main(argv=None) -> None:
@@ -187,7 +199,7 @@ def main(argv=None) -> None:
     parser.add_argument("--manpage-corpus", default=str(ROOT / "examples" / "data" / "manpages.jsonl"))
     parser.add_argument("--manpage-tokenizer", default=str(ROOT / "examples" / "manpage_teacher"))
     parser.add_argument("--shapes", default="quickstart,production")
-    parser.add_argument("--batches", type=int, default=6, help="timed batches per process (after one warm-up step)")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches a round (after one warm-up step each)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prod-hidden", type=int, default=5120)
@@ -197,7 +209,6 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke test")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
-    parser.add_argument("--layout", choices=LAYOUTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(RESULT_TAG + json.dumps(run_worker(args)), flush=True)
@@ -219,17 +230,11 @@ def main(argv=None) -> None:
     print("## padding fraction (padded positions / all positions, epoch 0's batches)")
     padding_table(sources)
 
-    print(f"\n## step speed, {args.batches} timed batch(es) per process, {args.rounds} round(s), {args.threads} thread(s)")
-    results: dict = {}
-    for rnd in range(args.rounds):
-        for shape in args.shapes:
-            # alternate the order so neither layout always runs right after the other
-            for layout in (("padded", "packed") if rnd % 2 == 0 else ("packed", "padded")):
-                res = spawn(args, shape, layout)
-                results.setdefault((shape, layout), []).append(res)
-                print(f"# round {rnd + 1}: {shape} {layout}: "
-                      + (res.get("error") or f"{res['tokens'] / res['seconds']:,.0f} tok/s, step peak "
-                                              f"{res['step_peak'] / 2**20:,.0f} MiB"), flush=True)
+    print(f"\n## step speed, {args.batches} timed batch(es) a round, {args.rounds} round(s), {args.threads} thread(s)")
+    results = {}
+    for shape in args.shapes:
+        results[shape] = spawn(args, shape)
+        print(f"# {shape}: done after {time.perf_counter() - started:.0f} s", flush=True)
     speed_table(args, results)
     print(f"total wall time {time.perf_counter() - started:.1f} s")
 
