@@ -63,9 +63,11 @@ def plan_lengths(lengths: np.ndarray, batch_tokens: int, seed: int = 0) -> list[
     return [[int(lengths[i]) for _, i in b] for b in cut_batches(order, [lengths], batch_tokens)]
 
 
-def cache_lengths(url: str) -> np.ndarray:
-    plan = EpochPlan(open_cache(url), DataConfig())
-    return np.concatenate(plan.lengths)
+def cache_batches(url: str, batch_tokens: int, heldout_fraction: float = 0.05) -> tuple[np.ndarray, list[list[int]]]:
+    """A cache's training-split lengths and epoch 0's batches of lengths, as the trainer plans them."""
+    cache = open_cache(url)
+    plan = EpochPlan(cache, DataConfig(batch_tokens=batch_tokens, heldout_fraction=heldout_fraction))
+    return np.concatenate(plan.lengths), [[int(cache.shards[s].lengths[i]) for s, i in b] for b in plan.batches(0)]
 
 
 def corpus_lengths(data: str, tokenizer_dir: str) -> np.ndarray:
@@ -81,12 +83,12 @@ def corpus_lengths(data: str, tokenizer_dir: str) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def padding_table(sources: list[tuple[str, np.ndarray, int]]) -> None:
+def padding_table(sources: list[tuple[str, np.ndarray, dict[int, list[list[int]]]]]) -> None:
+    """One row per (data, batch tokens): its epoch-0 batches' padding fraction, padded and packed."""
     print(f"{'data':<44} {'sequences':>9} {'mean len':>8} {'max len':>7} {'batch tokens':>12} {'batches':>7} "
           f"{'seqs/batch':>10} {'padded: padding':>15} {'packed':>6}")
-    for name, lengths, own in sources:
-        for batch_tokens in dict.fromkeys((own, 8192)):
-            batches = plan_lengths(lengths, batch_tokens)
+    for name, lengths, by_size in sources:
+        for batch_tokens, batches in by_size.items():
             print(f"{name:<44} {len(lengths):>9,} {lengths.mean():>8.0f} {lengths.max():>7} {batch_tokens:>12,} "
                   f"{len(batches):>7,} {len(lengths) / len(batches):>10.1f} {padding_fraction(batches):>15.1%} {0:>6.0%}")
 
@@ -215,18 +217,21 @@ def main(argv=None) -> None:
         return
     if args.tiny:
         args.prod_hidden, args.prod_vocab, args.batches, args.rounds = 64, 512, 1, 1
-    args.shapes = [s for s in args.shapes.split(",") if s != "quickstart" or args.quickstart_cache]
+    args.shapes = [s for s in args.shapes.split(",") if s and (s != "quickstart" or args.quickstart_cache)]
 
     started = time.perf_counter()
     sources = []
-    if args.quickstart_cache:
-        sources.append(("quickstart cache", cache_lengths(args.quickstart_cache), 1600))
-    if args.manpage_cache:
-        sources.append(("man-page cache", cache_lengths(args.manpage_cache), 1000))
-    elif not args.tiny:
-        sources.append(("man-page corpus (tokenized as the build does)",
-                        corpus_lengths(args.manpage_corpus, args.manpage_tokenizer), 1000))
-    sources.append((f"synthetic log-normal {SHAREGPT['low']}..{SHAREGPT['high']}", sharegpt_lengths(20000), 8192))
+    for name, url, own in (("quickstart cache", args.quickstart_cache, 1600), ("man-page cache", args.manpage_cache, 1000)):
+        if url:  # the trainer's own plan (held-out fraction 0.05, as both runs use)
+            lengths = cache_batches(url, own)[0]
+            sources.append((name, lengths, {size: cache_batches(url, size)[1] for size in (own, 8192)}))
+    if not args.manpage_cache and not args.tiny:
+        lengths = corpus_lengths(args.manpage_corpus, args.manpage_tokenizer)
+        sources.append(("man-page corpus (tokenized as the build does)", lengths,
+                        {size: plan_lengths(lengths, size) for size in (1000, 8192)}))
+    lengths = sharegpt_lengths(20000)
+    sources.append((f"synthetic log-normal {SHAREGPT['low']}..{SHAREGPT['high']}", lengths,
+                    {size: plan_lengths(lengths, size) for size in (2048, 8192)}))
     print("## padding fraction (padded positions / all positions, epoch 0's batches)")
     padding_table(sources)
 
