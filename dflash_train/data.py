@@ -60,11 +60,13 @@ class DataConfig:
     read_threads: int = 4
     """Threads per loader process that read ahead (more help on high-latency object stores)."""
 
-    layout: str = field(default=PADDED, metadata={"name": "batch_layout"})
-    """How a batch lays out its sequences: "padded" (one right-padded row each) or "packed" (end
-    to end in one row, no padding: the drafter's context projections skip the padding, each
-    block still sees only its own sequence). Same loss to float tolerance; benchmarks/RESULTS.md
-    ("Packed batches") has the measured speed."""
+    layout: str = field(default=PACKED, metadata={"name": "batch_layout"})
+    """How a batch lays out its sequences: "packed" (end to end in one row: the drafter's context
+    projections skip the padding, each block still sees only its own sequence) or "padded" (one
+    right-padded row each). The same loss to float tolerance; packed measured 1.02x padded's
+    tokens/s at the quickstart's shape and 1.09x at production width on CPU (benchmarks/RESULTS.md,
+    "Packed batches"). Like model.attention_backend a resume may change it (then equal to float
+    rounding, not bit for bit)."""
 
     skip_shards: tuple[str, ...] = ()
     """Shards (by name) left out of training and evaluation, e.g. damaged ones a rebuild cannot
@@ -91,7 +93,7 @@ class DataConfig:
 
 # Settings that change how the stream is read, not which batches it holds: a run may resume with
 # other values of these.
-OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads")
+OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads", "layout")
 
 
 def _unit_hash(text: str, salt: int) -> float:

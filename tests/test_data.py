@@ -167,9 +167,10 @@ def test_rank_shares_partition_every_planned_batch():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
-    """The trainer noises the padded batch on its device; the values are each sequence's own
-    draws at that step, padding and the last tapped layer untouched."""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, layout):
+    """The trainer noises the batch on its device, padded or packed; the values are each
+    sequence's own draws at that step, padding and the last tapped layer untouched."""
     from dflash_train.config import TrainConfig
     from dflash_train.data import collate, load_batch, sample_anchors
     from dflash_train.noise import apply_noise
@@ -177,14 +178,14 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),
-                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0))
+                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0, layout=layout))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     loaded = load_batch(cache, cfg.data, refs, epoch=0)
     batch = on_device(loaded, torch.device("cpu"), cfg, step=3, steps=10)
     records = [cache.shards[s][i] for s, i in refs]
     anchors = [sample_anchors(r.loss_mask, cfg.data.num_anchors, cfg.data.seed, 0, r.id) for r in records]
     expected = collate(records, anchors, [apply_noise(np.asarray(r.hidden, np.float32), cfg.noise, 3, 10, r.id)
-                                          for r in records])
+                                          for r in records], layout)
     assert len(refs) > 1 and torch.equal(batch.hidden, expected.hidden)
     clean = loaded.hidden.float()
     assert not torch.equal(batch.hidden[:, :, 0], clean[:, :, 0])

@@ -246,6 +246,7 @@ def test_a_packed_run_resumes_bit_exactly_and_tracks_the_padded_run(tmp_path, ca
     # the same batches, noise and anchors: four AdamW steps apart only by float rounding
     for name in straight:
         torch.testing.assert_close(straight[name], padded[name], rtol=1e-3, atol=1e-5)
-    # the layout is part of what a resume must keep
+    # an operational setting, like the attention backend: a resume may switch it
     other = runner.invoke(app, [*args, "--batch-layout", PADDED, "--out", str(cut), "--resume", "--steps", "6"])
-    assert other.exit_code == 1 and "data.layout differs" in other.output
+    assert other.exit_code == 0, other.output
+    assert set(_params(cut, 6)) == set(straight)
