@@ -131,18 +131,22 @@ def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
         _same(a, b)
 
 
-def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cache):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cache, layout):
     cache = open_cache(small_cache)
     assert cache.hidden_dtype == "bfloat16"
-    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1)
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, layout=layout)
     batch = _take(small_cache, cfg, LoaderState(manifest_fingerprint=cache.fingerprint), 1)[0]
     assert batch.hidden.dtype == torch.bfloat16
     for row, seq_id in enumerate(batch.ids):
         shard, i = next((s, s.ids.index(seq_id)) for s in cache.shards if seq_id in s.ids)
         record, t = shard[i], int(batch.lengths[row])
         stored = torch.from_numpy(np.asarray(record.hidden).view(np.uint16)).view(torch.bfloat16)
-        assert torch.equal(batch.hidden[row, :t], stored)  # bit for bit, no float32 on the way
-        assert not batch.hidden[row, t:].any()  # padding is zero
+        assert torch.equal(batch.sequence("hidden", row), stored)  # bit for bit, no float32 on the way
+        if layout == "padded":
+            assert not batch.hidden[row, t:].any()  # padding is zero
+    if layout == "packed":  # no padding at all: one row of exactly the sequences' tokens
+        assert batch.hidden.shape[:2] == (1, batch.num_tokens)
     moved = batch.to("cpu")
     assert moved.hidden.dtype == torch.float32 and torch.equal(moved.hidden, batch.hidden.float())
 
