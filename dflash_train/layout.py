@@ -41,7 +41,7 @@ def token_positions(lengths: Tensor) -> Tensor:
     """Each packed token's position in its own sequence, [sum T]: 0..T_i-1 per sequence, so
     rotary positions restart at every sequence exactly as in its padded row."""
     total = int(lengths.sum())
-    starts = torch.cumsum(lengths, 0) - lengths
+    starts = sequence_starts(lengths, PACKED, total)
     return torch.arange(total, device=lengths.device) - torch.repeat_interleave(starts, lengths, output_size=total)
 
 

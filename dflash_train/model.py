@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
 from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, DSparkConfig, MarkovHead
-from dflash_train.layout import token_positions
+from dflash_train.layout import PACKED, sequence_starts, token_positions
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -594,7 +594,7 @@ class DFlashDrafter(nn.Module):
                     f"a packed batch is one row of all its sequences' tokens: got {rows} row(s) of {width} tokens for "
                     f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
             seq_len, context = int(packed_lengths.max()), self._packed_context_kv(context_hidden, packed_lengths)
-            starts, last = torch.cumsum(packed_lengths, 0) - packed_lengths, packed_lengths - 1
+            starts, last = sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
 
         def tokens(pos: Tensor) -> Tensor:
             """input_ids at each sequence's own positions pos [N, ...], clamped to its last token."""
