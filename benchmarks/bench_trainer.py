@@ -128,7 +128,7 @@ def naive_block_loss(states, lm_head_weight, targets, topk_ids, topk_logprobs, v
 def naive_micro_step(model: DFlashDrafter, batch, cfg: TrainConfig, autocast) -> LossOutput:
     """micro_step with the naive loss in place of block_loss (one process, no accumulation)."""
     with autocast:
-        states, targets = block_states(model, batch)
+        states, targets, _ = block_states(model, batch)
         out = naive_block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                                targets["topk_logprobs"], targets["valid"], cfg.loss, model.cfg.block_size)
     out.loss.backward()
