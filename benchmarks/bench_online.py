@@ -53,8 +53,7 @@ from dflash_train.data import (  # noqa: E402
     DataConfig,
     EpochPlan,
     LoaderState,
-    collate,
-    sample_anchors,
+    make_batch,
     train_loader,
 )
 from dflash_train.distributed import DistInfo  # noqa: E402
@@ -123,10 +122,8 @@ class OnlineBatches:
                                           hidden=hidden[offset:offset + n], topk_ids=out.topk_ids[offset:offset + n],
                                           topk_logprobs=out.topk_logprobs[offset:offset + n]))
             offset += n
-        # as data.load_batch does for cached records
-        data = self.cfg.data
-        anchors = [sample_anchors(r.loss_mask, data.num_anchors, data.seed, epoch, r.id) for r in records]
-        return collate(records, anchors, [r.hidden for r in records])
+        # as data.load_batch does for cached records (anchors, and the layout of cfg.data)
+        return make_batch(records, self.cfg.data, epoch)
 
 
 def compare(offline, online) -> str:

@@ -60,9 +60,15 @@ RESULT_TAG = "RESULT "
 def synthetic_batch(num_seqs: int, seq_len: int, vocab: int, layers: int, hidden: int, top_k: int,
                     anchors: int, seed: int = 0):
     """A real collated Batch of random sequences (same seed -> same batch in every variant)."""
+    return synthetic_sequences([seq_len] * num_seqs, vocab, layers, hidden, top_k, anchors, seed)
+
+
+def synthetic_sequences(lengths: list[int], vocab: int, layers: int, hidden: int, top_k: int, anchors: int,
+                        seed: int = 0, layout: str = "padded"):
+    """A real collated Batch (in `layout`) of random sequences of these lengths."""
     rng = np.random.default_rng(seed)
     records, hiddens, anchor_lists = [], [], []
-    for i in range(num_seqs):
+    for i, seq_len in enumerate(lengths):
         seq_id = f"bench-{i:05d}"
         loss_mask = np.ones(seq_len, dtype=np.uint8)
         loss_mask[:PROMPT_TOKENS] = 0
@@ -78,7 +84,7 @@ def synthetic_batch(num_seqs: int, seq_len: int, vocab: int, layers: int, hidden
             hidden=np.empty((0,)), topk_ids=topk_ids, topk_logprobs=np.log(topk).astype(np.float32)))
         hiddens.append(rng.standard_normal((seq_len, layers, hidden), dtype=np.float32))
         anchor_lists.append(sample_anchors(loss_mask, anchors, seed, 0, seq_id))
-    return collate(records, anchor_lists, hiddens)
+    return collate(records, anchor_lists, hiddens, layout)
 
 
 def drafter(vocab: int, hidden: int, num_layers: int, tapped: int, block_size: int, device) -> DFlashDrafter:
@@ -122,7 +128,7 @@ def naive_block_loss(states, lm_head_weight, targets, topk_ids, topk_logprobs, v
 def naive_micro_step(model: DFlashDrafter, batch, cfg: TrainConfig, autocast) -> LossOutput:
     """micro_step with the naive loss in place of block_loss (one process, no accumulation)."""
     with autocast:
-        states, targets = block_states(model, batch)
+        states, targets, _ = block_states(model, batch)
         out = naive_block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                                targets["topk_logprobs"], targets["valid"], cfg.loss, model.cfg.block_size)
     out.loss.backward()

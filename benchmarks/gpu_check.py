@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))  # runs from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 from bench_gpu import PRODUCTION, TINY, drafter_config, peak_memory, sync  # noqa: E402
-from bench_trainer import synthetic_batch  # noqa: E402
+from bench_packed import plan_lengths, sharegpt_lengths  # noqa: E402
+from bench_trainer import synthetic_batch, synthetic_sequences  # noqa: E402
 
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
@@ -35,7 +36,7 @@ from dflash_train.model import DFlashDrafter  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.trainer import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "build", "loader", "train", "ddp", "bench")
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "ddp", "bench")
 TEACHER = ROOT / "examples" / "teacher"
 CORPUS = ROOT / "examples" / "data" / "chat.jsonl"
 PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"
@@ -182,6 +183,45 @@ def part_flex(out: Path):
         raise RuntimeError(f"flex differs from sdpa: forward max {forward:.3e} of {scale:.3e}, backward rel {backward}")
     return f"forward max diff {forward:.1e} (of {scale:.1e}), backward rel diff {backward if backward is None else f'{backward:.1e}'}", {
         "forward": forward, "backward": backward}
+
+
+def part_packed(out: Path):
+    """data.layout packed against padded at production width (issue 27): a default-size batch of the
+    ShareGPT-like length spread (bench_packed.py) in both layouts, the same bf16 loss, and the
+    step's tokens/s and peak memory in each (CPU dry run: tiny sizes, the loss only checked)."""
+    s, dev = sizes(), device()
+    lengths = plan_lengths(sharegpt_lengths(4000, seed=1), s.batch_tokens)
+    batch_lengths = max(lengths, key=len)  # the batch of most sequences: the most padding to skip
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    train_cfg, results = TrainConfig(cache="", out=""), {}
+    for layout in ("padded", "packed"):
+        model = _drafter(s, dev, "flex" if dev.type == "cuda" else "sdpa")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=dev.type == "cuda")
+        batch = synthetic_sequences(batch_lengths, s.vocab, len(s.tapped), s.hidden, s.top_k, s.num_anchors,
+                                    layout=layout).to(dev)
+        losses, times = [], []
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for _ in range(5):
+            t = time.perf_counter()
+            result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync(dev)
+            times.append(time.perf_counter() - t)
+            losses.append(float(result.loss.detach()))
+        results[layout] = {"first_loss": losses[0], "tokens_per_s": batch.num_tokens / min(times[2:]),
+                           "peak": peak_memory(dev), "row_positions": int(batch.input_ids.numel())}
+        del model, optimizer, batch
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    padded, packed = results["padded"], results["packed"]
+    if abs(packed["first_loss"] - padded["first_loss"]) > 2e-2 * abs(padded["first_loss"]):
+        raise RuntimeError(f"packed loss {packed['first_loss']} differs from padded {padded['first_loss']}")
+    ratio = packed["tokens_per_s"] / padded["tokens_per_s"]
+    return (f"{len(batch_lengths)} sequences, {sum(batch_lengths):,} tokens in {padded['row_positions']:,} padded positions; "
+            f"packed {ratio:.2f}x padded tok/s ({packed['tokens_per_s']:,.0f} vs {padded['tokens_per_s']:,.0f}), "
+            f"peak {packed['peak']} vs {padded['peak']}"), results
 
 
 def _corpus(out: Path, rows: int) -> Path:

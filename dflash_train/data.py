@@ -27,6 +27,7 @@ from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
 from dflash_cache.reader import ShardIntegrityError
 from dflash_common.errors import CacheError, ConfigError, DFlashError
+from dflash_train.layout import LAYOUTS, PACKED, PADDED, sequence_starts, slots
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class DataConfig:
     read_threads: int = 4
     """Threads per loader process that read ahead (more help on high-latency object stores)."""
 
+    layout: str = field(default=PACKED, metadata={"name": "batch_layout"})
+    """How a batch lays out its sequences: "packed" (end to end in one row: the drafter's context
+    projections skip the padding, each block still sees only its own sequence) or "padded" (one
+    right-padded row each). The same loss to float tolerance; packed measured 1.02x padded's
+    tokens/s at the quickstart's shape and 1.09x at production width on CPU (benchmarks/RESULTS.md,
+    "Packed batches"). Like model.attention_backend a resume may change it (then equal to float
+    rounding, not bit for bit)."""
+
     skip_shards: tuple[str, ...] = ()
     """Shards (by name) left out of training and evaluation, e.g. damaged ones a rebuild cannot
     fix yet. It changes the data, so a run resumes only with the same list."""
@@ -76,13 +85,15 @@ class DataConfig:
             raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 1073741824 (1 GiB)")
         if self.read_threads < 1:
             raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"--batch-layout {self.layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
         if not all(isinstance(n, str) and n for n in self.skip_shards):
             raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
 
 
 # Settings that change how the stream is read, not which batches it holds: a run may resume with
 # other values of these.
-OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads")
+OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads", "layout")
 
 
 def _unit_hash(text: str, salt: int) -> float:
@@ -152,19 +163,37 @@ class LoaderState:
 
 @dataclass
 class Batch:
-    """Padded tensors for one step. ``anchors`` is -1 in unused slots. ``hidden`` leaves the
-    loader in the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after
-    ``to(device)``."""
+    """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.layout):
+    [N, T_max] padded, [1, sum T] packed; ``lengths`` and ``anchors`` are per sequence either way
+    (anchors in the sequence's own positions, -1 in unused slots). ``hidden`` leaves the loader in
+    the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``."""
 
     ids: list[str]
-    hidden: torch.Tensor  # [N, T, L, H]
-    input_ids: torch.Tensor  # [N, T] long
-    loss_mask: torch.Tensor  # [N, T] bool
+    hidden: torch.Tensor  # [R, W, L, H]
+    input_ids: torch.Tensor  # [R, W] long
+    loss_mask: torch.Tensor  # [R, W] bool
     lengths: torch.Tensor  # [N]
-    topk_ids: torch.Tensor  # [N, T, k] long
-    topk_logprobs: torch.Tensor  # [N, T, k] float32
+    topk_ids: torch.Tensor  # [R, W, k] long
+    topk_logprobs: torch.Tensor  # [R, W, k] float32
     anchors: torch.Tensor  # [N, A] long
     state_after: dict = field(default_factory=dict)
+    layout: str = PADDED
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """Flat index [N] of each sequence's position 0 in the per-token tensors (flattened over
+        their first two dimensions)."""
+        return sequence_starts(self.lengths, self.layout, self.input_ids.shape[1])
+
+    @property
+    def packed_lengths(self) -> torch.Tensor | None:
+        """The lengths when packed (the drafter's ``packed_lengths``), None when padded."""
+        return self.lengths if self.layout == PACKED else None
+
+    def sequence(self, name: str, index: int) -> torch.Tensor:
+        """Sequence `index`'s own part [T, ...] of the per-token tensor `name`."""
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return getattr(self, name).flatten(0, 1)[start:start + length]
 
     @classmethod
     def empty(cls) -> "Batch":
@@ -190,33 +219,44 @@ class Batch:
         return Batch(**moved)
 
 
-def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray) -> Batch:
-    """Right-pad sequences into one batch (filled in numpy, handed to torch without a copy).
-    ``hidden`` is each sequence's hidden states, padded here in the first one's dtype, or the
-    padded batch already filled (the loader reads into it: ``Cache.padded_hidden``)."""
-    n, width = len(records), max(len(r) for r in records)
+def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray,
+            layout: str = PADDED) -> Batch:
+    """Lay sequences out as one batch in ``layout`` (filled in numpy, handed to torch without a
+    copy). ``hidden`` is each sequence's hidden states, copied here in the first one's dtype, or
+    the batch's hidden states already filled (the loader reads into it: ``hidden_buffer``)."""
+    n = len(records)
+    shape, where = slots([len(r) for r in records], layout)
     num_anchors = max(1, max(len(a) for a in anchors))
     k = records[0].topk_ids.shape[1]
     filled = isinstance(hidden, np.ndarray)
-    out_hidden = hidden if filled else np.zeros((n, width, *hidden[0].shape[1:]), dtype=hidden[0].dtype)
-    input_ids = np.zeros((n, width), dtype=np.int64)
-    loss_mask = np.zeros((n, width), dtype=bool)
-    topk_ids = np.zeros((n, width, k), dtype=np.int64)
-    topk_logprobs = np.zeros((n, width, k), dtype=np.float32)
+    out_hidden = hidden if filled else np.zeros((*shape, *hidden[0].shape[1:]), dtype=hidden[0].dtype)
+    input_ids = np.zeros(shape, dtype=np.int64)
+    loss_mask = np.zeros(shape, dtype=bool)
+    topk_ids = np.zeros((*shape, k), dtype=np.int64)
+    topk_logprobs = np.zeros((*shape, k), dtype=np.float32)
     anchor_ids = np.full((n, num_anchors), -1, dtype=np.int64)
-    for row, (record, a) in enumerate(zip(records, anchors)):
-        t = len(record)
+    for i, (record, a, (row, start)) in enumerate(zip(records, anchors, where)):
+        span = slice(start, start + len(record))
         if not filled:
-            out_hidden[row, :t] = hidden[row]
-        input_ids[row, :t] = record.input_ids
-        loss_mask[row, :t] = record.loss_mask
-        topk_ids[row, :t] = record.topk_ids
-        topk_logprobs[row, :t] = record.topk_logprobs
-        anchor_ids[row, : len(a)] = a
+            out_hidden[row, span] = hidden[i]
+        input_ids[row, span] = record.input_ids
+        loss_mask[row, span] = record.loss_mask
+        topk_ids[row, span] = record.topk_ids
+        topk_logprobs[row, span] = record.topk_logprobs
+        anchor_ids[i, : len(a)] = a
     return Batch(ids=[r.id for r in records], hidden=_tensor(out_hidden),
                  input_ids=torch.from_numpy(input_ids), loss_mask=torch.from_numpy(loss_mask),
                  lengths=torch.tensor([len(r) for r in records]), topk_ids=torch.from_numpy(topk_ids),
-                 topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids))
+                 topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids), layout=layout)
+
+
+def hidden_buffer(cache: Cache, lengths: list[int], layout: str, pinned: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The zeroed hidden-state tensor of a batch of these sequence lengths in ``layout`` and each
+    sequence's view into it, for the reader to fill in place (no copy after the read). A packed
+    batch is ``Cache.padded_hidden`` of one row as long as all the sequences together."""
+    shape, where = slots(lengths, layout)
+    buffer = cache.padded_hidden([shape[1]] * shape[0], pinned=pinned)
+    return buffer, [buffer[row, start:start + t] for (row, start), t in zip(where, lengths)]
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -237,13 +277,14 @@ def block_targets(batch: Batch, block_size: int, num_positions: int | None = Non
     pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
     in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
     pos = torch.where(in_range, pos, torch.zeros_like(pos))
-    flat = pos.view(n, -1)
-    targets = torch.gather(batch.input_ids, 1, flat).view(n, a, -1)
-    valid = in_range & torch.gather(batch.loss_mask, 1, flat).view(n, a, -1)
-    prev = (pos - 1).clamp(min=0).view(n, -1, 1)
+    # both layouts: sequence i's position t is element starts[i] + t of the flattened tensors
+    starts = batch.starts.view(n, 1, 1)
+    flat, prev = starts + pos, starts + (pos - 1).clamp(min=0)
+    targets = batch.input_ids.flatten()[flat]
+    valid = in_range & batch.loss_mask.flatten()[flat]
     k = batch.topk_ids.shape[-1]
-    topk_ids = torch.gather(batch.topk_ids, 1, prev.expand(-1, -1, k)).view(n, a, -1, k)
-    topk_logprobs = torch.gather(batch.topk_logprobs, 1, prev.expand(-1, -1, k)).view(n, a, -1, k)
+    topk_ids = batch.topk_ids.reshape(-1, k)[prev]
+    topk_logprobs = batch.topk_logprobs.reshape(-1, k)[prev]
     return {
         "targets": targets.view(n * a, -1),
         "valid": valid.view(n * a, -1),
@@ -295,19 +336,19 @@ class EpochPlan:
 
 
 def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
-    """Anchor and pad one planned batch of records; the hidden states stay in the cache's dtype.
-    ``hidden``: the padded batch the records' hidden states were read into, if they were."""
+    """Anchor and lay out one planned batch of records in cfg.layout; the hidden states stay in
+    the cache's dtype. ``hidden``: the batch's hidden states the records were read into, if they were."""
     anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
-    return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden)
+    return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden, cfg.layout)
 
 
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
-    """Read, anchor and pad one planned batch, each sequence read straight into its row, once
-    the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
+    """Read, anchor and lay out one planned batch, each sequence read straight into its place,
+    once the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
     check_intact(cache, [s for s, _ in refs])
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
-    hidden = cache.padded_hidden(lengths)
-    records = [cache.shards[s].read(i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(refs, lengths))]
+    hidden, views = hidden_buffer(cache, lengths, cfg.layout)
+    records = [cache.shards[s].read(i, view) for (s, i), view in zip(refs, views)]
     return make_batch(records, cfg, epoch, hidden)
 
 
@@ -379,15 +420,15 @@ class TrainStream(torch.utils.data.IterableDataset):
         # the plan says which sequences come next, so they are read ahead while a batch is built,
         # each straight into its row of the batch it belongs to
         jobs, ahead = itertools.tee(self._jobs(plan, worker, workers))
-        padded: collections.deque = collections.deque()  # the batches being read into, in job order
+        filling: collections.deque = collections.deque()  # the batches being read into, in job order
 
         def rows():
             for share, *_ in ahead:
                 if share:
                     lengths = [int(cache.shards[s].lengths[i]) for s, i in share]
-                    hidden = cache.padded_hidden(lengths, pinned=self.pinned)
-                    padded.append(hidden)
-                    yield from ((s, i, hidden[row, :t]) for row, ((s, i), t) in enumerate(zip(share, lengths)))
+                    hidden, views = hidden_buffer(cache, lengths, self.cfg.layout, pinned=self.pinned)
+                    filling.append(hidden)
+                    yield from ((s, i, view) for (s, i), view in zip(share, views))
 
         # check: a shard's checksums are verified on the reading threads before any of it is handed
         # out, so the hashing overlaps the training step
@@ -399,7 +440,7 @@ class TrainStream(torch.utils.data.IterableDataset):
                     shared = [next(records) for _ in share]
                 except ShardIntegrityError as err:
                     refuse_damaged(cache, {err.shard: err.problems})
-                batch = make_batch(shared, self.cfg, epoch, padded.popleft()) if share else Batch.empty()
+                batch = make_batch(shared, self.cfg, epoch, filling.popleft()) if share else Batch.empty()
                 batch.state_after = after
                 yield batch
         finally:

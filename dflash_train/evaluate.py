@@ -14,7 +14,8 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
     """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
     (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
     one must run the forward (DDP)."""
-    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True)
+    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
+                                                      packed_lengths=batch.packed_lengths)
     dspark = model.cfg.dspark
     heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
                        confidence=confidence)
@@ -153,21 +154,22 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     """
     block = model.cfg.num_draft_positions + 1
     produced = rounds = 0
-    cursors = [[[s, e] for s, e in assistant_spans(batch.loss_mask[r], int(batch.lengths[r])) if e - s > 1]
+    cursors = [[[s, e] for s, e in assistant_spans(batch.sequence("loss_mask", r), int(batch.lengths[r])) if e - s > 1]
                for r in range(len(batch.ids))]
     while any(cursors):
         anchors = torch.full((len(cursors), 1), -1, dtype=torch.long, device=batch.input_ids.device)
         for r, spans in enumerate(cursors):
             if spans:
                 anchors[r, 0] = spans[0][0]
-        states, features, _ = model(batch.hidden, batch.input_ids, anchors, heads=True)
+        states, features, _ = model(batch.hidden, batch.input_ids, anchors, heads=True,
+                                    packed_lengths=batch.packed_lengths)
         guesses = _argmax_chunks(model, states, features)  # [N, P]
         for r, spans in enumerate(cursors):
             if not spans:
                 continue
             a, end = spans[0]
             remaining = end - 1 - a
-            top1 = batch.topk_ids[r, a:a + block - 1, 0]
+            top1 = batch.sequence("topk_ids", r)[a:a + block - 1, 0]
             m = min(int(streak_lengths((guesses[r, : len(top1)] == top1)[None])[0]), remaining)
             step = min(m + 1, remaining)
             produced, rounds = produced + step, rounds + 1

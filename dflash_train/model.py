@@ -18,10 +18,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
 from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, DSparkConfig, MarkovHead
+from dflash_train.layout import PACKED, sequence_starts, token_positions
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -533,36 +535,77 @@ class DFlashDrafter(nn.Module):
         """
         features = self.context_features(context_hidden)
         positions = torch.arange(start, start + features.shape[1], device=features.device)
-        cos, sin = rotary_cos_sin(positions.unsqueeze(0), self.cfg.head_dim, self.cfg.rope_theta)
+        return self._keys_values(features, positions.unsqueeze(0))
+
+    def _keys_values(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+
+    def _packed_context_kv(self, context_hidden: Tensor, lengths: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context keys/values [N, kv_heads, T_max, D] of sequences packed end to end in
+        context_hidden [1, sum T, n_layers, H]: fc and the K/V projections run on the real tokens
+        only (rotary positions restarting per sequence), then each sequence's keys/values are laid
+        into its own zero-padded row, so every block attends to its own sequence's context alone
+        under the padded layout's mask: the visibility of a document mask over the packed row,
+        without scoring other sequences' keys. The rows hold exactly the padded layout's keys and
+        values (a zero hidden state projects to zero keys and values); they copy 2 x kv_heads x D
+        values a row position per layer, little next to the fc (n_layers x H inputs) and K/V
+        projections skipped on the padding."""
+        features = self.context_features(context_hidden)
+        split = lengths.tolist()
+
+        def rows(x: Tensor) -> Tensor:  # [1, kv_heads, sum T, D] -> [N, kv_heads, T_max, D]
+            return pad_sequence(x[0].transpose(0, 1).split(split), batch_first=True).transpose(1, 2)
+
+        return [(rows(keys), rows(values))
+                for keys, values in self._keys_values(features, token_positions(lengths).unsqueeze(0))]
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """Teacher input embeddings of token ids, in the model dtype."""
         return F.embedding(token_ids, self.embed_weight).to(self.dtype)
 
     def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
-                heads: bool = False) -> Tensor | tuple[Tensor, Tensor | None, Tensor | None]:
+                heads: bool = False, packed_lengths: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Tensor | None, Tensor | None]:
         """Final-normed block states [N, A, B, H] for many anchors per sequence in one pass.
 
         context_hidden [N, T, n_layers, H]; input_ids [N, T] (padded); anchors [N, A] long, -1 for
-        unused slots (their outputs are finite but meaningless).
+        unused slots (their outputs are finite but meaningless). With `packed_lengths` [N] the
+        sequences lie end to end instead (dflash_train.layout): context_hidden [1, sum T, n_layers,
+        H], input_ids [1, sum T], anchors still in each sequence's own positions.
 
         With `heads`, the draft positions' outputs under teacher forcing instead (see
         `draft_outputs`): the heads run inside the forward so a DDP or FSDP wrapper sees them.
         """
-        n, seq_len = input_ids.shape
-        if context_hidden.shape[:2] != (n, seq_len):
+        rows, width = input_ids.shape
+        if context_hidden.shape[:2] != (rows, width):
             raise ConfigError(
                 f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
-                f"{(n, seq_len)}; pass the same sequences to both")
-        block_size = self.cfg.block_size
-        num_anchors = anchors.shape[1]
-        context = self.context_kv(context_hidden)
+                f"{(rows, width)}; pass the same sequences to both")
+        n, num_anchors = anchors.shape
+        if packed_lengths is None:
+            if n != rows:
+                raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
+            seq_len, context = width, self.context_kv(context_hidden)
+            starts, last = torch.arange(n, device=anchors.device) * width, torch.full_like(anchors[:, 0], width - 1)
+        else:
+            if rows != 1 or len(packed_lengths) != n or int(packed_lengths.sum()) != width:
+                raise ConfigError(
+                    f"a packed batch is one row of all its sequences' tokens: got {rows} row(s) of {width} tokens for "
+                    f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
+            seq_len, context = int(packed_lengths.max()), self._packed_context_kv(context_hidden, packed_lengths)
+            starts, last = sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
 
+        def tokens(pos: Tensor) -> Tensor:
+            """input_ids at each sequence's own positions pos [N, ...], clamped to its last token."""
+            flat = starts.view(n, *[1] * (pos.ndim - 1)) + torch.minimum(pos, last.view(n, *[1] * (pos.ndim - 1)))
+            return input_ids.flatten()[flat]
+
+        block_size = self.cfg.block_size
         safe_anchors = anchors.clamp(min=0)
         block_ids = torch.full((n, num_anchors, block_size), self.cfg.mask_token_id,
                                dtype=input_ids.dtype, device=input_ids.device)
-        block_ids[:, :, 0] = torch.gather(input_ids, 1, safe_anchors)
+        block_ids[:, :, 0] = tokens(safe_anchors)
         x = self.embed(block_ids.view(n, num_anchors * block_size))
 
         offsets = torch.arange(block_size, device=anchors.device)
@@ -580,7 +623,7 @@ class DFlashDrafter(nn.Module):
             return states
         # draft position j = 1..P follows x_{a+j-1}: the anchor, then the true tokens (teacher forcing)
         prev_pos = safe_anchors.unsqueeze(-1) + torch.arange(self.cfg.num_draft_positions, device=anchors.device)
-        prev_ids = torch.gather(input_ids, 1, prev_pos.clamp(max=seq_len - 1).view(n, -1))
+        prev_ids = tokens(prev_pos)
         return self.draft_outputs(states.view(n * num_anchors, block_size, -1),
                                   prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 

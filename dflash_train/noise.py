@@ -232,24 +232,30 @@ def add_noise_(
     cfg: NoiseConfig,
     step: int,
     total_steps: int,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Add the step's noise in place to a padded float32 batch `hidden` [N, T, n_layers, H] on
     any device: row i gets sequence_ids[i]'s draws on its first lengths[i] positions of every
-    selected layer; padding and the other layers stay as they are. Returns `hidden`."""
+    selected layer; padding and the other layers stay as they are. With `packed` the sequences
+    lie end to end in one row [1, sum T, n_layers, H] and each gets the same draws as in its
+    padded row (a stream is keyed by the sequence, not by where it lies). Returns `hidden`."""
     if hidden.ndim != 4 or hidden.dtype != torch.float32:
         raise ValueError(f"hidden must be a float32 [N, T, n_layers, H] batch, got {hidden.dtype} {tuple(hidden.shape)}")
-    if len(sequence_ids) != hidden.shape[0] or len(lengths) != hidden.shape[0]:
-        raise ValueError(f"{len(sequence_ids)} ids and {len(lengths)} lengths for a batch of {hidden.shape[0]} rows")
+    rows = 1 if packed else len(sequence_ids)
+    if len(lengths) != len(sequence_ids) or rows != hidden.shape[0] or (packed and sum(lengths) != hidden.shape[1]):
+        raise ValueError(f"{len(sequence_ids)} ids and {len(lengths)} lengths for a {'packed ' if packed else ''}batch "
+                         f"of {hidden.shape[0]} rows of {hidden.shape[1]} tokens")
     layers = noised_layers(cfg, hidden.shape[2])
     scale = noise_scale(cfg, step, total_steps)
     if not layers or scale == 0.0:
         return hidden
-    width = hidden.shape[3]
+    width, start = hidden.shape[3], 0
     for row, (sequence_id, length) in enumerate(zip(sequence_ids, lengths)):
+        part = hidden[0, start:start + int(length)] if packed else hidden[row, : int(length)]
+        start += int(length)
         for layer in layers:
             _check_stream(sequence_id, layer, int(length) * width)
-            _add_stream_(hidden[row, : int(length), layer], stream_keys(cfg.seed, step, sequence_id, layer),
-                         cfg.distribution, scale)
+            _add_stream_(part[:, layer], stream_keys(cfg.seed, step, sequence_id, layer), cfg.distribution, scale)
     return hidden
 
 

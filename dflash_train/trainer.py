@@ -148,7 +148,7 @@ def on_device(batch: Batch, device: torch.device, cfg: TrainConfig, step: int, s
         return batch
     lengths = batch.lengths.tolist()
     batch = batch.to(device)
-    add_noise_(batch.hidden, batch.ids, lengths, cfg.noise, step, steps)
+    add_noise_(batch.hidden, batch.ids, lengths, cfg.noise, step, steps, packed=batch.packed_lengths is not None)
     return batch
 
 

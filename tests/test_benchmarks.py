@@ -24,6 +24,7 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "trainer": [sys.executable, "benchmarks/bench_trainer.py", "--tiny"],
         "online": [sys.executable, "benchmarks/bench_online.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
         "read": [sys.executable, "benchmarks/bench_read.py", "--quick", "--workers", "0", "--tmp", str(tmp / "read")],
+        "packed": [sys.executable, "benchmarks/bench_packed.py", "--tiny"],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
@@ -93,3 +94,13 @@ def test_read_script_compares_the_reader_with_its_baselines(outputs):
         assert numbers and all(float(n.replace(",", "")) > 0 for n in numbers[:3]), _row(text, label)
     assert float(re.findall(NUMBER, _row(text, "raw np.memmap -> batches")[24:])[4]) == 1.0  # its own baseline
     assert re.search(r"^noise on this CPU: add_noise_ \d+\.\d+ ns a draw; numpy Philox", text, re.M), text
+
+
+def test_packed_script_compares_the_layouts_on_the_same_batches(outputs):
+    text = outputs["packed"]
+    synthetic = [line for line in text.splitlines() if line.startswith("synthetic log-normal") and " 8,192 " in line]
+    assert synthetic and 0.5 < float(synthetic[0].split()[-2].rstrip("%")) / 100 < 0.9, text  # the default batch's padding
+    padded, packed = _row(text, "production  padded"), _row(text, "production  packed")
+    assert _value(padded, 2) == _value(packed, 2)  # the same real tokens
+    assert _value(packed, 3) == _value(packed, 2) < _value(padded, 3)  # packed: no padded positions
+    assert padded.split()[-1] == packed.split()[-1]  # the same first loss

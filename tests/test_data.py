@@ -131,18 +131,22 @@ def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
         _same(a, b)
 
 
-def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cache):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cache, layout):
     cache = open_cache(small_cache)
     assert cache.hidden_dtype == "bfloat16"
-    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1)
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, layout=layout)
     batch = _take(small_cache, cfg, LoaderState(manifest_fingerprint=cache.fingerprint), 1)[0]
     assert batch.hidden.dtype == torch.bfloat16
     for row, seq_id in enumerate(batch.ids):
         shard, i = next((s, s.ids.index(seq_id)) for s in cache.shards if seq_id in s.ids)
         record, t = shard[i], int(batch.lengths[row])
         stored = torch.from_numpy(np.asarray(record.hidden).view(np.uint16)).view(torch.bfloat16)
-        assert torch.equal(batch.hidden[row, :t], stored)  # bit for bit, no float32 on the way
-        assert not batch.hidden[row, t:].any()  # padding is zero
+        assert torch.equal(batch.sequence("hidden", row), stored)  # bit for bit, no float32 on the way
+        if layout == "padded":
+            assert not batch.hidden[row, t:].any()  # padding is zero
+    if layout == "packed":  # no padding at all: one row of exactly the sequences' tokens
+        assert batch.hidden.shape[:2] == (1, batch.num_tokens)
     moved = batch.to("cpu")
     assert moved.hidden.dtype == torch.float32 and torch.equal(moved.hidden, batch.hidden.float())
 
@@ -167,9 +171,10 @@ def test_rank_shares_partition_every_planned_batch():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
-    """The trainer noises the padded batch on its device; the values are each sequence's own
-    draws at that step, padding and the last tapped layer untouched."""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, layout):
+    """The trainer noises the batch on its device, padded or packed; the values are each
+    sequence's own draws at that step, padding and the last tapped layer untouched."""
     from dflash_train.config import TrainConfig
     from dflash_train.data import collate, load_batch, sample_anchors
     from dflash_train.noise import apply_noise
@@ -177,14 +182,14 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache):
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),
-                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0))
+                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0, layout=layout))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     loaded = load_batch(cache, cfg.data, refs, epoch=0)
     batch = on_device(loaded, torch.device("cpu"), cfg, step=3, steps=10)
     records = [cache.shards[s][i] for s, i in refs]
     anchors = [sample_anchors(r.loss_mask, cfg.data.num_anchors, cfg.data.seed, 0, r.id) for r in records]
     expected = collate(records, anchors, [apply_noise(np.asarray(r.hidden, np.float32), cfg.noise, 3, 10, r.id)
-                                          for r in records])
+                                          for r in records], layout)
     assert len(refs) > 1 and torch.equal(batch.hidden, expected.hidden)
     clean = loaded.hidden.float()
     assert not torch.equal(batch.hidden[:, :, 0], clean[:, :, 0])

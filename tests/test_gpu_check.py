@@ -19,8 +19,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_one_table(tmp_path):
                           timeout=580)
     table = (tmp_path / "out" / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")]
-    assert [row.split("|")[1].strip() for row in rows] == ["env", "noise", "step", "flex", "build", "loader", "train",
-                                                           "ddp", "bench"], table
+    assert [row.split("|")[1].strip() for row in rows] == ["env", "noise", "step", "flex", "packed", "build", "loader",
+                                                           "train", "ddp", "bench"], table
     assert all(row.split("|")[2].strip() == "ok" for row in rows), table + done.stdout[-2000:]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 

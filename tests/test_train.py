@@ -45,9 +45,9 @@ def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
     """Loss and gradients from cached features equal those from running the teacher now."""
     cache = open_cache(cache_url)
     cfg = TrainConfig(cache=cache_url, out="unused", model=ModelOptions(num_layers=2, block_size=4),
-                      data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0))
+                      data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0, layout="padded"))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
-    offline = load_batch(cache, cfg.data, refs, epoch=0).to("cpu")
+    offline = load_batch(cache, cfg.data, refs, epoch=0).to("cpu")  # padded: the online batch is built per row
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir("qwen3"), dtype=torch.float32).eval()
     width, n = offline.input_ids.shape[1], len(refs)
