@@ -36,7 +36,7 @@ from dflash_train.model import DFlashDrafter  # noqa: E402
 from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.trainer import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "ddp", "bench")
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "ddp", "bench")
 TEACHER = ROOT / "examples" / "teacher"
 CORPUS = ROOT / "examples" / "data" / "chat.jsonl"
 PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"
