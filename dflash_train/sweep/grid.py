@@ -29,7 +29,7 @@ _SAFE_TOKEN = re.compile(r"[A-Za-z0-9._+-]+")
 
 
 # The order grid keys are listed in an error: the sections a loss experiment varies first.
-_LISTING_ORDER = ("loss", "noise", "optim", "model", "data", None)
+_LISTING_ORDER = ("loss", "noise", "optim", "model", "dspark", "data", None)
 
 
 def resolve_grid_key(key: str) -> tuple[str, tuple[str, ...]]:
@@ -38,7 +38,7 @@ def resolve_grid_key(key: str) -> tuple[str, tuple[str, ...]]:
     knob = find_knob(key.strip())
     if knob is None:
         swept = sorted((k for k in train_knobs() if k.path not in SHARED_FIELDS),
-                       key=lambda k: _LISTING_ORDER.index(k.section))
+                       key=lambda k: _LISTING_ORDER.index(k.section) if k.section in _LISTING_ORDER else len(_LISTING_ORDER))
         raise ConfigError(f"unknown grid key {key.strip()!r}; use a short key ({', '.join(k.name for k in swept)}) "
                           f"or a config field ({', '.join(k.dotted for k in swept)})")
     if knob.path in SHARED_FIELDS:
