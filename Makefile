@@ -35,7 +35,17 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.llm"
 	touch $(VLLM_STAMP)
 
-serving: $(VLLM_STAMP)
+# speculators (the peer whose DSpark and DFlash definitions tests/test_dspark_parity.py checks ours
+# against) in the vLLM environment: --no-deps, since its own requirements pull CUDA wheels; these
+# are the pieces its model definitions import.
+SPECULATORS_STAMP := $(VLLM_VENV)/.speculators
+$(SPECULATORS_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets==5.2.0 \
+		multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 python-dateutil==4.0.0 pyarrow==26.0.1 xxhash==4.1.0
+	$(VLLM_VENV)/bin/python -c "import speculators.models.dspark.model_definitions"
+	touch $(SPECULATORS_STAMP)
+
+serving: $(VLLM_STAMP) $(SPECULATORS_STAMP)
 
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH bash examples/quickstart.sh
@@ -76,10 +86,10 @@ prod-shape: $(STAMP)
 
 # The real vLLM engine and server against the built-in decoder and the local teacher
 # (~12 minutes on 2 cores after `make serving`).
-test-serving: $(STAMP) $(VLLM_STAMP)
+test-serving: $(STAMP) $(VLLM_STAMP) $(SPECULATORS_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m serving
 
-test-all: $(STAMP) $(VLLM_STAMP)
+test-all: $(STAMP) $(VLLM_STAMP) $(SPECULATORS_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m ''
 
 # The GPU machine (Python 3.12, torch 2.11, transformers 5.17, no network) lacks these: their
