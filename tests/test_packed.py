@@ -123,7 +123,9 @@ def step(model, batch, loss: LossConfig) -> tuple[torch.Tensor, dict]:
     return out.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("kind", ["dflash", "sliding", "dspark-rnn", "dspark-gated", "dspark-vanilla"])
+# the DSpark heads run in make test-slow (~20 s): make test stays under its 10 minutes
+@pytest.mark.parametrize("kind", ["dflash", "sliding", *(pytest.param(f"dspark-{head}", marks=pytest.mark.slow)
+                                                         for head in ("rnn", "gated", "vanilla"))])
 def test_packed_loss_and_gradients_equal_padded(kind):
     """For every loss kind and weighting (and a sum of terms): float32 loss and every parameter's
     gradient of one packed batch equal the padded batch's."""

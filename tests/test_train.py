@@ -233,8 +233,10 @@ def test_a_checkpoint_saved_on_a_gpu_loads_and_exports_on_cpu(tmp_path, cache_ur
 
 
 @pytest.mark.parametrize("objective", [["--loss-terms", '{"ce": 0.1, "tv": 0.9}', "--weighting", "dpace"],
-                                       ["--loss", "onpolicy_kl", "--onpolicy-decay", "0.3", "--weighting", "streak"],
-                                       ["--loss", "lk_hybrid", "--lk-eta", "2", "--weighting", "decay"]])
+                                       pytest.param(["--loss", "onpolicy_kl", "--onpolicy-decay", "0.3", "--weighting",
+                                                     "streak"], marks=pytest.mark.slow),
+                                       pytest.param(["--loss", "lk_hybrid", "--lk-eta", "2", "--weighting", "decay"],
+                                                    marks=pytest.mark.slow)])
 def test_acceptance_objectives_train_log_their_terms_and_resume_exactly(tmp_path, cache_url, objective):
     import shutil
 
