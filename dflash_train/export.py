@@ -22,6 +22,7 @@ from torch import Tensor
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.files import foreign_entries, holds, refuse_links, remove_tree
 from dflash_common.settings_files import load_settings_file
+from dflash_train.hf_config import EXPORT_ARCHITECTURES
 from dflash_train.model import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -39,12 +40,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _is_export_config(path: Path) -> bool:
-    """Whether `path` is a config.json an export wrote: a DFlash drafter's, not a model's."""
+    """Whether `path` is a config.json an export wrote: a DFlash or DSpark drafter's, not a model's."""
     try:
         values = load_settings_file(str(path))
     except (OSError, DFlashError):
         return False
-    return (isinstance(values, dict) and values.get("architectures") == ["DFlashDraftModel"]
+    return (isinstance(values, dict) and values.get("architectures") in [[a] for a in EXPORT_ARCHITECTURES]
             and isinstance(values.get("dflash_config"), dict))
 
 

@@ -11,6 +11,10 @@ from dflash_train.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.dspark import DSparkConfig
 from dflash_train.model import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
 
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE)
+"""The architectures an export of ours names: one per drafter kind."""
+
 
 def drafter_config_from_teacher(
     teacher_config: Mapping[str, Any],
@@ -63,7 +67,7 @@ def drafter_config_from_teacher(
 def export_config(cfg: DrafterConfig) -> dict[str, Any]:
     """The export config.json: a Qwen3 config plus the DFlash fields."""
     config: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [DFLASH_ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,

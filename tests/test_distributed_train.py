@@ -64,7 +64,9 @@ def _trainer(run: Path, step: int) -> dict:
 def _close(a: dict, b: dict):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+        # atol 1e-5: Adam turns a rounding-level difference in a near-zero gradient (the ranks sum
+        # their shares in another order) into a step of its own; one of 2,048 weights moved 2.3e-6
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
 
 
 def _resumed(source: Path, dest: Path) -> Path:

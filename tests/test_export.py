@@ -224,3 +224,17 @@ def test_bad_export_folders_raise_export_error(tmp_path):
         with pytest.raises(ExportError, match=message) as info:
             load_drafter(folder, model.embed_weight, model.lm_head_weight)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_an_earlier_export_of_either_kind_is_replaced(tmp_path, dspark):
+    """A DSpark export names DSparkDraftModel: exporting again (a resumed run, `export` twice) must
+    see it as ours, as a DFlash export is."""
+    from dflash_train.dspark import DSparkConfig
+
+    model = make_model(dspark=DSparkConfig(markov_rank=8) if dspark else None)
+    out = export_drafter(model, tmp_path / "drafter")
+    again = export_drafter(model, tmp_path / "drafter")
+    assert again == out and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "DSparkDraftModel" if dspark else "DFlashDraftModel"]
