@@ -77,3 +77,13 @@ def cache_url(tiny_cache) -> str:
     """The training tests' cache: 100 question/answer rows (seed 1) on the tiny qwen3 teacher."""
     return tiny_cache(rows=qa_rows(100, seed=1, prefix="t1-"))
 
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of the vLLM environment the serving tests run (DFLASH_VLLM_PYTHON or .venv-vllm)."""
+    from dflash_train.serving import find_vllm_python
+
+    try:
+        return str(find_vllm_python())
+    except Exception as err:  # the serving suite must not pass without the engine it tests
+        pytest.fail(f"{err}")

@@ -26,7 +26,7 @@ from dflash_train.data import DataConfig
 from dflash_train.decoding import read_prompts
 from dflash_train.evaluate import load_trained_drafter
 from dflash_train.export import export_drafter
-from dflash_train.serving import EngineRun, VllmConfig, find_vllm_python, run_vllm, spec_summary
+from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary
 from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
 from dflash_train.trainer import build_drafter, train
 
@@ -39,13 +39,6 @@ BLOCK = 8
 NUM_PROMPTS, MAX_NEW = 12, 64
 SLIDING_WINDOW = 24  # shorter than prompt + answer, so the window matters
 
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    try:
-        return str(find_vllm_python())
-    except Exception as err:  # the serving suite must not pass without the engine it tests
-        pytest.fail(f"{err}")
 
 
 @pytest.fixture(scope="module")
