@@ -140,10 +140,11 @@ def position_table(sweep_dir: Path, key: str) -> str:
                 continue
             width = max(len(c) for c in curves)
             mean = [sum((c + [0.0] * width)[k] for c in curves) / len(curves) for k in range(min(width, 8))]
-            label = "greedy" if kind == "decoding" else "T=" + json.dumps((read_measure(runs[0]) or {})[kind]["temperature"])
+            temperature = next(m[kind]["temperature"] for m in map(read_measure, runs) if m and m.get(kind))
+            label = "greedy" if kind == "decoding" else "T=" + json.dumps(temperature)
             cells = [f"{x:.3f}" for x in mean] + [""] * (8 - len(mean))
-            lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {sum(speed) / len(speed):,.0f} |"
-                         if speed else f"| {name} | {label} | " + " | ".join(cells) + " | n/a |")
+            rate = f"{sum(speed) / len(speed):,.0f}" if speed else "n/a"
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {rate} |")
     return "\n".join(lines) + "\n"
 
 
