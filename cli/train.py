@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from cli.common import BarProgress, json_option, knob_options, run
-from dflash_train.knobs import nested_values, train_knobs
+from dflash_train.knobs import config_knobs, nested_values, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -74,6 +74,13 @@ def export(
     run(action, debug)
 
 
+def decoding_knobs():
+    """The built-in decoder's options that come from SpecConfig's fields (eval and generate)."""
+    from dflash_train.speculative import SpecConfig
+
+    return config_knobs(SpecConfig, names=("confidence_threshold",), panel="decoding settings")
+
+
 def _echo_serve_commands(export_dir) -> None:
     from dflash_train.export import read_export_config
     from dflash_train.serving import serve_commands
@@ -85,6 +92,7 @@ def _echo_serve_commands(export_dir) -> None:
 
 
 @app.command("eval")
+@knob_options(decoding_knobs())
 def eval_(
     checkpoint: str = typer.Option(..., help="A step-NNNNNN checkpoint folder or an exported drafter folder."),
     cache: Optional[str] = typer.Option(None, help="Offline mode: a cache URL; evaluates on its held-out split."),
@@ -114,6 +122,7 @@ def eval_(
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
     quiet: bool = typer.Option(False, help="No progress bar."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
+    knob_values: dict = None,
 ):
     """Measure a drafter: offline acceptance on a cache's held-out split (--cache) and/or real
     speculative decoding with the teacher (--teacher --prompts), side by side."""
@@ -124,6 +133,10 @@ def eval_(
 
         if not cache and not (teacher and prompts):
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
+        threshold = knob_values["confidence_threshold"]
+        if threshold is not None and (not (teacher and prompts) or engine == "vllm"):
+            raise ConfigError(f"--confidence-threshold {threshold:g} is a setting of the built-in decoder; give --teacher "
+                              "and --prompts with --engine dflash or both, or drop it")
         if split != "heldout":
             raise ConfigError(f"--split {split!r} is not supported; use heldout")
         if max_sequences < 1 or (max_prompts is not None and max_prompts < 1):
@@ -162,7 +175,7 @@ def eval_(
             report["chat_template_kwargs"] = kwargs
             real, real_lines = _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens,
                                      temperature, top_p, vllm_python, path.with_suffix(".vllm.log"), quiet, trust_remote_code,
-                                     kwargs)
+                                     kwargs, threshold or 0.0)
             report.update(real)
             lines += real_lines
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,12 +203,13 @@ ENGINES = ("dflash", "vllm", "both")
 
 
 def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts, max_new_tokens, temperatures, top_p,
-          vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None) -> tuple[dict, list[tuple[str, str]]]:
+          vllm_python, vllm_log, quiet, trust_remote_code=False, template_kwargs=None,
+          confidence_threshold=0.0) -> tuple[dict, list[tuple[str, str]]]:
     """Real decoding with the built-in decoder (at each of `temperatures`) and/or vLLM (greedy):
     the report parts and their table lines."""
     from dflash_common.errors import ConfigError
     from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
-    from dflash_train.speculative import SpecConfig
+    from dflash_train.speculative import SpecConfig, check_confidence_threshold
 
     if engine not in ENGINES:
         raise ConfigError(f"--engine {engine!r} is unknown; use one of {', '.join(ENGINES)}")
@@ -208,9 +222,10 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
         find_vllm_python(vllm_python)  # fail before loading anything
     dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
     t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
+    check_confidence_threshold(drafter.cfg, confidence_threshold)
     prompt_list = read_prompts(prompts, t.tokenizer, max_prompts, template_kwargs)
-    specs = [SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
-             for temperature in temperatures]
+    specs = [SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids(),
+                        confidence_threshold=confidence_threshold) for temperature in temperatures]
     spec = next(s for s in specs if s.greedy) if engine != "dflash" else specs[0]
     report: dict = {}
     lines: list[tuple[str, str]] = []
@@ -224,7 +239,12 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
         for s, d in zip(specs, decodings):
             at = f" (T={s.temperature:g})" if len(specs) > 1 else ""
             lines += [("real decoding" + at, d["mode"]), ("measured accepted length" + at, f"{d['accepted_length']:.3f}"),
-                      ("  kept per forward (after stop cut)", f"{d['kept_per_forward']:.3f}")]
+                      ("  kept per forward (after stop cut)", f"{d['kept_per_forward']:.3f}"),
+                      ("  teacher forwards saved" + at, f"{d['teacher_forwards_saved']:,} of {d['teacher_alone_forwards']:,} "
+                                                         f"(teacher alone)")]
+            if confidence_threshold:
+                lines.append((f"  drafts verified per forward (confidence >= {confidence_threshold:g})",
+                              f"{d['drafts_per_forward']:.3f} of {drafter.cfg.num_draft_positions}"))
         if r["offline_accepted_length"] is not None:
             lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
         lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
@@ -281,6 +301,7 @@ def _offline(checkpoint, cache, dev, heldout_fraction, max_sequences, num_anchor
 
 
 @app.command()
+@knob_options(decoding_knobs())
 def generate(
     checkpoint: str = typer.Option(..., help="A checkpoint or exported drafter folder."),
     teacher: str = typer.Option(..., help="The teacher (folder or hub name)."),
@@ -294,25 +315,31 @@ def generate(
     chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with)."),
     allow_template_mismatch: bool = typer.Option(False, help="Render prompts with --chat-template-kwargs even when the cache was built with others."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
+    knob_values: dict = None,
 ):
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
 
     def action():
         from dflash_common.devices import resolve_device
         from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
-        from dflash_train.speculative import SpecConfig, speculative_generate
+        from dflash_train.speculative import SpecConfig, check_confidence_threshold, speculative_generate
 
         dev = resolve_device(device)
         dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
         kwargs = resolve_template_kwargs(checkpoint, None, json_option(chat_template_kwargs, "--chat-template-kwargs"),
                                          allow_template_mismatch)
+        threshold = knob_values["confidence_threshold"] or 0.0
         t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
+        check_confidence_threshold(drafter.cfg, threshold)
         ids = prompt_ids(t.tokenizer, [{"role": "user", "content": prompt}], kwargs)
-        spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids())
+        spec = SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_token_ids=t.stop_token_ids(),
+                          confidence_threshold=threshold)
         result = speculative_generate(t.model, drafter, list(ids), spec)
         typer.echo(t.tokenizer.decode(result.tokens, skip_special_tokens=True))
         mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
-        typer.echo(f"[{len(ids)} prompt tokens, {len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards, accepted length {mean:.2f}, "
+        drafts = sum(len(d) for d in result.draft_tokens) / max(result.teacher_forwards, 1)
+        typer.echo(f"[{len(ids)} prompt tokens, {len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards "
+                   f"({len(result.tokens) - 1 - result.teacher_forwards} saved), {drafts:.2f} drafts verified per forward, accepted length {mean:.2f}, "
                    f"{len(result.tokens) / result.seconds:,.1f} tokens/s; per forward: {result.accepted_lengths}]", err=True)
 
     run(action, debug)

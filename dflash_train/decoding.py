@@ -185,11 +185,19 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
     if progress:
         progress.close()
     spec_tokens, base_tokens = sum(len(r.tokens) for r in spec_results), sum(len(r.tokens) for r in base_results)
+    forwards, base_forwards = sum(r.teacher_forwards for r in spec_results), sum(r.teacher_forwards for r in base_results)
     report = {
         "mode": "greedy" if cfg.temperature == 0 else f"sampling (temperature {cfg.temperature}, top_p {cfg.top_p})",
         "prompts": len(prompts),
         "block_size": drafter.cfg.block_size,
+        "confidence_threshold": cfg.confidence_threshold,
         "accepted_length": mean_accepted_length(spec_results),
+        # what the drafter saves: the teacher's forwards after the prefill, alone vs verifying
+        "teacher_forwards": forwards,
+        "teacher_alone_forwards": base_forwards,
+        "teacher_forwards_saved": base_forwards - forwards,
+        # what a confidence threshold saves: drafts the teacher verifies per forward (P without one)
+        "drafts_per_forward": sum(len(d) for r in spec_results for d in r.draft_tokens) / max(forwards, 1),
         # tokens kept per verify forward: the last round of an answer counts only up to its stop
         # token, as the offline replay does (accepted_length counts that round before the cut)
         "kept_per_forward": sum(len(r.tokens) - 1 for r in spec_results) / max(sum(r.teacher_forwards for r in spec_results), 1),

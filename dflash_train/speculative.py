@@ -51,7 +51,7 @@ from dflash_cache.chat import top_p_filter
 from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
-from dflash_train.model import DFlashDrafter
+from dflash_train.model import DFlashDrafter, DrafterConfig
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class SpecConfig:
     confidence_threshold: float = 0.0
     """DSpark drafters with a confidence head: end a block before the first position whose
     cumulative predicted acceptance (the product of the head's estimates so far) is below this;
-    0 never stops early (the default)."""
+    0 never stops early (the default). A drafter without a confidence head refuses any other value."""
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -335,6 +335,15 @@ def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConf
     return out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device)
 
 
+def check_confidence_threshold(drafter_cfg: DrafterConfig, threshold: float) -> None:
+    """Refuse a confidence threshold for a drafter without a confidence head: it would be ignored,
+    and a measurement taken with it would silently be one without it."""
+    if threshold > 0 and (drafter_cfg.dspark is None or not drafter_cfg.dspark.enable_confidence_head):
+        kind = "a DFlash drafter" if drafter_cfg.dspark is None else "this DSpark drafter (dspark.enable_confidence_head off)"
+        raise ConfigError(f"confidence threshold {threshold:g} needs a confidence head, which {kind} has none of; "
+                          "drop the threshold (or set it to 0), or train with --model-kind dspark")
+
+
 def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) -> None:
     if vocab != drafter.cfg.vocab_size:
         raise ConfigError(f"the teacher's vocabulary has {vocab} rows, the drafter expects "
@@ -381,6 +390,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     """
     vocab = _check_prompt(teacher, prompt_ids)
     _check_pair(teacher, drafter, vocab)
+    check_confidence_threshold(drafter.cfg, cfg.confidence_threshold)
     device, logits_device = _input_device(teacher), _output_device(teacher)
     drafter_device = drafter.fc.weight.device
     generator = torch.Generator(device=logits_device).manual_seed(cfg.seed)

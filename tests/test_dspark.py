@@ -222,3 +222,68 @@ def test_export_round_trip_loads_the_heads(tmp_path):
     assert loaded.cfg == drafter.cfg
     state = drafter.state_dict()
     assert all(torch.equal(state[n], t) for n, t in loaded.state_dict().items())
+
+
+def _export_for(teacher_folder: str, out, dspark: DSparkConfig | None, acceptance: float = 0.6):
+    """An export for a teacher folder; a confidence head that predicts `acceptance` everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.export import export_drafter
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_folder)
+    cfg = DrafterConfig.from_teacher(teacher.config.to_dict(), (0, 2), teacher.config.vocab_size - 1, block_size=4,
+                                     num_hidden_layers=1, dspark=dspark)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, teacher.get_input_embeddings().weight, teacher.get_output_embeddings().weight)
+    if drafter.confidence_head is not None:
+        with torch.no_grad():
+            drafter.confidence_head.proj.weight.zero_()
+            drafter.confidence_head.proj.bias.fill_(torch.logit(torch.tensor(acceptance)).item())
+    return export_drafter(drafter, out, dtype=torch.float32)
+
+
+def test_confidence_threshold_option_of_eval_and_generate(tmp_path, teacher_dir):
+    """--confidence-threshold reaches the built-in decoder: at 0.3 a head predicting 0.6 everywhere
+    stops every block after 2 drafts (0.6, 0.36, then 0.216 < 0.3), the output still equals the
+    teacher's, and the report counts the teacher forwards; a drafter without a confidence head
+    refuses the option in one line."""
+    from helpers import write_jsonl
+
+    teacher = teacher_dir("qwen3")
+    dspark = _export_for(teacher, tmp_path / "dspark", DSparkConfig(markov_rank=8))
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello there"}, {"prompt": "what is a cat"}])
+    runner = CliRunner()
+    base = ["eval", "--checkpoint", str(dspark), "--teacher", teacher, "--prompts", str(tmp_path / "prompts.jsonl"),
+            "--max-new-tokens", "12", "--quiet"]
+    reports = {}
+    for threshold in ("0", "0.3"):
+        out = tmp_path / f"eval-{threshold}.json"
+        result = runner.invoke(app, base + ["--confidence-threshold", threshold, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        reports[threshold] = json.loads(out.read_text())["decoding"]
+    off, on = reports["0"], reports["0.3"]
+    assert (off["confidence_threshold"], on["confidence_threshold"]) == (0.0, 0.3)
+    assert off["drafts_per_forward"] == 4.0 and on["drafts_per_forward"] == 2.0
+    for report in (off, on):
+        assert report["matched_teacher"] is True
+        new_tokens = sum(row["new_tokens"] for row in report["per_prompt"])
+        assert report["teacher_alone_forwards"] == new_tokens - len(report["per_prompt"])
+        assert report["teacher_forwards_saved"] == report["teacher_alone_forwards"] - report["teacher_forwards"]
+    assert "teacher forwards saved" in result.output and "drafts verified per forward (confidence >= 0.3)" in result.output
+
+    generated = runner.invoke(app, ["generate", "--checkpoint", str(dspark), "--teacher", teacher, "--prompt", "hello",
+                                    "--max-new-tokens", "10", "--confidence-threshold", "0.3"])
+    assert generated.exit_code == 0, generated.output
+    assert "2.00 drafts verified per forward" in generated.output
+
+    dflash = _export_for(teacher, tmp_path / "dflash", None)
+    no_head = _export_for(teacher, tmp_path / "no-head", DSparkConfig(markov_rank=8, enable_confidence_head=False))
+    for folder, named in ((dflash, "a DFlash drafter"), (no_head, "enable_confidence_head off")):
+        for command in (["eval", "--checkpoint", str(folder), "--prompts", str(tmp_path / "prompts.jsonl")],
+                        ["generate", "--checkpoint", str(folder), "--prompt", "hello"]):
+            refused = runner.invoke(app, command + ["--teacher", teacher, "--confidence-threshold", "0.3"])
+            lines = refused.output.strip().splitlines()
+            assert refused.exit_code == 1 and len(lines) == 1, refused.output
+            assert "needs a confidence head" in lines[0] and named in lines[0] and "0.3" in lines[0]
+    offline = runner.invoke(app, ["eval", "--checkpoint", str(dspark), "--cache", "unused", "--confidence-threshold", "0.3"])
+    assert offline.exit_code == 1 and "built-in decoder" in offline.output
