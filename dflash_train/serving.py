@@ -226,8 +226,9 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
     """The vLLM and SGLang command lines that serve an exported drafter next to its teacher.
 
     A DSpark drafter proposes num_draft_positions tokens (block_size with sample_from_anchor);
-    vLLM 0.32 runs it only on its GPU model runner and only with the vanilla Markov head, and no
-    SGLang release this was checked against has a DSpark algorithm, so none is claimed for it."""
+    vLLM 0.32 runs it only on its GPU model runner and only with the vanilla Markov head. SGLang's
+    DSPARK algorithm loads DeepSpec's checkpoint layout instead (docs/design.md, "DSpark"), so no
+    SGLang command is claimed for it."""
     drafter = str(export_dir)
     spec = json.dumps({"method": speculative_method(cfg), "model": drafter,
                        "num_speculative_tokens": cfg.num_draft_positions})
@@ -235,7 +236,8 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
         vllm = f"vllm serve {teacher} --speculative-config '{spec}'"
         if cfg.dspark.markov_rank and cfg.dspark.markov_head_type != "vanilla":
             vllm += f"  # vLLM 0.32 serves only markov_head_type vanilla, not {cfg.dspark.markov_head_type}"
-        return {"vllm": vllm, "sglang": "not available: SGLang has no DSpark algorithm to serve it with"}
+        return {"vllm": vllm, "sglang": "not available: SGLang's DSPARK loads DeepSpec's Qwen3DSparkModel layout (its own "
+                                        "embed_tokens/lm_head, top-level target_layer_ids), not this vLLM-layout export"}
     block_size = cfg.block_size
     return {
         "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",

@@ -287,3 +287,18 @@ def test_confidence_threshold_option_of_eval_and_generate(tmp_path, teacher_dir)
             assert "needs a confidence head" in lines[0] and named in lines[0] and "0.3" in lines[0]
     offline = runner.invoke(app, ["eval", "--checkpoint", str(dspark), "--cache", "unused", "--confidence-threshold", "0.3"])
     assert offline.exit_code == 1 and "built-in decoder" in offline.output
+
+
+def test_serve_commands_name_no_sglang_command_for_dspark():
+    """SGLang's DSPARK reads DeepSpec's layout, not our vLLM-layout export: no command is claimed,
+    and the line says why; the DFlash export keeps its SGLang command."""
+    import dataclasses
+
+    from dflash_train.serving import serve_commands
+
+    cfg = _drafter(run_teacher("qwen3", 0.1)).cfg
+    dspark = serve_commands("exp", cfg)
+    assert dspark["sglang"].startswith("not available") and "Qwen3DSparkModel" in dspark["sglang"]
+    assert '"method": "dspark"' in dspark["vllm"]
+    dflash = serve_commands("exp", dataclasses.replace(cfg, dspark=None))
+    assert "--speculative-algorithm DFLASH" in dflash["sglang"]
