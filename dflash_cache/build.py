@@ -41,7 +41,7 @@ from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, writ
 from dflash_common.errors import BadRowError, CacheError, ConfigError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
-from dflash_common.settings import first_difference
+from dflash_common.resume_check import first_difference
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
