@@ -13,8 +13,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,9 +26,9 @@ from dflash_cache.corpus import (
     require_rows,
     tokenize_row,
 )
+from dflash_cache.settings.build import BuildConfig
 from dflash_cache.teacher import (
     Teacher,
-    TeacherConfig,
     load_config,
     load_teacher,
     load_tokenizer,
@@ -37,58 +36,14 @@ from dflash_cache.teacher import (
     resolve_layers,
     tokenizer_hashes,
 )
-from dflash_cache.writer import BackgroundWriter, ShardData, StorageConfig, write_shard, write_teacher_files
-from dflash_common.errors import BadRowError, CacheError, ConfigError
+from dflash_cache.writer import BackgroundWriter, ShardData, write_shard, write_teacher_files
+from dflash_common.errors import BadRowError, CacheError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
-from dflash_common.settings import first_difference
+from dflash_common.resume_check import first_difference
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
-
-
-@dataclass(frozen=True)
-class BuildConfig:
-    """Everything `dflash-cache build` needs; saved in the manifest."""
-
-    out: str
-    """Cache URL: a local folder, file://, s3://bucket/path, gs://..."""
-
-    corpus: CorpusConfig
-    """What to read and how to tokenize it."""
-
-    teacher: TeacherConfig
-    """Which teacher to run, on which layers, with which k."""
-
-    storage: StorageConfig = field(default_factory=StorageConfig)
-    """Shard and chunk sizes, compression, hidden-state format (lossless or fp8)."""
-
-    overwrite: bool = False
-    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
-
-    storage_options: dict[str, Any] | None = None
-    """fsspec options for the cache URL (credentials, endpoint)."""
-
-    rank: int = 0
-    """This process's rank in a multi-process build: it takes corpus rows with index % world_size
-    == rank and writes only its own shards (torchrun sets RANK and WORLD_SIZE)."""
-
-    world_size: int = 1
-    """Number of processes building the cache together."""
-
-    def __post_init__(self):
-        if not self.out:
-            raise ConfigError("--out is empty; give the cache a folder or URL")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes; set RANK in 0..WORLD_SIZE-1")
-        if self.overwrite and self.world_size > 1:
-            raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("storage_options")  # may hold credentials
-        out.pop("rank")  # the same cache whichever rank describes it
-        return out
 
 
 @dataclass

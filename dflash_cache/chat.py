@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_common.errors import ConfigError, TeacherError
+
+if TYPE_CHECKING:  # torch loads where sampling runs, not with the corpus settings
+    import torch
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -167,6 +169,8 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero every token outside the smallest set (most likely first) holding `top_p` of the
     probability: a token stays when the mass strictly before it is below top_p, so the most
     likely token always stays. probs [..., V], rows summing to 1; not renormalised."""
+    import torch
+
     if top_p >= 1:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)

@@ -23,6 +23,7 @@ import pyarrow as pa
 import xxhash
 
 from dflash_cache import fp8
+from dflash_cache.settings.storage import HIDDEN_FORMATS, LOSSLESS
 from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_common.faults import maybe_fault
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
@@ -52,9 +53,8 @@ HIDDEN_NUMPY = {
 # How the hidden states are encoded (the manifest's ``hidden_format``; absent means lossless).
 # lossless: the true dtype's bits, as above. fp8_e4m3: uint8 e4m3 codes in hidden.zarr and one
 # power-of-two scale exponent per token per layer in the SCALE_COLUMN of tokens.arrow (see
-# dflash_cache.fp8); the reader decodes them to the true dtype.
-LOSSLESS = "lossless"
-HIDDEN_FORMATS = (LOSSLESS, fp8.FORMAT)
+# dflash_cache.fp8); the reader decodes them to the true dtype. The names (LOSSLESS, HIDDEN_FORMATS)
+# are settings of a build: dflash_cache.settings.storage.
 SCALE_COLUMN = "hidden_scale_exp"
 
 

@@ -25,9 +25,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from dflash_cache.settings.storage import FP8_E4M3
 from dflash_common.errors import CacheError
 
-FORMAT = "fp8_e4m3"
+FORMAT = FP8_E4M3
 E4M3_MAX = 448.0
 # Exponent range: 2**MIN_EXP times the smallest e4m3 subnormal (2**-9) is bfloat16's smallest
 # subnormal (2**-133), and 448 * 2**MAX_EXP is below bfloat16's largest finite value, so every

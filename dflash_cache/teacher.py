@@ -16,64 +16,12 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache.chat import stop_token_ids
+from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.settings_files import load_settings_file
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class TeacherConfig:
-    """Which teacher to run and how."""
-
-    name_or_path: str
-    """A local folder or a Hugging Face hub name of a transformers causal LM."""
-
-    revision: str | None = None
-    """Hub revision (branch, tag or commit) when name_or_path is a hub name."""
-
-    dtype: str = "bfloat16"
-    """Compute and storage dtype of the hidden states: 'bfloat16' or 'float32'."""
-
-    device: str = "auto"
-    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
-
-    device_map: str | None = None
-    """transformers device_map ("auto", "balanced", ...) to spread a teacher too large for one GPU
-    over the GPUs of a node; use one process per node then. Overrides device."""
-
-    layers: tuple[int, ...] | None = None
-    """0-based decoder layers to tap, never the last one; None picks the default spread for num_tapped_layers."""
-
-    num_tapped_layers: int = 5
-    """How many teacher layers the default layer choice taps (the drafter's context inputs; not
-    the drafter's own layer count)."""
-
-    top_k: int = 64
-    """How many of the teacher's most likely next tokens to keep per position."""
-
-    batch_tokens: int = 8192
-    """Padded tokens per teacher forward (batch size x longest sequence in the batch)."""
-
-    logits_chunk: int = 2048
-    """Positions per LM-head chunk: bounds the fp32 logits to logits_chunk x vocab."""
-
-    trust_remote_code: bool = False
-    """Run modeling or tokenizer code that the teacher's folder ships (transformers' auto_map).
-    Off unless the user asks (--trust-remote-code); never taken from a cache's manifest."""
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; use bfloat16 or float32")
-        if self.top_k < 1:
-            raise ConfigError(f"--top-k must be at least 1, got {self.top_k}")
-        if self.batch_tokens < 1 or self.logits_chunk < 1:
-            raise ConfigError(f"batch tokens and logits chunk must be positive, got {self.batch_tokens}, {self.logits_chunk}")
-        if self.layers is not None and (not self.layers or min(self.layers) < 0):
-            raise ConfigError(f"--layers must list 0-based decoder layer ids, got {self.layers}")
-        if self.num_tapped_layers < 1:
-            raise ConfigError(f"--tapped-layers must be at least 1, got {self.num_tapped_layers}")
 
 
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_common.settings import first_difference
+from dflash_common.resume_check import first_difference
 from dflash_regenerate.config import KEEP_TURNS, RESUME_KEYS, SETTINGS_DEFAULTS
 
 

@@ -14,13 +14,13 @@ from typing import Any
 
 from dflash_common.errors import ConfigError
 from dflash_common.settings_files import load_settings_file
-from dflash_train.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
-from dflash_train.data import DataConfig
-from dflash_train.dspark import DRAFTER_KINDS, DSparkConfig
-from dflash_train.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
-from dflash_train.loss import LossConfig
-from dflash_train.model import ATTENTION_CHOICES
-from dflash_train.noise import NoiseConfig
+from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.drafter import ATTENTION_CHOICES
+from dflash_train.settings.dspark import DRAFTER_KINDS, DSparkConfig
+from dflash_train.settings.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
+from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.noise import NoiseConfig
 
 # Tokens per block at most: far above the 16 that drafters use; the training attention mask grows
 # with it (a block size of 100,000 asked for 640 GB).

@@ -12,8 +12,7 @@ teacher's embedding and LM head are non-persistent buffers and never part of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,177 +20,22 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
-from dflash_common.values import is_int
-from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, DSparkConfig, MarkovHead
+from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.layout import PACKED, sequence_starts, token_positions
+from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the import path before the settings moved)
+    ATTENTION_BACKENDS,
+    ATTENTION_CHOICES,
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    DrafterConfig,
+    _require_int,
+)
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MASK_TOKEN = "<|MASK|>"
-ATTENTION_BACKENDS = ("sdpa", "flex")
-ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
 
 # HF-style initialisation, the same the reference drafters start from.
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """Shape and wiring of a DFlash drafter; `to_hf_config()` is its export config.json."""
-
-    hidden_size: int
-    """Width of the residual stream; equal to the teacher's hidden size."""
-    num_attention_heads: int
-    """Query heads per layer."""
-    num_key_value_heads: int
-    """Key/value heads per layer (grouped-query attention); divides num_attention_heads."""
-    head_dim: int
-    """Width of one attention head; even, because rotary embeddings rotate pairs."""
-    intermediate_size: int
-    """Width of the SwiGLU MLP."""
-    vocab_size: int
-    """Rows of the teacher's embedding / LM head."""
-    mask_token_id: int
-    """Token id that fills the not-yet-known positions of a block."""
-    target_layer_ids: tuple[int, ...]
-    """0-based teacher decoder layers whose outputs are concatenated into the context features."""
-    num_target_layers: int
-    """Number of decoder layers of the teacher."""
-    num_hidden_layers: int = 5
-    """Number of drafter decoder layers."""
-    block_size: int = 16
-    """Tokens per drafted block: the anchor token plus block_size - 1 predictions."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
-    rope_theta: float = 1_000_000.0
-    """Base of the rotary embedding frequencies."""
-    max_position_embeddings: int = 40960
-    """Longest position the drafter is meant to serve (recorded for inference engines)."""
-    layer_types: tuple[str, ...] | None = None
-    """Per layer, "full_attention" or "sliding_attention"; None means all full attention."""
-    sliding_window: int | None = None
-    """Key window of sliding layers: a key at position p is seen by a query at q when p > q - window."""
-    mask_token: str | None = None
-    """The tokenizer's token at mask_token_id (e.g. "<|MASK|>"), None when that id is a spare embedding row;
-    exported as dflash_config.mask_token, which SGLang checks against the tokenizer."""
-    dspark: DSparkConfig | None = None
-    """DSpark's heads and layout; None is a DFlash drafter."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers",
-                     "max_position_embeddings"):
-            _require_positive_int(name, getattr(self, name))
-        _require_positive_int("block_size", self.block_size)
-        if self.block_size < 2:
-            raise ConfigError(f"block_size={self.block_size} drafts nothing; use 2 or more (16 is typical)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; pick a divisor")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} is odd; rotary embeddings need an even head_dim")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be > 0")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
-        _require_int("mask_token_id", self.mask_token_id)
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
-                "pass an id the teacher's embedding has a row for")
-
-        layer_ids = tuple(self.target_layer_ids)
-        if not layer_ids:
-            raise ConfigError("target_layer_ids is empty; list the teacher layers to tap, e.g. 1,16,31,46,61")
-        for layer_id in layer_ids:
-            _require_int("target_layer_ids entry", layer_id)
-            if not 0 <= layer_id < self.num_target_layers:
-                raise ConfigError(
-                    f"target layer id {layer_id} is outside the teacher's {self.num_target_layers} layers; "
-                    f"use ids in [0, {self.num_target_layers})")
-        if len(set(layer_ids)) != len(layer_ids):
-            raise ConfigError(f"target_layer_ids={list(layer_ids)} repeats a layer; list each layer once")
-        object.__setattr__(self, "target_layer_ids", layer_ids)
-
-        types = (FULL_ATTENTION,) * self.num_hidden_layers if self.layer_types is None else tuple(self.layer_types)
-        if len(types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"layer_types has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}; "
-                "give one per layer")
-        bad = [t for t in types if t not in LAYER_TYPES]
-        if bad:
-            raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
-        object.__setattr__(self, "layer_types", types)
-        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
-            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
-
-        if self.any_sliding:
-            if self.sliding_window is None:
-                raise ConfigError("a layer is sliding_attention but sliding_window is None; set a window")
-            _require_positive_int("sliding_window", self.sliding_window)
-        elif self.sliding_window is not None:
-            raise ConfigError(
-                f"sliding_window={self.sliding_window} is set but no layer is sliding_attention; "
-                "choose sliding layers or drop the window")
-
-    @property
-    def any_sliding(self) -> bool:
-        """Whether at least one layer uses sliding-window attention."""
-        return SLIDING_ATTENTION in self.layer_types
-
-    @property
-    def num_draft_positions(self) -> int:
-        """P, the tokens one block drafts: block_size with DSpark's sample_from_anchor (the
-        anchor slot predicts too), else block_size - 1."""
-        return self.block_size - 1 + self.first_slot_predicts
-
-    @property
-    def first_slot_predicts(self) -> int:
-        """1 when the anchor slot predicts (draft position j comes from slot j - 1), else 0 (slot j)."""
-        return int(self.dspark is not None and self.dspark.sample_from_anchor)
-
-    @property
-    def num_context_layers(self) -> int:
-        """How many teacher layers are concatenated per position."""
-        return len(self.target_layer_ids)
-
-    def layer_window(self, layer_index: int) -> int | None:
-        """The sliding window of one layer, None for full attention."""
-        return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
-
-    @classmethod
-    def from_teacher(cls, teacher_config: Mapping[str, Any], target_layer_ids: Sequence[int], mask_token_id: int,
-                     **options: Any) -> "DrafterConfig":
-        """Derive a drafter config from a teacher's HF config dict (see hf_config.drafter_config_from_teacher)."""
-        from dflash_train.hf_config import drafter_config_from_teacher
-
-        return drafter_config_from_teacher(teacher_config, target_layer_ids, mask_token_id, **options)
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The export config.json (see hf_config.export_config)."""
-        from dflash_train.hf_config import export_config
-
-        return export_config(self)
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "DrafterConfig":
-        """Read an export config.json back (see hf_config.drafter_config_from_export)."""
-        from dflash_train.hf_config import drafter_config_from_export
-
-        return drafter_config_from_export(config)
-
-
-def _require_int(name: str, value: Any) -> None:
-    if not is_int(value):
-        raise ConfigError(f"{name}={value!r} is not an integer; pass a whole number")
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    _require_int(name, value)
-    if value < 1:
-        raise ConfigError(f"{name}={value} must be >= 1")
 
 
 def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:

@@ -18,71 +18,17 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_common.values import is_int, is_real
+from dflash_common.values import is_int
+from dflash_train.settings.noise import DISTRIBUTIONS, SCHEDULES, NoiseConfig  # noqa: F401 (re-exported: the import path before the settings moved)
 
-SCHEDULES = ("off", "constant", "linear", "cosine")
-DISTRIBUTIONS = ("uniform", "gaussian")
-_UINT64_LIMIT = 2**64
 # a stream's element counter is an int32 bit pattern: 2**32 draws per (sequence, layer)
 MAX_DRAWS_PER_STREAM = 2**32
-
-
-@dataclass(frozen=True)
-class NoiseConfig:
-    """Which tapped layers get noise, how much at each step, and from which distribution."""
-
-    schedule: str = field(default="off", metadata={"name": "noise"})
-    """How the scale moves over training: "off" (0), "constant" (start), "linear" (start to end
-    over the run, then end), "cosine" (start to end along half a cosine, then end). Off by
-    default: in the recipe study (benchmarks/RESULTS.md) neither constant 0.05 nor cosine 0.1 to
-    0.01 changed held-out or real acceptance on either cache."""
-
-    distribution: str = field(default="uniform", metadata={"name": "noise_distribution"})
-    """"uniform" draws U(-scale, scale); "gaussian" draws N(0, scale^2)."""
-
-    start: float = field(default=0.1, metadata={"name": "noise_start"})
-    """Scale at step 0 (and the whole run for "constant"); >= 0."""
-
-    end: float = field(default=0.01, metadata={"name": "noise_end"})
-    """Scale from the last step on, for "linear" and "cosine"; >= 0."""
-
-    layers: tuple[int, ...] | None = field(default=None, metadata={"name": "noise_layers"})
-    """Indices into the cache's tapped layers (0 = first tapped layer) to noise; None = every
-    tapped layer except the last."""
-
-    seed: int = field(default=0, metadata={"name": "noise_seed"})
-    """Noise seed in [0, 2**64); changing it changes every draw."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"noise schedule {self.schedule!r} is unknown (use one of {', '.join(SCHEDULES)})"
-            )
-        if self.distribution not in DISTRIBUTIONS:
-            raise ConfigError(
-                f"noise distribution {self.distribution!r} is unknown (use one of {', '.join(DISTRIBUTIONS)})"
-            )
-        for name in ("start", "end"):
-            value = getattr(self, name)
-            if not is_real(value, finite=True) or value < 0:
-                raise ConfigError(f"noise {name} {value!r} is not a finite number >= 0 (pass e.g. 0.1)")
-        if self.layers is not None:
-            layers = tuple(self.layers)
-            if any(not is_int(i) or i < 0 for i in layers) or len(set(layers)) != len(layers):
-                raise ConfigError(
-                    f"noise layers {self.layers!r} are not distinct tapped-layer indices >= 0 "
-                    "(pass e.g. (0, 1, 2), or None for all but the last)"
-                )
-            object.__setattr__(self, "layers", layers)
-        if not is_int(self.seed) or not 0 <= self.seed < _UINT64_LIMIT:
-            raise ConfigError(f"noise seed {self.seed!r} is not an integer in [0, 2**64) (pass e.g. 0)")
 
 
 def _check_progress(step: int, total_steps: int) -> None:

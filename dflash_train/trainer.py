@@ -20,7 +20,7 @@ from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
-from dflash_common.settings import shown
+from dflash_common.resume_check import shown
 from dflash_train.checkpoint import (
     CheckpointError,
     CheckpointManager,

@@ -121,7 +121,7 @@ def position_table(sweep_dir: Path, key: str) -> str:
     the block that DSpark's Markov head is meant to slow."""
     import json
 
-    from dflash_train.recipe import read_measure
+    from dflash_train.sweep.recipe import read_measure
     from dflash_train.sweep.status import read_metrics
 
     groups: dict[str, list[Path]] = {}

@@ -4,6 +4,9 @@ and no private name (a leading underscore) imported from another package."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +60,57 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert problems() == ["dflash_cache/bad.py:2 imports dflash_train.trainer: dflash_cache may not import dflash_train",
                           "dflash_cache/bad.py:3 imports the private dflash_common.errors._hidden"]
+
+
+# The settings sit at the bottom of dflash_train: the implementation modules import them, never the
+# reverse, and they load none of the heavy libraries, so the command lines read and check settings
+# (and print --help) without loading torch.
+# A settings folder, and the config modules outside it that its settings may import.
+SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": ("dflash_cache.corpus.config",)}
+HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
+
+
+def settings_problems() -> list[str]:
+    found = []
+    for folder, also in SETTINGS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for module, _, line in imports_of(path):
+                where = f"{path.relative_to(ROOT)}:{line}"
+                top = module.split(".")[0]
+                if top in HEAVY:
+                    found.append(f"{where} imports {module}: settings load no {', '.join(HEAVY)}")
+                elif (top in ALLOWED and top != "dflash_common" and module not in also
+                      and not module.startswith(folder.replace("/", "."))):
+                    found.append(f"{where} imports {module}: settings import only settings and dflash_common")
+    return found
+
+
+def heavy_modules_loaded(module: str) -> list[str]:
+    """The HEAVY libraries that importing `module` loads, in a fresh interpreter."""
+    code = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
+def test_settings_import_only_settings_and_nothing_heavy():
+    assert settings_problems() == []
+
+
+def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch):
+    fake = tmp_path / "dflash_train" / "settings"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text("import torch\nfrom dflash_train.settings.loss import LossConfig\n"
+                                 "def f():\n    from dflash_train.model import DFlashDrafter\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert settings_problems() == [
+        "dflash_train/settings/bad.py:1 imports torch: settings load no torch, zarr, pyarrow, ml_dtypes",
+        "dflash_train/settings/bad.py:4 imports dflash_train.model: settings import only settings and dflash_common"]
+
+
+def test_the_command_lines_load_no_heavy_library():
+    assert heavy_modules_loaded("cli.train") == []
+    assert heavy_modules_loaded("cli.cache") == []
+    assert heavy_modules_loaded("dflash_cache.settings.build") == []
+    # the same check sees torch where a module does load it
+    assert "torch" in heavy_modules_loaded("dflash_train.model")

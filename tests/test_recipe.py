@@ -18,7 +18,17 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
-from dflash_train.recipe import (
+from dflash_train.sweep import (
+    FULL_RECIPE,
+    PAPER_RECIPE,
+    PRESETS,
+    SweepConfig,
+    one_factor_neighbours,
+    parse_grid,
+    plan_runs,
+    planned_combinations,
+)
+from dflash_train.sweep.recipe import (
     MeasureConfig,
     RunOutcome,
     interpolate,
@@ -31,16 +41,6 @@ from dflash_train.recipe import (
     tau_at_budget,
     tokens_by_step,
     tokens_to_reach,
-)
-from dflash_train.sweep import (
-    FULL_RECIPE,
-    PAPER_RECIPE,
-    PRESETS,
-    SweepConfig,
-    one_factor_neighbours,
-    parse_grid,
-    plan_runs,
-    planned_combinations,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,8 @@ holds), ``train_run`` (train or resume one run; replace its config's ``device`` 
 Modules, in the order a sweep uses them: ``grid`` (keys, values, combinations, run names),
 ``plan`` (the sweep's config, seeds, designs, presets, every run's TrainConfig), ``status``
 (what a run folder holds; train one run), ``processes`` (runs in processes of their own, and
-``worker``, the process), ``report`` and ``plots`` (the comparison), ``driver`` (run_sweep).
+``worker``, the process), ``report`` and ``plots`` (the comparison), ``recipe`` (what a sweep
+with seeds measures after each run, and the statistics of its summary), ``driver`` (run_sweep).
 """
 
 from dflash_train.sweep.driver import SweepResult, run_sweep

@@ -10,10 +10,10 @@ from typing import Any, Sequence
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig, config_from_dict, merge, set_path
 from dflash_train.knobs import Knob, config_knobs
-from dflash_train.recipe import (
+from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
+from dflash_train.sweep.recipe import (
     MeasureConfig,
 )
-from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
 
 SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
 """What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
@@ -58,7 +58,7 @@ class SweepRun:
     """The sweep's seed of this run (see SEED_PATHS); None when the sweep has no --seeds."""
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    """What is measured of the run after training (see dflash_train.recipe)."""
+    """What is measured of the run after training (see dflash_train.sweep.recipe)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class SweepConfig:
     first combination of the grid."""
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    """Held-out tau during training and real decoding per run (dflash_train.recipe)."""
+    """Held-out tau during training and real decoding per run (dflash_train.sweep.recipe)."""
 
     def __post_init__(self):
         if not str(self.out).strip():

@@ -1,6 +1,6 @@
-"""dflash_common.settings: the one comparison of an earlier job's settings with this one's."""
+"""dflash_common.resume_check: the one comparison of an earlier job's settings with this one's."""
 
-from dflash_common.settings import first_difference, shown
+from dflash_common.resume_check import first_difference, shown
 
 
 def test_first_difference_names_the_first_changed_key_with_both_values():

@@ -1,0 +1,55 @@
+"""Everything `dflash-cache build` is given (dflash_cache.build runs it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflash_cache.corpus.config import CorpusConfig
+from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.settings.teacher import TeacherConfig
+from dflash_common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything `dflash-cache build` needs; saved in the manifest."""
+
+    out: str
+    """Cache URL: a local folder, file://, s3://bucket/path, gs://..."""
+
+    corpus: CorpusConfig
+    """What to read and how to tokenize it."""
+
+    teacher: TeacherConfig
+    """Which teacher to run, on which layers, with which k."""
+
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Shard and chunk sizes, compression, hidden-state format (lossless or fp8)."""
+
+    overwrite: bool = False
+    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
+
+    storage_options: dict[str, Any] | None = None
+    """fsspec options for the cache URL (credentials, endpoint)."""
+
+    rank: int = 0
+    """This process's rank in a multi-process build: it takes corpus rows with index % world_size
+    == rank and writes only its own shards (torchrun sets RANK and WORLD_SIZE)."""
+
+    world_size: int = 1
+    """Number of processes building the cache together."""
+
+    def __post_init__(self):
+        if not self.out:
+            raise ConfigError("--out is empty; give the cache a folder or URL")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes; set RANK in 0..WORLD_SIZE-1")
+        if self.overwrite and self.world_size > 1:
+            raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("storage_options")  # may hold credentials
+        out.pop("rank")  # the same cache whichever rank describes it
+        return out

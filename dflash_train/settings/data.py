@@ -1,0 +1,77 @@
+"""The data section: how a run's sequences are split, ordered, batched and laid out (dflash_train.data
+reads them; dflash_train.layout places the tokens of each layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash_common.errors import ConfigError
+
+PACKED, PADDED = "packed", "padded"
+LAYOUTS = (PACKED, PADDED)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How sequences are split, ordered, batched and sampled."""
+
+    batch_tokens: int = 8192
+    """Sequence tokens per batch (sum of lengths); a longer sequence forms a batch alone."""
+
+    num_anchors: int = 8
+    """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors)."""
+
+    heldout_fraction: float = 0.02
+    """Fraction of sequences (chosen by a hash of the id) kept out of training for evaluation."""
+
+    seed: int = field(default=0, metadata={"name": "data_seed"})
+    """Seed of the epoch order and of anchor sampling."""
+
+    num_workers: int = 0
+    """DataLoader worker processes reading shards (0 = in the training process); the batch stream is the same
+    for any count."""
+
+    read_ahead_bytes: int = 2**30
+    """Hidden-state bytes each loader process reads ahead of the batch it is building, on
+    background threads: the prefetch from object stores, and locally the reads that overlap the
+    training step. 1 GiB holds two default batches at production width (51 KB a token); never
+    more than four batches are read ahead. Memory per loader process grows by about this much;
+    0 reads each sequence when it is needed."""
+
+    read_threads: int = 4
+    """Threads per loader process that read ahead (more help on high-latency object stores)."""
+
+    layout: str = field(default=PACKED, metadata={"name": "batch_layout"})
+    """How a batch lays out its sequences: "packed" (end to end in one row: the drafter's context
+    projections skip the padding, each block still sees only its own sequence) or "padded" (one
+    right-padded row each). The same loss to float tolerance; packed measured 1.02x padded's
+    tokens/s at the quickstart's shape and 1.09x at production width on CPU (benchmarks/RESULTS.md,
+    "Packed batches"). Like model.attention_backend a resume may change it (then equal to float
+    rounding, not bit for bit)."""
+
+    skip_shards: tuple[str, ...] = ()
+    """Shards (by name) left out of training and evaluation, e.g. damaged ones a rebuild cannot
+    fix yet. It changes the data, so a run resumes only with the same list."""
+
+    def __post_init__(self):
+        if self.batch_tokens < 1:
+            raise ConfigError(f"batch tokens must be positive, got {self.batch_tokens}; pass e.g. --batch-tokens 8192")
+        if self.num_anchors < 1:
+            raise ConfigError(f"--num-anchors must be at least 1, got {self.num_anchors}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ConfigError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.read_ahead_bytes < 0:
+            raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 1073741824 (1 GiB)")
+        if self.read_threads < 1:
+            raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"--batch-layout {self.layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
+        if not all(isinstance(n, str) and n for n in self.skip_shards):
+            raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
+
+
+# Settings that change how the stream is read, not which batches it holds: a run may resume with
+# other values of these.
+OPERATIONAL_FIELDS = ("num_workers", "read_ahead_bytes", "read_threads", "layout")

@@ -1,0 +1,337 @@
+"""A drafter's shape (DrafterConfig) and its Hugging Face config dicts: derived from the teacher's
+config, written as the export's config.json (what the reference DFlash code, vLLM and SGLang read),
+and read back. dflash_train.model builds the drafter from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int
+from dflash_train.settings.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.settings.dspark import DSparkConfig
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+ATTENTION_BACKENDS = ("sdpa", "flex")
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape and wiring of a DFlash drafter; `to_hf_config()` is its export config.json."""
+
+    hidden_size: int
+    """Width of the residual stream; equal to the teacher's hidden size."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer (grouped-query attention); divides num_attention_heads."""
+    head_dim: int
+    """Width of one attention head; even, because rotary embeddings rotate pairs."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    vocab_size: int
+    """Rows of the teacher's embedding / LM head."""
+    mask_token_id: int
+    """Token id that fills the not-yet-known positions of a block."""
+    target_layer_ids: tuple[int, ...]
+    """0-based teacher decoder layers whose outputs are concatenated into the context features."""
+    num_target_layers: int
+    """Number of decoder layers of the teacher."""
+    num_hidden_layers: int = 5
+    """Number of drafter decoder layers."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor token plus block_size - 1 predictions."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary embedding frequencies."""
+    max_position_embeddings: int = 40960
+    """Longest position the drafter is meant to serve (recorded for inference engines)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, "full_attention" or "sliding_attention"; None means all full attention."""
+    sliding_window: int | None = None
+    """Key window of sliding layers: a key at position p is seen by a query at q when p > q - window."""
+    mask_token: str | None = None
+    """The tokenizer's token at mask_token_id (e.g. "<|MASK|>"), None when that id is a spare embedding row;
+    exported as dflash_config.mask_token, which SGLang checks against the tokenizer."""
+    dspark: DSparkConfig | None = None
+    """DSpark's heads and layout; None is a DFlash drafter."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers",
+                     "max_position_embeddings"):
+            _require_positive_int(name, getattr(self, name))
+        _require_positive_int("block_size", self.block_size)
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size} drafts nothing; use 2 or more (16 is typical)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; pick a divisor")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd; rotary embeddings need an even head_dim")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
+        _require_int("mask_token_id", self.mask_token_id)
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size}); "
+                "pass an id the teacher's embedding has a row for")
+
+        layer_ids = tuple(self.target_layer_ids)
+        if not layer_ids:
+            raise ConfigError("target_layer_ids is empty; list the teacher layers to tap, e.g. 1,16,31,46,61")
+        for layer_id in layer_ids:
+            _require_int("target_layer_ids entry", layer_id)
+            if not 0 <= layer_id < self.num_target_layers:
+                raise ConfigError(
+                    f"target layer id {layer_id} is outside the teacher's {self.num_target_layers} layers; "
+                    f"use ids in [0, {self.num_target_layers})")
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ConfigError(f"target_layer_ids={list(layer_ids)} repeats a layer; list each layer once")
+        object.__setattr__(self, "target_layer_ids", layer_ids)
+
+        types = (FULL_ATTENTION,) * self.num_hidden_layers if self.layer_types is None else tuple(self.layer_types)
+        if len(types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}; "
+                "give one per layer")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
+        object.__setattr__(self, "layer_types", types)
+        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
+            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
+
+        if self.any_sliding:
+            if self.sliding_window is None:
+                raise ConfigError("a layer is sliding_attention but sliding_window is None; set a window")
+            _require_positive_int("sliding_window", self.sliding_window)
+        elif self.sliding_window is not None:
+            raise ConfigError(
+                f"sliding_window={self.sliding_window} is set but no layer is sliding_attention; "
+                "choose sliding layers or drop the window")
+
+    @property
+    def any_sliding(self) -> bool:
+        """Whether at least one layer uses sliding-window attention."""
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def num_draft_positions(self) -> int:
+        """P, the tokens one block drafts: block_size with DSpark's sample_from_anchor (the
+        anchor slot predicts too), else block_size - 1."""
+        return self.block_size - 1 + self.first_slot_predicts
+
+    @property
+    def first_slot_predicts(self) -> int:
+        """1 when the anchor slot predicts (draft position j comes from slot j - 1), else 0 (slot j)."""
+        return int(self.dspark is not None and self.dspark.sample_from_anchor)
+
+    @property
+    def num_context_layers(self) -> int:
+        """How many teacher layers are concatenated per position."""
+        return len(self.target_layer_ids)
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The sliding window of one layer, None for full attention."""
+        return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
+
+    @classmethod
+    def from_teacher(cls, teacher_config: Mapping[str, Any], target_layer_ids: Sequence[int], mask_token_id: int,
+                     **options: Any) -> "DrafterConfig":
+        """Derive a drafter config from a teacher's HF config dict (see drafter_config_from_teacher below)."""
+        return drafter_config_from_teacher(teacher_config, target_layer_ids, mask_token_id, **options)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The export config.json (see export_config below)."""
+        return export_config(self)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "DrafterConfig":
+        """Read an export config.json back (see drafter_config_from_export below)."""
+        return drafter_config_from_export(config)
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not is_int(value):
+        raise ConfigError(f"{name}={value!r} is not an integer; pass a whole number")
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    _require_int(name, value)
+    if value < 1:
+        raise ConfigError(f"{name}={value} must be >= 1")
+
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE)
+"""The architectures an export of ours names: one per drafter kind."""
+
+
+def drafter_config_from_teacher(
+    teacher_config: Mapping[str, Any],
+    target_layer_ids: Sequence[int],
+    mask_token_id: int,
+    block_size: int = 16,
+    num_hidden_layers: int = 5,
+    sliding_window: int | None = None,
+    sliding_layers: Sequence[int] = (),
+    **overrides: Any,
+) -> DrafterConfig:
+    """Derive a drafter config from a teacher's HF config dict (Qwen3, Llama, qwen3_5, ...).
+
+    Dimensions default to the teacher's; `overrides` replaces any field by name.
+    """
+    text = text_config(teacher_config)
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if text.get(key) is None:
+            raise ConfigError(f"teacher config has no {key!r}; pass a transformers config dict of a decoder LM")
+    sliding_layers = tuple(sliding_layers)
+    for index in sliding_layers:
+        if not 0 <= index < num_hidden_layers:
+            raise ConfigError(
+                f"sliding layer {index} is outside the drafter's {num_hidden_layers} layers; "
+                f"use indices in [0, {num_hidden_layers})")
+    if sliding_layers and sliding_window is None:
+        raise ConfigError(f"sliding_layers={list(sliding_layers)} given without sliding_window; set a window")
+    if sliding_window is not None and not sliding_layers:
+        raise ConfigError(f"sliding_window={sliding_window} given without sliding_layers; name the sliding layers")
+
+    fields: dict[str, Any] = dict(
+        **_layer_shape(text),
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids),
+        num_target_layers=int(text["num_hidden_layers"]),
+        num_hidden_layers=num_hidden_layers,
+        block_size=block_size,
+        layer_types=tuple(SLIDING_ATTENTION if i in sliding_layers else FULL_ATTENTION
+                          for i in range(num_hidden_layers)),
+        sliding_window=sliding_window,
+    )
+    known = {f.name for f in dataclasses.fields(DrafterConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown drafter config field {unknown[0]!r}; use one of {sorted(known)}")
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def export_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The export config.json: a Qwen3 config plus the DFlash fields."""
+    config: dict[str, Any] = {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        # Older readers look for rope_theta, transformers 5 for rope_parameters: write both.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        # Some engines read block_size from dflash_config instead of the top level.
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "block_size": cfg.block_size,
+            **({"mask_token": cfg.mask_token} if cfg.mask_token is not None else {}),
+        },
+        "layer_types": list(cfg.layer_types),
+        # transformers 4.x drops sliding_window unless use_sliding_window is true.
+        "use_sliding_window": cfg.any_sliding,
+    }
+    if cfg.any_sliding:
+        config["sliding_window"] = cfg.sliding_window
+    if cfg.dspark is not None:
+        # vLLM maps DSparkDraftModel with model_type qwen3 to its Qwen3DSparkModel and reads the
+        # DSpark fields at the top level. sample_from_anchor stays out of dflash_config: vLLM's
+        # DFlash runtime, which DSpark's extends, refuses dflash_config.sample_from_anchor = true.
+        config["architectures"] = [DSPARK_ARCHITECTURE]
+        config.update(cfg.dspark.export_fields())
+    return config
+
+
+def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
+    """Read an export config.json back (the inverse of export_config)."""
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "num_target_layers", "dflash_config"):
+        if config.get(key) is None:
+            raise ConfigError(f"drafter config has no {key!r}; export the drafter again with export_drafter")
+    dflash = config["dflash_config"]
+    if not isinstance(dflash, Mapping):
+        raise ConfigError(f"drafter config dflash_config is {type(dflash).__name__}, not an object; re-export it")
+    for key in ("mask_token_id", "target_layer_ids"):
+        if dflash.get(key) is None:
+            raise ConfigError(f"drafter config dflash_config has no {key!r}; re-export the drafter")
+    block_size = config.get("block_size", dflash.get("block_size"))
+    if block_size is None:
+        raise ConfigError("drafter config has no 'block_size'; re-export the drafter")
+    num_layers = int(config["num_hidden_layers"])
+    layer_types = tuple(config.get("layer_types") or (FULL_ATTENTION,) * num_layers)
+    sliding = SLIDING_ATTENTION in layer_types
+    return DrafterConfig(
+        **_layer_shape(config),
+        mask_token_id=int(dflash["mask_token_id"]),
+        target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+        num_target_layers=int(config["num_target_layers"]),
+        num_hidden_layers=num_layers,
+        block_size=int(block_size),
+        layer_types=layer_types,
+        # A Qwen3 config may carry an unused window; it only matters when a layer slides.
+        sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
+        mask_token=dflash.get("mask_token"),
+        dspark=DSparkConfig.from_export(config) if DSPARK_ARCHITECTURE in (config.get("architectures") or ()) else None,
+    )
+
+
+def _layer_shape(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder-layer shape a Qwen3-style HF config gives (the teacher's, or an export's)."""
+    hidden_size, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return dict(
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+        rope_theta=rope_theta(config),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+    )
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language-model part of a config; multimodal wrappers (qwen3_5) nest it in text_config."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def rope_theta(config: Mapping[str, Any]) -> float:
+    """Rotary base from the top level (transformers 4) or rope_parameters (transformers 5)."""
+    if config.get("rope_theta") is not None:
+        return float(config["rope_theta"])
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if isinstance(params, Mapping) and params.get("rope_theta") is not None:
+            return float(params["rope_theta"])
+    # transformers' default base when a config names none.
+    return 10000.0
