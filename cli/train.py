@@ -76,7 +76,7 @@ def export(
 
 def decoding_knobs():
     """The built-in decoder's options that come from SpecConfig's fields (eval and generate)."""
-    from dflash_train.speculative import SpecConfig
+    from dflash_train.settings.speculative import SpecConfig
 
     return config_knobs(SpecConfig, names=("confidence_threshold",), panel="decoding settings")
 
