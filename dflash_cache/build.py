@@ -27,13 +27,13 @@ from dflash_cache.corpus import (
     require_rows,
     tokenize_row,
 )
+from dflash_cache.engines import ENGINES, VllmArgs
 from dflash_cache.teacher import (
     Teacher,
     TeacherConfig,
     load_config,
     load_teacher,
     load_tokenizer,
-    plan_batches,
     resolve_layers,
     tokenizer_hashes,
 )
@@ -76,11 +76,29 @@ class BuildConfig:
     world_size: int = 1
     """Number of processes building the cache together."""
 
+    engine: str = "transformers"
+    """What runs the teacher forward: 'transformers' (here, in padded batches) or 'vllm' (vLLM's
+    engine in its own environment, dflash_cache.vllm_engine). Either writes the same cache: ids,
+    masks and everything but the forward come from the same code, and a build may resume with
+    the other engine."""
+
+    vllm: VllmArgs = field(default_factory=VllmArgs)
+    """Options of the vLLM engine (--vllm-args): parallel sizes, memory share, max_model_len."""
+
+    vllm_python: str | None = None
+    """Python of an environment with vLLM (--vllm-python); default: $DFLASH_VLLM_PYTHON, else
+    .venv-vllm/bin/python. A path of this machine: not recorded in the manifest."""
+
     def __post_init__(self):
         if not self.out:
             raise ConfigError("--out is empty; give the cache a folder or URL")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes; set RANK in 0..WORLD_SIZE-1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is unknown; use {' or '.join(ENGINES)}")
+        if self.engine == "vllm" and self.teacher.device_map:
+            raise ConfigError("--device-map spreads a transformers teacher over GPUs; with --engine vllm pass "
+                              "--vllm-args '{\"tensor_parallel_size\": N}' instead")
         if self.overwrite and self.world_size > 1:
             raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
 
@@ -88,6 +106,7 @@ class BuildConfig:
         out = asdict(self)
         out.pop("storage_options")  # may hold credentials
         out.pop("rank")  # the same cache whichever rank describes it
+        out.pop("vllm_python")  # a path of the machine that built it
         return out
 
 
@@ -424,7 +443,7 @@ def run_teacher(teacher: Teacher, sequences: list, rows: list[int], rank: int, i
     topk_ids = np.empty((n_tokens, k), dtype=np.int32)
     topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
     finite = np.ones(len(sequences), dtype=bool)
-    batches = plan_batches(lengths, teacher.cfg.batch_tokens) if len(sequences) else []
+    batches = teacher.batches(lengths) if len(sequences) else []
     for batch in batches:
         out = teacher.forward([sequences[i].input_ids for i in batch])
         pos = 0
@@ -436,7 +455,7 @@ def run_teacher(teacher: Teacher, sequences: list, rows: list[int], rank: int, i
             pos += n
         finite[batch] = out.finite
         stats["tokens"] += int(lengths[batch].sum())
-        stats["padded"] += int(lengths[batch].max()) * len(batch)
+        stats["padded"] += int(lengths[batch].max()) * len(batch) if teacher.pads_batches else int(lengths[batch].sum())
         stats["progress"].advance(len(batch), **stats["show"]())
     shard = ShardData(
         rank=rank, index=index, row_start=row_span[0], row_end=row_span[1],
@@ -471,8 +490,25 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         return _build_locked(cfg, progress, files, total_rows, fs, root)
 
 
+def load_build_teacher(cfg: BuildConfig) -> Teacher:
+    """The teacher of a build, run by its engine; close() it when done."""
+    if cfg.engine == "vllm":
+        from dflash_cache.vllm_engine import load_vllm_teacher
+
+        return load_vllm_teacher(cfg.teacher, cfg.vllm, cfg.corpus.max_length, cfg.vllm_python)
+    return load_teacher(cfg.teacher)
+
+
 def _build_locked(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str) -> dict:
-    teacher = load_teacher(cfg.teacher)
+    teacher = load_build_teacher(cfg)
+    try:
+        return _build_with(cfg, progress, files, total_rows, fs, root, teacher)
+    finally:
+        teacher.close()
+
+
+def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str,
+                teacher: Teacher) -> dict:
     header = _header(cfg, teacher, files)
     with fmt.reaching(cfg.out):
         _prepare_output(fs, root, cfg.out, header, cfg.overwrite)
