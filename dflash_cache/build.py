@@ -42,6 +42,7 @@ from dflash_common.errors import BadRowError, CacheError, ConfigError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.settings import first_difference
+from dflash_common.vllm_env import find_vllm_python
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
@@ -480,6 +481,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
     # the layer choice is refused from the config alone, before a large teacher is loaded
     resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
+    if cfg.engine == "vllm":
+        find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher
     with ExitStack() as held:
         if fmt.is_local(fs):
             # one build per rank of a folder, for the whole build (before the teacher is loaded, so

@@ -30,7 +30,8 @@ class VllmArgs:
     logits on the same GPU, so leave that much free."""
 
     max_model_len: int | None = None
-    """Longest sequence the engine accepts; None: --max-length + 1 (the one token it generates)."""
+    """Longest sequence the engine accepts; None: --max-length + 1 (the one token it generates),
+    at most the teacher's max_position_embeddings."""
 
     enable_prefix_caching: bool = False
     """Reuse KV blocks across sequences that share a prefix. Off: the states are read back from the
@@ -61,10 +62,12 @@ class VllmArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--vllm-args {name}={getattr(self, name)!r} must be true or false")
 
-    def engine_args(self, max_length: int) -> dict:
-        """Keyword arguments of vLLM's LLM(...) for a build of sequences up to max_length tokens."""
+    def engine_args(self, max_length: int, max_positions: int | None = None) -> dict:
+        """Keyword arguments of vLLM's LLM(...) for a build of sequences up to max_length tokens of
+        a teacher with max_positions positions (vLLM refuses a longer max_model_len)."""
+        default = max_length + 1 if max_positions is None else min(max_length + 1, max_positions)
         args = {"tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
-                "max_model_len": self.max_model_len or max_length + 1,
+                "max_model_len": self.max_model_len or default,
                 "enable_prefix_caching": self.enable_prefix_caching, "enforce_eager": self.enforce_eager}
         if self.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = self.gpu_memory_utilization

@@ -190,7 +190,8 @@ def last_error(log_path: Path) -> str:
 
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
     for line in reversed(lines):
-        if re.search(r"\b(\w+Error|\w+Exception)\b", line):
+        # EngineDeadError only says "see above": the worker's own error is the one that helps
+        if re.search(r"\b(\w+Error|\w+Exception)\b", line) and "EngineDeadError" not in line:
             return line[-300:]
     return lines[-1][-300:] if lines else "no output"
 
@@ -259,7 +260,8 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     head, norm = base.model.get_output_embeddings(), final_norm(base.model)
     head.to(device)
     norm.to(device)
-    num_layers = int(base.model.config.get_text_config().num_hidden_layers)
+    text_config = base.model.config.get_text_config()
+    num_layers = int(text_config.num_hidden_layers)
     receiver = StateReceiver()
     handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
     os.close(handle)
@@ -271,7 +273,7 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     folder = Path(cfg.name_or_path).expanduser()
     setup = {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
              "aux_layer_ids": aux_layer_ids(base.layer_ids, num_layers), "socket": receiver.name,
-             "engine_args": {**args.engine_args(max_length), **({"revision": cfg.revision} if cfg.revision else {}),
+             "engine_args": {**args.engine_args(max_length, getattr(text_config, "max_position_embeddings", None)), **({"revision": cfg.revision} if cfg.revision else {}),
                              "trust_remote_code": cfg.trust_remote_code},
              "prompt_logprobs": prompt_logprobs}
     try:
