@@ -19,6 +19,7 @@ def _build_config(**o):
 
     from dflash_cache.build import BuildConfig
     from dflash_cache.corpus import CorpusConfig
+    from dflash_cache.settings.engines import parse_vllm_args
     from dflash_cache.teacher import TeacherConfig
     from dflash_cache.writer import StorageConfig, parse_size
 
@@ -37,6 +38,9 @@ def _build_config(**o):
         storage_options=json_option(o["storage_options"], "--storage-options"),
         rank=int(os.environ.get("RANK", 0)),
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        engine=o["engine"],
+        vllm=parse_vllm_args(o["vllm_args"]),
+        vllm_python=o["vllm_python"],
     )
 
 
@@ -65,6 +69,9 @@ def build(
     on_bad_row: str = typer.Option("fail", help="Bad corpus rows: fail (one line naming file and row) or skip (counted)."),
     chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}'; build, regenerate, eval and serving must agree."),
     storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'."),
+    engine: str = typer.Option("transformers", help="What runs the teacher: transformers (here) or vllm (vLLM's engine in its own environment; the same cache, at serving-engine speed)."),
+    vllm_python: Optional[str] = typer.Option(None, help="With --engine vllm: python of an environment with vLLM (default: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python)."),
+    vllm_args: Optional[str] = typer.Option(None, help="With --engine vllm: engine options as JSON, e.g. '{\"tensor_parallel_size\": 2, \"gpu_memory_utilization\": 0.85}' (also data_parallel_size, max_model_len, enable_prefix_caching, enforce_eager, max_num_batched_tokens)."),
     overwrite: bool = typer.Option(False, help="Delete an existing cache at --out and build from scratch (default: resume it)."),
     dry_run: bool = typer.Option(False, help="Tokenize only and estimate sequences, tokens, bytes and shards."),
     quiet: bool = typer.Option(False, help="No progress bar."),

@@ -32,7 +32,6 @@ from dflash_cache.teacher import (
     load_config,
     load_teacher,
     load_tokenizer,
-    plan_batches,
     resolve_layers,
     tokenizer_hashes,
 )
@@ -41,6 +40,7 @@ from dflash_common.errors import BadRowError, CacheError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.resume_check import first_difference
+from dflash_common.vllm_env import find_vllm_python
 
 # Manifest fields that must match for a rerun to resume into an existing cache.
 RESUME_KEYS = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype", "hidden_format", "corpus", "content_options")
@@ -379,7 +379,7 @@ def run_teacher(teacher: Teacher, sequences: list, rows: list[int], rank: int, i
     topk_ids = np.empty((n_tokens, k), dtype=np.int32)
     topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
     finite = np.ones(len(sequences), dtype=bool)
-    batches = plan_batches(lengths, teacher.cfg.batch_tokens) if len(sequences) else []
+    batches = teacher.batches(lengths) if len(sequences) else []
     for batch in batches:
         out = teacher.forward([sequences[i].input_ids for i in batch])
         pos = 0
@@ -391,7 +391,7 @@ def run_teacher(teacher: Teacher, sequences: list, rows: list[int], rank: int, i
             pos += n
         finite[batch] = out.finite
         stats["tokens"] += int(lengths[batch].sum())
-        stats["padded"] += int(lengths[batch].max()) * len(batch)
+        stats["padded"] += int(lengths[batch].max()) * len(batch) if teacher.pads_batches else int(lengths[batch].sum())
         stats["progress"].advance(len(batch), **stats["show"]())
     shard = ShardData(
         rank=rank, index=index, row_start=row_span[0], row_end=row_span[1],
@@ -416,6 +416,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
     # the layer choice is refused from the config alone, before a large teacher is loaded
     resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
+    if cfg.engine == "vllm":
+        find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher
     with ExitStack() as held:
         if fmt.is_local(fs):
             # one build per rank of a folder, for the whole build (before the teacher is loaded, so
@@ -426,8 +428,25 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
         return _build_locked(cfg, progress, files, total_rows, fs, root)
 
 
+def load_build_teacher(cfg: BuildConfig) -> Teacher:
+    """The teacher of a build, run by its engine; close() it when done."""
+    if cfg.engine == "vllm":
+        from dflash_cache.vllm_engine import load_vllm_teacher
+
+        return load_vllm_teacher(cfg.teacher, cfg.vllm, cfg.corpus.max_length, cfg.vllm_python)
+    return load_teacher(cfg.teacher)
+
+
 def _build_locked(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str) -> dict:
-    teacher = load_teacher(cfg.teacher)
+    teacher = load_build_teacher(cfg)
+    try:
+        return _build_with(cfg, progress, files, total_rows, fs, root, teacher)
+    finally:
+        teacher.close()
+
+
+def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str,
+                teacher: Teacher) -> dict:
     header = _header(cfg, teacher, files)
     with fmt.reaching(cfg.out):
         _prepare_output(fs, root, cfg.out, header, cfg.overwrite)

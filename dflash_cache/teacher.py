@@ -236,11 +236,26 @@ class Teacher:
         # with a device_map the final norm sits on the last GPU, the mask on the embedding's
         last = out.last_hidden_state[real.to(out.last_hidden_state.device)]  # [N, H]
         hidden = taps.take(last.device)  # [N, L, H]
-        topk_ids, topk_logprobs = self._topk(last)
+        return self.pack(hidden, *self._topk(last), lengths)
 
+    # Batches run padded to their longest sequence (plan_batches); an engine that packs sequences
+    # says False, and the build counts no padding for it.
+    pads_batches = True
+
+    def batches(self, lengths: np.ndarray) -> list[np.ndarray]:
+        """The sequence indices of each forward of one shard."""
+        return plan_batches(lengths, self.cfg.batch_tokens)
+
+    def close(self) -> None:
+        """Release what the teacher holds outside this process (nothing: transformers runs here)."""
+
+    def pack(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+             lengths: torch.Tensor) -> TeacherOutput:
+        """A forward's results as arrays, with a finite flag per sequence (NaN or Inf anywhere in
+        its hidden states or log-probs clears it)."""
         token_finite = torch.isfinite(hidden).flatten(1).all(1) & torch.isfinite(topk_logprobs).all(1).to(hidden.device)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), lengths).to(token_finite.device)
-        finite = torch.ones(len(sequences), dtype=torch.bool, device=token_finite.device)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(token_finite.device)
+        finite = torch.ones(len(lengths), dtype=torch.bool, device=token_finite.device)
         finite.scatter_reduce_(0, seq_of_token, token_finite, reduce="amin")
 
         hidden = hidden.cpu()
@@ -268,6 +283,14 @@ class Teacher:
             ids.append(indices)
             logprobs.append(values)
         return torch.cat(ids), torch.cat(logprobs)
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The norm between the last decoder layer and the LM head (what makes last_hidden_state)."""
+    norm = getattr(model.base_model, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise TeacherError(f"cannot find the final norm of {type(model).__name__}; the model type is not supported by --engine vllm")
+    return norm
 
 
 def fp32_logits(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

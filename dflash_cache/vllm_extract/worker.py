@@ -1,0 +1,125 @@
+"""The build's vLLM engine, run by the python of a vLLM environment: `python worker.py`.
+
+Imports nothing from dflash (vLLM pins its own torch and transformers). Protocol, in frames
+(dflash_frames): the build writes the setup frame on stdin (engine arguments, the layers to
+capture as vLLM's aux ids, the socket to send states to), this process answers {"ready": ...} on
+stdout once the engine is up, then each frame on stdin is one batch of token-id sequences
+(payload: int32 ids back to back; header: their lengths), run as one `generate` of a single
+token, and is answered with the vLLM request id of each sequence in order (the connector,
+dflash_hs_connector, sends each request's states to the socket under that id) and the engine's
+seconds. An end of stdin ends the engine. vLLM logs to stdout, so the protocol keeps a private
+copy of the original stdout and everything else printed goes to stderr (the build's log file).
+
+With `prompt_logprobs: k` in the setup, each answer also carries vLLM's own top-k log-probs per
+position (ids then log-probs, [tokens, k] each) for the benchmark that compares them with
+our fp32 LM head.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _send(out, header: dict, payload: bytes = b"") -> None:
+    from dflash_frames import frame_header
+
+    out.write(frame_header(header, len(payload)))
+    if payload:
+        out.write(payload)
+    out.flush()
+
+
+def _read(stream) -> tuple[dict | None, bytes]:
+    from dflash_frames import read_exactly, read_header
+
+    header = read_header(stream.readinto)
+    if header is None:
+        return None, b""
+    payload = bytearray(header["nbytes"])
+    if payload and not read_exactly(stream.readinto, memoryview(payload)):
+        raise EOFError("stdin ended inside a batch")
+    return header, bytes(payload)
+
+
+def _engine(setup: dict):
+    from vllm import LLM
+
+    args = dict(setup["engine_args"])
+    args.update(
+        model=setup["model"], tokenizer=setup["model"], dtype=setup["dtype"], seed=0,
+        skip_tokenizer_init=True,  # token ids in, states out: no text either way
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": setup["aux_layer_ids"]}}},
+        kv_transfer_config={"kv_connector": "DFlashHiddenStatesConnector", "kv_role": "kv_producer",
+                            "kv_connector_module_path": "dflash_hs_connector",
+                            "kv_connector_extra_config": {"dflash_socket": setup["socket"]}},
+    )
+    if setup.get("prompt_logprobs"):
+        args["max_logprobs"] = setup["prompt_logprobs"]
+    return LLM(**args)
+
+
+def _topk_rows(entries, k: int, ids: array.array, logprobs: array.array) -> None:
+    """vLLM's per-position dicts {token: Logprob} -> the k best by rank (a dict may also hold the
+    actual next token outside the top k)."""
+    for entry in entries:
+        best = sorted(entry.items(), key=lambda item: item[1].rank)[:k]
+        ids.extend(token for token, _ in best)
+        logprobs.extend(lp.logprob for _, lp in best)
+
+
+def main() -> None:
+    protocol = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # vLLM's prints and its workers' output go to the log, never into the protocol
+    sys.stdout = sys.stderr
+    # the connector is loaded by module name, in this process and in the engine's
+    sys.path.insert(0, HERE)
+    os.environ["PYTHONPATH"] = HERE + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    stdin = sys.stdin.buffer
+    setup, _ = _read(stdin)
+    if setup is None:
+        return
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(setup)
+    k = setup.get("prompt_logprobs") or 0
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                            **({"prompt_logprobs": k, "logprobs": k} if k else {}))
+    _send(protocol, {"ready": True, "vllm_version": vllm.__version__})
+    try:
+        while True:
+            batch, payload = _read(stdin)
+            if batch is None:
+                break
+            flat = array.array("i")
+            flat.frombytes(payload)
+            prompts, start = [], 0
+            for n in batch["lengths"]:
+                prompts.append(TokensPrompt(prompt_token_ids=flat[start:start + n].tolist()))
+                start += n
+            began = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - began
+            reply = {"requests": [(out.kv_transfer_params or {}).get("dflash_request") for out in outputs],
+                     "seconds": seconds}
+            extra = b""
+            if k:
+                ids, logprobs = array.array("i"), array.array("f")
+                for out in outputs:  # position t predicts t+1: prompt entries 1.., then the sampled token's
+                    _topk_rows(list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]], k, ids, logprobs)
+                reply["logprobs_seconds"] = time.perf_counter() - began - seconds
+                extra = ids.tobytes() + logprobs.tobytes()
+            _send(protocol, reply, extra)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":  # vLLM starts its engine in spawned processes that import this file
+    main()

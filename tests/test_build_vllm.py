@@ -1,0 +1,172 @@
+"""`dflash-cache build --engine vllm` against the transformers engine, with the real vLLM engine.
+
+The engine tests are marked `serving` (make test-serving; needs .venv-vllm from make serving); the
+pieces that need no vLLM (the wire format, the layer ids, the GPU choice) run always. One engine start per
+build: the same corpus built by both engines in float32 must be the same cache (ids and masks
+equal, the tapped states and fp32-head log-probs within float rounding), and a vLLM build killed
+mid-way (SIGKILL through DFLASH_FAULT) must resume to exactly the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same_content, cache_content, qa_rows, write_jsonl
+from typer.testing import CliRunner
+
+from cli.cache import app as cache_app
+from dflash_cache import open_cache
+from dflash_cache.settings.engines import VllmArgs
+from dflash_cache.vllm_engine import StateReceiver, aux_layer_ids, worker_gpus
+from dflash_cache.vllm_extract.dflash_frames import frame_header
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--dtype", "float32", "--layers", "0,2", "--top-k", "6", "--shard-size", "20kB", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_jsonl(tmp_path_factory.mktemp("vllm_build") / "chat.jsonl", qa_rows(24, seed=7, prefix="v-"))
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tokenizer_dir):
+    """Factory `teacher_dir(arch) -> folder`: the tiny float32 test teachers with 32-wide heads
+    (vLLM's CPU attention has no kernel for conftest's 16-wide ones)."""
+    from helpers import teacher_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            config = teacher_config(arch, tokenizer)
+            config.head_dim = 32
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(f"vllm_teacher_{arch}")
+            AutoModelForCausalLM.from_config(config).eval().save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[arch] = str(path)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def built(corpus, teacher_dir, vllm_python, tmp_path_factory):
+    """Factory `built(arch, engine) -> cache folder`, each built once by the CLI."""
+    done: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, engine: str) -> Path:
+        if (arch, engine) not in done:
+            out = tmp_path_factory.mktemp(f"{arch}_{engine}") / "cache"
+            result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir(arch), "--data", corpus, "--out", str(out),
+                                                    "--engine", engine, "--vllm-python", vllm_python, *ARGS])
+            assert result.exit_code == 0, result.output
+            done[arch, engine] = out
+        return done[arch, engine]
+
+    return get
+
+
+def _compare(reference: Path, other: Path) -> dict:
+    a, b = open_cache(str(reference)), open_cache(str(other))
+    ra, rb = {r.id: r for r in a.sequences()}, {r.id: r for r in b.sequences()}
+    assert list(ra) == list(rb) and len(ra) == 24
+    hidden_error = logprob_error = 0.0
+    top1 = []
+    for key, x in ra.items():
+        y = rb[key]
+        np.testing.assert_array_equal(x.input_ids, y.input_ids)
+        np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+        hx, hy = np.asarray(x.hidden, np.float64), np.asarray(y.hidden, np.float64)
+        hidden_error = max(hidden_error, float(np.linalg.norm(hx - hy) / np.linalg.norm(hx)))
+        top1.append(x.topk_ids[:, 0] == y.topk_ids[:, 0])
+        # log-probs compared by token id, so a near-tie swapped in order is not counted as an error
+        for t in range(len(x.topk_ids)):
+            same = np.intersect1d(x.topk_ids[t], y.topk_ids[t])
+            ex = dict(zip(x.topk_ids[t].tolist(), x.topk_logprobs[t].tolist()))
+            ey = dict(zip(y.topk_ids[t].tolist(), y.topk_logprobs[t].tolist()))
+            logprob_error = max([logprob_error] + [abs(ex[i] - ey[i]) for i in same.tolist()])
+            assert len(same) >= len(x.topk_ids[t]) - 1  # at most the k-th place differs (a near-tie)
+    return {"hidden": hidden_error, "logprob": logprob_error, "top1": float(np.concatenate(top1).mean())}
+
+
+@pytest.mark.serving
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_both_engines_build_the_same_cache(arch, built):
+    reference, other = built(arch, "transformers"), built(arch, "vllm")
+    found = _compare(reference, other)
+    assert found["top1"] == 1.0 and found["hidden"] < 1e-5 and found["logprob"] < 1e-4, found
+    a, b = (json.loads((path / "manifest.json").read_text()) for path in (reference, other))
+    assert a["build"]["engine"] == "transformers" and b["build"]["engine"] == "vllm"
+    assert "vllm_python" not in b["build"]
+    # the same shards, sequences and sizes: the cut depends on tokens only, never on the engine
+    assert [(s["name"], s["rows"], s["sequences"], s["tokens"]) for s in a["shards"]] == \
+        [(s["name"], s["rows"], s["sequences"], s["tokens"]) for s in b["shards"]]
+    assert b["last_run"]["padding_fraction"] == 0.0  # vLLM packs sequences
+
+
+@pytest.mark.serving
+def test_a_killed_vllm_build_resumes_to_the_uninterrupted_cache(built, corpus, teacher_dir, vllm_python, tmp_path):
+    clean = built("qwen3", "vllm")
+    assert len(json.loads((clean / "manifest.json").read_text())["shards"]) >= 4
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
+               "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS]
+    proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "DFLASH_FAULT": "after_commit_record:2"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr  # SIGKILL at the second commit: no cleanup ran
+    assert len(list((out / "shards").glob("*.json"))) == 2
+    rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming: 2 committed shard(s) kept" in rerun.stderr
+    assert open_cache(str(out)).complete
+    assert_same_content(cache_content(clean), cache_content(out))
+
+
+def test_taps_become_vllm_aux_ids_and_the_last_layer_is_added():
+    # vLLM's aux id L is the input of layer L: our tap L (its output) is L + 1; the final norm's
+    # input, the last layer's output, is num_layers
+    assert aux_layer_ids([1, 16, 31, 46, 61], 64) == [2, 17, 32, 47, 62, 64]
+    assert aux_layer_ids([0, 2], 4) == [1, 3, 4]
+
+
+def test_a_torchrun_rank_gives_its_engine_its_own_gpu():
+    one = VllmArgs()
+    assert worker_gpus({"LOCAL_RANK": "3"}, one) == "3"
+    assert worker_gpus({}, one) is None  # not under torchrun
+    assert worker_gpus({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "5"}, one) is None  # the launcher chose
+    assert worker_gpus({"LOCAL_RANK": "0"}, VllmArgs(tensor_parallel_size=4)) is None  # one process per node
+
+
+def test_states_sent_as_frames_are_taken_by_request_in_any_order():
+    import socket
+
+    receiver = StateReceiver()
+    try:
+        states = {"a": np.arange(24, dtype=np.float32).reshape(4, 2, 3), "b": np.full((2, 2, 3), 7, np.float32)}
+        bf16_bits = np.array([[[0x3F80, 0xC000, 0x0000]]], dtype=np.uint16).view(np.int16)  # 1.0, -2.0, 0.0 in bfloat16
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect("\0" + receiver.name)
+            for key in ("b", "a"):
+                conn.sendall(frame_header({"id": key, "shape": list(states[key].shape), "dtype": "float32"},
+                                          states[key].nbytes) + states[key].tobytes())
+            conn.sendall(frame_header({"id": "c", "shape": [1, 1, 3], "dtype": "bfloat16"}, 6) + bf16_bits.tobytes())
+        got = receiver.take(["a", "b", "c"], alive=lambda: True, timeout_s=30)
+        np.testing.assert_array_equal(got[0], states["a"])
+        np.testing.assert_array_equal(got[1], states["b"])
+        np.testing.assert_array_equal(got[2], bf16_bits)  # kept as bits: the teacher views them as bfloat16
+        assert receiver.states == {}  # taken states are not kept
+        # an engine that died before sending is noticed instead of waited for
+        assert receiver.take(["never"], alive=lambda: False, timeout_s=30) == []
+    finally:
+        receiver.close()
