@@ -9,6 +9,7 @@ from dflash_cache.corpus.config import CorpusConfig
 from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import Knob, config_knobs
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class BuildConfig:
     """Shard and chunk sizes, compression, hidden-state format (lossless or fp8)."""
 
     overwrite: bool = False
-    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
+    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it); only
+    a dflash cache, and only what a build wrote there: anything else stops it."""
 
     storage_options: dict[str, Any] | None = None
     """fsspec options for the cache URL (credentials, endpoint)."""
@@ -53,3 +55,12 @@ class BuildConfig:
         out.pop("storage_options")  # may hold credentials
         out.pop("rank")  # the same cache whichever rank describes it
         return out
+
+
+# Not options: torchrun (or the user launching ranks as jobs) sets them through RANK and WORLD_SIZE.
+FROM_ENVIRONMENT = ("rank", "world_size")
+
+
+def build_knobs() -> tuple[Knob, ...]:
+    """The options of `dflash-cache build`: every field of BuildConfig and its sections."""
+    return config_knobs(BuildConfig, exclude=FROM_ENVIRONMENT)
