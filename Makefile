@@ -66,10 +66,10 @@ objectives: $(STAMP)
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
 
-# The README's train option table, made from the config fields' docstrings (tests/test_knobs.py
-# fails when it is stale).
+# The README's option tables (train, build, regenerate), made from the config fields' docstrings
+# (tests/test_knobs.py fails when one is stale).
 docs: $(STAMP)
-	$(BIN)/python -m dflash_train.knobs README.md
+	$(BIN)/python -m cli.docs README.md
 
 # ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
 lint: $(STAMP)

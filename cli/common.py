@@ -1,4 +1,5 @@
-"""What both commands share: one-line errors and a progress bar."""
+"""What both command lines share: one-line errors, a progress bar, the options of config fields and
+the options every command has (each declared once, here)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import inspect
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Collection, Sequence
-from typing import Callable, Optional
+from typing import Annotated, Callable, List, Optional
 
 import typer
 from tqdm import tqdm
@@ -17,6 +19,15 @@ from dflash_common.errors import DFlashError
 from dflash_common.progress import Progress
 from dflash_common.redact import redact
 from dflash_common.values import json_object as json_option  # noqa: F401 (the commands' name for it)
+
+# The options that are no config's field, shared by the commands: `debug: Debug = False`.
+Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]
+Quiet = Annotated[bool, typer.Option(help="No progress bar.")]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust).")]
+ChatTemplateKwargs = Annotated[Optional[str], typer.Option(
+    help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with).")]
+StorageOptions = Annotated[Optional[str], typer.Option(help="fsspec storage options as JSON, e.g. '{\"endpoint_url\": ...}'.")]
 
 # Our own bar reports progress; transformers' per-load bars and warnings would bury it and break
 # the one-line error contract.
@@ -77,31 +88,24 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
         raise typer.Exit(130)
 
 
-def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:
-    if text is None or text == "":
-        return None
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,16,31; got {text!r}") from None
-
-
-def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
-    """Give a command one option per knob (dflash_train.knobs), after its own parameters: the
-    option's name, type, help and default text all come from the config field. The command gets
+def knob_options(knobs: Sequence, exclude: Collection[str] = (), top_panel: str = "run settings"):
+    """Give a command one option per knob (dflash_common.knobs), after its own parameters: the
+    option's name, type, help and default text all come from the config field, and its default is
+    None, so the field's default applies (a test holds every command to that). The command gets
     them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}."""
     from rich.markup import escape
 
     chosen = [k for k in knobs if k.name not in exclude]
 
     def option(knob) -> inspect.Parameter:
-        kind = str if knob.is_text else knob.value_type
-        notes = ([f"default {knob.shown_default()}"] if knob.shown_default() != "-" else []) + \
+        kind = List[typing.get_args(knob.value_type)[0]] if knob.repeat else str if knob.is_text else knob.value_type
+        notes = ([f"default {knob.shown_default()}"] if knob.shown_default() not in ("-", "required") else []) + \
             ([f"config {knob.dotted}"] if knob.dotted != knob.name else [])
         text = escape(f"{knob.doc} ({'; '.join(notes)})" if notes else knob.doc)
-        decls = (f"{knob.flag}/--no-{knob.flag[2:]}",) if kind is bool else ()
-        default = typer.Option(..., *decls, help=escape(knob.doc), rich_help_panel=_panel(knob)) if knob.required else \
-            typer.Option(None, *decls, help=text, show_default=False, rich_help_panel=_panel(knob))
+        decls = (f"{knob.flag}/--no-{knob.flag[2:]}",) if kind is bool else knob.flags
+        panel = knob.panel or (f"{knob.section} settings" if knob.section else top_panel)
+        default = typer.Option(..., *decls, help=text, rich_help_panel=panel) if knob.required else \
+            typer.Option(None, *decls, help=text, show_default=False, rich_help_panel=panel)
         return inspect.Parameter(knob.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                  annotation=kind if knob.required else Optional[kind])
 
@@ -110,16 +114,16 @@ def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
 
         @functools.wraps(command)
         def with_knobs(**values):
-            return command(knob_values={k.name: values.pop(k.name) for k in chosen}, **values)
+            given = {k.name: values.pop(k.name) for k in chosen}
+            # a repeatable option given no time arrives as an empty list: not given
+            return command(knob_values={name: value if value != [] and value != () else None
+                                        for name, value in given.items()}, **values)
 
         params = own + [option(k) for k in chosen]
         with_knobs.__signature__ = inspect.Signature(params)
         with_knobs.__annotations__ = {p.name: p.annotation for p in params}
+        with_knobs.knobs = tuple(chosen)  # for the test that no option repeats a field default
         del with_knobs.__wrapped__  # typer reads the signature above, not the command's
         return with_knobs
 
     return decorate
-
-
-def _panel(knob) -> str:
-    return knob.panel or (f"{knob.section} settings" if knob.section else "run settings")

@@ -8,7 +8,17 @@ from typing import List, Optional
 
 import typer
 
-from cli.common import BarProgress, json_option, knob_options, run
+from cli.common import (
+    BarProgress,
+    ChatTemplateKwargs,
+    Debug,
+    Quiet,
+    StorageOptions,
+    TrustRemoteCode,
+    json_option,
+    knob_options,
+    run,
+)
 from dflash_train.knobs import config_knobs, nested_values, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
@@ -36,8 +46,8 @@ def run_(
     resume: bool = typer.Option(False, help="Continue from the newest complete checkpoint in --out."),
     resume_from: Optional[str] = typer.Option(None, help="Continue from this step-NNNNNN checkpoint folder instead (e.g. an older one when the newest is damaged)."),
     set_: list[str] = typer.Option([], "--set", help="Any config field: section.key=value (JSON values), e.g. loss.chunk_positions=1024."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-    debug: bool = typer.Option(False, help="Show tracebacks."),
+    quiet: Quiet = False,
+    debug: Debug = False,
     knob_values: dict = None,
 ):
     """Train a drafter on a cache; checkpoints, metrics and the exported drafter go to --out."""
@@ -60,7 +70,7 @@ def run_(
 def export(
     checkpoint: str = typer.Argument(..., help="A step-NNNNNN checkpoint folder."),
     out_dir: str = typer.Argument(..., help="Folder for config.json and model.safetensors."),
-    debug: bool = typer.Option(False, help="Show tracebacks."),
+    debug: Debug = False,
 ):
     """Export a checkpoint's drafter in the format vLLM, SGLang and the reference DFlash code load."""
 
@@ -114,14 +124,14 @@ def eval_(
                                "proposer, greedy) or both side by side."),
     vllm_python: Optional[str] = typer.Option(None, help="Python of an environment with vLLM (default: $DFLASH_VLLM_PYTHON, "
                                               "else .venv-vllm/bin/python from `make serving`)."),
-    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
-    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with)."),
+    trust_remote_code: TrustRemoteCode = False,
+    chat_template_kwargs: ChatTemplateKwargs = None,
     allow_template_mismatch: bool = typer.Option(False, help="Render prompts with --chat-template-kwargs even when the cache was built with others."),
     out: Optional[str] = typer.Option(None, help="JSON report (default: eval.json next to the checkpoint); a PNG goes beside it."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    storage_options: Optional[str] = typer.Option(None, help="fsspec storage options as JSON."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-    debug: bool = typer.Option(False, help="Show tracebacks."),
+    storage_options: StorageOptions = None,
+    quiet: Quiet = False,
+    debug: Debug = False,
     knob_values: dict = None,
 ):
     """Measure a drafter: offline acceptance on a cache's held-out split (--cache) and/or real
@@ -220,7 +230,9 @@ def _real(checkpoint, teacher, prompts, engine, dev, teacher_dtype, max_prompts,
         from dflash_train.serving import find_vllm_python
 
         find_vllm_python(vllm_python)  # fail before loading anything
-    dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    from dflash_common.devices import teacher_dtype as dtype_for
+
+    dtype = dtype_for(teacher_dtype, dev)
     t, drafter = load_pair(checkpoint, teacher, dtype, str(dev), trust_remote_code)
     check_confidence_threshold(drafter.cfg, confidence_threshold)
     prompt_list = read_prompts(prompts, t.tokenizer, max_prompts, template_kwargs)
@@ -311,21 +323,22 @@ def generate(
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
     teacher_dtype: str = typer.Option("auto", help="auto = bfloat16 on CUDA, float32 on CPU."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    trust_remote_code: bool = typer.Option(False, help="Run modeling/tokenizer code shipped in the teacher's folder (only for code you trust)."),
-    chat_template_kwargs: Optional[str] = typer.Option(None, help="Chat-template variables as JSON, e.g. '{\"enable_thinking\": false}' (default: what the drafter's cache was built with)."),
+    trust_remote_code: TrustRemoteCode = False,
+    chat_template_kwargs: ChatTemplateKwargs = None,
     allow_template_mismatch: bool = typer.Option(False, help="Render prompts with --chat-template-kwargs even when the cache was built with others."),
-    debug: bool = typer.Option(False, help="Show tracebacks."),
+    debug: Debug = False,
     knob_values: dict = None,
 ):
     """Generate an answer with speculative decoding and show how many tokens each teacher forward accepted."""
 
     def action():
         from dflash_common.devices import resolve_device
+        from dflash_common.devices import teacher_dtype as dtype_for
         from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
         from dflash_train.speculative import SpecConfig, check_confidence_threshold, speculative_generate
 
         dev = resolve_device(device)
-        dtype = teacher_dtype if teacher_dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+        dtype = dtype_for(teacher_dtype, dev)
         kwargs = resolve_template_kwargs(checkpoint, None, json_option(chat_template_kwargs, "--chat-template-kwargs"),
                                          allow_template_mismatch)
         threshold = knob_values["confidence_threshold"] or 0.0
@@ -358,8 +371,8 @@ def sweep(
     config: Optional[str] = typer.Option(None, help="A .toml or .json train config shared by every run."),
     set_: list[str] = typer.Option([], "--set", help="Any shared config field: section.key=value (JSON values); "
                                    "the train options below set what every run shares."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
-    debug: bool = typer.Option(False, help="Show tracebacks."),
+    quiet: Quiet = False,
+    debug: Debug = False,
     knob_values: dict = None,
 ):
     """Train one drafter per grid combination on one cache and compare them; rerun to resume."""

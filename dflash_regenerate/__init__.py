@@ -29,34 +29,27 @@ merge, the parts and records are deleted and only `.settings.json` stays, so a r
 output is complete and with which settings it was made.
 """
 
-from dflash_regenerate.command import regenerate  # noqa: F401
-from dflash_regenerate.config import (  # noqa: F401
-    KEEP_TURNS,
-    REASONING_POLICIES,
-    RESUME_KEYS,
-    SETTINGS,
-    TRUNCATED_POLICIES,
-    RegenerateConfig,
-    RegenerateResult,
-    parts_dir,
-)
-from dflash_regenerate.conversations import chat_of_row  # noqa: F401
-from dflash_regenerate.generation import (  # noqa: F401
-    RowSampler,
-    ServerGenerator,
-    TeacherGenerator,
-    load_generator,
-    load_server_generator,
-    regenerate_rows,
-)
-from dflash_regenerate.parts import commit_part, committed_parts, merge_parts  # noqa: F401
-from dflash_regenerate.plan import (  # noqa: F401
-    part_name,
-    part_rows,
-    plan_turns,
-    rank_parts,
-    ranks_from_env,
-    record_name,
-    sample_seed,
-    settings_mismatch,
-)
+import importlib
+
+# Which module holds each public name. They load when asked for, so the settings
+# (dflash_regenerate.config) import without torch, transformers or pyarrow: the command line
+# reads its options from them.
+_HOMES = {
+    "command": ("regenerate",),
+    "config": ("KEEP_TURNS", "REASONING_POLICIES", "RESUME_KEYS", "SETTINGS", "TRUNCATED_POLICIES", "RegenerateConfig",
+               "RegenerateResult", "parts_dir"),
+    "conversations": ("chat_of_row",),
+    "generation": ("RowSampler", "ServerGenerator", "TeacherGenerator", "load_generator", "load_server_generator",
+                   "regenerate_rows"),
+    "parts": ("commit_part", "committed_parts", "merge_parts"),
+    "plan": ("part_name", "part_rows", "plan_turns", "rank_parts", "ranks_from_env", "record_name", "sample_seed",
+             "settings_mismatch"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        return getattr(importlib.import_module(f"dflash_regenerate.{_HOME[name]}"), name)
+    raise AttributeError(f"module 'dflash_regenerate' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dflash_common.errors import ConfigError, DFlashError
@@ -62,7 +62,7 @@ class _Retry(Exception):
 class ServerConfig:
     """Where answers come from when stage 0 uses inference servers instead of a local teacher."""
 
-    endpoints: tuple[str, ...]
+    endpoints: tuple[str, ...] = field(metadata={"name": "endpoint", "repeat": True})
     """Base URLs of OpenAI-compatible servers, e.g. http://127.0.0.1:8000/v1 (requests are spread over them)."""
     served_model: str
     """The model name the servers serve it under (the `model` field of each request)."""

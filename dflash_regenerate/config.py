@@ -8,9 +8,10 @@ import re
 from dataclasses import dataclass, field
 
 from dflash_cache.chat import check_template_kwargs
-from dflash_cache.corpus import BAD_ROW_POLICIES
-from dflash_cache.teacher import TeacherConfig
+from dflash_cache.corpus.config import BAD_ROW_POLICIES
+from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import Knob, config_knobs
 from dflash_common.values import is_int
 from dflash_regenerate.chat_server import ServerConfig
 
@@ -183,3 +184,12 @@ class RegenerateResult:
     """Parts not committed yet (other ranks still at work), when not complete."""
 
 
+# Not options: rank and world size come from torchrun's environment (ranks_from_env); the
+# retry backoff and the teacher fields below matter to a build only, not to answering prompts.
+NOT_OPTIONS = ("rank", "world_size", "server.backoff_s", "teacher.device_map", "teacher.layers",
+               "teacher.num_tapped_layers", "teacher.top_k", "teacher.batch_tokens", "teacher.logits_chunk")
+
+
+def regenerate_knobs() -> tuple[Knob, ...]:
+    """The options of `dflash-cache regenerate`: RegenerateConfig's fields, its teacher's and its server's."""
+    return config_knobs(RegenerateConfig, exclude=NOT_OPTIONS)

@@ -7,12 +7,12 @@ import json
 import math
 import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import set_path  # noqa: F401 (callers import it from here)
 from dflash_common.settings_files import load_settings_file
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.settings.data import DataConfig
@@ -292,15 +292,6 @@ def config_from_dict(values: dict) -> TrainConfig:
     values = dict(values)
     sections = {name: _build(cls, values.pop(name, {}) or {}, name) for name, cls in SECTIONS.items()}
     return _build(TrainConfig, {**values, **sections}, "train")
-
-
-def set_path(values: dict, path: Sequence[str], value: Any) -> None:
-    """Put `value` at a dotted path of nested config values, making the sections on the way (a
-    tuple goes in as a list, as a config file would hold it)."""
-    *sections, last = path
-    for section in sections:
-        values = values.setdefault(section, {})
-    values[last] = list(value) if isinstance(value, tuple) else value
 
 
 def with_run_length(overrides: dict) -> dict:

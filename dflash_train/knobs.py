@@ -5,140 +5,24 @@ everything else needs: the type, the default, the docstring below it and, where 
 alone would be ambiguous or unclear, a short ``name`` in the field's metadata (``loss.kind`` is
 ``loss``, ``data.seed`` is ``data_seed``). From that come the command-line option
 (``--loss``), the ``--set`` path, the sweep's grid key, and the option table in the README
-(``make docs`` rewrites it; a test fails when it is stale).
+(``make docs`` rewrites it; a test fails when it is stale). What any config's knobs share lives
+in dflash_common.knobs; this module holds what is a train run's own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import sys
-import types
-import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from dflash_common import knobs
 from dflash_common.errors import ConfigError
-from dflash_common.field_docs import field_docs
-from dflash_common.values import json_object
+from dflash_common.knobs import Knob, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
 from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
 
-README_BEGIN = "<!-- train options: made by `python -m dflash_train.knobs README.md` from the config fields -->"
+README_BEGIN = "<!-- train options: made by `make docs` from the config fields -->"
 README_END = "<!-- end of train options -->"
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One leaf field of TrainConfig, as the command line, sweeps and the docs see it."""
-
-    path: tuple[str, ...]
-    """Where it sits in the config, e.g. ("loss", "kind") or ("steps",)."""
-
-    name: str
-    """Its one short name: the option --NAME (underscores as dashes) and the sweep's grid key."""
-
-    hint: Any
-    """The field's type annotation."""
-
-    default: Any
-    """The dataclass default (dataclasses.MISSING for a required field)."""
-
-    doc: str
-    """The docstring under the field."""
-
-    panel: str = ""
-    """Where --help lists it (default: by section, "run settings" for the top level)."""
-
-    @property
-    def dotted(self) -> str:
-        """The path as --set and config files write it: "loss.kind"."""
-        return ".".join(self.path)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def section(self) -> str | None:
-        return self.path[0] if len(self.path) > 1 else None
-
-    @property
-    def required(self) -> bool:
-        return self.default is dataclasses.MISSING
-
-    @property
-    def value_type(self) -> Any:
-        """The annotation without its None alternative: int, float, str, bool, a tuple or dict."""
-        args = [a for a in typing.get_args(self.hint) if a is not type(None)]
-        union = typing.get_origin(self.hint) in (typing.Union, types.UnionType)
-        return args[0] if union and len(args) == 1 else self.hint
-
-    @property
-    def is_text(self) -> bool:
-        """Whether the command line passes it as text to parse (lists and tables) rather than a plain value."""
-        kind = self.value_type
-        return typing.get_origin(kind) in (tuple, dict) or kind is dict
-
-    def value(self, given: Any) -> Any:
-        """A command-line option's value as the field takes it (text of lists and tables parsed)."""
-        return self.parse(given) if isinstance(given, str) and self.is_text else given
-
-    def parse(self, text: str) -> Any:
-        """A command-line value: comma-separated entries for a list field, a JSON object for a table
-        field, anything else as given (the command line already converted it)."""
-        kind = self.value_type
-        if typing.get_origin(kind) is tuple:
-            element = typing.get_args(kind)[0]
-            entries = [part.strip() for part in text.split(",") if part.strip()]
-            try:
-                return tuple(element(entry) for entry in entries)
-            except ValueError:
-                example = {int: "0,1", float: "0.9,0.95"}.get(element, "a,b")
-                raise ConfigError(f"{self.flag} takes comma-separated {element.__name__} values, e.g. {example}; "
-                                  f"got {text!r}") from None
-        if typing.get_origin(kind) is dict or kind is dict:
-            return json_object(text, self.flag)
-        return text
-
-    def shown_default(self) -> str:
-        """The default as a help text or the README shows it."""
-        value = self.default
-        if value is dataclasses.MISSING:
-            return "required"
-        if value is None or value == ():
-            return "-"
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        if isinstance(value, tuple):
-            return ",".join(str(v) for v in value)
-        return str(value)
-
-
-def config_knobs(cls: type, names: Sequence[str] | None = None, panel: str = "",
-                 sections: Mapping[str, type] | None = None, prefix: tuple[str, ...] = ()) -> tuple[Knob, ...]:
-    """The knobs of a config dataclass's fields (only `names`, when given), in field order; a field
-    in `sections` is a nested config whose own fields are the knobs. Names are unique (a field
-    whose name another section already uses must declare a metadata name) and every field has
-    a docstring: both are checked here."""
-    hints, docs, knobs = typing.get_type_hints(cls), field_docs(cls), []
-    unknown = sorted(set(names or ()) - set(hints))
-    if unknown:
-        raise ConfigError(f"{cls.__name__} has no field(s) {unknown}; name its fields")
-    for f in dataclasses.fields(cls):
-        if names is not None and f.name not in names:
-            continue
-        if sections and f.name in sections:
-            knobs.extend(config_knobs(sections[f.name], panel=panel, prefix=(f.name,)))
-            continue
-        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        knobs.append(Knob(prefix + (f.name,), f.metadata.get("name", f.name), hints[f.name], default, docs.get(f.name, ""),
-                          panel))
-    if not prefix:
-        _check_names(knobs)
-    return tuple(knobs)
 
 
 @functools.cache
@@ -147,29 +31,9 @@ def train_knobs() -> tuple[Knob, ...]:
     return config_knobs(TrainConfig, sections=SECTIONS)
 
 
-def _check_names(knobs: Sequence[Knob]) -> None:
-    seen: dict[str, str] = {}
-    for knob in knobs:
-        if knob.name in seen:
-            raise ConfigError(f"config fields {seen[knob.name]} and {knob.dotted} are both named {knob.name!r}; give one "
-                              'field(metadata={"name": ...}) a distinct short name')
-        if not knob.doc:
-            raise ConfigError(f"config field {knob.dotted} has no docstring; write one under the field")
-        seen[knob.name] = knob.dotted
-
-
 def find_knob(key: str) -> Knob | None:
     """The knob a key names: its short name ("loss") or its dotted path ("loss.kind")."""
     return next((k for k in train_knobs() if key in (k.name, k.dotted)), None)
-
-
-def nested_values(knobs: Sequence[Knob], options: Mapping[str, Any]) -> dict:
-    """Nested config values from command-line options {knob name: value, None when not given}."""
-    by_name, out = {k.name: k for k in knobs}, {}
-    for name, value in options.items():
-        if value is not None:
-            set_path(out, by_name[name].path, by_name[name].value(value))
-    return out
 
 
 def option_overrides(options: Mapping[str, Any]) -> dict:
@@ -198,24 +62,9 @@ def set_overrides(items: Sequence[str]) -> dict:
 
 def readme_table() -> str:
     """The README's table of train options, one row per knob."""
-    rows = ["| option | config field | default | meaning |", "| --- | --- | --- | --- |"]
-    for knob in train_knobs():
-        doc, default = (text.replace("|", "\\|") for text in (knob.doc, knob.shown_default()))
-        rows.append(f"| `{knob.flag}` | `{knob.dotted}` | {default} | {doc} |")
-    return "\n".join(rows)
+    return knobs.readme_table(train_knobs())
 
 
 def readme_with_table(text: str) -> str:
     """README text with the part between the markers replaced by the current table."""
-    if README_BEGIN not in text or README_END not in text:
-        raise ConfigError(f"the README has no train option table between {README_BEGIN!r} and {README_END!r}; add the markers")
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    return f"{head}{README_BEGIN}\n{readme_table()}\n{README_END}{tail}"
-
-
-if __name__ == "__main__":
-    for path in sys.argv[1:] or ["README.md"]:
-        readme = Path(path)
-        readme.write_text(readme_with_table(readme.read_text()))
-        print(f"{path}: train option table rewritten ({len(train_knobs())} options)")
+    return with_table(text, README_BEGIN, README_END, readme_table())

@@ -1,5 +1,6 @@
-"""Each train setting is declared once, as a config field with its docstring: the command-line
-options of `run` and `sweep`, --set, the sweep's grid keys and the README table come from it."""
+"""Each setting is declared once, as a config field with its docstring: the command-line options
+of `run`, `sweep`, `build` and `regenerate`, --set, the sweep's grid keys and the README tables
+come from it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from cli.train import _train_config, app
+from cli.cache import _build_config
+from cli.cache import app as cache_app
+from cli.docs import readme_with_tables
+from cli.train import _train_config, app, decoding_knobs
+from dflash_cache.settings.build import BuildConfig, build_knobs
+from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
+from dflash_common.knobs import make_config, nested_values
+from dflash_regenerate.config import regenerate_knobs
 from dflash_train.config import TrainConfig
 from dflash_train.knobs import find_knob, option_overrides, readme_with_table, set_overrides, train_knobs
 from dflash_train.loss import LossConfig
@@ -102,8 +111,100 @@ def test_every_knob_is_a_grid_key_by_its_name_or_path():
                                               ("read_threads", ("data", "read_threads"))]
 
 
-def test_the_readme_option_table_is_the_one_the_fields_make():
+def test_the_readme_option_tables_are_the_ones_the_fields_make():
     text = README.read_text()
-    assert readme_with_table(text) == text, "the README's train option table is stale: run `python -m dflash_train.knobs README.md`"
-    for knob in train_knobs():
-        assert f"| `{knob.flag}` | `{knob.dotted}` |" in text
+    assert readme_with_tables(text) == text, "a README option table is stale: run `make docs`"
+    assert readme_with_table(text) == text
+    for knob in train_knobs() + build_knobs() + regenerate_knobs():
+        assert f"| `{'` / `'.join(knob.flags)}` | `{knob.dotted}` |" in text
+    stale = text.replace("| `--top-k` | `teacher.top_k` | 64 |", "| `--top-k` | `teacher.top_k` | 32 |")
+    assert readme_with_tables(stale) == text
+
+
+def _cache_options(command: str) -> dict[str, object]:
+    cmd = typer.main.get_command(cache_app).commands[command]
+    return {decl: p for p in cmd.params for decl in p.opts + p.secondary_opts}
+
+
+def _build_parsed(args: list[str]) -> BuildConfig:
+    """The BuildConfig `dflash-cache build ARGS` makes."""
+    cmd = typer.main.get_command(cache_app).commands["build"]
+    params = cmd.make_context("build", ["--teacher", "t", "--data", "d", "--out", "o"] + args).params
+    return _build_config({k.name: params[k.name] for k in build_knobs()})
+
+
+def test_build_and_regenerate_have_one_option_per_field_but_the_environments():
+    build, regenerate = _cache_options("build"), _cache_options("regenerate")
+    for knob in build_knobs():
+        assert knob.flag in build and build[knob.flag].help.startswith(knob.doc[:40]), knob.flag
+    for knob in regenerate_knobs():
+        assert knob.flag in regenerate and regenerate[knob.flag].help.startswith(knob.doc[:40]), knob.flag
+    assert {"--rank", "--world-size"}.isdisjoint(build) and {"--rank", "--world-size", "--backoff-s", "--top-k"}.isdisjoint(regenerate)
+    assert {"--teacher", "--tapped-layers", "--drafter-layers", "--shard-size", "--chunk-size", "--layers", "--dry-run",
+            "--quiet", "--debug", "--no-overwrite"} <= set(build)
+    assert {"--endpoint", "--served-model", "--concurrency", "--merge-only", "--teacher"} <= set(regenerate)
+    assert build["--teacher"].required and not regenerate["--teacher"].required  # regenerate may ask servers instead
+
+
+def test_build_options_reach_the_config_and_the_defaults_are_the_fields():
+    plain = _build_parsed([])
+    assert plain == BuildConfig(out="o", corpus=plain.corpus, teacher=TeacherConfig("t"))
+    assert plain.storage == StorageConfig() and plain.storage.shard_bytes == 512 * 10**6  # the old --shard-size 512MB
+    cfg = _build_parsed(["--layers", "1,3,5", "--drafter-layers", "3", "--shard-size", "2GiB", "--chunk-size", "1MB",
+                         "--storage-options", '{"anon": true}', "--chat-template-kwargs", '{"enable_thinking": false}',
+                         "--overwrite", "--top-k", "8", "--max-length", "64"])
+    assert (cfg.teacher.layers, cfg.teacher.num_tapped_layers, cfg.teacher.top_k) == ((1, 3, 5), 3, 8)
+    assert (cfg.storage.shard_bytes, cfg.storage.chunk_bytes, cfg.overwrite) == (2 * 2**30, 10**6, True)
+    assert (cfg.storage_options, cfg.corpus.chat_template_kwargs, cfg.corpus.max_length) == (
+        {"anon": True}, {"enable_thinking": False}, 64)
+    with pytest.raises(ConfigError, match="cannot read the size '12 parsecs'"):
+        _build_parsed(["--shard-size", "12 parsecs"])
+
+
+def test_regenerate_options_nest_into_its_teacher_and_server_sections():
+    knobs = regenerate_knobs()
+    given = {k.name: None for k in knobs} | {"data": "d", "out": "o.jsonl", "endpoint": ["http://a", "http://b"],
+                                             "served_model": "m", "concurrency": 3, "top_p": 0.5}
+    values = nested_values(knobs, given)
+    assert values == {"data": "d", "out": "o.jsonl", "top_p": 0.5,
+                      "server": {"endpoints": ["http://a", "http://b"], "served_model": "m", "concurrency": 3}}
+    from dflash_regenerate.config import RegenerateConfig
+
+    cfg = make_config(RegenerateConfig, {**values, "teacher": None}, rank=0, world_size=1)
+    assert (cfg.server.endpoints, cfg.server.concurrency, cfg.top_p, cfg.max_new_tokens) == (("http://a", "http://b"), 3, 0.5, 2048)
+
+
+# eval and generate still declare their options by hand; they get configs of their own next (issue 28).
+PENDING = {"eval", "generate"}
+
+
+def option_default_problems(apps: dict) -> list[str]:
+    """Options named like a config field that are declared by hand with a default of their own,
+    which could drift from the field's: such options come from the field (default None)."""
+    fields = {name for knob in build_knobs() + regenerate_knobs() + train_knobs() + sweep_knobs() + decoding_knobs()
+              for name in (knob.name, knob.path[-1])}
+    found = []
+    for program, typer_app in apps.items():
+        for name, cmd in typer.main.get_command(typer_app).commands.items():
+            if name in PENDING:
+                continue
+            for p in cmd.params:
+                if p.name in fields and not p.required and p.default not in (None, (), []):
+                    found.append(f"{program} {name} {p.opts[0]}: declared with the default {p.default!r}")
+    return found
+
+
+def test_no_option_default_repeats_a_config_field_default():
+    assert option_default_problems({"dflash-cache": cache_app, "dflash-train": app}) == []
+    # the check sees a hand-declared field option
+    hand = typer.Typer()
+
+    @hand.command()
+    def build(top_k: int = typer.Option(64), dry_run: bool = False):
+        pass
+
+    @hand.command()
+    def other():
+        pass
+
+    assert option_default_problems({"x": hand}) == ["x build --top-k: declared with the default 64"]

@@ -23,7 +23,10 @@ class CorpusConfig:
     """Where the corpus is and how its rows become training sequences."""
 
     data: str
-    """A corpus file, a folder of files (searched recursively), or a glob pattern."""
+    """A corpus: JSONL, Parquet or Arrow file(s), a folder of them (searched recursively) or a glob,
+    or a `datasets` save_to_disk folder. Rows: chat `messages` ([{role, content}]), ShareGPT
+    `conversations` ([{from, value}]) or plain `text`; the sequence id is the `id` field or a
+    stable hash of the row."""
     max_length: int = 4096
     """Longest sequence kept, in tokens. It also sets the row size limit, row_byte_limit(max_length)
     bytes (64 MiB up to max_length 1M), and bounds how much of a long row is tokenized."""
@@ -34,7 +37,7 @@ class CorpusConfig:
     """Rows shorter than this many tokens (after truncation) are skipped."""
     on_bad_row: str = "fail"
     """What the build does with an unusable row: "fail" (stop with its file and row) or
-    "skip" (count it and go on)."""
+    "skip" (count it in the manifest and go on). Rows nested over 100 levels or over 64 MiB are bad rows."""
     chat_template_kwargs: dict | None = None
     """Extra variables for the chat template (e.g. {"enable_thinking": false}), the same ones the
     corpus was regenerated with and the drafter will be served with; recorded in the manifest."""

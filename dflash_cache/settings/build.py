@@ -6,10 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_cache.corpus.config import CorpusConfig
-from dflash_cache.settings.engines import ENGINES, VllmArgs
+from dflash_cache.settings.engines import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.settings.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import Knob, config_knobs
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class BuildConfig:
     """Shard and chunk sizes, compression, hidden-state format (lossless or fp8)."""
 
     overwrite: bool = False
-    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it)."""
+    """Delete an existing cache at `out` and build from scratch (otherwise a rerun resumes it); only
+    a dflash cache, and only what a build wrote there: anything else stops it."""
 
     storage_options: dict[str, Any] | None = None
     """fsspec options for the cache URL (credentials, endpoint)."""
@@ -47,11 +49,16 @@ class BuildConfig:
     masks and everything but the forward come from the same code, and a build may resume with
     the other engine."""
 
-    vllm: VllmArgs = field(default_factory=VllmArgs)
-    """Options of the vLLM engine (--vllm-args): parallel sizes, memory share, max_model_len."""
+    vllm: VllmArgs = field(default_factory=VllmArgs,
+                           metadata={"name": "vllm_args", "parse": parse_vllm_args, "show": vllm_args_text})
+    """With engine 'vllm': the engine's options as one JSON object, e.g. {"tensor_parallel_size": 2,
+    "gpu_memory_utilization": 0.85}; keys tensor_parallel_size, data_parallel_size,
+    gpu_memory_utilization, max_model_len (default max_length + 1), enable_prefix_caching (default
+    off: the states are read from each request's own KV blocks), enforce_eager (default on: a build
+    only prefills), max_num_batched_tokens."""
 
     vllm_python: str | None = None
-    """Python of an environment with vLLM (--vllm-python); default: $DFLASH_VLLM_PYTHON, else
+    """With engine 'vllm': the python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else
     .venv-vllm/bin/python. A path of this machine: not recorded in the manifest."""
 
     def __post_init__(self):
@@ -73,3 +80,12 @@ class BuildConfig:
         out.pop("rank")  # the same cache whichever rank describes it
         out.pop("vllm_python")  # a path of the machine that built it
         return out
+
+
+# Not options: torchrun (or the user launching ranks as jobs) sets them through RANK and WORLD_SIZE.
+FROM_ENVIRONMENT = ("rank", "world_size")
+
+
+def build_knobs() -> tuple[Knob, ...]:
+    """The options of `dflash-cache build`: every field of BuildConfig and its sections."""
+    return config_knobs(BuildConfig, exclude=FROM_ENVIRONMENT)

@@ -3,7 +3,8 @@ configs can be read and checked without the engines installed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
+from dataclasses import asdict, dataclass, fields
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real, json_object
@@ -88,3 +89,9 @@ def parse_vllm_args(text: str | None) -> VllmArgs:
     if unknown:
         raise ConfigError(f"--vllm-args has unknown key(s) {', '.join(unknown)}; use {', '.join(known)}")
     return VllmArgs(**given)
+
+
+def vllm_args_text(args: VllmArgs) -> str:
+    """VllmArgs as --vllm-args would give them: the keys that differ from the defaults ("-" for none)."""
+    changed = {k: v for k, v in asdict(args).items() if v != getattr(VllmArgs(), k)}
+    return json.dumps(changed) if changed else "-"

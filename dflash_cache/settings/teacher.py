@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
 
@@ -14,8 +14,9 @@ TEACHER_DTYPES = ("bfloat16", "float32")
 class TeacherConfig:
     """Which teacher to run and how."""
 
-    name_or_path: str
-    """A local folder or a Hugging Face hub name of a transformers causal LM."""
+    name_or_path: str = field(metadata={"name": "teacher"})
+    """A local folder or a Hugging Face hub name of a transformers causal LM (tested: Qwen3, hybrid
+    Qwen3.5 `qwen3_5`, Llama)."""
 
     revision: str | None = None
     """Hub revision (branch, tag or commit) when name_or_path is a hub name."""
@@ -31,9 +32,11 @@ class TeacherConfig:
     over the GPUs of a node; use one process per node then. Overrides device."""
 
     layers: tuple[int, ...] | None = None
-    """0-based decoder layers to tap, never the last one; None picks the default spread for num_tapped_layers."""
+    """0-based decoder layers to tap, e.g. 1,16,31,46,61 for a 64-layer teacher; never the last one
+    (vLLM and SGLang cannot serve it). None spreads num_tapped_layers of them as round(1 + i (L-4)/(n-1)),
+    never layer 0 or the last."""
 
-    num_tapped_layers: int = 5
+    num_tapped_layers: int = field(default=5, metadata={"name": "tapped_layers", "aliases": ("drafter_layers",)})
     """How many teacher layers the default layer choice taps (the drafter's context inputs; not
     the drafter's own layer count)."""
 
