@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 from collections.abc import Collection, Sequence
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import typer
 from tqdm import tqdm
@@ -86,18 +86,19 @@ def split_ints(text: str | None, option: str) -> tuple[int, ...] | None:
         raise typer.BadParameter(f"{option} takes comma-separated integers, e.g. 1,16,31; got {text!r}") from None
 
 
-def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
+def knob_options(knobs: Sequence, exclude: Collection[str] = (), paths: bool = True):
     """Give a command one option per knob (dflash_train.knobs), after its own parameters: the
     option's name, type, help and default text all come from the config field. The command gets
-    them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}."""
+    them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}.
+    ``paths``: name each field's config path in its help (for commands that read config files)."""
     from rich.markup import escape
 
     chosen = [k for k in knobs if k.name not in exclude]
 
     def option(knob) -> inspect.Parameter:
-        kind = str if knob.is_text else knob.value_type
+        kind = List[knob.value_type.__args__[0]] if knob.repeat else str if knob.is_text else knob.value_type
         notes = ([f"default {knob.shown_default()}"] if knob.shown_default() != "-" else []) + \
-            ([f"config {knob.dotted}"] if knob.dotted != knob.name else [])
+            ([f"config {knob.dotted}"] if paths and knob.dotted != knob.name else [])
         text = escape(f"{knob.doc} ({'; '.join(notes)})" if notes else knob.doc)
         decls = (f"{knob.flag}/--no-{knob.flag[2:]}",) if kind is bool else ()
         default = typer.Option(..., *decls, help=escape(knob.doc), rich_help_panel=_panel(knob)) if knob.required else \
@@ -110,7 +111,10 @@ def knob_options(knobs: Sequence, exclude: Collection[str] = ()):
 
         @functools.wraps(command)
         def with_knobs(**values):
-            return command(knob_values={k.name: values.pop(k.name) for k in chosen}, **values)
+            # a repeatable option not given arrives as an empty list: not given, like the others
+            given = {k.name: values.pop(k.name) for k in chosen}
+            return command(knob_values={name: value if value != [] and value != () else None
+                                        for name, value in given.items()}, **values)
 
         params = own + [option(k) for k in chosen]
         with_knobs.__signature__ = inspect.Signature(params)

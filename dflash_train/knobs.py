@@ -25,6 +25,9 @@ from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.values import json_object
 from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
+from dflash_train.settings.speculative import SpecConfig
 
 README_BEGIN = "<!-- train options: made by `python -m dflash_train.knobs README.md` from the config fields -->"
 README_END = "<!-- end of train options -->"
@@ -51,6 +54,9 @@ class Knob:
 
     panel: str = ""
     """Where --help lists it (default: by section, "run settings" for the top level)."""
+
+    repeat: bool = False
+    """A list field given by repeating its option (--temperature 0 --temperature 1), not as comma-separated text."""
 
     @property
     def dotted(self) -> str:
@@ -83,7 +89,10 @@ class Knob:
         return typing.get_origin(kind) in (tuple, dict) or kind is dict
 
     def value(self, given: Any) -> Any:
-        """A command-line option's value as the field takes it (text of lists and tables parsed)."""
+        """A command-line option's value as the field takes it (text of lists and tables parsed,
+        a repeated option's values as a tuple)."""
+        if self.repeat:
+            return tuple(given)
         return self.parse(given) if isinstance(given, str) and self.is_text else given
 
     def parse(self, text: str) -> Any:
@@ -135,10 +144,8 @@ def config_knobs(cls: type, names: Sequence[str] | None = None, panel: str = "",
             continue
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         knobs.append(Knob(prefix + (f.name,), f.metadata.get("name", f.name), hints[f.name], default, docs.get(f.name, ""),
-                          panel))
-    if not prefix:
-        _check_names(knobs)
-    return tuple(knobs)
+                          panel, f.metadata.get("repeat", False)))
+    return check_names(knobs) if not prefix else tuple(knobs)
 
 
 @functools.cache
@@ -147,7 +154,8 @@ def train_knobs() -> tuple[Knob, ...]:
     return config_knobs(TrainConfig, sections=SECTIONS)
 
 
-def _check_names(knobs: Sequence[Knob]) -> None:
+def check_names(knobs: Sequence[Knob]) -> tuple[Knob, ...]:
+    """The knobs of one command, checked: each has its own name and a docstring."""
     seen: dict[str, str] = {}
     for knob in knobs:
         if knob.name in seen:
@@ -156,6 +164,7 @@ def _check_names(knobs: Sequence[Knob]) -> None:
         if not knob.doc:
             raise ConfigError(f"config field {knob.dotted} has no docstring; write one under the field")
         seen[knob.name] = knob.dotted
+    return tuple(knobs)
 
 
 def find_knob(key: str) -> Knob | None:
@@ -170,6 +179,15 @@ def nested_values(knobs: Sequence[Knob], options: Mapping[str, Any]) -> dict:
         if value is not None:
             set_path(out, by_name[name].path, by_name[name].value(value))
     return out
+
+
+def config_from_values(cls: type, values: Mapping[str, Any]):
+    """A config dataclass from nested values (nested_values'); a field whose type is a dataclass
+    is built from its own table, so what is not given keeps its default at every level."""
+    hints = typing.get_type_hints(cls)
+    built = {name: config_from_values(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
+             for name, value in values.items()}
+    return cls(**built)
 
 
 def option_overrides(options: Mapping[str, Any]) -> dict:
@@ -194,6 +212,36 @@ def set_overrides(items: Sequence[str]) -> dict:
             raise ConfigError(f"--set {key.strip()}=... cannot be read ({first}); pass a smaller value") from None
         set_path(out, key.strip().split("."), value)
     return out
+
+
+# --- the measuring commands: eval and generate share DecodingConfig's knobs ---------------------
+
+
+def decoding_knobs() -> tuple[Knob, ...]:
+    """DecodingConfig's options (SpecConfig's among them), under the path ("decoding", ...)."""
+    own = [f.name for f in dataclasses.fields(DecodingConfig) if f.name != "spec"]
+    return (config_knobs(DecodingConfig, names=own, panel="decoding settings", prefix=("decoding",))
+            + config_knobs(SpecConfig, names=SPEC_OPTIONS, panel="decoding settings", prefix=("decoding", "spec")))
+
+
+def eval_knobs() -> tuple[Knob, ...]:
+    """Every option of `dflash-train eval`, from EvalConfig's, DecodingConfig's and DataConfig's fields."""
+    own = [f.name for f in dataclasses.fields(EvalConfig) if f.name not in ("decoding", "data")]
+    data = tuple(_run_default(k) for k in config_knobs(DataConfig, names=DATA_OPTIONS, panel="offline settings",
+                                                       prefix=("data",)))
+    return check_names(config_knobs(EvalConfig, names=own, panel="eval settings") + decoding_knobs() + data)
+
+
+def generate_knobs() -> tuple[Knob, ...]:
+    """Every option of `dflash-train generate`: its prompt and the decoding settings eval has too."""
+    return check_names(config_knobs(GenerateConfig, names=("prompt",)) + decoding_knobs())
+
+
+def _run_default(knob: Knob) -> Knob:
+    # a drafter is evaluated on the held-out split of its own run, which its config.json names
+    if knob.name != "heldout_fraction":
+        return knob
+    return dataclasses.replace(knob, default=None, doc="Held-out fraction (default: the training run's, from its config.json).")
 
 
 def readme_table() -> str:
