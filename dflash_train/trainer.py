@@ -44,9 +44,9 @@ from dflash_train.distributed import (
     release_gathered,
     shutdown,
 )
-from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate, meter_rows
+from dflash_train.evaluate import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.export import check_export_folder, export_weights
-from dflash_train.loss import LossOutput, set_head_matmul
+from dflash_train.loss import LossOutput, batch_loss, set_head_matmul
 from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
 
