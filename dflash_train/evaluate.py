@@ -200,10 +200,10 @@ def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards:
     """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers and,
     as `dflash-train run` does before training, a cache with damaged shards not in ``skip_shards``
     (the shards' checksums are checked as evaluation first reads them: data.load_batch)."""
-    from dflash_cache.verify import check_shards  # run's own check, so eval refuses what run refuses
+    from dflash_cache.reader import SIZES
     from dflash_common.errors import CacheError
 
-    check_shards(cache, tuple(skip_shards))
+    cache.ensure_intact((SIZES,), skip=skip_shards)  # run's own check, so eval refuses what run refuses
     head = cache.load_teacher_head()
     model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"], device)
     if list(model.cfg.target_layer_ids) != list(cache.layer_ids):
