@@ -185,7 +185,8 @@ def config_from_values(cls: type, values: Mapping[str, Any]):
     """A config dataclass from nested values (nested_values'); a field whose type is a dataclass
     is built from its own table, so what is not given keeps its default at every level."""
     hints = typing.get_type_hints(cls)
-    built = {name: config_from_values(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
+    built = {name: config_from_values(hints[name], value) if dataclasses.is_dataclass(hints[name])
+             else tuple(value) if isinstance(value, list) else value  # set_path keeps lists as a config file does
              for name, value in values.items()}
     return cls(**built)
 
