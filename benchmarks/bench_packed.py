@@ -42,8 +42,8 @@ from dflash_cache import open_cache  # noqa: E402
 from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.evaluate import batch_loss  # noqa: E402
 from dflash_train.layout import LAYOUTS, padding_fraction  # noqa: E402
+from dflash_train.loss import batch_loss  # noqa: E402
 from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
 
 RESULT_TAG = "RESULT "

@@ -44,8 +44,13 @@ from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data import collate, sample_anchors  # noqa: E402
 from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.evaluate import block_states  # noqa: E402
-from dflash_train.loss import LossConfig, LossOutput, bucket_kl, position_weights  # noqa: E402
+from dflash_train.loss import (  # noqa: E402
+    LossConfig,
+    LossOutput,
+    block_states,
+    bucket_kl,
+    position_weights,
+)
 from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_train.trainer import micro_step  # noqa: E402
 

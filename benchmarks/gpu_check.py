@@ -142,7 +142,7 @@ def part_step(out: Path):
         set_head_matmul(mode, dev)
         with torch.no_grad(), autocast:
             t = time.perf_counter()
-            from dflash_train.evaluate import batch_loss
+            from dflash_train.loss import batch_loss
             value = batch_loss(model, batch, LossConfig(), model)
             sync(dev)
             head[mode] = (float(value.loss), time.perf_counter() - t)

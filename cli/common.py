@@ -88,11 +88,12 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
         raise typer.Exit(130)
 
 
-def knob_options(knobs: Sequence, exclude: Collection[str] = (), top_panel: str = "run settings"):
+def knob_options(knobs: Sequence, exclude: Collection[str] = (), top_panel: str = "run settings", paths: bool = True):
     """Give a command one option per knob (dflash_common.knobs), after its own parameters: the
     option's name, type, help and default text all come from the config field, and its default is
     None, so the field's default applies (a test holds every command to that). The command gets
-    them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}."""
+    them as one parameter, `knob_values`: {knob name: value, or None when the option is not given}.
+    ``paths``: name each field's config path in its help (for commands that read config files)."""
     from rich.markup import escape
 
     chosen = [k for k in knobs if k.name not in exclude]
@@ -100,7 +101,7 @@ def knob_options(knobs: Sequence, exclude: Collection[str] = (), top_panel: str 
     def option(knob) -> inspect.Parameter:
         kind = List[typing.get_args(knob.value_type)[0]] if knob.repeat else str if knob.is_text else knob.value_type
         notes = ([f"default {knob.shown_default()}"] if knob.shown_default() not in ("-", "required") else []) + \
-            ([f"config {knob.dotted}"] if knob.dotted != knob.name else [])
+            ([f"config {knob.dotted}"] if paths and knob.dotted != knob.name else [])
         text = escape(f"{knob.doc} ({'; '.join(notes)})" if notes else knob.doc)
         decls = (f"{knob.flag}/--no-{knob.flag[2:]}",) if kind is bool else knob.flags
         panel = knob.panel or (f"{knob.section} settings" if knob.section else top_panel)

@@ -12,6 +12,7 @@ Nothing read from manifest.json is trusted as a path: every shard record is chec
 file that is a symlink resolving outside the cache is refused. ``Shard.checksum_problems``
 compares a shard's bytes with the checksums of its commit record, hashing each shard's files once
 per process (the training loader calls it before it hands out anything of a shard).
+``Cache.ensure_intact`` is the one check by which training and evaluation refuse damaged shards.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +35,7 @@ import zarr
 
 from dflash_cache import format as fmt
 from dflash_cache.writer import zarr_store
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, ConfigError
 from dflash_common.settings_files import load_settings_file
 
 
@@ -151,6 +152,12 @@ def open_ipc(fs, path: str) -> pa.Table:
 
 def _fixed_list_values(column: pa.ChunkedArray, k: int) -> np.ndarray:
     return column.combine_chunks().values.to_numpy(zero_copy_only=True).reshape(-1, k)
+
+
+SIZES = "sizes"
+"""Not a file: every file's size against its commit record, from one listing (``quick_check``)."""
+CHECKSUMMED = (fmt.SEQUENCES, fmt.TOKENS, "hidden")
+"""A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``)."""
 
 
 class Shard:
@@ -390,6 +397,31 @@ class Cache:
             found = [s.checksum_problems(parts) for s in shards]
         return {s.name: p for s, p in zip(shards, found) if p}
 
+    def ensure_intact(self, parts: Sequence[str] = CHECKSUMMED, shards: Iterable[int] | None = None,
+                      skip: Collection[str] = (), threads: int = 4) -> int:
+        """The one integrity check by which training and evaluation refuse damaged shards: refuses
+        ``skip`` names (--skip-shards) the cache does not list (ConfigError), then every shard at
+        the indices ``shards`` (default: each one not skipped) whose ``parts`` fail, in one line
+        naming each with its first problem and both ways out (CacheError). Parts: SIZES (one
+        listing of shards/: missing folders and files, sizes other than the commit records';
+        cheap enough for every start) and the checksummed ones (``Shard.checksum_problems``, each
+        shard hashed once per process). Returns the number of sequences the skipped shards hold."""
+        listed = {s.name: len(s) for s in self.shards}
+        unknown = [name for name in skip if name not in listed]
+        if unknown:
+            raise ConfigError(f"--skip-shards names {unknown}, which {self.url} does not list; take names from "
+                              "`dflash-cache verify` or `dflash-cache info --json`")
+        chosen = [i for i, s in enumerate(self.shards) if s.name not in skip] if shards is None else list(shards)
+        names = {self.shards[i].name for i in chosen}
+        problems = {name: bad for name, bad in quick_check(self, set(skip)).items() if name in names} if SIZES in parts else {}
+        checksummed = [part for part in parts if part != SIZES]
+        if checksummed:
+            problems.update(self.checksum_problems([i for i in chosen if self.shards[i].name not in problems],
+                                                   checksummed, threads))
+        if problems:
+            raise CacheError(damaged_shards_message(self.url, problems))
+        return sum(listed[name] for name in set(skip))
+
     def sequence_bytes(self, shard: int, i: int) -> int:
         """Bytes of one sequence's hidden states as the reader hands them out."""
         return int(self.shards[shard].lengths[i]) * self.hidden_bytes_per_token
@@ -544,8 +576,60 @@ class ShardIntegrityError(CacheError):
 
     def __init__(self, url: str, shard: str, problems: list[str]):
         self.url, self.shard, self.problems = url, shard, list(problems)
-        super().__init__(f"{url}: shard {shard} fails its integrity check ({'; '.join(problems)}); run "
-                         f"`dflash-cache verify {url}` and rebuild the cache, or leave the shard out (--skip-shards {shard})")
+        super().__init__(damaged_shards_message(url, {shard: self.problems}))
+
+
+def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
+    """One line naming every damaged shard, its first problem, and both ways out."""
+    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
+                      for name, bad in problems.items())
+    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
+            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
+
+
+def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
+    """Files of a commit record (relative path -> bytes) against those found; None: no folder."""
+    if found is None:
+        return ["shard folder missing"]
+    problems = []
+    for name, size in expected.items():
+        if name not in found:
+            problems.append(f"file {name} missing")
+        elif found[name] != size:
+            problems.append(f"file {name} is {found[name]} bytes, expected {size}")
+    return problems
+
+
+def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
+    """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
+    missing folders and files, and sizes that differ from the commit records; a symlink in it
+    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
+    for training; the loader checks a shard's checksums when it first reads it
+    (``Shard.checksum_problems``), verify checks everything."""
+    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
+    try:
+        listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
+    except FileNotFoundError:
+        listing = {}
+    found: dict[str, dict[str, int]] = {}
+    prefix = len(shards_dir) + 1
+    linked = {}
+    for path, info in listing.items():
+        if info.get("islink"):  # the listing names links without following them: none may leave the cache
+            refuse_outside_links(cache, path)
+            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
+                linked.update(cache.fs.find(path, detail=True))
+    for path, info in {**listing, **linked}.items():
+        shard, _, rest = path[prefix:].partition("/")
+        if rest:
+            found.setdefault(shard, {})[rest] = int(info["size"])
+    problems = {}
+    for shard in cache.shards:
+        if shard.name not in skip:
+            bad = size_problems(shard.record["files"], found.get(shard.name))
+            if bad:
+                problems[shard.name] = bad
+    return problems
 
 
 def _inside(root: str, path: str, url: str) -> None:

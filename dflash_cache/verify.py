@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.reader import Cache, open_ipc, refuse_outside_links
-from dflash_common.errors import CacheError, ConfigError
+from dflash_cache.reader import Cache, damaged_shards_message, open_ipc, quick_check, refuse_outside_links, size_problems  # noqa: F401 (re-exported; Cache.ensure_intact refuses by them)
+from dflash_common.errors import CacheError
 from dflash_common.progress import Progress
 
 
@@ -58,51 +57,6 @@ def scale_problems(tokens, n_layers: int) -> list[str]:
     if outside:
         return [f"{outside} fp8 scale exponents lie outside [{fp8.MIN_EXP}, {fp8.MAX_EXP}]"]
     return []
-
-
-def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
-    """Files of a commit record (relative path -> bytes) against those found; None: no folder."""
-    if found is None:
-        return ["shard folder missing"]
-    problems = []
-    for name, size in expected.items():
-        if name not in found:
-            problems.append(f"file {name} missing")
-        elif found[name] != size:
-            problems.append(f"file {name} is {found[name]} bytes, expected {size}")
-    return problems
-
-
-def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
-    """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
-    missing folders and files, and sizes that differ from the commit records; a symlink in it
-    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
-    for training; the loader checks a shard's checksums when it first reads it
-    (``Shard.checksum_problems``), verify checks everything."""
-    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
-    try:
-        listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
-    except FileNotFoundError:
-        listing = {}
-    found: dict[str, dict[str, int]] = {}
-    prefix = len(shards_dir) + 1
-    linked = {}
-    for path, info in listing.items():
-        if info.get("islink"):  # the listing names links without following them: none may leave the cache
-            refuse_outside_links(cache, path)
-            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
-                linked.update(cache.fs.find(path, detail=True))
-    for path, info in {**listing, **linked}.items():
-        shard, _, rest = path[prefix:].partition("/")
-        if rest:
-            found.setdefault(shard, {})[rest] = int(info["size"])
-    problems = {}
-    for shard in cache.shards:
-        if shard.name not in skip:
-            bad = size_problems(shard.record["files"], found.get(shard.name))
-            if bad:
-                problems[shard.name] = bad
-    return problems
 
 
 def check_shard(cache: Cache, record: dict) -> list[str]:
@@ -323,24 +277,3 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
         progress.advance(len(batch))
     progress.close()
     return report
-
-
-def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
-    """One line naming every damaged shard, its first problem, and both ways out."""
-    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
-                      for name, bad in problems.items())
-    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
-            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
-
-
-def check_shards(cache, skip: tuple[str, ...]) -> int:
-    """Refuse unknown --skip-shards names and damaged shards not skipped; returns the number of
-    sequences the skipped shards hold."""
-    listed = {s.name: len(s) for s in cache.shards}
-    unknown = [name for name in skip if name not in listed]
-    if unknown:
-        raise ConfigError(f"--skip-shards names {unknown}, which {cache.url} does not list; take names from `dflash-cache verify` or `dflash-cache info --json`")
-    damaged = quick_check(cache, set(skip))
-    if damaged:
-        raise CacheError(damaged_shards_message(cache.url, damaged))
-    return sum(listed[name] for name in set(skip))

@@ -52,11 +52,3 @@ def bind_device(device: torch.device) -> None:
     use the current device land on this process's GPU and not on GPU 0."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-def teacher_dtype(name: str, device: torch.device) -> str:
-    """A teacher's dtype: `name`, or for "auto" bfloat16 on CUDA and float32 elsewhere (eval's and
-    generate's one rule)."""
-    if name != "auto":
-        return name
-    return "bfloat16" if device.type == "cuda" else "float32"

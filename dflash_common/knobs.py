@@ -189,8 +189,8 @@ def config_knobs(cls: type, names: Sequence[str] | None = None, panel: str = "",
     return tuple(knobs)
 
 
-def check_names(knobs: Sequence[Knob]) -> None:
-    """Every knob has its own name (older names included) and a docstring."""
+def check_names(knobs: Sequence[Knob]) -> tuple[Knob, ...]:
+    """The knobs of one command, checked: each has its own name (older names included) and a docstring."""
     seen: dict[str, str] = {}
     for knob in knobs:
         for name in (knob.name,) + knob.aliases:
@@ -200,6 +200,7 @@ def check_names(knobs: Sequence[Knob]) -> None:
             seen[name] = knob.dotted
         if not knob.doc:
             raise ConfigError(f"config field {knob.dotted} has no docstring; write one under the field")
+    return tuple(knobs)
 
 
 def set_path(values: dict, path: Sequence[str], value: Any) -> None:

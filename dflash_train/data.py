@@ -25,7 +25,6 @@ import xxhash
 
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
-from dflash_cache.reader import ShardIntegrityError
 from dflash_common.errors import CacheError, DFlashError
 from dflash_train.layout import PACKED, PADDED, sequence_starts, slots
 from dflash_train.settings.data import OPERATIONAL_FIELDS, DataConfig  # noqa: F401 (re-exported: the import path before the settings moved)
@@ -228,20 +227,6 @@ def block_targets(batch: Batch, block_size: int, num_positions: int | None = Non
     }
 
 
-def refuse_damaged(cache: Cache, problems: dict[str, list[str]]) -> None:
-    """Raise the trainer's one-line error for damaged shards (shard name -> problems), if any."""
-    if problems:
-        from dflash_cache.verify import damaged_shards_message
-
-        raise CacheError(damaged_shards_message(cache.url, problems))
-
-
-def check_intact(cache: Cache, shards, parts=(fmt.SEQUENCES, fmt.TOKENS, "hidden"), threads: int = 4) -> None:
-    """Refuse (one line, with the --skip-shards hint) any of these shard indices whose ``parts``
-    differ from the checksums of its commit record; each shard is hashed once per process."""
-    refuse_damaged(cache, cache.checksum_problems(shards, parts, threads))
-
-
 class EpochPlan:
     """The training split of a cache and its batches per epoch (pure functions of the manifest).
     The sequence tables it reads are checked against their checksums first."""
@@ -250,7 +235,7 @@ class EpochPlan:
         self.cache, self.cfg = cache, cfg
         self.lengths, self.index = [], []
         skip = set(cfg.skip_shards)
-        check_intact(cache, [s for s, shard in enumerate(cache.shards) if shard.name not in skip], (fmt.SEQUENCES,))
+        cache.ensure_intact((fmt.SEQUENCES,), skip=cfg.skip_shards)
         for shard in cache.shards:
             # a skipped shard keeps its place (shard indices stay those of the cache) but is never
             # read: its files may be missing or damaged
@@ -280,7 +265,7 @@ def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | 
 def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
     """Read, anchor and lay out one planned batch, each sequence read straight into its place,
     once the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
-    check_intact(cache, [s for s, _ in refs])
+    cache.ensure_intact(shards=[s for s, _ in refs])
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     hidden, views = hidden_buffer(cache, lengths, cfg.layout)
     records = [cache.shards[s].read(i, view) for (s, i), view in zip(refs, views)]
@@ -371,10 +356,7 @@ class TrainStream(torch.utils.data.IterableDataset):
                                    self.cfg.read_threads, check=True)
         try:
             for share, done, epoch, after in jobs:
-                try:
-                    shared = [next(records) for _ in share]
-                except ShardIntegrityError as err:
-                    refuse_damaged(cache, {err.shard: err.problems})
+                shared = [next(records) for _ in share]  # a damaged shard: ShardIntegrityError, the one-line refusal
                 batch = make_batch(shared, self.cfg, epoch, filling.popleft()) if share else Batch.empty()
                 batch.state_after = after
                 yield batch

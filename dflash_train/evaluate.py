@@ -5,31 +5,17 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.data import Batch, DataConfig, block_targets, heldout_batches
-from dflash_train.loss import CONFIDENCE_SUMS, DraftHeads, LossConfig, LossOutput, block_loss, tau_from_alpha
+from dflash_train.data import Batch, DataConfig, heldout_batches
+from dflash_train.loss import (
+    CONFIDENCE_SUMS,
+    LossConfig,
+    LossOutput,
+    batch_loss,  # noqa: F401 (re-exported: the import path before it moved to the loss)
+    block_loss,
+    block_states,
+    tau_from_alpha,
+)
 from dflash_train.model import DFlashDrafter, DrafterConfig
-
-
-def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], DraftHeads]:
-    """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
-    (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
-    one must run the forward (DDP)."""
-    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
-                                                      packed_lengths=batch.packed_lengths)
-    dspark = model.cfg.dspark
-    heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
-                       confidence=confidence)
-    if dspark is not None:
-        heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
-    return states, block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions), heads
-
-
-def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
-    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
-    states, targets, heads = block_states(model, batch, forward)
-    return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads)
-
 
 SUMS = ("alpha", "greedy", "count", "loss")
 """The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
@@ -214,10 +200,10 @@ def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards:
     """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers and,
     as `dflash-train run` does before training, a cache with damaged shards not in ``skip_shards``
     (the shards' checksums are checked as evaluation first reads them: data.load_batch)."""
-    from dflash_cache.verify import check_shards  # run's own check, so eval refuses what run refuses
+    from dflash_cache.reader import SIZES
     from dflash_common.errors import CacheError
 
-    check_shards(cache, tuple(skip_shards))
+    cache.ensure_intact((SIZES,), skip=skip_shards)  # run's own check, so eval refuses what run refuses
     head = cache.load_teacher_head()
     model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"], device)
     if list(model.cfg.target_layer_ids) != list(cache.layer_ids):

@@ -11,6 +11,7 @@ in dflash_common.knobs; this module holds what is a train run's own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -18,8 +19,11 @@ from typing import Any
 
 from dflash_common import knobs
 from dflash_common.errors import ConfigError
-from dflash_common.knobs import Knob, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
+from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
 from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
+from dflash_train.settings.speculative import SpecConfig
 
 README_BEGIN = "<!-- train options: made by `make docs` from the config fields -->"
 README_END = "<!-- end of train options -->"
@@ -58,6 +62,36 @@ def set_overrides(items: Sequence[str]) -> dict:
             raise ConfigError(f"--set {key.strip()}=... cannot be read ({first}); pass a smaller value") from None
         set_path(out, key.strip().split("."), value)
     return out
+
+
+# --- the measuring commands: eval and generate share DecodingConfig's knobs ---------------------
+
+
+def decoding_knobs() -> tuple[Knob, ...]:
+    """DecodingConfig's options (SpecConfig's among them), under the path ("decoding", ...)."""
+    own = [f.name for f in dataclasses.fields(DecodingConfig) if f.name != "spec"]
+    return (config_knobs(DecodingConfig, names=own, panel="decoding settings", prefix=("decoding",))
+            + config_knobs(SpecConfig, names=SPEC_OPTIONS, panel="decoding settings", prefix=("decoding", "spec")))
+
+
+def eval_knobs() -> tuple[Knob, ...]:
+    """Every option of `dflash-train eval`, from EvalConfig's, DecodingConfig's and DataConfig's fields."""
+    own = [f.name for f in dataclasses.fields(EvalConfig) if f.name not in ("decoding", "data")]
+    data = tuple(_run_default(k) for k in config_knobs(DataConfig, names=DATA_OPTIONS, panel="offline settings",
+                                                       prefix=("data",)))
+    return check_names(config_knobs(EvalConfig, names=own, panel="eval settings") + decoding_knobs() + data)
+
+
+def generate_knobs() -> tuple[Knob, ...]:
+    """Every option of `dflash-train generate`: its prompt and the decoding settings eval has too."""
+    return check_names(config_knobs(GenerateConfig, names=("prompt",)) + decoding_knobs())
+
+
+def _run_default(knob: Knob) -> Knob:
+    # a drafter is evaluated on the held-out split of its own run, which its config.json names
+    if knob.name != "heldout_fraction":
+        return knob
+    return dataclasses.replace(knob, default=None, doc="Held-out fraction (default: the training run's, from its config.json).")
 
 
 def readme_table() -> str:

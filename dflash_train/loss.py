@@ -7,7 +7,8 @@ The caller gathers, for every block and column, the drafter's final-norm output 
 slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a + k - 1`, and
 whether the position is valid; for DSpark also the Markov features and confidence logits
 (`DraftHeads`). This module turns that into the loss, the acceptance estimates, the position
-weights and the confidence head's BCE term.
+weights and the confidence head's BCE term. `batch_loss`, at the end, is the training objective
+of one batch: the drafter's forward (`block_states`) gathered into those inputs, then the loss.
 
 Full-vocabulary logits are the memory hazard (production: vocab 248,320), so they only ever
 exist for one chunk of valid positions at a time, and each chunk runs under activation
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
+from dflash_train.data import block_targets
 from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import path before the settings moved)
     HEAD_MATMULS,
     LOSS_KINDS,
@@ -35,6 +38,10 @@ from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import 
     LossConfig,
     check_terms,
 )
+
+if TYPE_CHECKING:
+    from dflash_train.data import Batch
+    from dflash_train.model import DFlashDrafter
 
 # -log(alpha) is floored here: a drafter that puts no mass on any of the teacher's buckets would
 # otherwise give an infinite loss and a NaN gradient.
@@ -457,3 +464,27 @@ def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: 
     """[P] detached float32 sums of per-valid-position values by block column."""
     totals = torch.zeros(num_positions, dtype=torch.float32, device=values.device)
     return totals.index_add(0, columns, values.detach().float())
+
+
+# --- the objective of one batch: the drafter's forward, then the loss above ---------------------------
+
+
+def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], DraftHeads]:
+    """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
+    (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
+    one must run the forward (DDP)."""
+    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
+                                                      packed_lengths=batch.packed_lengths)
+    dspark = model.cfg.dspark
+    heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
+                       confidence=confidence)
+    if dspark is not None:
+        heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
+    return states, block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions), heads
+
+
+def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
+    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
+    states, targets, heads = block_states(model, batch, forward)
+    return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads)

@@ -15,7 +15,7 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.format import check_servable_layers
-from dflash_cache.verify import check_shards
+from dflash_cache.reader import SIZES
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
@@ -44,9 +44,9 @@ from dflash_train.distributed import (
     release_gathered,
     shutdown,
 )
-from dflash_train.evaluate import AcceptanceMeter, batch_loss, evaluate, meter_rows
+from dflash_train.evaluate import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.export import check_export_folder, export_weights
-from dflash_train.loss import LossOutput, set_head_matmul
+from dflash_train.loss import LossOutput, batch_loss, set_head_matmul
 from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.noise import add_noise_
 
@@ -263,7 +263,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
         raise CacheError(f"{cfg.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
     # sizes against the commit records, before any work: a damaged shard would otherwise stop
     # training with a decoder error hours in, whenever the epoch plan first reaches it
-    skipped_sequences = check_shards(cache, cfg.data.skip_shards)
+    skipped_sequences = cache.ensure_intact((SIZES,), skip=cfg.data.skip_shards)
     device = resolve_device(cfg.device)
     # rank 0 does every write of a run (config, metrics, checkpoints, export), so it alone holds
     # the folder's lock; a second run on the same --out stops here, before anything is written.

@@ -285,6 +285,9 @@ def test_confidence_threshold_option_of_eval_and_generate(tmp_path, teacher_dir)
             lines = refused.output.strip().splitlines()
             assert refused.exit_code == 1 and len(lines) == 1, refused.output
             assert "needs a confidence head" in lines[0] and named in lines[0] and "0.3" in lines[0]
+            # checked from the drafter alone, before minutes of loading a teacher: one that does not exist is never reached
+            early = runner.invoke(app, command + ["--teacher", str(tmp_path / "no-teacher"), "--confidence-threshold", "0.3"])
+            assert early.exit_code == 1 and "needs a confidence head" in early.output, early.output
     offline = runner.invoke(app, ["eval", "--checkpoint", str(dspark), "--cache", "unused", "--confidence-threshold", "0.3"])
     assert offline.exit_code == 1 and "built-in decoder" in offline.output
 

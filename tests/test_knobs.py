@@ -13,7 +13,7 @@ import typer.main
 from cli.cache import _build_config
 from cli.cache import app as cache_app
 from cli.docs import readme_with_tables
-from cli.train import _train_config, app, decoding_knobs
+from cli.train import _train_config, app
 from dflash_cache.settings.build import BuildConfig, build_knobs
 from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.settings.teacher import TeacherConfig
@@ -22,7 +22,15 @@ from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_regenerate.config import regenerate_knobs
 from dflash_train.config import TrainConfig
-from dflash_train.knobs import find_knob, option_overrides, readme_with_table, set_overrides, train_knobs
+from dflash_train.knobs import (
+    eval_knobs,
+    find_knob,
+    generate_knobs,
+    option_overrides,
+    readme_with_table,
+    set_overrides,
+    train_knobs,
+)
 from dflash_train.loss import LossConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
@@ -174,20 +182,15 @@ def test_regenerate_options_nest_into_its_teacher_and_server_sections():
     assert (cfg.server.endpoints, cfg.server.concurrency, cfg.top_p, cfg.max_new_tokens) == (("http://a", "http://b"), 3, 0.5, 2048)
 
 
-# eval and generate still declare their options by hand; they get configs of their own next (issue 28).
-PENDING = {"eval", "generate"}
-
-
 def option_default_problems(apps: dict) -> list[str]:
     """Options named like a config field that are declared by hand with a default of their own,
     which could drift from the field's: such options come from the field (default None)."""
-    fields = {name for knob in build_knobs() + regenerate_knobs() + train_knobs() + sweep_knobs() + decoding_knobs()
+    fields = {name for knob in build_knobs() + regenerate_knobs() + train_knobs() + sweep_knobs() + eval_knobs()
+              + generate_knobs()
               for name in (knob.name, knob.path[-1])}
     found = []
     for program, typer_app in apps.items():
         for name, cmd in typer.main.get_command(typer_app).commands.items():
-            if name in PENDING:
-                continue
             for p in cmd.params:
                 if p.name in fields and not p.required and p.default not in (None, (), []):
                     found.append(f"{program} {name} {p.opts[0]}: declared with the default {p.default!r}")

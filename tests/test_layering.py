@@ -80,7 +80,7 @@ def settings_problems() -> list[str]:
                 if top in HEAVY:
                     found.append(f"{where} imports {module}: settings load no {', '.join(HEAVY)}")
                 elif (top in ALLOWED and top != "dflash_common" and module not in also
-                      and not module.startswith(folder.replace("/", "."))):
+                      and not any(module.startswith(other.replace("/", ".")) for other in SETTINGS)):
                     found.append(f"{where} imports {module}: settings import only settings and dflash_common")
     return found
 

@@ -12,8 +12,8 @@ from dflash_common.values import is_int, is_real
 class SpecConfig:
     """How to generate: length, sampling and stopping."""
 
-    max_new_tokens: int = 128
-    """Most new tokens to produce (the prompt is not counted)."""
+    max_new_tokens: int = 256
+    """Tokens to generate per prompt at most (the prompt is not counted)."""
     temperature: float = 0.0
     """0 for greedy decoding; > 0 samples from softmax(logits / temperature)."""
     top_p: float = 1.0

@@ -1,0 +1,264 @@
+"""`dflash-train eval` and `generate` carried out: a drafter measured offline on a cache's held-out
+split and/or decoding with its teacher (the built-in decoder, vLLM or both), and answers
+generated with it. The commands only parse their options (dflash_train.settings.evaluation) and
+print what these return."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_common.errors import ConfigError
+from dflash_common.files import refuse_links, write_file_atomic
+from dflash_common.knobs import make_config
+from dflash_train.settings.evaluation import DecodingConfig, EvalConfig, GenerateConfig
+
+Lines = list[tuple[str, str]]
+
+
+@dataclass
+class EvalResult:
+    """What an evaluation wrote and what to print."""
+
+    report: dict
+    """The JSON report (written to ``path``)."""
+    lines: Lines
+    """The table of results: (what, value)."""
+    path: Path
+    """Where the report went; with an offline part, a PNG of acceptance by position beside it."""
+
+    @property
+    def matched(self) -> bool:
+        """Whether every greedy decoding (built-in and vLLM) produced the teacher's own output."""
+        decodings = self.report.get("decodings", [self.report.get("decoding", {})])
+        return not (any(d.get("matched_teacher") is False for d in decodings)
+                    or self.report.get("vllm", {}).get("matched_teacher") is False)
+
+
+def eval_config(values: dict) -> EvalConfig:
+    """An EvalConfig from nested option values; the held-out fraction, when not given, is the
+    training run's (another fraction would score sequences the drafter trained on)."""
+    from dflash_train.decoding import run_heldout_fraction
+
+    data = values.get("data", {})
+    if data.get("heldout_fraction") is None:
+        checkpoint = values.get("decoding", {}).get("checkpoint", "")
+        values = {**values, "data": {**data, "heldout_fraction": run_heldout_fraction(checkpoint, None)}}
+    return make_config(EvalConfig, values)
+
+
+def report_path(cfg: EvalConfig) -> Path:
+    """Where the report goes, refused before minutes of evaluation whose report would have nowhere
+    to go (a folder, a path under a file) or would be written through a link."""
+    path = Path(cfg.out) if cfg.out else Path(cfg.decoding.checkpoint) / "eval.json"
+    if path.is_dir():
+        raise ConfigError(f"--out {path} is a folder; pass the report's file name, e.g. {path / 'eval.json'}")
+    if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+        raise ConfigError(f"--out {path} lies under a file, not a folder; pass another path")
+    for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log")):
+        refuse_links(written)
+    return path
+
+
+def check_drafter(decoding: DecodingConfig) -> None:
+    """What needs only the drafter, checked before minutes of loading the teacher: a confidence
+    threshold needs a drafter with a confidence head."""
+    from dflash_train.speculative import check_confidence_threshold
+
+    if decoding.spec.confidence_threshold > 0:
+        check_confidence_threshold(drafter_config_of(decoding.checkpoint), decoding.spec.confidence_threshold)
+
+
+def drafter_config_of(checkpoint: str):
+    """The DrafterConfig of a checkpoint folder or an export folder, without a teacher."""
+    from dflash_train.checkpoint import COMPLETE, CheckpointManager
+    from dflash_train.export import read_export_config
+    from dflash_train.settings.drafter import DrafterConfig
+
+    if (Path(checkpoint) / COMPLETE).exists():
+        return DrafterConfig.from_hf_config(CheckpointManager.load(checkpoint)["trainer"]["drafter"])
+    return read_export_config(checkpoint)
+
+
+def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
+    """Evaluate as cfg says, write the report (and the PNG of an offline part), return it."""
+    from dflash_common.devices import resolve_device
+
+    path = report_path(cfg)
+    if cfg.real and cfg.engine != "vllm":
+        check_drafter(cfg.decoding)
+    dev = resolve_device(cfg.decoding.device)
+    report: dict = {"checkpoint": cfg.decoding.checkpoint}
+    lines: Lines = []
+    if cfg.cache:
+        report.update(offline(cfg, dev))
+        lines += offline_lines(report)
+    if cfg.real:
+        from dflash_train.decoding import resolve_template_kwargs
+
+        report["chat_template_kwargs"] = kwargs = resolve_template_kwargs(
+            cfg.decoding.checkpoint, cfg.cache, cfg.decoding.chat_template_kwargs, cfg.decoding.allow_template_mismatch,
+            cfg.storage_options)
+        real, real_lines = real_decoding(cfg, dev, kwargs, path.with_suffix(".vllm.log"), progress)
+        report.update(real)
+        lines += real_lines
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+    if cfg.cache:
+        from dflash_train.evaluate import plot_acceptance
+
+        o = report["offline"]
+        plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
+                        f"held-out acceptance, tau {o['tau']:.2f}")
+    return EvalResult(report, lines, path)
+
+
+def eval_text(result: EvalResult) -> str:
+    """The printout of an evaluation: its table, the acceptance by position, where the report went."""
+    text = [f"{k:<40}{v}" for k, v in result.lines]
+    offline_part = result.report.get("offline")
+    if offline_part:
+        text += ["alpha_k  " + " ".join(f"{x:.3f}" for x in offline_part["alpha"]),
+                 "greedy_k " + " ".join(f"{x:.3f}" for x in offline_part["greedy"])]
+    png = f" and {result.path.with_suffix('.png')}" if offline_part else ""
+    return "\n".join(text + [f"report: {result.path}{png}"])
+
+
+def offline(cfg: EvalConfig, dev) -> dict:
+    """The offline part of the report: acceptance and the greedy replay on the held-out split."""
+    from dflash_cache import open_cache
+    from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for
+    from dflash_train.loss import LossConfig
+
+    cache = open_cache(cfg.cache, cfg.storage_options)
+    model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
+    return {"cache": cfg.cache, "offline": evaluate(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
+            "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev)}
+
+
+def offline_lines(report: dict) -> Lines:
+    o = report["offline"]
+    return [("offline tau (sampling estimate)", f"{o['tau']:.3f}"), ("offline tau (greedy streak)", f"{o['tau_greedy']:.3f}"),
+            ("offline greedy replay accepted length", f"{report['greedy_replay']['accepted_length']:.3f}"),
+            ("held-out loss", f"{o['loss']:.4f}")]
+
+
+def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: Path, progress=None) -> tuple[dict, Lines]:
+    """Real decoding with the built-in decoder (at each temperature) and/or vLLM (greedy): the
+    report parts and their table lines."""
+    from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
+
+    decoding = cfg.decoding
+    if cfg.engine != "dflash":
+        from dflash_train.serving import find_vllm_python
+
+        find_vllm_python(cfg.vllm_python)  # fail before loading anything
+    dtype = decoding.dtype(dev.type)
+    t, drafter = load_pair(decoding.checkpoint, decoding.teacher, dtype, str(dev), decoding.trust_remote_code)
+    prompt_list = read_prompts(cfg.prompts, t.tokenizer, cfg.max_prompts, template_kwargs)
+    specs = decoding.specs(t.stop_token_ids())
+    report: dict = {}
+    lines: Lines = []
+    reference = None
+    if cfg.engine in ("dflash", "both"):
+        decodings = [decode_report(t, drafter, prompt_list, s, progress) for s in specs]
+        report["decoding"] = decodings[0]
+        if len(decodings) > 1:
+            report["decodings"] = decodings
+        reference = next((d["teacher_outputs"] for d, s in zip(decodings, specs) if s.greedy), None)
+        lines += decoding_lines(specs, decodings, drafter.cfg.num_draft_positions)
+    if cfg.engine in ("vllm", "both"):
+        greedy = next(s for s in specs if s.greedy)
+        v = vllm_decoding(cfg, drafter.cfg.block_size, prompt_list, greedy, dtype, vllm_log, reference)
+        v["offline_accepted_length"] = report["decoding"]["offline_accepted_length"] if "decoding" in report else \
+            offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"])
+        report["vllm"] = v
+        lines += vllm_lines(v, alone="decoding" not in report)
+    return report, lines
+
+
+def decoding_lines(specs, decodings: list[dict], draft_positions: int) -> Lines:
+    """The table lines of the built-in decoder's reports, one block per temperature."""
+    lines: Lines = []
+    for s, d in zip(specs, decodings):
+        at = f" (T={s.temperature:g})" if len(specs) > 1 else ""
+        lines += [("real decoding" + at, d["mode"]), ("measured accepted length" + at, f"{d['accepted_length']:.3f}"),
+                  ("  kept per forward (after stop cut)", f"{d['kept_per_forward']:.3f}"),
+                  ("  teacher forwards saved" + at, f"{d['teacher_forwards_saved']:,} of {d['teacher_alone_forwards']:,} "
+                                                     "(teacher alone)")]
+        if s.confidence_threshold:
+            lines.append((f"  drafts verified per forward (confidence >= {s.confidence_threshold:g})",
+                          f"{d['drafts_per_forward']:.3f} of {draft_positions}"))
+    r = decodings[0]
+    if r["offline_accepted_length"] is not None:
+        lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))
+    lines += [("tokens/s with drafter", f"{r['tokens_per_second']:,.1f}"),
+              ("tokens/s teacher alone", f"{r['teacher_tokens_per_second']:,.1f} (speedup {r['speedup']:.2f}x)")]
+    if any(d["matched_teacher"] is not None for d in decodings):
+        matched = all(d["matched_teacher"] is not False for d in decodings)
+        lines.append(("output equals teacher's greedy", "yes" if matched else "NO"))
+    return lines
+
+
+def vllm_lines(v: dict, alone: bool) -> Lines:
+    """The table lines of vLLM's report; ``alone``: without the built-in decoder's beside it."""
+    lines = [(f"vLLM {v['vllm_version']} accepted length", f"{v['accepted_length']:.3f} ({v['drafts']:,} draft steps)")]
+    if alone:
+        lines.append(("offline estimate, same prompts", f"{v['offline_accepted_length']:.3f}"))
+    lines += [("vLLM tokens/s with drafter", f"{v['tokens_per_second']:,.1f}"),
+              ("vLLM tokens/s teacher alone", f"{v['teacher_tokens_per_second']:,.1f} (speedup {v['speedup']:.2f}x)"),
+              ("vLLM output equals vLLM teacher alone", "yes" if v["matched_teacher"] else "NO")]
+    if v["matched_transformers"] is not None:
+        lines.append(("vLLM teacher equals transformers", "yes" if v["matched_transformers"] else "no"))
+    return lines
+
+
+def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
+    """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
+    from dflash_train.checkpoint import COMPLETE
+    from dflash_train.serving import VllmConfig, vllm_report
+    from dflash_train.trainer import export_checkpoint
+
+    checkpoint = cfg.decoding.checkpoint
+    vllm_cfg = VllmConfig(python=cfg.vllm_python, dtype=dtype, log=str(vllm_log))
+    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
+        export_dir = export_checkpoint(checkpoint, Path(tmp) / "drafter") if (Path(checkpoint) / COMPLETE).exists() else checkpoint
+        return vllm_report(cfg.decoding.teacher, str(export_dir), block_size, [p.ids for p in prompt_list],
+                           spec.max_new_tokens, spec.stop_token_ids, vllm_cfg, reference)
+
+
+@dataclass
+class Answer:
+    """One generated answer and what it cost."""
+
+    text: str
+    """The answer, special tokens left out."""
+    summary: str
+    """Prompt and answer tokens, teacher forwards, drafts verified per forward, accepted lengths, speed."""
+
+
+def run_generate(cfg: GenerateConfig) -> list[Answer]:
+    """An answer to cfg.prompt per temperature, with speculative decoding."""
+    from dflash_common.devices import resolve_device
+    from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
+    from dflash_train.speculative import speculative_generate
+
+    decoding = cfg.decoding
+    kwargs = resolve_template_kwargs(decoding.checkpoint, None, decoding.chat_template_kwargs, decoding.allow_template_mismatch)
+    check_drafter(decoding)
+    dev = resolve_device(decoding.device)
+    t, drafter = load_pair(decoding.checkpoint, decoding.teacher, decoding.dtype(dev.type), str(dev), decoding.trust_remote_code)
+    ids = prompt_ids(t.tokenizer, [{"role": "user", "content": cfg.prompt}], kwargs)
+    answers = []
+    for spec in decoding.specs(t.stop_token_ids()):
+        result = speculative_generate(t.model, drafter, list(ids), spec)
+        mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
+        drafts = sum(len(d) for d in result.draft_tokens) / max(result.teacher_forwards, 1)
+        answers.append(Answer(t.tokenizer.decode(result.tokens, skip_special_tokens=True), (
+            f"[{len(ids)} prompt tokens, {len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards "
+            f"({len(result.tokens) - 1 - result.teacher_forwards} saved), {drafts:.2f} drafts verified per forward, "
+            f"accepted length {mean:.2f}, {len(result.tokens) / result.seconds:,.1f} tokens/s; per forward: "
+            f"{result.accepted_lengths}]")))
+    return answers
