@@ -208,6 +208,25 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
         progress.message(f"resuming: {len(mine) - len(todo)} of {len(mine)} part(s) of rank {cfg.rank} "
                          f"already written, {len(todo)} to go")
 
+    written = _write_parts(cfg, gen, todo, total_rows, progress)
+
+    done = committed_parts(folder, num_parts)
+    missing = num_parts - len(done)
+    if missing:
+        progress.message(f"rank {cfg.rank} finished its parts; {missing} part(s) of other ranks are still missing. "
+                         f"The last rank to finish merges them, or rerun with --merge-only once all are done")
+        rows, skipped, tokens, truncated, empty = sum_records(done[i] for i in mine if i in done)
+        return RegenerateResult(out=cfg.out, complete=False, rows=rows, skipped=dict(skipped), tokens=tokens,
+                                truncated=truncated, empty=empty, parts_written=written, parts_missing=missing)
+    result = merge_parts(cfg.out, progress)
+    result.parts_written = written
+    return result
+
+
+def _write_parts(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGenerator", todo: list[int], total_rows: int,
+                 progress: Progress) -> int:
+    """Regenerate and commit the parts `todo` (ascending) in one pass over the corpus, reporting
+    rows and tokens a second; returns how many were written."""
     corpus = CorpusConfig(data=cfg.data, on_bad_row=cfg.on_bad_row)
     todo_set = set(todo)
     started = time.perf_counter()
@@ -223,6 +242,7 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
         progress.advance(rows_done, **rates)
 
     written = 0
+    folder = parts_dir(cfg.out)
     spans = [part_rows(i, cfg.rows_per_part, total_rows) for i in todo]
     progress.start(sum(end - start for start, end in spans), "regenerating", "rows")
     try:
@@ -241,15 +261,4 @@ def _regenerate_with(cfg: RegenerateConfig, gen: "TeacherGenerator | ServerGener
                 written += 1
     finally:
         progress.close()
-
-    done = committed_parts(folder, num_parts)
-    missing = num_parts - len(done)
-    if missing:
-        progress.message(f"rank {cfg.rank} finished its parts; {missing} part(s) of other ranks are still missing. "
-                         f"The last rank to finish merges them, or rerun with --merge-only once all are done")
-        rows, skipped, tokens, truncated, empty = sum_records(done[i] for i in mine if i in done)
-        return RegenerateResult(out=cfg.out, complete=False, rows=rows, skipped=dict(skipped), tokens=tokens,
-                                truncated=truncated, empty=empty, parts_written=written, parts_missing=missing)
-    result = merge_parts(cfg.out, progress)
-    result.parts_written = written
-    return result
+    return written

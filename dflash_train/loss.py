@@ -6,9 +6,10 @@ position: column `p` of an `[M, P]` input is draft position `k = p + 1`, `P = bl
 The caller gathers, for every block and column, the drafter's final-norm output state of the
 slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a + k - 1`, and
 whether the position is valid; for DSpark also the Markov features and confidence logits
-(`DraftHeads`). This module turns that into the loss, the acceptance estimates, the position
-weights and the confidence head's BCE term. `batch_loss`, at the end, is the training objective
-of one batch: the drafter's forward (`block_states`) gathered into those inputs, then the loss.
+(`DraftHeads`). This module turns that into the loss, the acceptance estimates and the
+confidence head's BCE term (the position weights it applies are dflash_train.weighting's).
+`batch_loss`, at the end, is the training objective of one batch: the drafter's forward
+(`block_states`) gathered into those inputs, then the loss.
 
 Full-vocabulary logits are the memory hazard (production: vocab 248,320), so they only ever
 exist for one chunk of valid positions at a time, and each chunk runs under activation
@@ -26,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_common.errors import ConfigError
-from dflash_common.values import is_int
 from dflash_train.data import block_targets
 from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import path before the settings moved)
     HEAD_MATMULS,
@@ -37,6 +36,14 @@ from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import 
     WEIGHTINGS,
     LossConfig,
     check_terms,
+)
+from dflash_train.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
+    decay_weights,
+    default_gamma,
+    dpace_weights,
+    position_weights,
+    resolve_gamma,
+    streak_weights,
 )
 
 if TYPE_CHECKING:
@@ -50,8 +57,6 @@ _NLA_FLOOR = 1e-5
 # divergences, whose drafter-side mass there would otherwise cost infinitely.
 _LOG_EMPTY = math.log(1e-30)
 
-# docs/design.md's (block size, gamma) pairs; other block sizes interpolate between them.
-_GAMMA_ANCHORS = ((8, 4.0), (10, 5.0), (16, 7.0))
 
 
 
@@ -125,82 +130,6 @@ def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
     was, and the anchor's verified token always counts as one."""
     alpha = torch.as_tensor(alpha_mean, dtype=torch.float64).reshape(-1)
     return float(1.0 + torch.cumprod(alpha, dim=0).sum())
-
-
-def default_gamma(block_size: int) -> float:
-    """Decay length for a block size: 4 at B=8, 5 at B=10, 7 at B=16 (docs/design.md), linear
-    between those points and extended beyond them with the nearest segment's slope
-    (B=4 -> 2, B=12 -> 5.67, B=32 -> 12.33), never below 1."""
-    if not is_int(block_size) or block_size < 2:
-        raise ConfigError(f"block_size {block_size!r} is not an integer >= 2 (pass e.g. 16)")
-    middle_block_size = _GAMMA_ANCHORS[1][0]
-    segment = _GAMMA_ANCHORS[:2] if block_size <= middle_block_size else _GAMMA_ANCHORS[1:]
-    (b0, g0), (b1, g1) = segment
-    return max(1.0, g0 + (g1 - g0) * (block_size - b0) / (b1 - b0))
-
-
-def resolve_gamma(cfg: LossConfig, block_size: int) -> float:
-    """The configured gamma, or the block size's default when the config leaves it None."""
-    return float(cfg.gamma) if cfg.gamma is not None else default_gamma(block_size)
-
-
-def decay_weights(num_positions: int, gamma: float) -> torch.Tensor:
-    """[num_positions] float32 weights `exp(-(k - 1) / gamma)` for block positions k = 1..P."""
-    offsets = torch.arange(num_positions, dtype=torch.float64)
-    return torch.exp(-offsets / gamma).to(torch.float32)
-
-
-def streak_weights(alpha: torch.Tensor, valid: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """[M, P] detached weights `prod_{j<k} alpha~_j`, alpha~ = s + (1 - s) * alpha.
-
-    An invalid position counts as alpha~ = 1: it is either past the end of the sequence (so
-    every later position is invalid too and the value is irrelevant) or a token the drafter is
-    not trained on (loss_mask 0), for which there is no acceptance estimate. Treating it as
-    neutral keeps such a gap from erasing the training signal of the valid positions after it.
-    """
-    smoothed = smoothing + (1.0 - smoothing) * alpha.detach().to(torch.float32)
-    smoothed = torch.where(valid.bool(), smoothed, torch.ones_like(smoothed))
-    reach = torch.cumprod(smoothed, dim=1)
-    # Position k's weight multiplies the positions strictly before it, so shift by one.
-    return torch.cat([torch.ones_like(reach[:, :1]), reach[:, :-1]], dim=1)
-
-
-def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """[M, P] detached D-PACE weights `sum_{j>=k} prod_{i<=j} c~_i` over valid j, c~ = s + (1 - s) * c.
-
-    Position k's weight is how much the expected accepted length `sum_j prod_{i<=j} c_i` moves with
-    log c_k: every later position is reached only through k. As in streak_weights, an invalid
-    position counts as c~ = 1 and adds nothing to the sums; its own weight is 0.
-    """
-    mask = valid.bool()
-    smoothed = smoothing + (1.0 - smoothing) * confidence.detach().to(torch.float32)
-    smoothed = torch.where(mask, smoothed, torch.ones_like(smoothed))
-    reach = torch.cumprod(smoothed, dim=1) * mask
-    return reach.flip(1).cumsum(1).flip(1) * mask
-
-
-def position_weights(
-    alpha: torch.Tensor, valid: torch.Tensor, cfg: LossConfig, block_size: int,
-    confidence: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[M, P] detached weights for every block position under cfg.weighting (values at invalid
-    positions are defined but unused). confidence [M, P] is the drafter's probability of the true
-    token, which dpace needs."""
-    num_blocks, num_positions = valid.shape
-    if cfg.weighting == "none":
-        weights = torch.ones(num_blocks, num_positions, device=valid.device)
-    elif cfg.weighting == "dpace":
-        if confidence is None:
-            raise ValueError("dpace weights need the drafter's confidence per position")
-        weights = dpace_weights(confidence, valid, cfg.dpace_smoothing)
-    else:
-        decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
-        if cfg.weighting == "decay":
-            weights = decay.expand(num_blocks, num_positions).clone()
-        else:
-            weights = streak_weights(alpha, valid, cfg.streak_smoothing)
-            weights = weights * decay if cfg.streak_decay else weights
-    return weights.clamp(min=cfg.min_weight)
 
 
 def bucket_kl(
@@ -359,26 +288,76 @@ def block_loss(
     """
     heads = heads or DraftHeads()
     _check_inputs(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, block_size, heads)
-    num_blocks, num_positions, hidden = states.shape
+    num_blocks, num_positions, _ = states.shape
     valid = valid.bool()
     rows = valid.reshape(-1).nonzero().squeeze(1)
     num_valid = int(rows.numel())
-    device = states.device
-
     if num_valid == 0:
-        zeros = torch.zeros(num_positions, dtype=torch.float32, device=device)
-        connected = [t for t in (states, heads.features, heads.confidence) if t is not None]
-        return LossOutput(
-            # An empty sum keeps the graph connected, so backward still reaches every parameter.
-            loss=sum(t.reshape(-1)[:0].float().sum() for t in connected),
-            alpha_sum=zeros,
-            greedy_sum=zeros.clone(),
-            count=torch.zeros(num_positions, dtype=torch.long, device=device),
-            loss_sum=zeros.clone(),
-            term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
-            confidence_sums={name: zeros.clone() for name in CONFIDENCE_SUMS} if heads.confidence is not None else {},
-        )
+        return _empty_output(states, heads, cfg, num_positions)
 
+    weights_by_term = cfg.term_weights()
+    names = _computed_terms(weights_by_term)
+    per_term, alpha, greedy, confidence = _valid_position_terms(
+        states, lm_head_weight, targets, topk_ids, topk_logprobs, rows, heads, cfg, names)
+    grid = (num_blocks, num_positions)
+    terms = dict(zip(names, per_term))
+    if "onpolicy_kl" in weights_by_term:
+        terms["onpolicy_kl"] = _onpolicy_kl(terms, greedy, rows, valid, cfg.onpolicy_decay)
+    per_position = sum(weight * terms[name] for name, weight in weights_by_term.items())
+
+    weights = position_weights(_on_grid(alpha, rows, grid), valid, cfg, block_size, _on_grid(confidence, rows, grid))
+    loss = (weights.reshape(-1).index_select(0, rows) * per_position).sum() / num_valid
+
+    columns = rows % num_positions
+    confidence_sums = {}
+    if heads.confidence is not None:
+        bce, predicted, measured = _confidence_bce(heads, rows, alpha, greedy)
+        loss = loss + heads.confidence_alpha * bce.sum() / num_valid
+        confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
+                           zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
+    return LossOutput(
+        loss=loss,
+        alpha_sum=_sum_per_column(alpha, columns, num_positions),
+        greedy_sum=_sum_per_column(greedy, columns, num_positions),
+        count=torch.bincount(columns, minlength=num_positions),
+        loss_sum=_sum_per_column(per_position, columns, num_positions),
+        term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
+        if len(weights_by_term) > 1 else {},
+        confidence_sums=confidence_sums,
+    )
+
+
+def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_positions: int) -> LossOutput:
+    """block_loss of a batch without a valid position: zero sums and a zero loss."""
+    zeros = torch.zeros(num_positions, dtype=torch.float32, device=states.device)
+    connected = [t for t in (states, heads.features, heads.confidence) if t is not None]
+    return LossOutput(
+        # An empty sum keeps the graph connected, so backward still reaches every parameter.
+        loss=sum(t.reshape(-1)[:0].float().sum() for t in connected),
+        alpha_sum=zeros,
+        greedy_sum=zeros.clone(),
+        count=torch.zeros(num_positions, dtype=torch.long, device=states.device),
+        loss_sum=zeros.clone(),
+        term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
+        confidence_sums={name: zeros.clone() for name in CONFIDENCE_SUMS} if heads.confidence is not None else {},
+    )
+
+
+def _valid_position_terms(
+    states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    rows: torch.Tensor,
+    heads: DraftHeads,
+    cfg: LossConfig,
+    names: tuple[str, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_chunk_terms over the valid positions (flat indices `rows` of the [M, P] grid), one chunk of
+    full-vocabulary logits at a time: ([T, n] terms, alpha, greedy, confidence), alpha and
+    confidence detached."""
+    num_blocks, num_positions, hidden = states.shape
     valid_states = states.reshape(-1, hidden).index_select(0, rows)
     valid_targets = targets.reshape(-1).index_select(0, rows).long()
     valid_ids = topk_ids.reshape(num_blocks * num_positions, -1).index_select(0, rows).long()
@@ -390,49 +369,35 @@ def block_loss(
     recompute = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (states, lm_head_weight, valid_features))
 
-    weights_by_term = cfg.term_weights()
-    names = _computed_terms(weights_by_term)
     parts: list[tuple[torch.Tensor, ...]] = []
     step = cfg.positions_per_chunk(lm_head_weight.shape[0])
-    for start in range(0, num_valid, step):
+    for start in range(0, int(rows.numel()), step):
         piece = slice(start, start + step)
         args = (valid_states[piece], lm_head_weight, None if valid_features is None else valid_features[piece],
                 heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
                 float(cfg.lk_eta), has_tail)
         parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
     per_term, alpha, greedy, confidence = (torch.cat(piece, dim=-1) for piece in zip(*parts))
-    alpha, confidence = alpha.detach(), confidence.detach()
-    grid = (num_blocks, num_positions)
-    terms = dict(zip(names, per_term))
-    if "onpolicy_kl" in weights_by_term:
-        accepted, factor = (t.reshape(-1).index_select(0, rows)
-                            for t in onpolicy_split(_on_grid(greedy, rows, grid).bool(), valid, cfg.onpolicy_decay))
-        terms["onpolicy_kl"] = torch.where(accepted, terms["kl"], factor * terms["rkl"])
-    per_position = sum(weight * terms[name] for name, weight in weights_by_term.items())
+    return per_term, alpha.detach(), greedy, confidence.detach()
 
-    weights = position_weights(_on_grid(alpha, rows, grid), valid, cfg, block_size, _on_grid(confidence, rows, grid))
-    valid_weights = weights.reshape(-1).index_select(0, rows)
-    loss = (valid_weights * per_position).sum() / num_valid
 
-    columns = rows % num_positions
-    confidence_sums = {}
-    if heads.confidence is not None:
-        logit = heads.confidence.reshape(-1).index_select(0, rows).float()
-        measured = alpha if heads.confidence_target == "alpha" else greedy.detach()
-        bce = F.binary_cross_entropy_with_logits(logit, measured, reduction="none")
-        loss = loss + heads.confidence_alpha * bce.sum() / num_valid
-        confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
-                           zip(CONFIDENCE_SUMS, (bce, torch.sigmoid(logit), measured))}
-    return LossOutput(
-        loss=loss,
-        alpha_sum=_sum_per_column(alpha, columns, num_positions),
-        greedy_sum=_sum_per_column(greedy, columns, num_positions),
-        count=torch.bincount(columns, minlength=num_positions),
-        loss_sum=_sum_per_column(per_position, columns, num_positions),
-        term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
-        if len(weights_by_term) > 1 else {},
-        confidence_sums=confidence_sums,
-    )
+def _onpolicy_kl(terms: dict[str, torch.Tensor], greedy: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+                 decay: float) -> torch.Tensor:
+    """Per-valid-position onpolicy_kl from its kl and rkl halves: forward KL where the drafter's own
+    greedy block is accepted, decayed reverse KL after its first rejection (see onpolicy_split)."""
+    hits = _on_grid(greedy, rows, tuple(valid.shape)).bool()
+    accepted, factor = (t.reshape(-1).index_select(0, rows) for t in onpolicy_split(hits, valid, decay))
+    return torch.where(accepted, terms["kl"], factor * terms["rkl"])
+
+
+def _confidence_bce(heads: DraftHeads, rows: torch.Tensor, alpha: torch.Tensor,
+                    greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-valid-position (BCE of the confidence head, its predicted acceptance, the acceptance it
+    is trained on: alpha or the greedy hit, per heads.confidence_target)."""
+    logit = heads.confidence.reshape(-1).index_select(0, rows).float()
+    measured = alpha if heads.confidence_target == "alpha" else greedy.detach()
+    bce = F.binary_cross_entropy_with_logits(logit, measured, reduction="none")
+    return bce, torch.sigmoid(logit), measured
 
 
 def _computed_terms(weights_by_term: dict[str, float]) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
+from dflash_train.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
 from dflash_train.layout import PACKED, sequence_starts, token_positions
 from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the import path before the settings moved)
     ATTENTION_BACKENDS,
@@ -87,7 +88,7 @@ def attention_backend(choice: str, device: torch.device, training: bool = True) 
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention masks
+# Attention: who sees what, and the kernels that apply it
 
 
 def _visible(query_anchor: Tensor, q_idx: Tensor, kv_idx: Tensor, seq_len: int, block_size: int,
@@ -137,111 +138,6 @@ def _single_block_mask(context_len: int, block_size: int, sliding_window: int, d
     anchor = torch.tensor([[context_len]], device=device)
     mask = block_attention_mask(anchor, context_len, block_size, sliding_window)
     return mask[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Layers
-
-
-def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin [..., S, head_dim] in fp32 for integer positions [..., S] (half-split layout)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    angles = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [N, heads, S, D] by cos/sin [N, S, D] (computed in fp32, applied in x's dtype)."""
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (Qwen3 numerics), scaled by a learned weight."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class SwiGLU(nn.Module):
-    """The Qwen3 MLP: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-class DrafterAttention(nn.Module):
-    """Queries from the block; keys/values from [context features ; block]; per-head q/k RMSNorm."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def _heads(self, x: Tensor, num_heads: int) -> Tensor:
-        return x.view(*x.shape[:-1], num_heads, self.head_dim).transpose(1, 2)
-
-    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotated, normed keys and values [N, kv_heads, S, D] of states x [N, S, H]."""
-        keys = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
-        values = self._heads(self.v_proj(x), self.num_kv_heads)
-        return keys, values
-
-    def forward(self, x: Tensor, context_kv: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
-                attend: AttendFn) -> Tensor:
-        queries = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
-        block_keys, block_values = self.keys_values(x, cos, sin)
-        keys = torch.cat((context_kv[0], block_keys), dim=2)
-        values = torch.cat((context_kv[1], block_values), dim=2)
-        # Under bf16 autocast the projections are bf16 but the fp32 q/k norms return fp32: SDPA
-        # casts them itself, flex_attention refuses mixed dtypes. Both get v's dtype here.
-        out = attend(queries.to(values.dtype), keys.to(values.dtype), values)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], self.num_heads * self.head_dim))
-
-
-class DrafterLayer(nn.Module):
-    """Pre-norm residual block: attention, then SwiGLU MLP."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DrafterAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: Tensor, context_kv: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
-                attend: AttendFn) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _sdpa_attend(mask: Tensor | None, kv_groups: int) -> AttendFn:
@@ -421,35 +317,14 @@ class DFlashDrafter(nn.Module):
         With `heads`, the draft positions' outputs under teacher forcing instead (see
         `draft_outputs`): the heads run inside the forward so a DDP or FSDP wrapper sees them.
         """
-        rows, width = input_ids.shape
-        if context_hidden.shape[:2] != (rows, width):
-            raise ConfigError(
-                f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
-                f"{(rows, width)}; pass the same sequences to both")
         n, num_anchors = anchors.shape
-        if packed_lengths is None:
-            if n != rows:
-                raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
-            seq_len, context = width, self.context_kv(context_hidden)
-            starts, last = torch.arange(n, device=anchors.device) * width, torch.full_like(anchors[:, 0], width - 1)
-        else:
-            if rows != 1 or len(packed_lengths) != n or int(packed_lengths.sum()) != width:
-                raise ConfigError(
-                    f"a packed batch is one row of all its sequences' tokens: got {rows} row(s) of {width} tokens for "
-                    f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
-            seq_len, context = int(packed_lengths.max()), self._packed_context_kv(context_hidden, packed_lengths)
-            starts, last = sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
-
-        def tokens(pos: Tensor) -> Tensor:
-            """input_ids at each sequence's own positions pos [N, ...], clamped to its last token."""
-            flat = starts.view(n, *[1] * (pos.ndim - 1)) + torch.minimum(pos, last.view(n, *[1] * (pos.ndim - 1)))
-            return input_ids.flatten()[flat]
+        seq_len, context, starts, last = self._context_layout(context_hidden, input_ids, anchors, packed_lengths)
 
         block_size = self.cfg.block_size
         safe_anchors = anchors.clamp(min=0)
         block_ids = torch.full((n, num_anchors, block_size), self.cfg.mask_token_id,
                                dtype=input_ids.dtype, device=input_ids.device)
-        block_ids[:, :, 0] = tokens(safe_anchors)
+        block_ids[:, :, 0] = _tokens_at(input_ids, starts, last, safe_anchors)
         x = self.embed(block_ids.view(n, num_anchors * block_size))
 
         offsets = torch.arange(block_size, device=anchors.device)
@@ -467,9 +342,32 @@ class DFlashDrafter(nn.Module):
             return states
         # draft position j = 1..P follows x_{a+j-1}: the anchor, then the true tokens (teacher forcing)
         prev_pos = safe_anchors.unsqueeze(-1) + torch.arange(self.cfg.num_draft_positions, device=anchors.device)
-        prev_ids = tokens(prev_pos)
+        prev_ids = _tokens_at(input_ids, starts, last, prev_pos)
         return self.draft_outputs(states.view(n * num_anchors, block_size, -1),
                                   prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
+
+    def _context_layout(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
+                        packed_lengths: Tensor | None) -> tuple[int, list[tuple[Tensor, Tensor]], Tensor, Tensor]:
+        """(longest sequence, per-layer context keys/values, each sequence's first flat token index
+        [N], its last own position [N]) of forward's batch, padded or packed, refusing inputs whose
+        shapes disagree."""
+        rows, width = input_ids.shape
+        if context_hidden.shape[:2] != (rows, width):
+            raise ConfigError(
+                f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
+                f"{(rows, width)}; pass the same sequences to both")
+        n = anchors.shape[0]
+        if packed_lengths is None:
+            if n != rows:
+                raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
+            starts, last = torch.arange(n, device=anchors.device) * width, torch.full_like(anchors[:, 0], width - 1)
+            return width, self.context_kv(context_hidden), starts, last
+        if rows != 1 or len(packed_lengths) != n or int(packed_lengths.sum()) != width:
+            raise ConfigError(
+                f"a packed batch is one row of all its sequences' tokens: got {rows} row(s) of {width} tokens for "
+                f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
+        context = self._packed_context_kv(context_hidden, packed_lengths)
+        return int(packed_lengths.max()), context, sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
 
     def draft_outputs(self, states: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(positions [M, P, H], Markov features [M, P, r] or None, confidence logits [M, P] or
@@ -524,3 +422,11 @@ class DFlashDrafter(nn.Module):
     def bias_weight(self) -> Tensor | None:
         """W2 [V, r] of the Markov head, None without one."""
         return None if self.markov_head is None else self.markov_head.markov_w2.weight
+
+
+def _tokens_at(input_ids: Tensor, starts: Tensor, last: Tensor, pos: Tensor) -> Tensor:
+    """input_ids at each sequence's own positions pos [N, ...], clamped to its last token; starts
+    and last [N] place the sequences in input_ids' flattened tokens (see _context_layout)."""
+    shape = (pos.shape[0], *[1] * (pos.ndim - 1))
+    flat = starts.view(shape) + torch.minimum(pos, last.view(shape))
+    return input_ids.flatten()[flat]

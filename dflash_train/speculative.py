@@ -133,6 +133,18 @@ def rejection_sample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Gene
     return m, token
 
 
+def accept_drafts(logits: Tensor, drafts: Tensor, q: Tensor | None, cfg: SpecConfig,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """(accepted drafts m, the teacher's next token) of one verify forward's logits [K+1, V]: the
+    greedy match against the teacher's argmax when q is None, else rejection sampling against q."""
+    if q is None:
+        targets = logits.argmax(dim=-1)
+        m = greedy_accept_length(drafts, targets)
+        return m, int(targets[m])
+    p = probs_from_logits(logits, cfg.temperature, cfg.top_p)
+    return rejection_sample(p, q, drafts, generator)
+
+
 def extend_until_stop(tokens: list[int], new: Sequence[int], stop_token_ids: Sequence[int],
                       max_new_tokens: int) -> bool:
     """Append `new` to `tokens` up to a stop token (kept) or max_new_tokens; True when generation is done."""
@@ -291,6 +303,21 @@ def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConf
     return out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device)
 
 
+def _draft_block(drafter: DFlashDrafter, anchor: int, mask_block: Tensor, context: list[tuple[Tensor, Tensor]],
+                 cfg: SpecConfig, generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """_draft's (drafts, q) of the block `[anchor, MASK, ...]` placed right after the cached context."""
+    block = torch.cat((torch.tensor([anchor], device=mask_block.device), mask_block))
+    states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
+    first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
+    return _draft(drafter, states[0, first:first + drafter.cfg.num_draft_positions], anchor, cfg, generator, device)
+
+
+def _append_context(context: list[tuple[Tensor, Tensor]],
+                    new: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Per-layer context keys/values [N, kv_heads, S, D] with the new positions' appended."""
+    return [(torch.cat((k, nk), dim=2), torch.cat((v, nv), dim=2)) for (k, v), (nk, nv) in zip(context, new)]
+
+
 def check_confidence_threshold(drafter_cfg: DrafterConfig, threshold: float) -> None:
     """Refuse a confidence threshold for a drafter without a confidence head: it would be ignored,
     and a measurement taken with it would silently be one without it."""
@@ -351,9 +378,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     drafter_device = drafter.fc.weight.device
     generator = torch.Generator(device=logits_device).manual_seed(cfg.seed)
     keyword = _cache_keyword(type(teacher))
-    block_size, num_positions = drafter.cfg.block_size, drafter.cfg.num_draft_positions
-    first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
-    mask_block = torch.full((block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=drafter_device)
+    mask_block = torch.full((drafter.cfg.block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long,
+                            device=drafter_device)
 
     start = time.perf_counter()
     tokens: list[int] = []
@@ -370,21 +396,13 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
 
         while not done:
-            block = torch.cat((torch.tensor([anchor], device=drafter_device), mask_block))
-            states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
-            drafts, q = _draft(drafter, states[0, first:first + num_positions], anchor, cfg, generator, logits_device)
+            drafts, q = _draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device)
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
             logits, cache = _run(teacher, verify_ids, cache, keyword)
             hidden = taps.take()
-            if q is None:
-                targets = logits.argmax(dim=-1)
-                m = greedy_accept_length(drafts, targets)
-                anchor = int(targets[m])
-            else:
-                p = probs_from_logits(logits, cfg.temperature, cfg.top_p)
-                m, anchor = rejection_sample(p, q, drafts, generator)
+            m, anchor = accept_drafts(logits, drafts, q, cfg, generator)
             kept = m + 1
             accepted_lengths.append(kept)
             draft_tokens.append(drafts.tolist())
@@ -397,9 +415,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
                 taps.take()  # the verify forward already gave these positions' features
                 rollback.after_rerun()
                 reruns += 1
-            new_context = drafter.context_kv(hidden[:, :kept].to(drafter_device), start=position)
-            context = [(torch.cat((k, nk), dim=2), torch.cat((v, nv), dim=2))
-                       for (k, v), (nk, nv) in zip(context, new_context)]
+            context = _append_context(context, drafter.context_kv(hidden[:, :kept].to(drafter_device), start=position))
             position += kept
 
     return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),

@@ -9,6 +9,9 @@ from pathlib import Path
 from dflash_common.errors import CacheError
 from dflash_common.files import write_file_atomic
 from dflash_common.progress import Progress
+from dflash_train.sweep.measure import (
+    reference_outputs,
+)
 from dflash_train.sweep.plan import SweepConfig, plan_runs
 from dflash_train.sweep.processes import (
     RunFailure,
@@ -18,9 +21,6 @@ from dflash_train.sweep.processes import (
     record_failure,
     train_in_processes,
     visible_gpus,
-)
-from dflash_train.sweep.recipe import (
-    reference_outputs,
 )
 from dflash_train.sweep.report import SweepReport, sweep_record, write_report
 from dflash_train.sweep.status import run_status, train_run

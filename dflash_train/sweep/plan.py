@@ -11,7 +11,7 @@ from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig, config_from_dict, merge, set_path
 from dflash_train.knobs import Knob, config_knobs
 from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
-from dflash_train.sweep.recipe import (
+from dflash_train.sweep.measure import (
     MeasureConfig,
 )
 
@@ -58,7 +58,7 @@ class SweepRun:
     """The sweep's seed of this run (see SEED_PATHS); None when the sweep has no --seeds."""
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    """What is measured of the run after training (see dflash_train.sweep.recipe)."""
+    """What is measured of the run after training (see dflash_train.sweep.measure)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class SweepConfig:
     first combination of the grid."""
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    """Held-out tau during training and real decoding per run (dflash_train.sweep.recipe)."""
+    """Held-out tau during training and real decoding per run (dflash_train.sweep.measure)."""
 
     def __post_init__(self):
         if not str(self.out).strip():

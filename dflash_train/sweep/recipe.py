@@ -1,378 +1,43 @@
-"""What a sweep with seeds measures beyond its final numbers, and the statistics of its summary.
-
-A sweep with ``measure`` set (see MeasureConfig; ``--preset recipe`` sets it) keeps a checkpoint
-at evenly spaced steps of every run, evaluates each on the held-out split after the run
-(``measure_run``: held-out tau against the training tokens seen, from the run's own epoch plan),
-and decodes held-out prompts greedily with the real teacher and the exported drafter, checking
-that the output equals the teacher's own greedy output (computed once per sweep:
-``reference_outputs``). Each run's measurements go to ``runs/<name>/measure.json``.
-
-``summarize`` then groups the runs into configurations (every grid value but the seed) and
-writes ``summary.md``/``summary.csv`` and ``tau_vs_tokens.png``: per configuration the mean and
-a 95% t-interval over seeds (``t_interval``), the difference from the reference configuration
-paired by seed (``paired_difference``: seed i of both used the same drafter init, anchors and
-noise), tau at fixed fractions of the run, and the tokens a configuration needs to reach the
-reference's final tau (``tokens_to_reach``). All statistics are pure functions of the per-seed
-numbers.
+"""The summary of a sweep with seeds: ``summarize`` groups the runs into configurations (every
+grid value but the seed) and writes ``summary.md``/``summary.csv`` and ``tau_vs_tokens.png``: per
+configuration the mean and a 95% t-interval over seeds (``t_interval``), the difference from the
+reference configuration paired by seed (``paired_difference``), tau at fixed fractions of the
+run, and the tokens a configuration needs to reach the reference's final tau
+(``tokens_to_reach``). The statistics themselves are dflash_train.sweep.statistics' pure
+functions; what each run measured is dflash_train.sweep.measure's measure.json.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from dflash_common.errors import ConfigError
-from dflash_common.values import is_real
-
-MEASURE_FILE = "measure.json"
-"""A run's curve and decoding measurements, in its folder."""
-
-REFERENCE_FILE = "teacher_outputs.json"
-"""The teacher's own greedy outputs for the sweep's prompts, in the sweep folder."""
+from dflash_train.sweep.measure import (  # noqa: F401 (re-exported: the import path before the split)
+    MEASURE_FILE,
+    REFERENCE_FILE,
+    MeasureConfig,
+    decode_heldout,
+    measure_run,
+    read_measure,
+    reference_outputs,
+    run_tokens,
+    write_measure,
+)
+from dflash_train.sweep.statistics import (  # noqa: F401 (re-exported: the import path before the split)
+    Interval,
+    interpolate,
+    paired_difference,
+    ranks,
+    spearman,
+    t_interval,
+    t_quantile,
+    tokens_by_step,
+    tokens_to_reach,
+)
 
 BUDGETS = (0.25, 0.5, 1.0)
 """Fractions of the run at which the summary tabulates held-out tau."""
-
-# t_{0.975, df} for df = 1..30 (two-sided 95%); beyond, the Cornish-Fisher expansion below.
-_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-_Z975 = 1.959964
-
-
-def t_quantile(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (df >= 1)."""
-    if df < 1:
-        raise ConfigError(f"a t-interval needs at least 2 values (df >= 1), got df {df}; run --seeds 2 or more")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A mean over seeds and its 95% t-interval (low = high = mean when n < 2: no spread known)."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
-
-    def text(self, digits: int = 3) -> str:
-        if self.n < 2:
-            return f"{self.mean:.{digits}f} (n=1)"
-        return f"{self.mean:.{digits}f} ± {self.half_width:.{digits}f}"
-
-
-def t_interval(values: Sequence[float]) -> Interval:
-    """mean ± t_{0.975,n-1} · s/√n of the values (s the sample standard deviation)."""
-    values = [float(v) for v in values]
-    if not values:
-        raise ConfigError("a t-interval of no values; every configuration needs at least one finished seed")
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return Interval(mean, mean, mean, n)
-    s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_quantile(n - 1) * s / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, n)
-
-
-def paired_difference(values: Mapping[int, float], reference: Mapping[int, float]) -> Interval | None:
-    """The t-interval of value[seed] - reference[seed] over the seeds both have (None if none)."""
-    seeds = sorted(set(values) & set(reference))
-    if not seeds:
-        return None
-    return t_interval([values[s] - reference[s] for s in seeds])
-
-
-def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear y at x through (x, y) points sorted by x; clamped at both ends."""
-    if not points:
-        raise ConfigError("no points to interpolate")
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
-
-
-def tokens_to_reach(points: Sequence[tuple[float, float]], target: float) -> float | None:
-    """The first x at which the piecewise-linear curve through (tokens, tau) points reaches
-    ``target``, None when it never does."""
-    if not points:
-        return None
-    if points[0][1] >= target:
-        return points[0][0]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if y1 >= target:
-            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
-    return None
-
-
-def tokens_by_step(batch_tokens: Sequence[int], grad_accum: int, steps: int) -> list[int]:
-    """Training tokens seen after each step 1..steps, from the tokens of consecutive batches
-    (``grad_accum`` batches a step; the batches repeat when the list is shorter)."""
-    if not batch_tokens:
-        raise ConfigError("the run's epoch plan has no batches")
-    out, total, i = [], 0, 0
-    for _ in range(steps):
-        for _ in range(grad_accum):
-            total += int(batch_tokens[i % len(batch_tokens)])
-            i += 1
-        out.append(total)
-    return out
-
-
-def ranks(values: Mapping[str, float]) -> dict[str, int]:
-    """1 = the highest value; ties share the better rank."""
-    ordered = sorted(values.values(), reverse=True)
-    return {k: ordered.index(v) + 1 for k, v in values.items()}
-
-
-def spearman(a: Mapping[str, float], b: Mapping[str, float]) -> float | None:
-    """Spearman's rank correlation of two scores of the same keys (None for fewer than 3 keys
-    or a constant score)."""
-    keys = sorted(set(a) & set(b))
-    if len(keys) < 3:
-        return None
-    ra, rb = _average_ranks([a[k] for k in keys]), _average_ranks([b[k] for k in keys])
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
-    return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
-
-
-def _average_ranks(values: Sequence[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-# ----------------------------------------------------------------------------- what is measured
-
-
-@dataclass(frozen=True)
-class MeasureConfig:
-    """What a sweep measures of every run besides its final held-out evaluation."""
-
-    curve_points: int = 0
-    """Held-out evaluations during each run, at evenly spaced steps (a checkpoint is kept at
-    each and evaluated after the run), for held-out tau against training tokens; 0: none."""
-
-    teacher: str | None = None
-    """Teacher folder for real greedy decoding of held-out prompts with each run's drafter
-    (None: no decoding)."""
-
-    prompts: str | None = None
-    """JSONL prompts for the decoding (the rows `dflash-train eval --prompts` reads)."""
-
-    max_prompts: int = 24
-    """Prompts decoded per run (the first ones of the file)."""
-
-    max_new_tokens: int = 64
-    """Tokens generated per prompt."""
-
-    sample_temperature: float = 0.0
-    """Also decode the prompts by speculative sampling at this temperature (e.g. 1, seeded by the
-    run's seed) and report its accepted length beside greedy's; 0: greedy only."""
-
-    def __post_init__(self):
-        if isinstance(self.curve_points, bool) or not isinstance(self.curve_points, int) or self.curve_points < 0:
-            raise ConfigError(f"--curve-points must be 0 or more, got {self.curve_points!r}; e.g. --curve-points 3")
-        if (self.teacher is None) != (self.prompts is None):
-            raise ConfigError("real decoding in a sweep needs both --teacher and --prompts (got only "
-                              f"{'--teacher' if self.teacher else '--prompts'}); give both or neither")
-        if not is_real(self.sample_temperature, finite=True) or self.sample_temperature < 0:
-            raise ConfigError(f"--sample-temperature must be a number >= 0 (0: greedy only), got {self.sample_temperature!r}")
-        if self.max_prompts < 1 or self.max_new_tokens < 2:
-            raise ConfigError(f"--max-prompts must be >= 1 and --max-new-tokens >= 2, got {self.max_prompts} and "
-                              f"{self.max_new_tokens}")
-
-    @property
-    def active(self) -> bool:
-        return self.curve_points > 0 or self.teacher is not None
-
-    def covers(self, record: dict | None) -> bool:
-        """Whether a run's measure.json holds what these settings measure (a sampled decoding
-        asked for later is measured then)."""
-        if record is None:
-            return False
-        sampled = (record.get("sampling") or {}).get("temperature")
-        return self.sample_temperature == 0 or self.teacher is None or sampled == self.sample_temperature
-
-    def save_every(self, steps: int) -> int:
-        """Checkpoint spacing that puts one checkpoint at each curve point (and the last step)."""
-        return max(1, steps // (self.curve_points + 1))
-
-
-def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
-    from dflash_cache.chat import stop_token_ids
-    from dflash_train.speculative import SpecConfig
-
-    return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
-                      seed=seed)
-
-
-def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:
-    """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
-    REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
-    from dflash_cache.teacher import TeacherConfig, load_teacher
-    from dflash_train.decoding import read_prompts
-    from dflash_train.speculative import teacher_generate
-
-    path = Path(sweep_dir) / REFERENCE_FILE
-    key = {"teacher": str(Path(measure.teacher).resolve()), "prompts": str(Path(measure.prompts).resolve()),
-           "max_prompts": measure.max_prompts, "max_new_tokens": measure.max_new_tokens,
-           "chat_template_kwargs": template_kwargs}
-    if path.exists():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return saved
-    teacher = load_teacher(TeacherConfig(name_or_path=measure.teacher, dtype="float32", device="cpu", top_k=1))
-    prompts = read_prompts(measure.prompts, teacher.tokenizer, measure.max_prompts, template_kwargs)
-    spec = _spec(teacher.tokenizer, measure.max_new_tokens)
-    record = {"key": key, "prompts": [{"id": p.id, "ids": p.ids, "output": teacher_generate(teacher.model, p.ids, spec).tokens}
-                                      for p in prompts]}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-    return record
-
-
-@functools.lru_cache(maxsize=2)
-def _teacher(path: str, device: str):
-    # a serial sweep decodes every run with the same teacher: load it once per process
-    from dflash_cache.teacher import TeacherConfig, load_teacher
-
-    return load_teacher(TeacherConfig(name_or_path=path, dtype="float32", device=device, top_k=1))
-
-
-def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str,
-                   temperature: float = 0.0, seed: int = 0) -> dict:
-    """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled: the
-    accepted length and, greedy, whether every output equals the teacher's own greedy output."""
-    from dflash_train.evaluate import load_trained_drafter
-    from dflash_train.speculative import mean_accepted_length, speculative_generate
-
-    teacher = _teacher(str(Path(measure.teacher).resolve()), device)
-    head = teacher.model
-    drafter = load_trained_drafter(str(drafter_dir), head.get_input_embeddings().weight.detach(),
-                                   head.get_output_embeddings().weight.detach(), teacher.device)
-    teacher.layer_ids = list(drafter.cfg.target_layer_ids)
-    spec = _spec(teacher.tokenizer, measure.max_new_tokens, temperature, seed)
-    results, matched = [], []
-    for prompt in reference["prompts"]:
-        result = speculative_generate(teacher.model, drafter, prompt["ids"], spec)
-        results.append(result)
-        matched.append(result.tokens == prompt["output"] or not spec.greedy)
-    lengths = [n for result in results for n in result.accepted_lengths]
-    return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
-            # rounds by tokens produced (index n: n tokens): acceptance by block position follows
-            "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
-            "matched_teacher": all(matched) if spec.greedy else None,
-            "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok]}
-
-
-def run_tokens(config, steps: int) -> list[int]:
-    """Training tokens after each step of a run, from its epoch plan (what its loader reads)."""
-    from dflash_cache import open_cache
-    from dflash_train.data import EpochPlan
-
-    cache = open_cache(config.cache, config.storage_options)
-    plan = EpochPlan(cache, config.data)
-    per_batch: list[int] = []
-    epoch = 0
-    while len(per_batch) < steps * config.optim.grad_accum:
-        per_batch += [sum(int(cache.shards[s].lengths[i]) for s, i in batch) for batch in plan.batches(epoch)]
-        epoch += 1
-    return tokens_by_step(per_batch, config.optim.grad_accum, steps)
-
-
-def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None, progress=None) -> dict:
-    """Evaluate a finished run's kept checkpoints on the held-out split (held-out tau against
-    training tokens) and decode the reference prompts with its exported drafter."""
-    import torch
-
-    from dflash_cache import open_cache
-    from dflash_cache.teacher import resolve_device
-    from dflash_train.checkpoint import CheckpointManager
-    from dflash_train.evaluate import evaluate, load_drafter_for
-
-    device = resolve_device(config.device)
-    steps = metrics.last_step
-    tokens = run_tokens(config, steps)
-    curve = []
-    if 0 in metrics.evals:
-        curve.append(_point(0, 0, metrics.evals[0]))
-    cache = open_cache(config.cache, config.storage_options)
-    checkpoints = CheckpointManager(Path(config.out) / "checkpoints").complete()
-    if progress:
-        progress.message(f"measuring {Path(config.out).name}: {len(checkpoints)} checkpoint(s)"
-                         f"{' and real decoding' if reference else ''}")
-    for path in checkpoints:
-        step = int(path.name.split("-")[1])
-        if step == steps and metrics.final_eval:
-            record = metrics.final_eval  # the run's own final evaluation: same split, anchors and model
-        else:
-            model = load_drafter_for(str(path), cache, device, config.data.skip_shards)
-            with torch.no_grad():
-                record = evaluate(model, cache, config.data, config.loss, config.eval_sequences, device)
-        curve.append(_point(step, tokens[step - 1], record))
-    if metrics.final_eval and all(p["step"] != steps for p in curve):
-        curve.append(_point(steps, tokens[steps - 1], metrics.final_eval))
-    out: dict[str, Any] = {"steps": steps, "tokens": tokens[-1], "curve": sorted(curve, key=lambda p: p["step"])}
-    if reference is not None:
-        out["decoding"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device))
-        if measure.sample_temperature > 0:
-            out["sampling"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device),
-                                             measure.sample_temperature, config.seed)
-    return out
-
-
-def _point(step: int, tokens: int, record: dict) -> dict:
-    return {"step": step, "tokens": tokens, "tau": record.get("tau"), "tau_greedy": record.get("tau_greedy"),
-            "loss": record.get("loss")}
-
-
-def read_measure(run_dir: str | Path) -> dict | None:
-    path = Path(run_dir) / MEASURE_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return None  # cut short by a kill mid-write: measured again
-
-
-def write_measure(run_dir: str | Path, record: dict) -> None:
-    path = Path(run_dir) / MEASURE_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- the summary
-
 
 @dataclass(frozen=True)
 class RunOutcome:

@@ -11,13 +11,13 @@ from typing import Iterable
 from dflash_common.errors import ConfigError
 from dflash_common.progress import Progress
 from dflash_train.config import config_differences
-from dflash_train.sweep.plan import SweepRun
-from dflash_train.sweep.recipe import (
+from dflash_train.sweep.measure import (
     REFERENCE_FILE,
     measure_run,
     read_measure,
     write_measure,
 )
+from dflash_train.sweep.plan import SweepRun
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,229 @@
+"""What a sweep with seeds measures beyond its final numbers.
+
+A sweep with ``measure`` set (see MeasureConfig; ``--preset recipe`` sets it) keeps a checkpoint
+at evenly spaced steps of every run, evaluates each on the held-out split after the run
+(``measure_run``: held-out tau against the training tokens seen, from the run's own epoch plan),
+and decodes held-out prompts greedily with the real teacher and the exported drafter, checking
+that the output equals the teacher's own greedy output (computed once per sweep:
+``reference_outputs``). Each run's measurements go to ``runs/<name>/measure.json``, which
+dflash_train.sweep.recipe summarizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_real
+from dflash_train.sweep.statistics import tokens_by_step
+
+MEASURE_FILE = "measure.json"
+"""A run's curve and decoding measurements, in its folder."""
+
+REFERENCE_FILE = "teacher_outputs.json"
+"""The teacher's own greedy outputs for the sweep's prompts, in the sweep folder."""
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """What a sweep measures of every run besides its final held-out evaluation."""
+
+    curve_points: int = 0
+    """Held-out evaluations during each run, at evenly spaced steps (a checkpoint is kept at
+    each and evaluated after the run), for held-out tau against training tokens; 0: none."""
+
+    teacher: str | None = None
+    """Teacher folder for real greedy decoding of held-out prompts with each run's drafter
+    (None: no decoding)."""
+
+    prompts: str | None = None
+    """JSONL prompts for the decoding (the rows `dflash-train eval --prompts` reads)."""
+
+    max_prompts: int = 24
+    """Prompts decoded per run (the first ones of the file)."""
+
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+
+    sample_temperature: float = 0.0
+    """Also decode the prompts by speculative sampling at this temperature (e.g. 1, seeded by the
+    run's seed) and report its accepted length beside greedy's; 0: greedy only."""
+
+    def __post_init__(self):
+        if isinstance(self.curve_points, bool) or not isinstance(self.curve_points, int) or self.curve_points < 0:
+            raise ConfigError(f"--curve-points must be 0 or more, got {self.curve_points!r}; e.g. --curve-points 3")
+        if (self.teacher is None) != (self.prompts is None):
+            raise ConfigError("real decoding in a sweep needs both --teacher and --prompts (got only "
+                              f"{'--teacher' if self.teacher else '--prompts'}); give both or neither")
+        if not is_real(self.sample_temperature, finite=True) or self.sample_temperature < 0:
+            raise ConfigError(f"--sample-temperature must be a number >= 0 (0: greedy only), got {self.sample_temperature!r}")
+        if self.max_prompts < 1 or self.max_new_tokens < 2:
+            raise ConfigError(f"--max-prompts must be >= 1 and --max-new-tokens >= 2, got {self.max_prompts} and "
+                              f"{self.max_new_tokens}")
+
+    @property
+    def active(self) -> bool:
+        return self.curve_points > 0 or self.teacher is not None
+
+    def covers(self, record: dict | None) -> bool:
+        """Whether a run's measure.json holds what these settings measure (a sampled decoding
+        asked for later is measured then)."""
+        if record is None:
+            return False
+        sampled = (record.get("sampling") or {}).get("temperature")
+        return self.sample_temperature == 0 or self.teacher is None or sampled == self.sample_temperature
+
+    def save_every(self, steps: int) -> int:
+        """Checkpoint spacing that puts one checkpoint at each curve point (and the last step)."""
+        return max(1, steps // (self.curve_points + 1))
+
+
+def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
+    from dflash_cache.chat import stop_token_ids
+    from dflash_train.speculative import SpecConfig
+
+    return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
+                      seed=seed)
+
+
+def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:
+    """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
+    REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
+    from dflash_cache.teacher import TeacherConfig, load_teacher
+    from dflash_train.decoding import read_prompts
+    from dflash_train.speculative import teacher_generate
+
+    path = Path(sweep_dir) / REFERENCE_FILE
+    key = {"teacher": str(Path(measure.teacher).resolve()), "prompts": str(Path(measure.prompts).resolve()),
+           "max_prompts": measure.max_prompts, "max_new_tokens": measure.max_new_tokens,
+           "chat_template_kwargs": template_kwargs}
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved
+    teacher = load_teacher(TeacherConfig(name_or_path=measure.teacher, dtype="float32", device="cpu", top_k=1))
+    prompts = read_prompts(measure.prompts, teacher.tokenizer, measure.max_prompts, template_kwargs)
+    spec = _spec(teacher.tokenizer, measure.max_new_tokens)
+    record = {"key": key, "prompts": [{"id": p.id, "ids": p.ids, "output": teacher_generate(teacher.model, p.ids, spec).tokens}
+                                      for p in prompts]}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+    return record
+
+
+@functools.lru_cache(maxsize=2)
+def _teacher(path: str, device: str):
+    # a serial sweep decodes every run with the same teacher: load it once per process
+    from dflash_cache.teacher import TeacherConfig, load_teacher
+
+    return load_teacher(TeacherConfig(name_or_path=path, dtype="float32", device=device, top_k=1))
+
+
+def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str,
+                   temperature: float = 0.0, seed: int = 0) -> dict:
+    """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled: the
+    accepted length and, greedy, whether every output equals the teacher's own greedy output."""
+    from dflash_train.evaluate import load_trained_drafter
+    from dflash_train.speculative import mean_accepted_length, speculative_generate
+
+    teacher = _teacher(str(Path(measure.teacher).resolve()), device)
+    head = teacher.model
+    drafter = load_trained_drafter(str(drafter_dir), head.get_input_embeddings().weight.detach(),
+                                   head.get_output_embeddings().weight.detach(), teacher.device)
+    teacher.layer_ids = list(drafter.cfg.target_layer_ids)
+    spec = _spec(teacher.tokenizer, measure.max_new_tokens, temperature, seed)
+    results, matched = [], []
+    for prompt in reference["prompts"]:
+        result = speculative_generate(teacher.model, drafter, prompt["ids"], spec)
+        results.append(result)
+        matched.append(result.tokens == prompt["output"] or not spec.greedy)
+    lengths = [n for result in results for n in result.accepted_lengths]
+    return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
+            # rounds by tokens produced (index n: n tokens): acceptance by block position follows
+            "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
+            "matched_teacher": all(matched) if spec.greedy else None,
+            "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok]}
+
+
+def run_tokens(config, steps: int) -> list[int]:
+    """Training tokens after each step of a run, from its epoch plan (what its loader reads)."""
+    from dflash_cache import open_cache
+    from dflash_train.data import EpochPlan
+
+    cache = open_cache(config.cache, config.storage_options)
+    plan = EpochPlan(cache, config.data)
+    per_batch: list[int] = []
+    epoch = 0
+    while len(per_batch) < steps * config.optim.grad_accum:
+        per_batch += [sum(int(cache.shards[s].lengths[i]) for s, i in batch) for batch in plan.batches(epoch)]
+        epoch += 1
+    return tokens_by_step(per_batch, config.optim.grad_accum, steps)
+
+
+def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None, progress=None) -> dict:
+    """Evaluate a finished run's kept checkpoints on the held-out split (held-out tau against
+    training tokens) and decode the reference prompts with its exported drafter."""
+    import torch
+
+    from dflash_cache import open_cache
+    from dflash_cache.teacher import resolve_device
+    from dflash_train.checkpoint import CheckpointManager
+    from dflash_train.evaluate import evaluate, load_drafter_for
+
+    device = resolve_device(config.device)
+    steps = metrics.last_step
+    tokens = run_tokens(config, steps)
+    curve = []
+    if 0 in metrics.evals:
+        curve.append(_point(0, 0, metrics.evals[0]))
+    cache = open_cache(config.cache, config.storage_options)
+    checkpoints = CheckpointManager(Path(config.out) / "checkpoints").complete()
+    if progress:
+        progress.message(f"measuring {Path(config.out).name}: {len(checkpoints)} checkpoint(s)"
+                         f"{' and real decoding' if reference else ''}")
+    for path in checkpoints:
+        step = int(path.name.split("-")[1])
+        if step == steps and metrics.final_eval:
+            record = metrics.final_eval  # the run's own final evaluation: same split, anchors and model
+        else:
+            model = load_drafter_for(str(path), cache, device, config.data.skip_shards)
+            with torch.no_grad():
+                record = evaluate(model, cache, config.data, config.loss, config.eval_sequences, device)
+        curve.append(_point(step, tokens[step - 1], record))
+    if metrics.final_eval and all(p["step"] != steps for p in curve):
+        curve.append(_point(steps, tokens[steps - 1], metrics.final_eval))
+    out: dict[str, Any] = {"steps": steps, "tokens": tokens[-1], "curve": sorted(curve, key=lambda p: p["step"])}
+    if reference is not None:
+        out["decoding"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device))
+        if measure.sample_temperature > 0:
+            out["sampling"] = decode_heldout(Path(config.out) / "drafter", measure, reference, str(device),
+                                             measure.sample_temperature, config.seed)
+    return out
+
+
+def _point(step: int, tokens: int, record: dict) -> dict:
+    return {"step": step, "tokens": tokens, "tau": record.get("tau"), "tau_greedy": record.get("tau_greedy"),
+            "loss": record.get("loss")}
+
+
+def read_measure(run_dir: str | Path) -> dict | None:
+    path = Path(run_dir) / MEASURE_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None  # cut short by a kill mid-write: measured again
+
+
+def write_measure(run_dir: str | Path, record: dict) -> None:
+    path = Path(run_dir) / MEASURE_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
