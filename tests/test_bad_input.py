@@ -72,6 +72,11 @@ def setup(tmp_path_factory, teacher_dir):
     for name in ("model.safetensors", "config.json", "COMPLETE"):
         (bad_ckpt / name).write_bytes((step / name).read_bytes())
     torch.save([1, 2, 3], bad_ckpt / "trainer.pt")  # a loadable pickle of the wrong structure
+    huge_block = root / "huge-block-drafter"  # an edited export: the masks would be allocated by it
+    shutil.copytree(root / "run" / "drafter", huge_block)
+    config = json.loads((huge_block / "config.json").read_text())
+    config["block_size"] = config["dflash_config"]["block_size"] = 10**18
+    (huge_block / "config.json").write_text(json.dumps(config))
     return {"root": root, "teacher": teacher, "data": data, "cache": str(root / "cache")}
 
 
@@ -164,6 +169,10 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                            teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
                                                            "--out", str(root / "sur-eval.json"), "--quiet"],
                                                "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+        "drafter block_size 10**18": (train_app, ["eval", "--checkpoint", str(root / "huge-block-drafter"), "--cache",
+                                                 cache, "--quiet"],
+                                     "config.json: drafter config block_size 1000000000000000000 is not a whole number "
+                                     "from 2 to 256 (16 is typical); the file is damaged or edited: export the drafter again"),
         "eval out a folder": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
                                           "--out", str(root / "a-folder"), "--quiet"],
                               "a-folder is a folder; pass the report's file name"),
@@ -357,7 +366,8 @@ def test_a_damaged_newest_checkpoint_names_resume_from_and_it_works(setup, tmp_p
     assert (out / "checkpoints" / "step-000004" / "COMPLETE").exists()
 
 
-@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float"])
+@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float",
+                                    "top_k 10**9", "hidden_size 10**9", "hidden_size other than the arrays'"])
 def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
     import shutil
 
@@ -370,6 +380,10 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         del manifest["teacher"]
     elif damage == "record without files":
         del manifest["shards"][0]["files"]
+    elif damage in ("top_k 10**9", "hidden_size 10**9"):  # an allocation of gigabytes per token before (issue 25)
+        manifest[damage.split()[0]] = 10**9
+    elif damage == "hidden_size other than the arrays'":
+        manifest["hidden_size"] = 32
     else:
         manifest["top_k"] = "4" if damage == "top_k a string" else 4.5
     (cache / "manifest.json").write_text(json.dumps(manifest))
@@ -381,6 +395,43 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         assert result.exit_code == 1, (damage, args, result.output, result.exception)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "manifest.json" in lines[0] and "rebuild" in lines[0], (damage, args, result.output)
+
+
+# A manifest edited where no checksum reaches: its records' counts, or a top_k the token tables
+# disagree with. verify refused these while `run` trained on them (issue 25); both now apply the
+# reader's one check (reader.record_problems) and name the shard.
+_EDITED_RECORDS = {
+    "a shard's sequence count": (lambda m: m["shards"][0].update(sequences=0),
+                                 "commit record differs from the manifest (sequences)"),
+    "a shard's chunk size": (lambda m: m["shards"][0].update(chunk_tokens=1),
+                             "commit record differs from the manifest (chunk_tokens)"),
+    "a top_k the token tables disagree with": (lambda m: m.update(top_k=5),
+                                               "tokens.arrow column topk_ids is fixed_size_list<item: int32>[4], not 5 "
+                                               "values per token (the manifest's top_k = 5)"),
+}
+
+
+@pytest.mark.parametrize("edit", list(_EDITED_RECORDS))
+def test_a_manifest_verify_refuses_does_not_train(setup, tmp_path, edit):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    change, problem = _EDITED_RECORDS[edit]
+    change(manifest)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    before = _tree(cache)
+    verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verified.exit_code == 1 and problem in verified.output, verified.output
+    trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--steps", "1",
+                                             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--quiet"])
+    assert trained.exit_code == 1, (trained.output, trained.exception)
+    lines = trained.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {cache}: "), trained.output
+    assert "fail the integrity check: shard-r" in lines[0] and problem in lines[0] and "--skip-shards" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "drafter").exists()
+    assert _tree(cache) == before
 
 
 def test_a_shard_folder_linked_from_inside_the_cache_is_read_by_verify_and_run_alike(setup, tmp_path):
