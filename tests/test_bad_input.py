@@ -312,6 +312,19 @@ def test_export_replaces_an_earlier_export_with_readable_files(setup, tmp_path):
         "config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
 
 
+def test_a_checkpoint_is_readable_like_any_file_written(setup):
+    """Checkpoints' model.safetensors were mode 600 (safetensors' own), while every other file
+    got 0o666 & ~umask: a serving account could read trainer.pt but not the weights."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    step = setup["root"] / "run" / "checkpoints" / "step-000002"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in step.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "trainer.pt", "config.json", "COMPLETE"], 0o666 & ~umask), modes
+
+
 def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):
     """Ctrl-C during `dflash-train run`: the hint says --resume, and that command does continue."""
     out = tmp_path / "run"
@@ -525,6 +538,35 @@ def test_a_symlink_in_an_output_is_refused_and_nothing_outside_changes(setup, tm
                                                    "only real files and folders in its output"), result.output
     assert "replace the link with a real" in lines[0]
     assert _real_tree(outside) == outside_before and _real_tree(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("writer", ["regenerate", "sweep"])
+def test_a_second_regenerate_or_sweep_on_one_output_names_the_first(setup, tmp_path, writer):
+    """regenerate's OUT.parts and a sweep folder took no lock: two writers mixed their parts and
+    runs. The first writer's lock is held here (flock: a second open of the file conflicts even in
+    one process), and the command must stop at once naming it, writing nothing."""
+    import os
+
+    from dflash_common.files import one_writer
+
+    if writer == "regenerate":
+        folder, what = tmp_path / "out.parts", "dflash-cache regenerate"
+        app, args = cache_app, ["regenerate", "--teacher", setup["teacher"], "--data", setup["data"], "--out",
+                                str(tmp_path / "out.jsonl"), "--quiet"]
+    else:
+        folder, what = tmp_path / "sweep", "dflash-train sweep"
+        app, args = train_app, ["sweep", "--cache", setup["cache"], "--out", str(folder), "--grid", "loss=ce,kl", "--steps",
+                                "1", "--quiet"]
+    with one_writer(folder, "test", "none"):
+        before = _real_tree(tmp_path)
+        result = CliRunner().invoke(app, args)
+        assert _real_tree(tmp_path) == before
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {folder} is being written by another {what} (pid "
+                                                   f"{os.getpid()} on "), result.output
+    assert lines[0].endswith("two writers would mix their files: wait for it to end (or stop it), or choose another "
+                             f"--out than {tmp_path / ('out.jsonl' if writer == 'regenerate' else 'sweep')}"), lines[0]
 
 
 def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_path):
