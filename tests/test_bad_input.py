@@ -569,6 +569,16 @@ def test_a_second_regenerate_or_sweep_on_one_output_names_the_first(setup, tmp_p
                              f"--out than {tmp_path / ('out.jsonl' if writer == 'regenerate' else 'sweep')}"), lines[0]
 
 
+def test_debug_tracebacks_hide_url_credentials(setup):
+    """--debug printed the traceback as Python writes it: the message quoting the URL, password
+    and all, above the redacted one-line error."""
+    result = CliRunner().invoke(cache_app, ["info", "http://alice:s3cretpw@127.0.0.1:9/cache", "--debug"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "Traceback (most recent call last)" in result.output and "CacheError: http://***@127.0.0.1:9/cache" in result.output
+    assert "s3cretpw" not in result.output, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: http://***@127.0.0.1:9/cache: no manifest.json")
+
+
 def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_path):
     """--lr 1e30 made the loss NaN, yet the run exited 0 and exported NaN weights."""
     import math
