@@ -20,6 +20,15 @@ from cli.train import app as train_app
 BIN = Path(sys.executable).parent
 
 
+# Chat templates (put before the teacher's own) that fail for every chat, for one row, or cost too much.
+_TEMPLATES = {
+    "raising-teacher": "{{ raise_exception('') }}",
+    "boom-teacher": "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('') }}{% endif %}",
+    "gigabyte-teacher": "{{ 'x' * 10**9 }}",
+    "multiplying-teacher": "{% for m in messages %}{{ m['content'] * 100000 }}{% endfor %}",
+}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("bad_input")
@@ -58,6 +67,11 @@ def setup(tmp_path_factory, teacher_dir):
     template = (loops / "chat_template.jinja").read_text()
     (loops / "chat_template.jinja").write_text(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + template)
+    for name, prefix in _TEMPLATES.items():  # teachers whose chat templates fail or cost too much (issue 25)
+        shutil.copytree(teacher, root / name)
+        (root / name / "chat_template.jinja").write_text(prefix + template)
+    (root / "boom.jsonl").write_text(json.dumps({"id": "b", "messages": [{"role": "user", "content": "boom"},
+                                                                         {"role": "assistant", "content": "ok"}]}) + "\n")
     shutil.copytree(teacher, root / "zero-teacher")
     (root / "zero-teacher" / "config.json").unlink()
     os.symlink("/dev/zero", root / "zero-teacher" / "config.json")
@@ -152,8 +166,26 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                         "zero-teacher/config.json is larger than 8 MiB (or never ends"),
         "template of nested loops": (cache_app, ["build", "--teacher", str(root / "loop-teacher"), "--data", data, "--out",
                                                  str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
-                                     "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
-                                     "times for one chat"),
+                                     "loop-teacher fails on every chat, a plain user/assistant one too (TemplateTooCostly: "
+                                     "the chat template iterated range() more than 1,000,000 times for one chat"),
+        "template raising an empty error for every chat": (
+            cache_app, ["build", "--teacher", str(root / "raising-teacher"), "--data", data, "--out", str(root / "c-raise"),
+                        "--layers", "0", "--dry-run", "--quiet", "--on-bad-row", "skip"],
+            "raising-teacher fails on every chat, a plain user/assistant one too (TemplateError without a message), so "
+            "the template, not the rows, is at fault: fix or replace the template"),
+        "template raising an empty error for one row": (
+            cache_app, ["build", "--teacher", str(root / "boom-teacher"), "--data", str(root / "boom.jsonl"), "--out",
+                        str(root / "c-boom"), "--layers", "0", "--dry-run", "--quiet"],
+            "boom.jsonl row 1: chat template failed: TemplateError without a message"),
+        "template of a gigabyte string": (
+            cache_app, ["build", "--teacher", str(root / "gigabyte-teacher"), "--data", data, "--out", str(root / "c-gb"),
+                        "--layers", "0", "--dry-run", "--quiet"],
+            "gigabyte-teacher fails on every chat, a plain user/assistant one too (TemplateTooCostly: the chat template "
+            "holds a constant '*' expression of 1,000,000,000 characters"),
+        "template multiplying each message": (
+            cache_app, ["build", "--teacher", str(root / "multiplying-teacher"), "--data", data, "--out",
+                        str(root / "c-mul"), "--layers", "0", "--dry-run", "--quiet"],
+            "row 1: chat template failed: the chat template asked for a '*' result of "),
         # issue 25: tracebacks
         "seed 10**20": (train_app, run + fresh + ["--seed", str(10**20)],
                         "seed = 100000000000000000000 must be a whole number below 2**63"),
@@ -567,6 +599,19 @@ def test_a_second_regenerate_or_sweep_on_one_output_names_the_first(setup, tmp_p
                                                    f"{os.getpid()} on "), result.output
     assert lines[0].endswith("two writers would mix their files: wait for it to end (or stop it), or choose another "
                              f"--out than {tmp_path / ('out.jsonl' if writer == 'regenerate' else 'sweep')}"), lines[0]
+
+
+def test_a_10_mb_prompt_is_skipped_as_too_long_not_too_short(setup, tmp_path):
+    """A row whose 10 MB prompt fills max_length keeps no answer token: it was counted as
+    `too_short`, which sends a user looking for short rows."""
+    rows = qa_rows(3, seed=1, prefix="big-")
+    rows[1]["messages"][0]["content"] = "word " * 2_000_000
+    data = write_jsonl(tmp_path / "big.jsonl", rows)
+    result = CliRunner().invoke(cache_app, ["build", "--teacher", setup["teacher"], "--data", data, "--out",
+                                            str(tmp_path / "cache"), "--layers", "0", "--dry-run", "--quiet"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "sequences 2 " in result.output and "skipped {'too_long': 1}" in result.output, result.output
+    assert not (tmp_path / "cache").exists()
 
 
 def test_debug_tracebacks_hide_url_credentials(setup):
