@@ -72,6 +72,11 @@ def setup(tmp_path_factory, teacher_dir):
         (root / name / "chat_template.jinja").write_text(prefix + template)
     (root / "boom.jsonl").write_text(json.dumps({"id": "b", "messages": [{"role": "user", "content": "boom"},
                                                                          {"role": "assistant", "content": "ok"}]}) + "\n")
+    os.symlink("/dev/zero", root / "zero-prompts.jsonl")
+    (root / "dataset-dict").mkdir()
+    os.symlink("/dev/zero", root / "dataset-dict" / "dataset_dict.json")
+    (root / "zero-corpus").mkdir()
+    os.symlink("/dev/zero", root / "zero-corpus" / "rows.jsonl")
     shutil.copytree(teacher, root / "zero-teacher")
     (root / "zero-teacher" / "config.json").unlink()
     os.symlink("/dev/zero", root / "zero-teacher" / "config.json")
@@ -205,6 +210,20 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                  cache, "--quiet"],
                                      "config.json: drafter config block_size 1000000000000000000 is not a whole number "
                                      "from 2 to 256 (16 is typical); the file is damaged or edited: export the drafter again"),
+        "eval --prompts linked to /dev/zero": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
+                                                          teacher, "--prompts", str(root / "zero-prompts.jsonl"), "--out",
+                                                          str(root / "zero-eval.json"), "--quiet"],
+                                               "zero-prompts.jsonl is larger than 64 MiB (or never ends, like a link to "
+                                               "/dev/zero), so it was not read; pass a prompts file of JSON Lines"),
+        "dataset_dict.json linked to /dev/zero": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "dataset-dict"),
+                                                              "--out", str(root / "c-dd"), "--dry-run", "--quiet"],
+                                                  "dataset-dict is a datasets DatasetDict with splits ?; point the corpus at "
+                                                  "one split folder"),
+        "a corpus folder holding a link to /dev/zero": (cache_app, ["build", "--teacher", teacher, "--data",
+                                                                    str(root / "zero-corpus"), "--out", str(root / "c-zc"),
+                                                                    "--dry-run", "--quiet"],
+                                                        "zero-corpus/rows.jsonl is not a regular file or folder; move it "
+                                                        "out of the corpus folder"),
         "eval out a folder": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
                                           "--out", str(root / "a-folder"), "--quiet"],
                               "a-folder is a folder; pass the report's file name"),
