@@ -11,6 +11,7 @@ from cli.common import BarProgress, Debug, Quiet, StorageOptions, json_option, k
 from dflash_cache.settings.build import build_knobs
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import make_config, nested_values
+from dflash_common.redact import server_secrets
 from dflash_regenerate.config import regenerate_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -209,7 +210,7 @@ def regenerate(
         else:
             typer.echo(f"this rank is done; {result.parts_missing} part(s) of other ranks are missing")
 
-    run(action, debug)
+    run(action, debug, secrets=server_secrets(knob_values["endpoint"] or (), knob_values["api_key_env"]))
 
 
 def main():

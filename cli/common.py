@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Annotated, Callable, List, Optional
 
 import typer
@@ -72,16 +72,20 @@ class BarProgress(Progress):
             self.bar = None
 
 
-def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the same command to resume") -> object:
-    """Run a command's one call; expected errors become one line on stderr and exit code 1."""
+def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the same command to resume",
+        secrets: Iterable[str] = ()) -> object:
+    """Run a command's one call; expected errors become one line on stderr and exit code 1.
+    ``secrets`` (an API key, say) are hidden in what is printed, as URL credentials and bearer
+    tokens always are."""
     quiet_transformers()
     try:
         return action()
     except DFlashError as err:
+        # a last guard: no URL credentials, bearer token or key reach the terminal (or a CI log),
+        # --debug's traceback included (it quotes the messages of the whole chain)
         if debug:
-            traceback.print_exc()
-        # a last guard: no URL credentials or bearer token reach the terminal (or a CI log)
-        typer.echo(f"error: {redact(str(err))}", err=True)
+            typer.echo(redact(traceback.format_exc(), secrets).rstrip("\n"), err=True)
+        typer.echo(f"error: {redact(str(err), secrets)}", err=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; {resume_hint}", err=True)

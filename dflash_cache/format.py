@@ -271,6 +271,11 @@ def read_json(fs, path: str, what: str | None = None) -> Any:
 
 # Fields of a shard record that readers use; a record without one is damaged.
 SHARD_RECORD_FIELDS = ("name", "sequences", "tokens", "bytes", "files", "checksums")
+# Bounds on the manifest's sizes, far above any model's (vocabularies reach 262,144 tokens, hidden
+# sizes 25,600): a reader allocates by them before it reads a shard, so an edited manifest's 10**9
+# would end in an allocation failure rather than a refusal.
+MAX_TOP_K = 2**20
+MAX_HIDDEN_SIZE = 2**17
 
 
 def check_manifest(manifest: dict, url: str) -> dict:
@@ -296,6 +301,10 @@ def check_manifest(manifest: dict, url: str) -> dict:
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
             raise CacheError(f"{url}: manifest.json field {key!r} is {value!r}, not {what}; the cache is damaged, "
                              "rebuild it")
+    for key, bound in (("top_k", MAX_TOP_K), ("hidden_size", MAX_HIDDEN_SIZE)):
+        if manifest[key] > bound:
+            raise CacheError(f"{url}: manifest.json field {key!r} is {manifest[key]:,}, above any model's ({bound:,} at "
+                             "most); the manifest is damaged or edited: rebuild the cache (or restore manifest.json)")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in manifest["layer_ids"]):
         raise CacheError(f"{url}: manifest.json layer_ids {manifest['layer_ids']!r} are not layer numbers; rebuild the cache")
     for position, record in enumerate(manifest["shards"]):
@@ -303,12 +312,32 @@ def check_manifest(manifest: dict, url: str) -> dict:
         if missing:
             raise CacheError(f"{url}: manifest.json shard entry {position} lacks {missing[0]!r}; the cache is damaged, "
                              "rebuild it (or restore manifest.json)")
+        problem = record_shape_problem(record, manifest)
+        if problem:
+            raise CacheError(f"{url}: manifest.json shard entry {position} {problem}; the manifest is damaged or edited: "
+                             "rebuild the cache (or restore manifest.json)")
     if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
         raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
     if hidden_format_of(manifest) not in HIDDEN_FORMATS:
         raise CacheError(f"{url}: unknown hidden_format {manifest['hidden_format']!r} in manifest.json "
                          f"(this dflash reads {', '.join(HIDDEN_FORMATS)}); install a dflash that writes it")
     return manifest
+
+
+def record_shape_problem(record: dict, manifest: dict) -> str | None:
+    """What makes a shard record disagree with its manifest's sizes (None when nothing does): its
+    counts must be whole numbers and its hidden_shape [tokens, tapped layers, hidden_size], the
+    shape its Zarr array is checked against before a reader uses it."""
+    for key in ("sequences", "tokens"):
+        value = record[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"has {key} = {value!r}, not a count"
+    shape = record.get("hidden_shape")
+    expected = [record["tokens"], len(manifest["layer_ids"]), manifest["hidden_size"]]
+    if shape is not None and shape != expected:
+        return (f"has hidden_shape {shape!r}, not [tokens, tapped layers, hidden_size] = {expected} of the manifest's "
+                "top-level fields")
+    return None
 
 
 @contextmanager

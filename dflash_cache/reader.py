@@ -150,8 +150,23 @@ def open_ipc(fs, path: str) -> pa.Table:
     return pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all()
 
 
-def _fixed_list_values(column: pa.ChunkedArray, k: int) -> np.ndarray:
-    return column.combine_chunks().values.to_numpy(zero_copy_only=True).reshape(-1, k)
+def list_width_problem(table: pa.Table, column: str, width: int, field: str) -> str | None:
+    """Why ``column`` of a token table is not a fixed-size list of ``width`` values per token (the
+    manifest's ``field``), or None."""
+    kind = table.schema.field(column).type if column in table.column_names else None
+    if kind is None:
+        return f"{fmt.TOKENS} lacks the column {column!r}"
+    if not pa.types.is_fixed_size_list(kind) or kind.list_size != width:
+        return f"{fmt.TOKENS} column {column} is {kind}, not {width} values per token (the manifest's {field} = {width:,})"
+    return None
+
+
+def _fixed_list_values(table: pa.Table, column: str, k: int, field: str, where: str) -> np.ndarray:
+    problem = list_width_problem(table, column, k, field)
+    if problem:
+        raise CacheError(f"{where}: {problem}; the manifest or the shard is damaged or edited: run `dflash-cache verify`, "
+                         "then rebuild the cache (or restore manifest.json)")
+    return table.column(column).combine_chunks().values.to_numpy(zero_copy_only=True).reshape(-1, k)
 
 
 SIZES = "sizes"
@@ -179,7 +194,11 @@ class Shard:
         for part in parts:
             with self._check_lock:
                 if part not in self._checked:
-                    self._checked[part] = _check_part(self, part)
+                    # a manifest edited to other counts keeps every checksum: its records are
+                    # checked as `verify` checks them (the commit record first, the counts once
+                    # the bytes are known to be the ones written)
+                    self._checked[part] = ((record_problems(self, RECORD) if part == fmt.SEQUENCES else [])
+                                           or _check_part(self, part) or record_problems(self, part))
                 problems += self._checked[part]
         return problems
 
@@ -196,15 +215,16 @@ class Shard:
     @cached_property
     def _tokens(self) -> dict[str, np.ndarray]:
         table = open_ipc(self.cache.fs, fmt.join(self.path, fmt.TOKENS))
-        k = self.cache.top_k
+        k, where = self.cache.top_k, f"{self.cache.url}: shard {self.name}"
         tokens = {
             "input_ids": table.column("input_ids").combine_chunks().to_numpy(zero_copy_only=True),
             "loss_mask": table.column("loss_mask").combine_chunks().to_numpy(zero_copy_only=True),
-            "topk_ids": _fixed_list_values(table.column("topk_ids"), k),
-            "topk_logprobs": _fixed_list_values(table.column("topk_logprobs"), k),
+            "topk_ids": _fixed_list_values(table, "topk_ids", k, "top_k", where),
+            "topk_logprobs": _fixed_list_values(table, "topk_logprobs", k, "top_k", where),
         }
         if self.cache.hidden_format != fmt.LOSSLESS:  # fp8: the hidden states' scale exponents
-            tokens[fmt.SCALE_COLUMN] = _fixed_list_values(table.column(fmt.SCALE_COLUMN), len(self.cache.layer_ids))
+            tokens[fmt.SCALE_COLUMN] = _fixed_list_values(table, fmt.SCALE_COLUMN, len(self.cache.layer_ids),
+                                                          "layer_ids", where)
         return tokens
 
     @cached_property
@@ -677,6 +697,56 @@ def _local_files(cache: Cache, path: str) -> list[tuple]:
 _VERIFIED: dict[tuple, list[str]] = {}
 _VERIFIED_LOCK = threading.Lock()
 HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go through Zarr
+
+
+RECORD = "record"  # a shard's commit record (shards/NAME.json), as a part of record_problems
+
+
+def record_problems(shard: Shard, part: str) -> list[str]:
+    """Where one part of a shard disagrees with its record (empty when it agrees; checksums are
+    ``_check_part``'s): for RECORD, the commit record on disk against the manifest's; for
+    sequences.arrow, the sequence count, offsets and lengths against the record; for tokens.arrow,
+    the token count and the top-k width against the manifest. The one check of these, run by the
+    training loader (``Shard.checksum_problems``) and by `dflash-cache verify` alike. Errors
+    become problems."""
+    cache, record = shard.cache, shard.record
+    try:
+        if part == RECORD:
+            record_path = f"{shard.path}.json"
+            if not cache.fs.exists(record_path):
+                return ["commit record missing"]
+            try:
+                on_disk = fmt.read_json(cache.fs, record_path)
+            except (ValueError, CacheError):
+                return ["commit record is not readable JSON"]
+            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{shard.name}.json")
+            if on_disk != record:
+                differ = sorted(k for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
+                return [f"commit record differs from the manifest ({', '.join(differ)})"]
+        elif part == fmt.SEQUENCES:
+            sequences = open_ipc(cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
+            if sequences.num_rows != record["sequences"]:
+                return [f"{fmt.SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
+            lengths = sequences.column("length").to_numpy()
+            offsets = sequences.column("offset").to_numpy()
+            if len(lengths) and (offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(lengths)[:-1])
+                                 or lengths.sum() != record["tokens"] or np.any(lengths < 0)):
+                return ["sequence offsets and lengths are inconsistent"]
+        elif part == fmt.TOKENS:
+            tokens = open_ipc(cache.fs, fmt.join(shard.path, fmt.TOKENS))
+            if tokens.num_rows != record["tokens"]:
+                return [f"{fmt.TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
+            for column in ("topk_ids", "topk_logprobs"):
+                problem = list_width_problem(tokens, column, cache.top_k, "top_k")
+                if problem:
+                    return [problem]
+    except CacheError:
+        raise  # a symlink out of the cache or an untrustworthy record: refused, not a damaged shard
+    except FileNotFoundError as err:
+        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
+    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
+        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+    return []
 
 
 def _identity(path: str) -> tuple[int, int, int]:

@@ -8,7 +8,16 @@ import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.reader import Cache, damaged_shards_message, open_ipc, quick_check, refuse_outside_links, size_problems  # noqa: F401 (re-exported; Cache.ensure_intact refuses by them)
+from dflash_cache.reader import (  # noqa: F401 (re-exported; Cache.ensure_intact refuses by them)
+    RECORD,
+    Cache,
+    damaged_shards_message,
+    open_ipc,
+    quick_check,
+    record_problems,
+    refuse_outside_links,
+    size_problems,
+)
 from dflash_common.errors import CacheError
 from dflash_common.progress import Progress
 
@@ -64,21 +73,11 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
     manifest, whose paths the reader checked when it opened the cache; the commit record on disk
     is checked the same way before it is compared, and a symlink in the shard that leaves the
     cache is refused (CacheError), not reported as damage."""
-    fs, problems = cache.fs, []
+    fs = cache.fs
     fmt.check_shard_paths(record, cache.url)
     shard_dir = fmt.join(cache.root, fmt.SHARDS_DIR, record["name"])
-    record_path = f"{shard_dir}.json"
-    if not fs.exists(record_path):
-        problems.append("commit record missing")
-    else:
-        try:
-            on_disk = fmt.read_json(fs, record_path)
-        except ValueError:
-            problems.append("commit record is not valid JSON")
-        else:
-            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{record['name']}.json")
-            if on_disk != record:
-                problems.append("commit record differs from the manifest")
+    shard = next(s for s in cache.shards if s.name == record["name"])
+    problems = record_problems(shard, RECORD)
     if not fs.exists(shard_dir):
         return problems + ["shard folder missing"]
     refuse_outside_links(cache, shard_dir)
@@ -93,22 +92,17 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
             problems.append(f"{name} checksum mismatch")
     if problems:
         return problems
+    # the same checks of the counts as the training loader's
+    problems += record_problems(shard, fmt.SEQUENCES) + record_problems(shard, fmt.TOKENS)
+    if problems:
+        return problems
     try:
         tokens = open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
-        sequences = open_ipc(fs, fmt.join(shard_dir, fmt.SEQUENCES))
-        n_tokens = record["tokens"]
-        if tokens.num_rows != n_tokens or sequences.num_rows != record["sequences"]:
-            problems.append(f"row counts {tokens.num_rows}/{sequences.num_rows} differ from the record")
-        lengths = sequences.column("length").to_numpy()
-        offsets = sequences.column("offset").to_numpy()
-        if len(lengths) and (offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(lengths)[:-1]) or lengths.sum() != n_tokens):
-            problems.append("sequence offsets and lengths are inconsistent")
         logprobs = tokens.column("topk_logprobs").combine_chunks().values.to_numpy()
         if not np.isfinite(logprobs).all():
             problems.append("top-k log-probs contain NaN/Inf")
         if cache.hidden_format == fp8.FORMAT:
             problems += scale_problems(tokens, len(cache.layer_ids))
-        shard = next(s for s in cache.shards if s.name == record["name"])
         array = shard.hidden_array
         expected_shape = tuple(record["hidden_shape"])
         if tuple(array.shape) != expected_shape:

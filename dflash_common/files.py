@@ -89,6 +89,22 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], r
     fsync_path(folder or ".")
 
 
+def give_plain_mode(path: str | os.PathLike) -> None:
+    """Give `path` the permissions a plain new file in its folder gets (0o666 & ~umask). Some
+    writers create their file mode 600 (safetensors does), which a serving engine run as another
+    user, or a shared model folder, cannot read. The umask is read from a probe file created new
+    beside `path`, not with os.umask, which would change it for every thread for a moment."""
+    folder = os.path.dirname(os.fspath(path)) or "."
+    probe = os.path.join(folder, f".mode-probe-{uuid.uuid4().hex[:8]}")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        os.remove(probe)
+    os.chmod(path, mode)
+
+
 def append_line(path: str | os.PathLike, line: str, root: str | os.PathLike | None = None) -> None:
     """Append `line` (and a newline) to `path`, created when missing. A log is appended, not
     rewritten (a rename per line would cost the whole file each time), so the final link is

@@ -5,6 +5,7 @@ a last guard)."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
@@ -38,6 +39,13 @@ def url_secrets(url: str) -> list[str]:
         return []
     secret = parts.password if parts.password else parts.username
     return [secret] if secret else []
+
+
+def server_secrets(urls: Iterable[str] = (), key_env: str | None = None) -> list[str]:
+    """What no message may show of a command's servers: the API key held by the environment
+    variable ``key_env`` and the passwords in ``urls``."""
+    key = os.environ.get(key_env, "") if key_env else ""
+    return [key, *(secret for url in urls for secret in url_secrets(url))]
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:

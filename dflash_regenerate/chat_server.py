@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.redact import display_url, redact, url_secrets
+from dflash_common.redact import display_url, redact, server_secrets
 from dflash_common.values import text_problem
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
@@ -113,8 +113,7 @@ class ServerConfig:
     @property
     def secrets(self) -> list[str]:
         """What no message may show: the API key and the passwords in the endpoints."""
-        key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
-        return [key, *(s for url in self.endpoints for s in url_secrets(url))]
+        return server_secrets(self.endpoints, self.api_key_env)
 
 
 @dataclass

@@ -18,9 +18,10 @@ from dflash_cache.corpus import (
 )
 from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
-from dflash_common.files import foreign_entries, holds, refuse_links, remove_file, write_file_atomic
+from dflash_common.files import foreign_entries, holds, one_writer, refuse_links, remove_file, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_regenerate.config import (
+    LOCK_ENTRY,
     PART_TEMPORARY,
     PARTS_ENTRY,
     RESUME_KEYS,
@@ -29,6 +30,7 @@ from dflash_regenerate.config import (
     SETTINGS_VERSION,
     RegenerateConfig,
     RegenerateResult,
+    lock_name,
     output_root,
     parts_dir,
 )
@@ -101,12 +103,17 @@ def _written_here(entry: os.DirEntry) -> bool:
     return bool(PARTS_ENTRY.match(entry.name)) and not entry.is_dir(follow_symlinks=False)
 
 
+def _ours(entry: os.DirEntry) -> bool:
+    """Whether an entry of OUT.parts is regenerate's: what it writes, or a writer's lock."""
+    return _written_here(entry) or (bool(LOCK_ENTRY.match(entry.name)) and entry.is_file(follow_symlinks=False))
+
+
 def _overwritten_files(cfg: RegenerateConfig) -> list[str]:
     """What --overwrite deletes in OUT.parts: the parts, records, settings and temporaries
     regenerate wrote. Anything else there is a user's: refused before a file is deleted, as
     `build --overwrite` does."""
     folder = parts_dir(cfg.out)
-    foreign = foreign_entries(folder, _written_here)
+    foreign = foreign_entries(folder, _ours)
     if foreign:
         raise ConfigError(f"{folder} holds {holds(foreign)}, which regenerate did not write; --overwrite deletes only "
                           f"the parts and settings it wrote, so nothing was deleted: move them out of {folder} and rerun")
@@ -129,7 +136,7 @@ def _prepare(cfg: RegenerateConfig, settings: dict) -> dict | None:
             raise ConfigError(f"{cfg.out} already exists and {folder} does not say how it was made; choose another "
                               f"--out, or pass --overwrite to replace it")
         # Temporaries may be another rank writing the settings right now.
-        if os.path.isdir(folder) and any(".tmp-" not in name for name in os.listdir(folder)):
+        if os.path.isdir(folder) and any(".tmp-" not in name and not LOCK_ENTRY.match(name) for name in os.listdir(folder)):
             raise ConfigError(f"{folder} is not empty but has no {SETTINGS}; delete it or pass --overwrite")
         os.makedirs(folder, exist_ok=True)
         write_file_atomic(settings_path, (json.dumps(settings, indent=1) + "\n").encode(), root)
@@ -180,6 +187,17 @@ def regenerate(cfg: RegenerateConfig, progress: Progress | None = None) -> Regen
     existing = None if cfg.overwrite else read_json(os.path.join(parts_dir(cfg.out), SETTINGS))
     if existing is not None:  # refuse what can be refused before spending minutes loading a large teacher
         _refuse_mismatch(cfg, existing, settings, [k for k in RESUME_KEYS if k in settings])
+    # one process per rank writes OUT.parts; taken before the teacher loads, so a second one
+    # stops at once, and held until the merge is written
+    lock = one_writer(parts_dir(cfg.out), "dflash-cache regenerate" + (f" of rank {cfg.rank}" if cfg.world_size > 1 else ""),
+                      f"wait for it to end (or stop it), or choose another --out than {cfg.out}",
+                      lock_name(cfg.rank, cfg.world_size))
+    with lock:
+        return _regenerate_from(cfg, settings, files, total_rows, progress)
+
+
+def _regenerate_from(cfg: RegenerateConfig, settings: dict, files: list[str], total_rows: int,
+                     progress: Progress) -> RegenerateResult:
     if cfg.server is not None:
         gen = load_server_generator(cfg.server, on_retry=lambda url, error: progress.message(
             f"retrying a request to {url} ({error[:160]})"))

@@ -26,6 +26,17 @@ PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
 # --overwrite deletes only these.
 _WRITTEN = rf"(?:part-\d{{6,}}\.jsonl|\.part-\d{{6,}}\.json|{re.escape(SETTINGS)})"
 PARTS_ENTRY = re.compile(rf"^(?:{_WRITTEN}|\.{_WRITTEN}\.tmp-[0-9a-f]+)$")
+# The one-writer lock files of OUT.parts (dflash_common.files.one_writer): one per rank, since
+# the ranks of one regeneration write their own parts side by side. Never deleted: removing a held
+# lock's file would let a second writer lock a new one.
+LOCK_ENTRY = re.compile(r"^\.dflash(?:\.rank-\d+)?\.lock$")
+
+
+def lock_name(rank: int, world_size: int) -> str:
+    """The lock file of this rank in OUT.parts (a name LOCK_ENTRY matches)."""
+    return ".dflash.lock" if world_size == 1 else f".dflash.rank-{rank}.lock"
+
+
 SETTINGS_FORMAT = "dflash-regenerate"
 SETTINGS_VERSION = 1
 # Settings that change what is written; a resume must match all of them.

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.chat import cut_at_stop, end_of_turn_text, render_chat, strip_end_of_turn, tokenizer_render, top_p_filter
+from dflash_cache.chat import (
+    cut_at_stop,
+    end_of_turn_text,
+    error_text,
+    render_chat,
+    strip_end_of_turn,
+    template_fault,
+    tokenizer_render,
+    top_p_filter,
+)
 from dflash_cache.corpus import CorpusRow
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
@@ -83,8 +92,11 @@ class TeacherGenerator:
             try:
                 rendered.append((conversation, self.render(conversation.messages, cfg.chat_template_kwargs)))
             except Exception as err:  # noqa: BLE001 - template errors are per row
-                first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-                yield [conversation], [f"chat template failed: {first_line}"]
+                fault = template_fault(lambda m, g: render_chat(self.tokenizer, m, g, cfg.chat_template_kwargs), err,
+                                       getattr(self.tokenizer, "name_or_path", "") or "the teacher")
+                if fault:  # not a bad row: --on-bad-row skip would skip every row
+                    raise ConfigError(fault) from None
+                yield [conversation], [f"chat template failed: {error_text(err)}"]
         # Longest first, stable: similar lengths share a batch and the order is reproducible.
         rendered.sort(key=lambda item: -len(item[1]))
         for start in range(0, len(rendered), cfg.batch_size):

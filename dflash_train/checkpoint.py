@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dflash_common.errors import DFlashError
 from dflash_common.faults import maybe_fault
-from dflash_common.files import fsync_path, refuse_links, remove_tree
+from dflash_common.files import fsync_path, give_plain_mode, refuse_links, remove_tree
 from dflash_train.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
@@ -142,6 +142,7 @@ class CheckpointManager:
         tmp.mkdir()
         safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
                                     str(tmp / "model.safetensors"))
+        give_plain_mode(tmp / "model.safetensors")  # as export does: safetensors writes mode 600
         torch.save(trainer_state, tmp / "trainer.pt")
         (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
         for path in tmp.iterdir():

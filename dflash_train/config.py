@@ -16,15 +16,11 @@ from dflash_common.knobs import set_path  # noqa: F401 (callers import it from h
 from dflash_common.settings_files import load_settings_file
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.settings.data import DataConfig
-from dflash_train.settings.drafter import ATTENTION_CHOICES
+from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
 from dflash_train.settings.dspark import DRAFTER_KINDS, DSparkConfig
 from dflash_train.settings.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.settings.loss import LossConfig
 from dflash_train.settings.noise import NoiseConfig
-
-# Tokens per block at most: far above the 16 that drafters use; the training attention mask grows
-# with it (a block size of 100,000 asked for 640 GB).
-MAX_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)

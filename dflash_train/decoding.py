@@ -19,7 +19,7 @@ from dflash_cache.chat import render_chat
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.settings_files import load_settings_file
+from dflash_common.settings_files import load_settings_file, read_bounded
 from dflash_common.values import text_problem
 from dflash_train.data import collate
 from dflash_train.evaluate import load_trained_drafter, replay_batch
@@ -39,12 +39,22 @@ def prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | Non
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+PROMPTS_BYTES = 64 << 20  # a prompts file's bound: ~100,000 long prompts, far more than an eval needs
+
+
 def read_prompts(path: str, tokenizer, limit: int | None = None,
                  chat_template_kwargs: dict | None = None) -> list[Prompt]:
     """Prompts from JSONL rows with `messages` (system/user turns; trailing assistant turns are
     dropped) or `prompt` (plain text, wrapped as one user turn)."""
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    # bounded: a prompts file linked to /dev/zero, or a corpus passed by mistake, is one line, not all memory
+    data = read_bounded(lambda: open(path, "rb"), f"prompts file {path}", PROMPTS_BYTES,
+                        fix="pass a prompts file of JSON Lines, one prompt a line (a few thousand make a good eval set)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"prompts file {path} is not UTF-8 text (byte {err.start}); pass a JSON Lines file") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

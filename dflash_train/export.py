@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.files import foreign_entries, holds, refuse_links, remove_tree
+from dflash_common.files import foreign_entries, give_plain_mode, holds, refuse_links, remove_tree
 from dflash_common.settings_files import load_settings_file
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.settings.drafter import EXPORT_ARCHITECTURES
@@ -103,10 +103,7 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
         config["dtype"] = config["torch_dtype"] = _dtype_name(dtype)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        # safetensors creates its file mode 600, which a serving engine run as another user (or
-        # a shared model folder) cannot read; give it the mode config.json got from its plain write
-        # (0o666 & ~umask)
-        os.chmod(staging / WEIGHTS_FILE, (staging / CONFIG_FILE).stat().st_mode & 0o777)
+        give_plain_mode(staging / WEIGHTS_FILE)  # safetensors writes mode 600: unreadable to a server's account
         if out_dir.exists():
             retired = out_dir.parent / f".{out_dir.name}.old-{tag}"
             out_dir.rename(retired)

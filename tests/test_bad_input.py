@@ -20,6 +20,15 @@ from cli.train import app as train_app
 BIN = Path(sys.executable).parent
 
 
+# Chat templates (put before the teacher's own) that fail for every chat, for one row, or cost too much.
+_TEMPLATES = {
+    "raising-teacher": "{{ raise_exception('') }}",
+    "boom-teacher": "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('') }}{% endif %}",
+    "gigabyte-teacher": "{{ 'x' * 10**9 }}",
+    "multiplying-teacher": "{% for m in messages %}{{ m['content'] * 100000 }}{% endfor %}",
+}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, teacher_dir):
     root = tmp_path_factory.mktemp("bad_input")
@@ -58,6 +67,16 @@ def setup(tmp_path_factory, teacher_dir):
     template = (loops / "chat_template.jinja").read_text()
     (loops / "chat_template.jinja").write_text(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + template)
+    for name, prefix in _TEMPLATES.items():  # teachers whose chat templates fail or cost too much (issue 25)
+        shutil.copytree(teacher, root / name)
+        (root / name / "chat_template.jinja").write_text(prefix + template)
+    (root / "boom.jsonl").write_text(json.dumps({"id": "b", "messages": [{"role": "user", "content": "boom"},
+                                                                         {"role": "assistant", "content": "ok"}]}) + "\n")
+    os.symlink("/dev/zero", root / "zero-prompts.jsonl")
+    (root / "dataset-dict").mkdir()
+    os.symlink("/dev/zero", root / "dataset-dict" / "dataset_dict.json")
+    (root / "zero-corpus").mkdir()
+    os.symlink("/dev/zero", root / "zero-corpus" / "rows.jsonl")
     shutil.copytree(teacher, root / "zero-teacher")
     (root / "zero-teacher" / "config.json").unlink()
     os.symlink("/dev/zero", root / "zero-teacher" / "config.json")
@@ -72,6 +91,11 @@ def setup(tmp_path_factory, teacher_dir):
     for name in ("model.safetensors", "config.json", "COMPLETE"):
         (bad_ckpt / name).write_bytes((step / name).read_bytes())
     torch.save([1, 2, 3], bad_ckpt / "trainer.pt")  # a loadable pickle of the wrong structure
+    huge_block = root / "huge-block-drafter"  # an edited export: the masks would be allocated by it
+    shutil.copytree(root / "run" / "drafter", huge_block)
+    config = json.loads((huge_block / "config.json").read_text())
+    config["block_size"] = config["dflash_config"]["block_size"] = 10**18
+    (huge_block / "config.json").write_text(json.dumps(config))
     return {"root": root, "teacher": teacher, "data": data, "cache": str(root / "cache")}
 
 
@@ -147,8 +171,26 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                         "zero-teacher/config.json is larger than 8 MiB (or never ends"),
         "template of nested loops": (cache_app, ["build", "--teacher", str(root / "loop-teacher"), "--data", data, "--out",
                                                  str(root / "c-loops"), "--layers", "0", "--dry-run", "--quiet"],
-                                     "row 1: chat template failed: the chat template iterated range() more than 1,000,000 "
-                                     "times for one chat"),
+                                     "loop-teacher fails on every chat, a plain user/assistant one too (TemplateTooCostly: "
+                                     "the chat template iterated range() more than 1,000,000 times for one chat"),
+        "template raising an empty error for every chat": (
+            cache_app, ["build", "--teacher", str(root / "raising-teacher"), "--data", data, "--out", str(root / "c-raise"),
+                        "--layers", "0", "--dry-run", "--quiet", "--on-bad-row", "skip"],
+            "raising-teacher fails on every chat, a plain user/assistant one too (TemplateError without a message), so "
+            "the template, not the rows, is at fault: fix or replace the template"),
+        "template raising an empty error for one row": (
+            cache_app, ["build", "--teacher", str(root / "boom-teacher"), "--data", str(root / "boom.jsonl"), "--out",
+                        str(root / "c-boom"), "--layers", "0", "--dry-run", "--quiet"],
+            "boom.jsonl row 1: chat template failed: TemplateError without a message"),
+        "template of a gigabyte string": (
+            cache_app, ["build", "--teacher", str(root / "gigabyte-teacher"), "--data", data, "--out", str(root / "c-gb"),
+                        "--layers", "0", "--dry-run", "--quiet"],
+            "gigabyte-teacher fails on every chat, a plain user/assistant one too (TemplateTooCostly: the chat template "
+            "holds a constant '*' expression of 1,000,000,000 characters"),
+        "template multiplying each message": (
+            cache_app, ["build", "--teacher", str(root / "multiplying-teacher"), "--data", data, "--out",
+                        str(root / "c-mul"), "--layers", "0", "--dry-run", "--quiet"],
+            "row 1: chat template failed: the chat template asked for a '*' result of "),
         # issue 25: tracebacks
         "seed 10**20": (train_app, run + fresh + ["--seed", str(10**20)],
                         "seed = 100000000000000000000 must be a whole number below 2**63"),
@@ -164,6 +206,24 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                            teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
                                                            "--out", str(root / "sur-eval.json"), "--quiet"],
                                                "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+        "drafter block_size 10**18": (train_app, ["eval", "--checkpoint", str(root / "huge-block-drafter"), "--cache",
+                                                 cache, "--quiet"],
+                                     "config.json: drafter config block_size 1000000000000000000 is not a whole number "
+                                     "from 2 to 256 (16 is typical); the file is damaged or edited: export the drafter again"),
+        "eval --prompts linked to /dev/zero": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
+                                                          teacher, "--prompts", str(root / "zero-prompts.jsonl"), "--out",
+                                                          str(root / "zero-eval.json"), "--quiet"],
+                                               "zero-prompts.jsonl is larger than 64 MiB (or never ends, like a link to "
+                                               "/dev/zero), so it was not read; pass a prompts file of JSON Lines"),
+        "dataset_dict.json linked to /dev/zero": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "dataset-dict"),
+                                                              "--out", str(root / "c-dd"), "--dry-run", "--quiet"],
+                                                  "dataset-dict is a datasets DatasetDict with splits ?; point the corpus at "
+                                                  "one split folder"),
+        "a corpus folder holding a link to /dev/zero": (cache_app, ["build", "--teacher", teacher, "--data",
+                                                                    str(root / "zero-corpus"), "--out", str(root / "c-zc"),
+                                                                    "--dry-run", "--quiet"],
+                                                        "zero-corpus/rows.jsonl is not a regular file or folder; move it "
+                                                        "out of the corpus folder"),
         "eval out a folder": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--cache", cache,
                                           "--out", str(root / "a-folder"), "--quiet"],
                               "a-folder is a folder; pass the report's file name"),
@@ -303,6 +363,19 @@ def test_export_replaces_an_earlier_export_with_readable_files(setup, tmp_path):
         "config.json": 0o666 & ~umask, "model.safetensors": 0o666 & ~umask}
 
 
+def test_a_checkpoint_is_readable_like_any_file_written(setup):
+    """Checkpoints' model.safetensors were mode 600 (safetensors' own), while every other file
+    got 0o666 & ~umask: a serving account could read trainer.pt but not the weights."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    step = setup["root"] / "run" / "checkpoints" / "step-000002"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in step.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "trainer.pt", "config.json", "COMPLETE"], 0o666 & ~umask), modes
+
+
 def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):
     """Ctrl-C during `dflash-train run`: the hint says --resume, and that command does continue."""
     out = tmp_path / "run"
@@ -357,7 +430,8 @@ def test_a_damaged_newest_checkpoint_names_resume_from_and_it_works(setup, tmp_p
     assert (out / "checkpoints" / "step-000004" / "COMPLETE").exists()
 
 
-@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float"])
+@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float",
+                                    "top_k 10**9", "hidden_size 10**9", "hidden_size other than the arrays'"])
 def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
     import shutil
 
@@ -370,6 +444,10 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         del manifest["teacher"]
     elif damage == "record without files":
         del manifest["shards"][0]["files"]
+    elif damage in ("top_k 10**9", "hidden_size 10**9"):  # an allocation of gigabytes per token before (issue 25)
+        manifest[damage.split()[0]] = 10**9
+    elif damage == "hidden_size other than the arrays'":
+        manifest["hidden_size"] = 32
     else:
         manifest["top_k"] = "4" if damage == "top_k a string" else 4.5
     (cache / "manifest.json").write_text(json.dumps(manifest))
@@ -381,6 +459,43 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         assert result.exit_code == 1, (damage, args, result.output, result.exception)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "manifest.json" in lines[0] and "rebuild" in lines[0], (damage, args, result.output)
+
+
+# A manifest edited where no checksum reaches: its records' counts, or a top_k the token tables
+# disagree with. verify refused these while `run` trained on them (issue 25); both now apply the
+# reader's one check (reader.record_problems) and name the shard.
+_EDITED_RECORDS = {
+    "a shard's sequence count": (lambda m: m["shards"][0].update(sequences=0),
+                                 "commit record differs from the manifest (sequences)"),
+    "a shard's chunk size": (lambda m: m["shards"][0].update(chunk_tokens=1),
+                             "commit record differs from the manifest (chunk_tokens)"),
+    "a top_k the token tables disagree with": (lambda m: m.update(top_k=5),
+                                               "tokens.arrow column topk_ids is fixed_size_list<item: int32>[4], not 5 "
+                                               "values per token (the manifest's top_k = 5)"),
+}
+
+
+@pytest.mark.parametrize("edit", list(_EDITED_RECORDS))
+def test_a_manifest_verify_refuses_does_not_train(setup, tmp_path, edit):
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(setup["cache"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    change, problem = _EDITED_RECORDS[edit]
+    change(manifest)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    before = _tree(cache)
+    verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verified.exit_code == 1 and problem in verified.output, verified.output
+    trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(tmp_path / "run"), "--steps", "1",
+                                             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--quiet"])
+    assert trained.exit_code == 1, (trained.output, trained.exception)
+    lines = trained.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {cache}: "), trained.output
+    assert "fail the integrity check: shard-r" in lines[0] and problem in lines[0] and "--skip-shards" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "drafter").exists()
+    assert _tree(cache) == before
 
 
 def test_a_shard_folder_linked_from_inside_the_cache_is_read_by_verify_and_run_alike(setup, tmp_path):
@@ -474,6 +589,58 @@ def test_a_symlink_in_an_output_is_refused_and_nothing_outside_changes(setup, tm
                                                    "only real files and folders in its output"), result.output
     assert "replace the link with a real" in lines[0]
     assert _real_tree(outside) == outside_before and _real_tree(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("writer", ["regenerate", "sweep"])
+def test_a_second_regenerate_or_sweep_on_one_output_names_the_first(setup, tmp_path, writer):
+    """regenerate's OUT.parts and a sweep folder took no lock: two writers mixed their parts and
+    runs. The first writer's lock is held here (flock: a second open of the file conflicts even in
+    one process), and the command must stop at once naming it, writing nothing."""
+    import os
+
+    from dflash_common.files import one_writer
+
+    if writer == "regenerate":
+        folder, what = tmp_path / "out.parts", "dflash-cache regenerate"
+        app, args = cache_app, ["regenerate", "--teacher", setup["teacher"], "--data", setup["data"], "--out",
+                                str(tmp_path / "out.jsonl"), "--quiet"]
+    else:
+        folder, what = tmp_path / "sweep", "dflash-train sweep"
+        app, args = train_app, ["sweep", "--cache", setup["cache"], "--out", str(folder), "--grid", "loss=ce,kl", "--steps",
+                                "1", "--quiet"]
+    with one_writer(folder, "test", "none"):
+        before = _real_tree(tmp_path)
+        result = CliRunner().invoke(app, args)
+        assert _real_tree(tmp_path) == before
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {folder} is being written by another {what} (pid "
+                                                   f"{os.getpid()} on "), result.output
+    assert lines[0].endswith("two writers would mix their files: wait for it to end (or stop it), or choose another "
+                             f"--out than {tmp_path / ('out.jsonl' if writer == 'regenerate' else 'sweep')}"), lines[0]
+
+
+def test_a_10_mb_prompt_is_skipped_as_too_long_not_too_short(setup, tmp_path):
+    """A row whose 10 MB prompt fills max_length keeps no answer token: it was counted as
+    `too_short`, which sends a user looking for short rows."""
+    rows = qa_rows(3, seed=1, prefix="big-")
+    rows[1]["messages"][0]["content"] = "word " * 2_000_000
+    data = write_jsonl(tmp_path / "big.jsonl", rows)
+    result = CliRunner().invoke(cache_app, ["build", "--teacher", setup["teacher"], "--data", data, "--out",
+                                            str(tmp_path / "cache"), "--layers", "0", "--dry-run", "--quiet"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "sequences 2 " in result.output and "skipped {'too_long': 1}" in result.output, result.output
+    assert not (tmp_path / "cache").exists()
+
+
+def test_debug_tracebacks_hide_url_credentials(setup):
+    """--debug printed the traceback as Python writes it: the message quoting the URL, password
+    and all, above the redacted one-line error."""
+    result = CliRunner().invoke(cache_app, ["info", "http://alice:s3cretpw@127.0.0.1:9/cache", "--debug"])
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "Traceback (most recent call last)" in result.output and "CacheError: http://***@127.0.0.1:9/cache" in result.output
+    assert "s3cretpw" not in result.output, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: http://***@127.0.0.1:9/cache: no manifest.json")
 
 
 def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_path):

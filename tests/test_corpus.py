@@ -469,12 +469,12 @@ def test_truncate_drop_and_min_length(tokenizer):
     assert tokenize_row(text_row, tokenizer, CorpusConfig(data="x", min_length=n + 1, max_length=4096)) == "too_short"
     assert isinstance(tokenize_row(text_row, tokenizer, CorpusConfig(data="x", min_length=n)), TokenizedSequence)
 
-    # A chat cut before its first assistant token has nothing to learn.
+    # A chat cut before its first assistant token has nothing to learn, because it is long.
     chat_row = make_row({"messages": MULTI_TURN})
     chat = tokenize_row(chat_row, tokenizer, CorpusConfig(data="x"))
     first_learned = int(np.flatnonzero(chat.loss_mask)[0])
     short = CorpusConfig(data="x", max_length=first_learned, min_length=2)
-    assert tokenize_row(chat_row, tokenizer, short) == "too_short"
+    assert tokenize_row(chat_row, tokenizer, short) == "too_long"
     kept = tokenize_row(chat_row, tokenizer, CorpusConfig(data="x", max_length=first_learned + 1))
     assert kept.truncated and kept.loss_mask.tolist() == [0] * first_learned + [1]
 

@@ -230,7 +230,8 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, teacher_dir):
     assert killed.read_bytes() == clean.read_bytes()
     ids = [r["id"] for r in read_jsonl(killed)]
     assert ids == [f"chat-{i:03d}" for i in range(60)]  # no duplicates, no gaps, source order
-    assert os.listdir(parts_dir(str(killed))) == [".settings.json"]  # parts and temporaries cleaned up
+    # parts and temporaries cleaned up; the writers' lock stays
+    assert sorted(os.listdir(parts_dir(str(killed)))) == [".dflash.lock", ".settings.json"]
 
     again = CliRunner().invoke(app, args + ["--out", str(killed)])
     assert again.exit_code == 0 and "already complete" in again.output

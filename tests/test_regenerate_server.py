@@ -231,7 +231,7 @@ def test_overwrite_deletes_only_what_regenerate_wrote(tmp_path, server):
     (parts / "notes.txt").write_text("rows 3 and 5 look odd")
     before = {p.name: p.read_bytes() for p in parts.iterdir()}
     assert set(before) == {".settings.json", "part-000000.jsonl", ".part-000000.json", ".part-000001.jsonl.tmp-1a2b3c4d",
-                           "notes.txt"}
+                           "notes.txt", ".dflash.lock"}  # the lock stays: deleting a held one would admit a second writer
     healthy = server()
     refused = regen(data, out, healthy.url, "--overwrite")
     assert refused.exit_code == 1
@@ -243,7 +243,7 @@ def test_overwrite_deletes_only_what_regenerate_wrote(tmp_path, server):
     # moved out, the same command starts over: every row is asked again, and only the settings stay
     (parts / "notes.txt").unlink()
     assert regen(data, out, healthy.url, "--overwrite").exit_code == 0
-    assert len(healthy.requests) == 6 and [p.name for p in parts.iterdir()] == [".settings.json"]
+    assert len(healthy.requests) == 6 and sorted(p.name for p in parts.iterdir()) == [".dflash.lock", ".settings.json"]
     # a finished output is kept as well when --overwrite is refused
     (parts / "notes.txt").write_text("keep")
     done = out.read_bytes()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 
 import xxhash
 
 from dflash_cache.corpus.config import SUPPORTED_SUFFIXES
-from dflash_common.errors import ConfigError
+from dflash_common.errors import ConfigError, DFlashError
+from dflash_common.settings_files import load_settings_file
 
 _MIB = 1 << 20
 _FINGERPRINT_VERSION = b"dflash-corpus-fingerprint-v1"
@@ -26,12 +26,13 @@ def _is_saved_dataset(folder: str) -> bool:
 
 def _reject_dataset_dict(folder: str) -> None:
     marker = os.path.join(folder, "dataset_dict.json")
-    if not os.path.isfile(marker):
+    if not os.path.exists(marker):  # a link to /dev/zero marks a DatasetDict too: not read as a corpus file
         return
-    try:
-        with open(marker, encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
-    except (OSError, ValueError, AttributeError):
+    try:  # bounded: the marker is only read to name the splits in the refusal
+        splits = load_settings_file(marker, kind="json").get("splits", [])
+    except (OSError, DFlashError, AttributeError):
+        splits = []
+    if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
         splits = []
     example = os.path.join(folder, splits[0]) if splits else os.path.join(folder, "<split>")
     raise ConfigError(
@@ -115,12 +116,16 @@ def list_corpus_files(data: str) -> list[str]:
     for entry in entries:
         if os.path.isfile(entry):
             _reject_json_array(entry)
+        elif not os.path.isdir(entry):  # found in a folder: a pipe would block, /dev/zero never end
+            raise ConfigError(f"corpus path {entry} is not a regular file or folder; move it out of the corpus folder, "
+                              "or point --data at the corpus files alone")
     return entries
 
 
 def _saved_dataset_files(folder: str) -> list[str]:
-    with open(os.path.join(folder, "state.json"), encoding="utf-8") as f:
-        state = json.load(f)
+    state = load_settings_file(os.path.join(folder, "state.json"), kind="json", fix="save the dataset again")
+    if not isinstance(state, dict) or not isinstance(state.get("_data_files", []), list):
+        raise ConfigError(f"{folder}/state.json is not a datasets state (no _data_files list); save the dataset again")
     return [os.path.join(folder, item["filename"]) for item in state.get("_data_files", [])]
 
 

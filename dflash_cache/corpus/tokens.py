@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_cache.chat import Render, end_of_turn_text, tokenizer_render
+from dflash_cache.chat import Render, end_of_turn_text, error_text, template_fault, tokenizer_render
 from dflash_cache.corpus.config import CorpusConfig
 from dflash_cache.corpus.messages import parse_messages, row_id
 from dflash_cache.corpus.rows import CorpusRow
@@ -235,7 +235,10 @@ def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: 
     try:
         text = render(messages, False)
     except Exception as err:  # noqa: BLE001 - template errors (e.g. unsupported roles) are per row
-        raise BadRowError(row.path, row.row, f"chat template failed: {err}") from None
+        fault = template_fault(render, err, getattr(tokenizer, "name_or_path", "") or "the tokenizer")
+        if fault:  # not a bad row: --on-bad-row skip would skip every row and write an empty cache
+            raise ConfigError(fault) from None
+        raise BadRowError(row.path, row.row, f"chat template failed: {error_text(err)}") from None
     input_ids, offsets, cut = _encode_prefix(text, _encoder(tokenizer, False), max_length, with_offsets=True)
     was_cut = cut < len(text)
     try:
@@ -249,8 +252,9 @@ def _tokenize_chat(row: CorpusRow, messages: list[dict], tokenizer, max_length: 
 def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSequence | str:
     """Tokenize one row into a TokenizedSequence, or return why it is skipped.
 
-    Returns "too_long" (longer than max_length with overlong="drop") or "too_short" (fewer
-    than min_length tokens, or a chat with no assistant token left after truncation). Chats
+    Returns "too_long" (longer than max_length with overlong="drop", or a chat cut at max_length
+    before its first assistant token: nothing left to learn because the row is long) or
+    "too_short" (fewer than min_length tokens, or a chat with no assistant token at all). Chats
     are rendered with the chat template and tokenized without adding special tokens again;
     plain text is tokenized with the tokenizer's defaults. Raises BadRowError for unusable rows.
 
@@ -271,6 +275,8 @@ def tokenize_row(row: CorpusRow, tokenizer, cfg: CorpusConfig) -> TokenizedSeque
         if cfg.overlong == "drop":
             return "too_long"
         input_ids, loss_mask = input_ids[: cfg.max_length], loss_mask[: cfg.max_length]
+        if not loss_mask.any():  # a 10 MB prompt is no short row: its answer lies past the cut
+            return "too_long"
     if len(input_ids) < cfg.min_length or not loss_mask.any():
         return "too_short"
     return TokenizedSequence(id=row_id(row.data), input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)

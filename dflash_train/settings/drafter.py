@@ -18,6 +18,9 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 ATTENTION_BACKENDS = ("sdpa", "flex")
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
+# Tokens per block at most: far above the 16 that drafters use; the training attention mask grows
+# with it (a block size of 100,000 asked for 640 GB).
+MAX_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,10 @@ def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
     block_size = config.get("block_size", dflash.get("block_size"))
     if block_size is None:
         raise ConfigError("drafter config has no 'block_size'; re-export the drafter")
+    # an edited 10**18 would reach the attention masks' allocation before any weight is compared
+    if not is_int(block_size) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"drafter config block_size {block_size!r} is not a whole number from 2 to {MAX_BLOCK_SIZE} "
+                          "(16 is typical); the file is damaged or edited: export the drafter again")
     num_layers = int(config["num_hidden_layers"])
     layer_types = tuple(config.get("layer_types") or (FULL_ATTENTION,) * num_layers)
     sliding = SLIDING_ATTENTION in layer_types

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_common.errors import CacheError
-from dflash_common.files import write_file_atomic
+from dflash_common.files import one_writer, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_train.sweep.measure import (
     reference_outputs,
 )
-from dflash_train.sweep.plan import SweepConfig, plan_runs
+from dflash_train.sweep.plan import SweepConfig, SweepRun, plan_runs
 from dflash_train.sweep.processes import (
     RunFailure,
     SweepError,
@@ -61,7 +61,15 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
     if not open_cache(cfg.base.cache, cfg.base.storage_options).complete:
         raise CacheError(f"{cfg.base.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # two sweeps on one folder would train the same runs at once (each run's own lock stops the
+    # second there, after its teacher outputs and sweep.json were rewritten): one sweep per folder
+    with one_writer(out, "dflash-train sweep", f"wait for it to end (or stop it), or choose another --out than {out}"):
+        return _sweep_locked(cfg, runs, out, progress)
+
+
+def _sweep_locked(cfg: SweepConfig, runs: list[SweepRun], out: Path, progress: Progress) -> SweepResult:
+    from dflash_cache import open_cache
+
     statuses = {run.name: run_status(run) for run in runs}  # refuses mismatched folders before writing
     write_file_atomic(out / "sweep.json", (json.dumps(sweep_record(cfg, runs), indent=1) + "\n").encode())
     if cfg.measure.teacher is not None and any(not s.finished for s in statuses.values()):
