@@ -1,4 +1,5 @@
-"""Writes shards whole, commits them atomically, and writes the teacher's frozen pieces once.
+"""Cuts a build's sequences into shards (ShardWriter), writes each whole and commits it
+atomically on a background thread, and writes the teacher's frozen pieces once.
 
 A shard is written under a temporary name and renamed into place (local file systems), and only
 counts once its commit record ``shards/<name>.json`` exists: that record is written last, in one
