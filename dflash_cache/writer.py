@@ -1,4 +1,5 @@
-"""Writes shards whole, commits them atomically, and writes the teacher's frozen pieces once.
+"""Cuts a build's sequences into shards (ShardWriter), writes each whole and commits it
+atomically on a background thread, and writes the teacher's frozen pieces once.
 
 A shard is written under a temporary name and renamed into place (local file systems), and only
 counts once its commit record ``shards/<name>.json`` exists: that record is written last, in one
@@ -12,6 +13,7 @@ import queue
 import tempfile
 import threading
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,29 +94,33 @@ def zarr_store(fs, path: str, read_only: bool):
     return store
 
 
-def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> dict:
-    """Write one shard whole and commit it; returns its commit record."""
-    name = shard.name
-    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
-    final_dir = fmt.join(shards_dir, name)
-    local = fmt.is_local(fs)
-    work_dir = fmt.join(shards_dir, f".tmp-{name}-{uuid.uuid4().hex[:8]}") if local else final_dir
-    fs.makedirs(work_dir, exist_ok=True)
-
-    n_tokens, n_layers, hidden_size = shard.hidden.shape if shard.hidden.ndim == 3 else (0, 0, 0)
+def _encode_hidden(shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> tuple[np.ndarray, dict, list]:
+    """The hidden states as stored (fp8 with per-token exponents, or the build dtype's bits), the
+    Zarr array's attributes, and the extra tokens.arrow columns the format adds."""
     hidden, attributes, extra_columns = shard.hidden, {"dtype": hidden_dtype}, []
     if storage.hidden_format == fp8.FORMAT:
+        n_tokens, n_layers, hidden_size = _hidden_shape(shard)
         hidden, exponents = fp8.quantize(fmt.from_storage(shard.hidden, hidden_dtype).reshape(n_tokens, n_layers, hidden_size))
         attributes["format"] = fp8.FORMAT
         extra_columns.append(_fixed_list(exponents.reshape(n_tokens, n_layers), pa.int8()))
+    return hidden, attributes, extra_columns
+
+
+def _hidden_shape(shard: ShardData) -> tuple[int, int, int]:
+    return shard.hidden.shape if shard.hidden.ndim == 3 else (0, 0, 0)
+
+
+def _write_hidden(fs, path: str, hidden: np.ndarray, attributes: dict, storage: StorageConfig) -> tuple[str, int]:
+    """Write the hidden states as one Zarr array; returns their checksum and the chunk length."""
+    n_tokens, n_layers, hidden_size = hidden.shape if hidden.ndim == 3 else (0, 0, 0)
     per_token = max(1, n_layers * hidden_size * hidden.dtype.itemsize)
     chunk_tokens = max(1, min(max(n_tokens, 1), storage.chunk_bytes // per_token))
     compressors = [zarr.codecs.ZstdCodec(level=1)] if storage.compression == "zstd" else None
     # xxh64 releases the GIL: hash the hidden states while Zarr writes them
     with ThreadPoolExecutor(1) as hashing:
-        hidden_checksum = hashing.submit(fmt.checksum, hidden)
+        checksum = hashing.submit(fmt.checksum, hidden)
         zarr.create_array(
-            zarr_store(fs, fmt.join(work_dir, fmt.HIDDEN), read_only=False),
+            zarr_store(fs, path, read_only=False),
             data=hidden,
             chunks=(chunk_tokens, n_layers, hidden_size),
             compressors=compressors,
@@ -122,7 +128,11 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
             config={"write_empty_chunks": True},
             overwrite=True,
         )
+    return checksum.result(), chunk_tokens
 
+
+def _arrow_files(shard: ShardData, extra_columns: list, n_layers: int) -> tuple[bytes, bytes]:
+    """tokens.arrow and sequences.arrow of a shard, as file bytes."""
     offsets = np.concatenate([[0], np.cumsum(shard.lengths, dtype=np.int64)[:-1]]) if len(shard.ids) else np.zeros(0, np.int64)
     tokens_table = pa.table(
         [
@@ -144,12 +154,12 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
         ],
         schema=fmt.sequences_schema(),
     )
-    tokens_bytes = _ipc_bytes(tokens_table)
-    sequences_bytes = _ipc_bytes(sequences_table)
-    fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
-    fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
+    return _ipc_bytes(tokens_table), _ipc_bytes(sequences_table)
 
-    if local:
+
+def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
+    """Make the shard's files final: durable and renamed (local), or visible to ``fs`` (stores)."""
+    if fmt.is_local(fs):
         # Page-cache data is lost on a power cut: the commit record must never outlive the data it
         # commits, so make the data durable before the rename and the record.
         fsync_tree(work_dir)
@@ -159,12 +169,15 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     else:
         fs.invalidate_cache(final_dir)  # the Zarr objects went through the async twin, unseen by fs
 
+
+def _commit_record(fs, final_dir: str, shard: ShardData, chunk_tokens: int, checksums: dict) -> dict:
+    n_tokens, n_layers, hidden_size = _hidden_shape(shard)
     files = {
         path[len(final_dir) + 1:]: int(info["size"])
         for path, info in fs.find(final_dir, detail=True).items()
     }
-    record = {
-        "name": name,
+    return {
+        "name": shard.name,
         "rank": shard.rank,
         "index": shard.index,
         "rows": [shard.row_start, shard.row_end],
@@ -174,14 +187,29 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
         "bytes": sum(files.values()),
         "hidden_shape": [int(n_tokens), int(n_layers), int(hidden_size)],
         "chunk_tokens": int(chunk_tokens),
-        "checksums": {
-            "hidden": hidden_checksum.result(),
-            fmt.TOKENS: fmt.checksum(tokens_bytes),
-            fmt.SEQUENCES: fmt.checksum(sequences_bytes),
-        },
+        "checksums": checksums,
         "files": dict(sorted(files.items())),
         "skipped": dict(shard.skipped),
     }
+
+
+def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> dict:
+    """Write one shard whole and commit it; returns its commit record."""
+    name = shard.name
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    final_dir = fmt.join(shards_dir, name)
+    work_dir = fmt.join(shards_dir, f".tmp-{name}-{uuid.uuid4().hex[:8]}") if fmt.is_local(fs) else final_dir
+    fs.makedirs(work_dir, exist_ok=True)
+
+    hidden, attributes, extra_columns = _encode_hidden(shard, storage, hidden_dtype)
+    hidden_checksum, chunk_tokens = _write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), hidden, attributes, storage)
+    tokens_bytes, sequences_bytes = _arrow_files(shard, extra_columns, _hidden_shape(shard)[1])
+    fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
+    fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
+    _move_into_place(fs, work_dir, final_dir)
+
+    checksums = {"hidden": hidden_checksum, fmt.TOKENS: fmt.checksum(tokens_bytes), fmt.SEQUENCES: fmt.checksum(sequences_bytes)}
+    record = _commit_record(fs, final_dir, shard, chunk_tokens, checksums)
     maybe_fault("after_shard_files")
     fmt.write_json_atomic(fs, fmt.join(shards_dir, f"{name}.json"), record)
     maybe_fault("after_commit_record")
@@ -251,3 +279,85 @@ class BackgroundWriter:
         self._queue.put(None)
         self._thread.join()
         self._raise()
+
+
+def shard_tokens(shard_bytes: int, hidden_bytes_per_token: int) -> int:
+    """How many tokens a shard holds: its hidden states reach ``shard_bytes`` (at least one token)."""
+    return max(1, shard_bytes // hidden_bytes_per_token)
+
+
+@dataclass
+class PendingShard:
+    """One shard's sequences, cut and named, before the teacher has run on them."""
+
+    rank: int
+    index: int
+    row_start: int
+    row_end: int
+    sequences: list  # TokenizedSequence, in corpus order
+    rows: list[int]  # corpus row index of each sequence
+    skipped: dict[str, int]  # corpus rows of this shard's span that became no sequence, by reason
+
+    @property
+    def name(self) -> str:
+        return fmt.shard_name(self.rank, self.index)
+
+
+class ShardWriter:
+    """Cuts one rank's sequences into shards, has the teacher run on each, and writes and commits
+    them in order on a background thread.
+
+    A shard ends with the sequence that brings its tokens to ``shard_tokens`` (the input's tokens:
+    the cut never depends on the teacher), so a build resumed after its committed shards cuts the
+    rest exactly as an uninterrupted build would. Shard ``index`` counts on from ``first_index``
+    and its row span from ``start_row``; a shard's span also covers the rows it skipped.
+    """
+
+    def __init__(self, fs, root: str, storage: StorageConfig, hidden_dtype: str, hidden_bytes_per_token: int,
+                 run_teacher: Callable[[PendingShard], ShardData], on_commit: Callable[[dict], None],
+                 rank: int, first_index: int, start_row: int):
+        self._run_teacher = run_teacher
+        self._shard_tokens = shard_tokens(storage.shard_bytes, hidden_bytes_per_token)
+        self._background = BackgroundWriter(lambda shard: write_shard(fs, root, shard, storage, hidden_dtype), on_commit)
+        self._rank, self._index, self._row_start = rank, first_index, start_row
+        self._start_shard()
+
+    def _start_shard(self) -> None:
+        self._sequences: list = []
+        self._rows: list[int] = []
+        self._tokens = 0
+        self._skipped: Counter = Counter()
+
+    def write(self, row: int, sequence) -> None:
+        """Add corpus row ``row``'s sequence; a shard that is now full is cut and submitted."""
+        self._sequences.append(sequence)
+        self._rows.append(row)
+        self._tokens += len(sequence.input_ids)
+        if self._tokens >= self._shard_tokens:
+            self._cut(row + 1)
+
+    def skip(self, reason: str) -> None:
+        """Count a row of this rank that became no sequence, in the shard being filled."""
+        self._skipped[reason] += 1
+
+    def _cut(self, row_end: int) -> None:
+        pending = PendingShard(self._rank, self._index, self._row_start, row_end, self._sequences, self._rows,
+                               dict(self._skipped))
+        self._background.submit(self._run_teacher(pending))
+        self._index, self._row_start = self._index + 1, row_end
+        self._start_shard()
+
+    def close(self, end_row: int) -> None:
+        """Cut the last shard (ending before corpus row ``end_row``) and wait until every shard is
+        committed; raises the first failure."""
+        if self._sequences or self._skipped:
+            self._cut(end_row)
+        self._background.close()
+
+    def abort(self) -> None:
+        """After a failure in the build: let the shards already submitted commit (they are valid
+        work), without raising a failure of theirs over the one being handled."""
+        try:
+            self._background.close()
+        except Exception:
+            pass

@@ -324,15 +324,15 @@ def test_device_map_loading_gives_the_same_cache(tmp_path, teacher_dir):
 def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypatch):
     """A single-process build rewrites manifest.json after each commit only while it is small;
     beyond that, only when the rewrites stay under ~1% of the time. The final write lists all."""
-    from dflash_cache import build
+    from dflash_cache import commit
     from dflash_cache import format as fmt
 
-    assert build.manifest_due(999, 0.0, 10.0) and not build.manifest_due(1000, 99.0, 1.0)
-    assert build.manifest_due(10**5, 100.0, 1.0) and build.manifest_due(10**5, 0.5, 0.004)
+    assert commit.manifest_due(999, 0.0, 10.0) and not commit.manifest_due(1000, 99.0, 1.0)
+    assert commit.manifest_due(10**5, 100.0, 1.0) and commit.manifest_due(10**5, 0.5, 0.004)
 
-    monkeypatch.setattr(build, "LIVE_MANIFEST_SHARDS", 3)
+    monkeypatch.setattr(commit, "LIVE_MANIFEST_SHARDS", 3)
     fs, root = fmt.url_to_fs(str(tmp_path))
-    keeper = build._ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME}, [], live=True)
+    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME}, [], live=True)
 
     def shard(i: int) -> dict:
         return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
@@ -356,7 +356,7 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     into place between this rank's checks is not mistaken for one (a torchrun start-up race)."""
     from fsspec.implementations.local import LocalFileSystem
 
-    from dflash_cache import build
+    from dflash_cache import commit
     from dflash_cache import format as fmt
 
     header = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
@@ -365,7 +365,7 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     (foreign / "notes.txt").write_text("not a cache")
     fs, root = fmt.url_to_fs(str(foreign))
     with pytest.raises(CacheError, match="non-empty folder without a dflash manifest"):
-        build._prepare_output(fs, root, str(foreign), header, overwrite=False)
+        commit.prepare_output(fs, root, str(foreign), header, overwrite=False)
 
     class OtherRankWritesFirst(LocalFileSystem):
         """The real local filesystem; the first look for the manifest misses the rank that is
@@ -384,5 +384,5 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     racing = tmp_path / "racing"
     racing.mkdir()
     fs = OtherRankWritesFirst(skip_instance_cache=True)
-    build._prepare_output(fs, str(racing), str(racing), header, overwrite=False)
+    commit.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()

@@ -320,8 +320,12 @@ def _iter_entry(entry: str, skip: int, max_bytes: int) -> Iterator[tuple[int, di
     return _iter_batches(_arrow_batches(entry), skip, max_bytes)
 
 
-def iter_rows(cfg: CorpusConfig, start_row: int = 0) -> Iterator[CorpusRow]:
+def iter_rows(cfg: CorpusConfig, start_row: int = 0, files: Sequence[str] | None = None) -> Iterator[CorpusRow]:
     """Stream every corpus row in order, starting at global row index `start_row`.
+
+    `files`: the corpus entries, as list_corpus_files(cfg.data) gives them (a caller that has
+    listed them passes them on, so the corpus is listed once and rows are read from what it
+    fingerprinted and counted).
 
     Rows before `start_row` are counted, not parsed, so a resumed build restarts cheaply.
     Blank JSON Lines lines are not rows. Unreadable rows come back with `problem` set, and so
@@ -333,7 +337,7 @@ def iter_rows(cfg: CorpusConfig, start_row: int = 0) -> Iterator[CorpusRow]:
     skip = start_row
     index = 0
     max_bytes = row_byte_limit(cfg.max_length)
-    for entry in list_corpus_files(cfg.data):
+    for entry in list_corpus_files(cfg.data) if files is None else files:
         if skip:
             count = _count_rows(entry)
             if count <= skip:
