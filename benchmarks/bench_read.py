@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import bench_write as bw  # noqa: E402  (same folder)
 
 from dflash_cache import (
+    integrity,  # noqa: E402
     open_cache,  # noqa: E402
-    reader,  # noqa: E402
 )
 from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
@@ -81,8 +81,8 @@ def batches_torch(torch_dir: Path, shards, plan: list) -> int:
 
 def forget_checksums() -> None:
     """Forget which shards this process has hashed, as a new training process starts."""
-    with reader._VERIFIED_LOCK:
-        reader._VERIFIED.clear()
+    with integrity._VERIFIED_LOCK:
+        integrity._VERIFIED.clear()
 
 
 def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,

@@ -12,20 +12,19 @@ Nothing read from manifest.json is trusted as a path: every shard record is chec
 file that is a symlink resolving outside the cache is refused. ``Shard.checksum_problems``
 compares a shard's bytes with the checksums of its commit record, hashing each shard's files once
 per process (the training loader calls it before it hands out anything of a shard).
-``Cache.ensure_intact`` is the one check by which training and evaluation refuse damaged shards.
+``Cache.ensure_intact`` is the one check by which training and evaluation refuse damaged shards;
+the checks themselves are dflash_cache.integrity's, and the file access dflash_cache.shard_files'.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -34,6 +33,20 @@ import xxhash
 import zarr
 
 from dflash_cache import format as fmt
+from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity check lived here)
+    CHECKSUMMED,
+    RECORD,
+    SIZES,
+    ShardIntegrityError,
+    damaged_shards_message,
+    inside_cache,
+    part_problems,
+    quick_check,
+    record_problems,
+    refuse_outside_links,
+    size_problems,
+)
+from dflash_cache.shard_files import ChunkFiles, fixed_list_values, list_width_problem, open_ipc  # noqa: F401 (re-exported)
 from dflash_cache.writer import zarr_store
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.settings_files import load_settings_file
@@ -53,126 +66,6 @@ class SequenceRecord:
 
     def __len__(self) -> int:
         return len(self.input_ids)
-
-
-class ChunkFiles:
-    """Rows of an uncompressed Zarr v3 array on local disk, read straight from its chunk files.
-
-    Zarr's read path costs ~4x a plain read of the same bytes (measured 0.65-0.94 GB/s against
-    2.9-3.7 GB/s, benchmarks/RESULTS.md), and an uncompressed little-endian chunk file is just
-    the chunk's rows in C order, so the rows can be copied into the caller's buffer directly. Only
-    the layout the writer makes (chunked along the first axis, ``bytes`` codec alone) qualifies;
-    ``open`` returns None for anything else and the caller uses Zarr.
-
-    The files are memory-mapped rather than read with ``preadv``: measured 0.76-0.84x a raw
-    memmap's copy with a warm page cache against 0.58-0.64x, and no slower cold, and the copies
-    run in parallel on the read-ahead threads (benchmarks/RESULTS.md). Maps
-    are keyed by the file's identity (inode, size, mtime), so a replaced, truncated or removed
-    chunk file is seen at the next read; a size too small for the rows asked for is an error
-    naming the file before anything is copied.
-    """
-
-    def __init__(self, path: str, shape: tuple[int, ...], chunk_rows: int, dtype: np.dtype, separator: str):
-        self.path, self.shape, self.chunk_rows, self.dtype, self.separator = path, shape, chunk_rows, dtype, separator
-        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-
-    @classmethod
-    def open(cls, path: str) -> "ChunkFiles | None":
-        try:
-            with open(os.path.join(path, "zarr.json"), "rb") as f:
-                meta = json.loads(f.read())
-        except (OSError, ValueError):
-            return None  # Zarr gives the precise error on the slow path
-        codecs = meta.get("codecs", [])
-        grid = meta.get("chunk_grid", {})
-        keys = meta.get("chunk_key_encoding", {})
-        shape, chunks = meta.get("shape"), grid.get("configuration", {}).get("chunk_shape")
-        plain = (meta.get("zarr_format") == 3 and len(codecs) == 1 and codecs[0].get("name") == "bytes"
-                 and codecs[0].get("configuration", {}).get("endian", "little") == "little"
-                 and grid.get("name") == "regular" and keys.get("name") == "default"
-                 and not meta.get("storage_transformers") and sys.byteorder == "little"
-                 and isinstance(shape, list) and isinstance(chunks, list) and len(shape) == len(chunks) >= 1
-                 and list(chunks[1:]) == list(shape[1:]) and meta.get("data_type") in ("uint8", "uint16", "float32"))
-        if not plain:
-            return None
-        separator = keys.get("configuration", {}).get("separator", "/")
-        return cls(path, tuple(shape), int(chunks[0]), np.dtype(meta["data_type"]), separator)
-
-    def chunk_path(self, index: int) -> str:
-        key = self.separator.join(["c", str(index)] + ["0"] * (len(self.shape) - 1))
-        return os.path.join(self.path, *key.split("/"))
-
-    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
-        C-contiguous array of those rows' shape and this array's item size)."""
-        start, stop = max(0, start), min(stop, self.shape[0])
-        shape = (max(0, stop - start), *self.shape[1:])
-        if out is None:
-            out = np.empty(shape, dtype=self.dtype)
-        elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
-                             f"got {out.dtype} {out.shape}")
-        dest = out.reshape(-1).view(np.uint8)
-        row = start
-        while row < stop:
-            index, lo = divmod(row, self.chunk_rows)
-            hi = min(self.chunk_rows, lo + stop - row)
-            path = self.chunk_path(index)
-            try:
-                info = os.stat(path)
-            except FileNotFoundError:
-                raise CacheError(f"{path}: a chunk file of a committed shard is missing; the shard is damaged "
-                                 "(run `dflash-cache verify --deep`, then rebuild or skip the shard)") from None
-            data = _mapped(path, info.st_ino, info.st_size, info.st_mtime_ns)
-            first, last = lo * self.row_bytes, hi * self.row_bytes
-            if len(data) < last:
-                raise CacheError(f"{path}: chunk file is short ({max(0, len(data) - first)} of {last - first} bytes at "
-                                 f"row {lo}); the shard is damaged (run `dflash-cache verify --deep`, then rebuild "
-                                 "or skip the shard)")
-            dest[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes] = data[first:last]
-            row += hi - lo
-        return out
-
-
-@lru_cache(maxsize=64)
-def _mapped(path: str, inode: int, size: int, mtime_ns: int) -> np.ndarray:
-    """A read-only map of a whole chunk file as uint8, kept for the next reads of the same file
-    (the identity arguments make a changed file a new entry)."""
-    if size == 0:
-        return np.empty(0, dtype=np.uint8)  # mmap refuses empty files
-    with open(path, "rb") as f:
-        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
-
-
-def open_ipc(fs, path: str) -> pa.Table:
-    if fmt.is_local(fs):
-        return pa.ipc.open_file(pa.memory_map(path, "r")).read_all()
-    return pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all()
-
-
-def list_width_problem(table: pa.Table, column: str, width: int, field: str) -> str | None:
-    """Why ``column`` of a token table is not a fixed-size list of ``width`` values per token (the
-    manifest's ``field``), or None."""
-    kind = table.schema.field(column).type if column in table.column_names else None
-    if kind is None:
-        return f"{fmt.TOKENS} lacks the column {column!r}"
-    if not pa.types.is_fixed_size_list(kind) or kind.list_size != width:
-        return f"{fmt.TOKENS} column {column} is {kind}, not {width} values per token (the manifest's {field} = {width:,})"
-    return None
-
-
-def _fixed_list_values(table: pa.Table, column: str, k: int, field: str, where: str) -> np.ndarray:
-    problem = list_width_problem(table, column, k, field)
-    if problem:
-        raise CacheError(f"{where}: {problem}; the manifest or the shard is damaged or edited: run `dflash-cache verify`, "
-                         "then rebuild the cache (or restore manifest.json)")
-    return table.column(column).combine_chunks().values.to_numpy(zero_copy_only=True).reshape(-1, k)
-
-
-SIZES = "sizes"
-"""Not a file: every file's size against its commit record, from one listing (``quick_check``)."""
-CHECKSUMMED = (fmt.SEQUENCES, fmt.TOKENS, "hidden")
-"""A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``)."""
 
 
 class Shard:
@@ -198,7 +91,7 @@ class Shard:
                     # checked as `verify` checks them (the commit record first, the counts once
                     # the bytes are known to be the ones written)
                     self._checked[part] = ((record_problems(self, RECORD) if part == fmt.SEQUENCES else [])
-                                           or _check_part(self, part) or record_problems(self, part))
+                                           or part_problems(self, part) or record_problems(self, part))
                 problems += self._checked[part]
         return problems
 
@@ -219,11 +112,11 @@ class Shard:
         tokens = {
             "input_ids": table.column("input_ids").combine_chunks().to_numpy(zero_copy_only=True),
             "loss_mask": table.column("loss_mask").combine_chunks().to_numpy(zero_copy_only=True),
-            "topk_ids": _fixed_list_values(table, "topk_ids", k, "top_k", where),
-            "topk_logprobs": _fixed_list_values(table, "topk_logprobs", k, "top_k", where),
+            "topk_ids": fixed_list_values(table, "topk_ids", k, "top_k", where),
+            "topk_logprobs": fixed_list_values(table, "topk_logprobs", k, "top_k", where),
         }
         if self.cache.hidden_format != fmt.LOSSLESS:  # fp8: the hidden states' scale exponents
-            tokens[fmt.SCALE_COLUMN] = _fixed_list_values(table, fmt.SCALE_COLUMN, len(self.cache.layer_ids),
+            tokens[fmt.SCALE_COLUMN] = fixed_list_values(table, fmt.SCALE_COLUMN, len(self.cache.layer_ids),
                                                           "layer_ids", where)
         return tokens
 
@@ -346,11 +239,11 @@ class Cache:
         checked where they are read: ``refuse_outside_links``)."""
         root = os.path.realpath(self.root)
         shards_dir = os.path.join(self.root, fmt.SHARDS_DIR)
-        _inside(root, shards_dir, self.url)
+        inside_cache(root, shards_dir, self.url)
         for shard in self.shards:
             for path in (os.path.join(shards_dir, shard.name), os.path.join(shards_dir, f"{shard.name}.json")):
                 if os.path.islink(path):
-                    _inside(root, path, self.url)
+                    inside_cache(root, path, self.url)
 
     @property
     def complete(self) -> bool:
@@ -589,241 +482,6 @@ class ReadAhead:
             for future, _ in pending:
                 future.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
-
-
-class ShardIntegrityError(CacheError):
-    """A shard's bytes differ from its commit record (``Shard.ensure_intact``); ``problems`` say how."""
-
-    def __init__(self, url: str, shard: str, problems: list[str]):
-        self.url, self.shard, self.problems = url, shard, list(problems)
-        super().__init__(damaged_shards_message(url, {shard: self.problems}))
-
-
-def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
-    """One line naming every damaged shard, its first problem, and both ways out."""
-    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
-                      for name, bad in problems.items())
-    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
-            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
-
-
-def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
-    """Files of a commit record (relative path -> bytes) against those found; None: no folder."""
-    if found is None:
-        return ["shard folder missing"]
-    problems = []
-    for name, size in expected.items():
-        if name not in found:
-            problems.append(f"file {name} missing")
-        elif found[name] != size:
-            problems.append(f"file {name} is {found[name]} bytes, expected {size}")
-    return problems
-
-
-def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
-    """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
-    missing folders and files, and sizes that differ from the commit records; a symlink in it
-    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
-    for training; the loader checks a shard's checksums when it first reads it
-    (``Shard.checksum_problems``), verify checks everything."""
-    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
-    try:
-        listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
-    except FileNotFoundError:
-        listing = {}
-    found: dict[str, dict[str, int]] = {}
-    prefix = len(shards_dir) + 1
-    linked = {}
-    for path, info in listing.items():
-        if info.get("islink"):  # the listing names links without following them: none may leave the cache
-            refuse_outside_links(cache, path)
-            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
-                linked.update(cache.fs.find(path, detail=True))
-    for path, info in {**listing, **linked}.items():
-        shard, _, rest = path[prefix:].partition("/")
-        if rest:
-            found.setdefault(shard, {})[rest] = int(info["size"])
-    problems = {}
-    for shard in cache.shards:
-        if shard.name not in skip:
-            bad = size_problems(shard.record["files"], found.get(shard.name))
-            if bad:
-                problems[shard.name] = bad
-    return problems
-
-
-def _inside(root: str, path: str, url: str) -> None:
-    """Refuse ``path`` when it resolves (symlinks followed) outside the real folder ``root``."""
-    target = os.path.realpath(path)
-    if os.path.commonpath([root, target]) != root:
-        raise CacheError(f"{url}: {path} is a symlink to {target}, outside the cache; the cache is not trustworthy "
-                         "(a cache holds its own files): replace the link with the files it points to, or rebuild the "
-                         "cache with `dflash-cache build ... --overwrite`")
-
-
-def refuse_outside_links(cache: Cache, path: str) -> None:
-    """On local storage: refuse any symlink at or under ``path`` of ``cache`` (files and folders,
-    at any depth) that resolves outside the cache."""
-    if fmt.is_local(cache.fs):
-        _local_files(cache, path)
-
-
-def _local_files(cache: Cache, path: str) -> list[tuple]:
-    """(path, inode, size, mtime) of the local file ``path`` or of every file under the folder
-    ``path``, in one pass that refuses any symlink resolving outside the cache. A missing path is
-    FileNotFoundError."""
-    root = os.path.realpath(cache.root)
-    if os.path.islink(path):
-        _inside(root, path, cache.url)
-    if not os.path.isdir(path):
-        return [(path, *_identity(path))]
-    found, folders = [], [path]
-    while folders:
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_symlink():
-                    _inside(root, entry.path, cache.url)
-                if entry.is_dir():
-                    folders.append(entry.path)
-                else:
-                    info = entry.stat()
-                    found.append((entry.path, info.st_ino, info.st_size, info.st_mtime_ns))
-    return sorted(found)
-
-
-# Parts of local shards already hashed in this process: (part, path, identity of its files,
-# expected checksum) -> problems. The identity is a hash of (inode, size, mtime) of every file, so
-# a file rewritten or replaced since is hashed again.
-_VERIFIED: dict[tuple, list[str]] = {}
-_VERIFIED_LOCK = threading.Lock()
-HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go through Zarr
-
-
-RECORD = "record"  # a shard's commit record (shards/NAME.json), as a part of record_problems
-
-
-def record_problems(shard: Shard, part: str) -> list[str]:
-    """Where one part of a shard disagrees with its record (empty when it agrees; checksums are
-    ``_check_part``'s): for RECORD, the commit record on disk against the manifest's; for
-    sequences.arrow, the sequence count, offsets and lengths against the record; for tokens.arrow,
-    the token count and the top-k width against the manifest. The one check of these, run by the
-    training loader (``Shard.checksum_problems``) and by `dflash-cache verify` alike. Errors
-    become problems."""
-    cache, record = shard.cache, shard.record
-    try:
-        if part == RECORD:
-            record_path = f"{shard.path}.json"
-            if not cache.fs.exists(record_path):
-                return ["commit record missing"]
-            try:
-                on_disk = fmt.read_json(cache.fs, record_path)
-            except (ValueError, CacheError):
-                return ["commit record is not readable JSON"]
-            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{shard.name}.json")
-            if on_disk != record:
-                differ = sorted(k for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
-                return [f"commit record differs from the manifest ({', '.join(differ)})"]
-        elif part == fmt.SEQUENCES:
-            sequences = open_ipc(cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
-            if sequences.num_rows != record["sequences"]:
-                return [f"{fmt.SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
-            lengths = sequences.column("length").to_numpy()
-            offsets = sequences.column("offset").to_numpy()
-            if len(lengths) and (offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(lengths)[:-1])
-                                 or lengths.sum() != record["tokens"] or np.any(lengths < 0)):
-                return ["sequence offsets and lengths are inconsistent"]
-        elif part == fmt.TOKENS:
-            tokens = open_ipc(cache.fs, fmt.join(shard.path, fmt.TOKENS))
-            if tokens.num_rows != record["tokens"]:
-                return [f"{fmt.TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
-            for column in ("topk_ids", "topk_logprobs"):
-                problem = list_width_problem(tokens, column, cache.top_k, "top_k")
-                if problem:
-                    return [problem]
-    except CacheError:
-        raise  # a symlink out of the cache or an untrustworthy record: refused, not a damaged shard
-    except FileNotFoundError as err:
-        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
-    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
-        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
-    return []
-
-
-def _identity(path: str) -> tuple[int, int, int]:
-    info = os.stat(path)
-    return info.st_ino, info.st_size, info.st_mtime_ns
-
-
-def _check_part(shard: Shard, part: str) -> list[str]:
-    """Problems of one part of a shard (see ``Shard.checksum_problems``); errors become problems."""
-    cache, record = shard.cache, shard.record
-    expected = (record.get("checksums") or {}).get(part)
-    local = fmt.is_local(cache.fs)
-    try:
-        key = None
-        if local:  # the files' identities, symlinks leaving the cache refused on the way
-            files = _local_files(cache, fmt.join(shard.path, fmt.HIDDEN if part == "hidden" else part))
-            key = (part, shard.path, xxhash.xxh64_hexdigest(repr(files).encode()), expected)
-            with _VERIFIED_LOCK:
-                if key in _VERIFIED:
-                    return _VERIFIED[key]
-        problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
-    except CacheError:
-        raise  # a symlink out of the cache: refused, not a damaged shard
-    except FileNotFoundError as err:
-        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
-    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
-        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
-    if key is not None:
-        with _VERIFIED_LOCK:
-            _VERIFIED[key] = problems
-    return problems
-
-
-def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
-    path = fmt.join(shard.path, name)
-    fs = shard.cache.fs
-    if fmt.is_local(fs):
-        with pa.memory_map(path, "r") as f:  # hashed in place, not copied
-            digest = xxhash.xxh64(f.read_buffer()).hexdigest()
-    else:
-        digest = fmt.checksum(fs.cat_file(path))
-    return [] if digest == expected else [f"{name} checksum mismatch"]
-
-
-def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
-    """The stored hidden-state array against the record: shape, dtype, then xxh64 of its bytes in
-    C order (what the writer hashed), streamed from the chunk files or, through Zarr, a window at
-    a time."""
-    cache, record = shard.cache, shard.record
-    want_shape = tuple(record.get("hidden_shape") or ())
-    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
-    digest = xxhash.xxh64()
-    files = shard._chunk_files
-    if files is not None:
-        shape, dtype = files.shape, files.dtype
-    else:
-        array = shard.hidden_array
-        shape, dtype = tuple(array.shape), array.dtype
-    if shape != want_shape:
-        return [f"hidden shape {shape} differs from {want_shape}"]
-    if dtype != want_dtype:
-        return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
-                f"{cache.hidden_dtype} ({cache.hidden_format})"]
-    rows = shape[0]
-    if files is not None:
-        for index in range(-(-rows // files.chunk_rows) if rows else 0):
-            path = files.chunk_path(index)
-            needed = min(files.chunk_rows, rows - index * files.chunk_rows) * files.row_bytes
-            data = _mapped(path, *_identity(path))
-            if len(data) < needed:
-                return [f"file {os.path.relpath(path, shard.path)} is short ({len(data)} of {needed} bytes)"]
-            digest.update(data[:needed])
-    else:
-        step = max(1, HASH_WINDOW // max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize))
-        for lo in range(0, rows, step):
-            digest.update(np.ascontiguousarray(array[lo:lo + step]).view(np.uint8).reshape(-1))
-    return [] if digest.hexdigest() == expected else ["hidden states checksum mismatch"]
 
 
 def open_cache(url: str, storage_options: dict[str, Any] | None = None) -> Cache:

@@ -8,16 +8,14 @@ import numpy as np
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8
-from dflash_cache.reader import (  # noqa: F401 (re-exported; Cache.ensure_intact refuses by them)
+from dflash_cache.integrity import (
     RECORD,
-    Cache,
-    damaged_shards_message,
-    open_ipc,
-    quick_check,
     record_problems,
     refuse_outside_links,
     size_problems,
 )
+from dflash_cache.reader import Cache
+from dflash_cache.shard_files import open_ipc
 from dflash_common.errors import CacheError
 from dflash_common.progress import Progress
 

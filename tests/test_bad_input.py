@@ -463,7 +463,7 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
 
 # A manifest edited where no checksum reaches: its records' counts, or a top_k the token tables
 # disagree with. verify refused these while `run` trained on them (issue 25); both now apply the
-# reader's one check (reader.record_problems) and name the shard.
+# reader's one check (integrity.record_problems) and name the shard.
 _EDITED_RECORDS = {
     "a shard's sequence count": (lambda m: m["shards"][0].update(sequences=0),
                                  "commit record differs from the manifest (sequences)"),

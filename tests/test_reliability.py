@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import open_cache
-from dflash_cache.verify import deep_sample, size_problems, topk_mismatches
+from dflash_cache.integrity import size_problems
+from dflash_cache.verify import deep_sample, topk_mismatches
 from dflash_common.errors import ConfigError
 from dflash_common.faults import parse_faults
 

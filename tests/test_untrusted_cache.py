@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import format as fmt
-from dflash_cache import open_cache, reader
+from dflash_cache import integrity, open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
@@ -309,8 +309,8 @@ def test_eval_runs_the_same_shard_check_as_run(built, drafter, tmp_path):
 def test_each_shard_is_hashed_once_per_process_and_again_when_its_files_change(built, tmp_path, monkeypatch):
     cache = _copy(built, tmp_path)
     hashed = []
-    real = reader._hash_hidden
-    monkeypatch.setattr(reader, "_hash_hidden", lambda shard, expected: hashed.append(shard.name) or real(shard, expected))
+    real = integrity._hash_hidden
+    monkeypatch.setattr(integrity, "_hash_hidden", lambda shard, expected: hashed.append(shard.name) or real(shard, expected))
     opened = open_cache(str(cache))
     refs = [(0, 0), (0, 1)]
     load_batch(opened, PLAN, refs, epoch=0)

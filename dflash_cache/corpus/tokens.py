@@ -61,6 +61,15 @@ def _search_start(messages: list[dict], i: int, text: str, render: Render, curso
     return max(cursor, len(before)) if text.startswith(before) else cursor
 
 
+def _rendered(render: Render, messages: list[dict], generation_prompt: bool) -> str | None:
+    """The template's text of a partial chat, or None when the template refuses it (some refuse
+    partial chats; the caller falls back to locating the turn's content)."""
+    try:
+        return render(messages, generation_prompt)
+    except Exception:  # noqa: BLE001 - any template error means: no such prefix
+        return None
+
+
 def assistant_char_spans(
     messages: list[dict], text: str, render: Render, end_of_turn: Callable[[], str], stop_at: int | None = None
 ) -> list[tuple[int, int]]:
@@ -85,21 +94,13 @@ def assistant_char_spans(
         if stop_at is not None and cursor >= stop_at:
             break
         # With no earlier message there is no generation prompt to measure the header by.
-        prefix = None
-        if i:
-            try:
-                prefix = render(messages[:i], True)
-            except Exception:  # noqa: BLE001 - a template may refuse partial chats; fall back below
-                prefix = None
+        prefix = _rendered(render, messages[:i], True) if i else None
         start = len(prefix) if prefix is not None and text.startswith(prefix) else None
         if start is not None and start < cursor:
             start = None
         if stop_at is not None and start is not None and start >= stop_at:
             break
-        try:
-            through = render(messages[: i + 1], False)
-        except Exception:  # noqa: BLE001
-            through = None
+        through = _rendered(render, messages[: i + 1], False)
         if start is not None and through is not None and through.startswith(prefix) and text.startswith(through):
             end = len(through)
         else:

@@ -1,0 +1,268 @@
+"""Whether a shard holds what its commit record says: sizes from one listing (``quick_check``), the
+record against the manifest (``record_problems``), checksums hashed once per process
+(``part_problems``), and links that would lead reads out of the cache (``refuse_outside_links``).
+``Cache.ensure_intact`` and ``dflash-cache verify`` both judge shards by these."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from dflash_cache import format as fmt
+from dflash_cache.shard_files import list_width_problem, mapped_file, open_ipc
+from dflash_common.errors import CacheError
+
+if TYPE_CHECKING:
+    from dflash_cache.reader import Cache, Shard
+
+
+SIZES = "sizes"
+"""Not a file: every file's size against its commit record, from one listing (``quick_check``)."""
+
+
+CHECKSUMMED = (fmt.SEQUENCES, fmt.TOKENS, "hidden")
+"""A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``)."""
+
+
+class ShardIntegrityError(CacheError):
+    """A shard's bytes differ from its commit record (``Shard.ensure_intact``); ``problems`` say how."""
+
+    def __init__(self, url: str, shard: str, problems: list[str]):
+        self.url, self.shard, self.problems = url, shard, list(problems)
+        super().__init__(damaged_shards_message(url, {shard: self.problems}))
+
+
+def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
+    """One line naming every damaged shard, its first problem, and both ways out."""
+    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
+                      for name, bad in problems.items())
+    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
+            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
+
+
+def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
+    """Files of a commit record (relative path -> bytes) against those found; None: no folder."""
+    if found is None:
+        return ["shard folder missing"]
+    problems = []
+    for name, size in expected.items():
+        if name not in found:
+            problems.append(f"file {name} missing")
+        elif found[name] != size:
+            problems.append(f"file {name} is {found[name]} bytes, expected {size}")
+    return problems
+
+
+def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
+    """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
+    missing folders and files, and sizes that differ from the commit records; a symlink in it
+    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
+    for training; the loader checks a shard's checksums when it first reads it
+    (``Shard.checksum_problems``), verify checks everything."""
+    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
+    try:
+        listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
+    except FileNotFoundError:
+        listing = {}
+    found: dict[str, dict[str, int]] = {}
+    prefix = len(shards_dir) + 1
+    linked = {}
+    for path, info in listing.items():
+        if info.get("islink"):  # the listing names links without following them: none may leave the cache
+            refuse_outside_links(cache, path)
+            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
+                linked.update(cache.fs.find(path, detail=True))
+    for path, info in {**listing, **linked}.items():
+        shard, _, rest = path[prefix:].partition("/")
+        if rest:
+            found.setdefault(shard, {})[rest] = int(info["size"])
+    problems = {}
+    for shard in cache.shards:
+        if shard.name not in skip:
+            bad = size_problems(shard.record["files"], found.get(shard.name))
+            if bad:
+                problems[shard.name] = bad
+    return problems
+
+
+def inside_cache(root: str, path: str, url: str) -> None:
+    """Refuse ``path`` when it resolves (symlinks followed) outside the real folder ``root``."""
+    target = os.path.realpath(path)
+    if os.path.commonpath([root, target]) != root:
+        raise CacheError(f"{url}: {path} is a symlink to {target}, outside the cache; the cache is not trustworthy "
+                         "(a cache holds its own files): replace the link with the files it points to, or rebuild the "
+                         "cache with `dflash-cache build ... --overwrite`")
+
+
+def refuse_outside_links(cache: Cache, path: str) -> None:
+    """On local storage: refuse any symlink at or under ``path`` of ``cache`` (files and folders,
+    at any depth) that resolves outside the cache."""
+    if fmt.is_local(cache.fs):
+        _local_files(cache, path)
+
+
+def _local_files(cache: Cache, path: str) -> list[tuple]:
+    """(path, inode, size, mtime) of the local file ``path`` or of every file under the folder
+    ``path``, in one pass that refuses any symlink resolving outside the cache. A missing path is
+    FileNotFoundError."""
+    root = os.path.realpath(cache.root)
+    if os.path.islink(path):
+        inside_cache(root, path, cache.url)
+    if not os.path.isdir(path):
+        return [(path, *_identity(path))]
+    found, folders = [], [path]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    inside_cache(root, entry.path, cache.url)
+                if entry.is_dir():
+                    folders.append(entry.path)
+                else:
+                    info = entry.stat()
+                    found.append((entry.path, info.st_ino, info.st_size, info.st_mtime_ns))
+    return sorted(found)
+
+
+# Parts of local shards already hashed in this process: (part, path, identity of its files,
+# expected checksum) -> problems. The identity is a hash of (inode, size, mtime) of every file, so
+# a file rewritten or replaced since is hashed again.
+_VERIFIED: dict[tuple, list[str]] = {}
+
+
+_VERIFIED_LOCK = threading.Lock()
+
+
+HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go through Zarr
+
+
+RECORD = "record"  # a shard's commit record (shards/NAME.json), as a part of record_problems
+
+
+def record_problems(shard: Shard, part: str) -> list[str]:
+    """Where one part of a shard disagrees with its record (empty when it agrees; checksums are
+    ``part_problems``'s): for RECORD, the commit record on disk against the manifest's; for
+    sequences.arrow, the sequence count, offsets and lengths against the record; for tokens.arrow,
+    the token count and the top-k width against the manifest. The one check of these, run by the
+    training loader (``Shard.checksum_problems``) and by `dflash-cache verify` alike. Errors
+    become problems."""
+    cache, record = shard.cache, shard.record
+    try:
+        if part == RECORD:
+            record_path = f"{shard.path}.json"
+            if not cache.fs.exists(record_path):
+                return ["commit record missing"]
+            try:
+                on_disk = fmt.read_json(cache.fs, record_path)
+            except (ValueError, CacheError):
+                return ["commit record is not readable JSON"]
+            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{shard.name}.json")
+            if on_disk != record:
+                differ = sorted(k for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
+                return [f"commit record differs from the manifest ({', '.join(differ)})"]
+        elif part == fmt.SEQUENCES:
+            sequences = open_ipc(cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
+            if sequences.num_rows != record["sequences"]:
+                return [f"{fmt.SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
+            lengths = sequences.column("length").to_numpy()
+            offsets = sequences.column("offset").to_numpy()
+            if len(lengths) and (offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(lengths)[:-1])
+                                 or lengths.sum() != record["tokens"] or np.any(lengths < 0)):
+                return ["sequence offsets and lengths are inconsistent"]
+        elif part == fmt.TOKENS:
+            tokens = open_ipc(cache.fs, fmt.join(shard.path, fmt.TOKENS))
+            if tokens.num_rows != record["tokens"]:
+                return [f"{fmt.TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
+            for column in ("topk_ids", "topk_logprobs"):
+                problem = list_width_problem(tokens, column, cache.top_k, "top_k")
+                if problem:
+                    return [problem]
+    except CacheError:
+        raise  # a symlink out of the cache or an untrustworthy record: refused, not a damaged shard
+    except FileNotFoundError as err:
+        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
+    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
+        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+    return []
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    info = os.stat(path)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def part_problems(shard: Shard, part: str) -> list[str]:
+    """Problems of one part of a shard (see ``Shard.checksum_problems``); errors become problems."""
+    cache, record = shard.cache, shard.record
+    expected = (record.get("checksums") or {}).get(part)
+    local = fmt.is_local(cache.fs)
+    try:
+        key = None
+        if local:  # the files' identities, symlinks leaving the cache refused on the way
+            files = _local_files(cache, fmt.join(shard.path, fmt.HIDDEN if part == "hidden" else part))
+            key = (part, shard.path, xxhash.xxh64_hexdigest(repr(files).encode()), expected)
+            with _VERIFIED_LOCK:
+                if key in _VERIFIED:
+                    return _VERIFIED[key]
+        problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
+    except CacheError:
+        raise  # a symlink out of the cache: refused, not a damaged shard
+    except FileNotFoundError as err:
+        return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
+    except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
+        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+    if key is not None:
+        with _VERIFIED_LOCK:
+            _VERIFIED[key] = problems
+    return problems
+
+
+def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
+    path = fmt.join(shard.path, name)
+    fs = shard.cache.fs
+    if fmt.is_local(fs):
+        with pa.memory_map(path, "r") as f:  # hashed in place, not copied
+            digest = xxhash.xxh64(f.read_buffer()).hexdigest()
+    else:
+        digest = fmt.checksum(fs.cat_file(path))
+    return [] if digest == expected else [f"{name} checksum mismatch"]
+
+
+def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
+    """The stored hidden-state array against the record: shape, dtype, then xxh64 of its bytes in
+    C order (what the writer hashed), streamed from the chunk files or, through Zarr, a window at
+    a time."""
+    cache, record = shard.cache, shard.record
+    want_shape = tuple(record.get("hidden_shape") or ())
+    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
+    digest = xxhash.xxh64()
+    files = shard._chunk_files
+    if files is not None:
+        shape, dtype = files.shape, files.dtype
+    else:
+        array = shard.hidden_array
+        shape, dtype = tuple(array.shape), array.dtype
+    if shape != want_shape:
+        return [f"hidden shape {shape} differs from {want_shape}"]
+    if dtype != want_dtype:
+        return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
+                f"{cache.hidden_dtype} ({cache.hidden_format})"]
+    rows = shape[0]
+    if files is not None:
+        for index in range(-(-rows // files.chunk_rows) if rows else 0):
+            path = files.chunk_path(index)
+            needed = min(files.chunk_rows, rows - index * files.chunk_rows) * files.row_bytes
+            data = mapped_file(path, *_identity(path))
+            if len(data) < needed:
+                return [f"file {os.path.relpath(path, shard.path)} is short ({len(data)} of {needed} bytes)"]
+            digest.update(data[:needed])
+    else:
+        step = max(1, HASH_WINDOW // max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize))
+        for lo in range(0, rows, step):
+            digest.update(np.ascontiguousarray(array[lo:lo + step]).view(np.uint8).reshape(-1))
+    return [] if digest.hexdigest() == expected else ["hidden states checksum mismatch"]
