@@ -49,15 +49,15 @@ from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
 from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
-from dflash_train.data import (  # noqa: E402
+from dflash_train.training.data import (  # noqa: E402
     DataConfig,
     EpochPlan,
     LoaderState,
     make_batch,
     train_loader,
 )
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.trainer import build_drafter, micro_step, on_device  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.trainer import build_drafter, micro_step, on_device  # noqa: E402
 
 
 def build_scratch_cache(args, out: Path) -> str:

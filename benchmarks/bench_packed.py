@@ -40,11 +40,11 @@ from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_seq
 
 from dflash_cache import open_cache  # noqa: E402
 from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.layout import LAYOUTS, padding_fraction  # noqa: E402
-from dflash_train.loss import batch_loss  # noqa: E402
-from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
+from dflash_train.training.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.layout import LAYOUTS, padding_fraction  # noqa: E402
+from dflash_train.training.loss import batch_loss  # noqa: E402
+from dflash_train.training.trainer import build_drafter, micro_step  # noqa: E402
 
 RESULT_TAG = "RESULT "
 SHAREGPT = dict(median=450, sigma=1.1, low=50, high=4096)  # log-normal lengths, clipped

@@ -34,13 +34,13 @@ from dflash_cache.chat import stop_token_ids  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig  # noqa: E402
-from dflash_train.decoding import read_prompts  # noqa: E402
-from dflash_train.evaluate import load_trained_drafter  # noqa: E402
-from dflash_train.export import read_export_config  # noqa: E402
-from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
-from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
-from dflash_train.trainer import train  # noqa: E402
+from dflash_train.measuring.decoding import read_prompts  # noqa: E402
+from dflash_train.measuring.evaluate import load_trained_drafter  # noqa: E402
+from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
+from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
+from dflash_train.training.data import DataConfig  # noqa: E402
+from dflash_train.training.export import read_export_config  # noqa: E402
+from dflash_train.training.trainer import train  # noqa: E402
 
 TEACHER = ROOT / "examples" / "teacher"
 PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"

@@ -87,7 +87,7 @@ class ModelOptions:
 
 
 STRATEGIES = ("ddp", "fsdp")
-"""Data parallelism under torchrun (dflash_train.distributed carries them out)."""
+"""Data parallelism under torchrun (dflash_train.training.distributed carries them out)."""
 
 # How a run computes, not what it learns: a resumed run may change these.
 MODEL_OPERATIONAL = ("attention_backend",)

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_cache import open_cache
 from dflash_train.config import ModelOptions, TrainConfig
-from dflash_train.data import DataConfig, EpochPlan
-from dflash_train.distributed import shard_drafter
-from dflash_train.trainer import build_drafter
+from dflash_train.training.data import DataConfig, EpochPlan
+from dflash_train.training.distributed import shard_drafter
+from dflash_train.training.trainer import build_drafter
 
 # real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
 pytestmark = pytest.mark.slow

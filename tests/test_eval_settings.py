@@ -74,7 +74,7 @@ def test_options_reach_the_nested_config():
 
 
 def test_the_run_held_out_fraction_is_the_default(tmp_path):
-    from dflash_train.evaluation import eval_config
+    from dflash_train.measuring.evaluation import eval_config
 
     (tmp_path / "run" / "drafter").mkdir(parents=True)
     (tmp_path / "run" / "config.json").write_text(json.dumps({"optim": {}, "data": {"heldout_fraction": 0.25}}))

@@ -53,12 +53,12 @@ def test_imports_go_one_way_and_private_names_stay_home():
 def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     fake = tmp_path / "dflash_cache"
     fake.mkdir()
-    (fake / "bad.py").write_text("def f():\n    from dflash_train.trainer import train\n    from dflash_common.errors import _hidden\n")
+    (fake / "bad.py").write_text("def f():\n    from dflash_train.training.trainer import train\n    from dflash_common.errors import _hidden\n")
     for package in ALLOWED:
         if package != "dflash_cache":
             (tmp_path / package).mkdir()
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert problems() == ["dflash_cache/bad.py:2 imports dflash_train.trainer: dflash_cache may not import dflash_train",
+    assert problems() == ["dflash_cache/bad.py:2 imports dflash_train.training.trainer: dflash_cache may not import dflash_train",
                           "dflash_cache/bad.py:3 imports the private dflash_common.errors._hidden"]
 
 
@@ -101,11 +101,11 @@ def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch)
     fake = tmp_path / "dflash_train" / "settings"
     fake.mkdir(parents=True)
     (fake / "bad.py").write_text("import torch\nfrom dflash_train.settings.loss import LossConfig\n"
-                                 "def f():\n    from dflash_train.model import DFlashDrafter\n")
+                                 "def f():\n    from dflash_train.training.model import DFlashDrafter\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert settings_problems() == [
         "dflash_train/settings/bad.py:1 imports torch: settings load no torch, zarr, pyarrow, ml_dtypes",
-        "dflash_train/settings/bad.py:4 imports dflash_train.model: settings import only settings and dflash_common"]
+        "dflash_train/settings/bad.py:4 imports dflash_train.training.model: settings import only settings and dflash_common"]
 
 
 def test_the_command_lines_load_no_heavy_library():
@@ -113,4 +113,4 @@ def test_the_command_lines_load_no_heavy_library():
     assert heavy_modules_loaded("cli.cache") == []
     assert heavy_modules_loaded("dflash_cache.settings.build") == []
     # the same check sees torch where a module does load it
-    assert "torch" in heavy_modules_loaded("dflash_train.model")
+    assert "torch" in heavy_modules_loaded("dflash_train.training.model")

@@ -13,9 +13,9 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
-from dflash_train.data import DataConfig
-from dflash_train.noise import NoiseConfig
-from dflash_train.trainer import train
+from dflash_train.training.data import DataConfig
+from dflash_train.training.noise import NoiseConfig
+from dflash_train.training.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

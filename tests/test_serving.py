@@ -22,13 +22,13 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
-from dflash_train.data import DataConfig
-from dflash_train.decoding import read_prompts
-from dflash_train.evaluate import load_trained_drafter
-from dflash_train.export import export_drafter
-from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary
-from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
-from dflash_train.trainer import build_drafter, train
+from dflash_train.measuring.decoding import read_prompts
+from dflash_train.measuring.evaluate import load_trained_drafter
+from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary
+from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.training.data import DataConfig
+from dflash_train.training.export import export_drafter
+from dflash_train.training.trainer import build_drafter, train
 
 pytestmark = pytest.mark.serving
 

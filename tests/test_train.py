@@ -23,9 +23,9 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
 from dflash_train.config import ModelOptions, TrainConfig
-from dflash_train.data import Batch, DataConfig, EpochPlan, load_batch
-from dflash_train.loss import LossConfig, batch_loss
-from dflash_train.trainer import build_drafter, lr_factor
+from dflash_train.training.data import Batch, DataConfig, EpochPlan, load_batch
+from dflash_train.training.loss import LossConfig, batch_loss
+from dflash_train.training.trainer import build_drafter, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (0, 2)

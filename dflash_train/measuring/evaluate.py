@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.data import Batch, DataConfig, heldout_batches
-from dflash_train.loss import (
+from dflash_train.training.data import Batch, DataConfig, heldout_batches
+from dflash_train.training.loss import (
     CONFIDENCE_SUMS,
     LossConfig,
     LossOutput,
@@ -15,7 +15,7 @@ from dflash_train.loss import (
     block_states,
     tau_from_alpha,
 )
-from dflash_train.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 SUMS = ("alpha", "greedy", "count", "loss")
 """The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
@@ -182,9 +182,9 @@ def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, 
     """A drafter from a checkpoint folder (step-*) or an export folder, with the given frozen head."""
     from pathlib import Path
 
-    from dflash_train.checkpoint import COMPLETE, CheckpointManager
-    from dflash_train.export import load_drafter
-    from dflash_train.model import DrafterConfig
+    from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
+    from dflash_train.training.export import load_drafter
+    from dflash_train.training.model import DrafterConfig
 
     embed, lm_head = embed.float(), lm_head.float()
     if (Path(path) / COMPLETE).exists():
