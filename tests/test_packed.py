@@ -16,7 +16,7 @@ from dflash_cache import open_cache
 from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
-from dflash_train.measuring.evaluate import evaluate, greedy_replay
+from dflash_train.measuring.evaluate import greedy_replay
 from dflash_train.training.data import (
     DataConfig,
     EpochPlan,
@@ -29,6 +29,7 @@ from dflash_train.training.data import (
 )
 from dflash_train.training.distributed import DistInfo
 from dflash_train.training.dspark import DSparkConfig
+from dflash_train.training.heldout import evaluate
 from dflash_train.training.layout import (
     PACKED,
     PADDED,

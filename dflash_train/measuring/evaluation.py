@@ -129,7 +129,8 @@ def eval_text(result: EvalResult) -> str:
 def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
-    from dflash_train.measuring.evaluate import evaluate, greedy_replay, load_drafter_for
+    from dflash_train.measuring.evaluate import greedy_replay, load_drafter_for
+    from dflash_train.training.heldout import evaluate
     from dflash_train.training.loss import LossConfig
 
     cache = open_cache(cfg.cache, cfg.storage_options)

@@ -173,8 +173,9 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
 
     from dflash_cache import open_cache
     from dflash_cache.teacher import resolve_device
-    from dflash_train.measuring.evaluate import evaluate, load_drafter_for
+    from dflash_train.measuring.evaluate import load_drafter_for
     from dflash_train.training.checkpoint import CheckpointManager
+    from dflash_train.training.heldout import evaluate
 
     device = resolve_device(config.device)
     steps = metrics.last_step

@@ -22,7 +22,6 @@ from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, 
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
-from dflash_train.measuring.evaluate import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -46,6 +45,7 @@ from dflash_train.training.distributed import (
     shutdown,
 )
 from dflash_train.training.export import check_export_folder, export_weights
+from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.training.loss import LossOutput, batch_loss, set_head_matmul
 from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
