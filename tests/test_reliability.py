@@ -336,7 +336,7 @@ def test_training_refuses_damaged_shards_and_can_skip_them(tmp_path, train_cache
 
     # the skip list is part of what a resumed run must keep
     changed = CliRunner().invoke(train_app, run + ["--out", str(out), "--resume", "--steps", "3", "--skip-shards", f"{skip},{shards[5].name}"])
-    assert changed.exit_code == 1 and "data settings differ" in _one_line_error(changed.output)
+    assert changed.exit_code == 1 and "data fields differ" in _one_line_error(changed.output)
     unknown = CliRunner().invoke(train_app, run + ["--out", str(tmp_path / "u"), "--skip-shards", f"{skip},shard-r00000-999999"])
     assert unknown.exit_code == 1 and "shard-r00000-999999" in _one_line_error(unknown.output)
 

@@ -124,7 +124,7 @@ class EvalConfig:
         if not self.cache and not self.real:
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
         if threshold and (not self.real or self.engine == "vllm"):
-            raise ConfigError(f"--confidence-threshold {threshold:g} is a setting of the built-in decoder; give --teacher "
+            raise ConfigError(f"--confidence-threshold {threshold:g} is a field of the built-in decoder; give --teacher "
                               "and --prompts with --engine dflash or both, or drop it")
         if self.split != "heldout":
             raise ConfigError(f"--split {self.split!r} is not supported; use heldout")

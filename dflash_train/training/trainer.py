@@ -132,8 +132,8 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     differences = config_differences(state["config"], current, free=RESUME_MAY_CHANGE)
     if differences:
         key, before, after = differences[0]
-        raise ConfigError(f"the {key.split('.')[0]} settings differ from checkpoint {path}: {key} differs (checkpoint: "
-                          f"{shown(before)}, this run: {shown(after)}); resume with the original settings or use a new --out")
+        raise ConfigError(f"the {key.split('.')[0]} fields differ from checkpoint {path}: {key} differs (checkpoint: "
+                          f"{shown(before)}, this run: {shown(after)}); resume with the original values or use a new --out")
     load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])
