@@ -12,7 +12,7 @@ Parts, each with a time budget for its timed loop so the whole run stays under 8
    batches of `--batch-tokens` (8 x 1,024 tokens, 8 anchors per sequence: the trainer's defaults)
    already on the GPU. tokens/s = batch tokens / step time.
 2. loader: a synthetic cache at production width written with dflash_cache's `write_shard` on
-   local disk (`--tmp`), streamed through `dflash_train.data.train_loader` with `--loader-workers`
+   local disk (`--tmp`), streamed through `dflash_train.training.data.train_loader` with `--loader-workers`
    workers (default 0, the README's recommendation) and pinned memory on CUDA, each batch then taken to the device with the
    step's noise drawn there (`trainer.on_device`), as the trainer does, until the budget. The page
    cache is warm (just written). A third row checks the device's noise against the CPU's (uniform
@@ -64,11 +64,11 @@ from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa:
 from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, LoaderState, train_loader  # noqa: E402
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.noise import NoiseConfig, add_noise_, noise_for  # noqa: E402
-from dflash_train.trainer import micro_step, on_device  # noqa: E402
+from dflash_train.training.data import DataConfig, EpochPlan, LoaderState, train_loader  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.training.noise import NoiseConfig, add_noise_, noise_for  # noqa: E402
+from dflash_train.training.trainer import micro_step, on_device  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -48,16 +48,16 @@ from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
-from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
-from dflash_train.data import (  # noqa: E402
+from dflash_train.config import ModelConfig, TrainConfig  # noqa: E402
+from dflash_train.training.data import (  # noqa: E402
     DataConfig,
     EpochPlan,
     LoaderState,
     make_batch,
     train_loader,
 )
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.trainer import build_drafter, micro_step, on_device  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.trainer import build_drafter, micro_step, on_device  # noqa: E402
 
 
 def build_scratch_cache(args, out: Path) -> str:
@@ -168,7 +168,7 @@ def main(argv=None) -> None:
         cache = open_cache(url)
         total = args.rounds * args.steps
         cfg = TrainConfig(cache=url, out=str(scratch / "unused"), steps=total,
-                          model=ModelOptions(num_layers=args.num_layers, block_size=args.block_size),
+                          model=ModelConfig(num_layers=args.num_layers, block_size=args.block_size),
                           data=DataConfig(batch_tokens=args.batch_tokens, num_anchors=args.num_anchors,
                                           heldout_fraction=0.0))
         teacher = load_teacher(TeacherConfig(name_or_path=args.teacher, dtype=args.dtype, device=str(device),

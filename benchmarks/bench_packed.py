@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_sequences  # noqa: E402
 
 from dflash_cache import open_cache  # noqa: E402
-from dflash_train.config import ModelOptions, TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.layout import LAYOUTS, padding_fraction  # noqa: E402
-from dflash_train.loss import batch_loss  # noqa: E402
-from dflash_train.trainer import build_drafter, micro_step  # noqa: E402
+from dflash_train.config import ModelConfig, TrainConfig  # noqa: E402
+from dflash_train.training.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.layout import LAYOUTS, padding_fraction  # noqa: E402
+from dflash_train.training.loss import batch_loss  # noqa: E402
+from dflash_train.training.trainer import build_drafter, micro_step  # noqa: E402
 
 RESULT_TAG = "RESULT "
 SHAREGPT = dict(median=450, sigma=1.1, low=50, high=4096)  # log-normal lengths, clipped
@@ -98,7 +98,7 @@ def padding_table(sources: list[tuple[str, np.ndarray, dict[int, list[list[int]]
 
 def quickstart_setup(args):
     cache = open_cache(args.quickstart_cache)
-    cfg = TrainConfig(cache=args.quickstart_cache, out="", model=ModelOptions(num_layers=3, block_size=8),
+    cfg = TrainConfig(cache=args.quickstart_cache, out="", model=ModelConfig(num_layers=3, block_size=8),
                       data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))
     model = build_drafter(cfg, cache, torch.device("cpu"))
     refs = EpochPlan(cache, cfg.data).batches(0)[: args.batches]
@@ -107,7 +107,7 @@ def quickstart_setup(args):
 
 
 def production_setup(args):
-    cfg = TrainConfig(cache="", out="", model=ModelOptions(block_size=16))
+    cfg = TrainConfig(cache="", out="", model=ModelConfig(block_size=16))
     model = drafter(args.prod_vocab, args.prod_hidden, args.prod_layers, 5, 16, torch.device("cpu"))
     # full-length sequences (scaling them down would inflate the blocks' share of the step next to
     # the context's), cut at prod_batch_tokens: less padding than the default 8,192 has

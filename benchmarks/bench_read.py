@@ -42,9 +42,9 @@ from dflash_cache import (
     open_cache,  # noqa: E402
 )
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
-from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
-from dflash_train.trainer import on_device  # noqa: E402
+from dflash_train.training.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
+from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
+from dflash_train.training.trainer import on_device  # noqa: E402
 
 BATCH_TOKENS = 8192  # DataConfig's default
 
@@ -87,7 +87,7 @@ def forget_checksums() -> None:
 
 def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,
                    zarr_only: bool = False, cold: bool = False) -> int:
-    """The package: dflash_train.data.load_batch (reader, anchors, padding, and the shards'
+    """The package: dflash_train.training.data.load_batch (reader, anchors, padding, and the shards'
     checksums the first time this process reads them: every time with ``cold``), then with
     `train` the CPU trainer's float32 conversion and noise."""
     if cold:

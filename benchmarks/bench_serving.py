@@ -33,14 +33,14 @@ from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache.chat import stop_token_ids  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
-from dflash_train.config import ModelOptions, OptimConfig, TrainConfig  # noqa: E402
-from dflash_train.data import DataConfig  # noqa: E402
-from dflash_train.decoding import read_prompts  # noqa: E402
-from dflash_train.evaluate import load_trained_drafter  # noqa: E402
-from dflash_train.export import read_export_config  # noqa: E402
-from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
-from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
-from dflash_train.trainer import train  # noqa: E402
+from dflash_train.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
+from dflash_train.measuring.decoding import read_prompts  # noqa: E402
+from dflash_train.measuring.evaluate import load_trained_drafter  # noqa: E402
+from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
+from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
+from dflash_train.training.data import DataConfig  # noqa: E402
+from dflash_train.training.export import read_export_config  # noqa: E402
+from dflash_train.training.trainer import train  # noqa: E402
 
 TEACHER = ROOT / "examples" / "teacher"
 PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"
@@ -54,7 +54,7 @@ def quick_drafter(work: Path, steps: int) -> Path:
     build_cache(BuildConfig(out=str(work / "cache"), corpus=CorpusConfig(data=str(work / "chat.jsonl")),
                             teacher=TeacherConfig(name_or_path=str(TEACHER), dtype="float32", num_tapped_layers=3, top_k=16)))
     cfg = TrainConfig(cache=str(work / "cache"), out=str(work / "run"), steps=steps, eval_sequences=0, save_every=steps,
-                      model=ModelOptions(num_layers=3, block_size=8), optim=OptimConfig(lr=1e-3),
+                      model=ModelConfig(num_layers=3, block_size=8), optim=OptimConfig(lr=1e-3),
                       data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))
     return train(cfg).export_dir
 

@@ -1,7 +1,7 @@
 """Trainer memory and speed as the vocabulary and the anchors per sequence grow (issue #6, item 4).
 
 Each configuration runs a few real training steps: dflash_train's drafter, batches made by
-dflash_train.data's sample_anchors + collate, and `trainer.micro_step` (model forward,
+dflash_train.training.data's sample_anchors + collate, and `trainer.micro_step` (model forward,
 block_targets, the chunked loss, backward) followed by the trainer's clip and AdamW step. The
 baseline, in the same grid and on the same data, is a NAIVE loss written here (`naive_block_loss`):
 the same KL-with-tail objective, but full-vocabulary fp32 logits for every block position of the
@@ -42,17 +42,17 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.data import collate, sample_anchors  # noqa: E402
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.loss import (  # noqa: E402
+from dflash_train.training.data import collate, sample_anchors  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.loss import (  # noqa: E402
     LossConfig,
     LossOutput,
     block_states,
     bucket_kl,
     position_weights,
 )
-from dflash_train.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.trainer import micro_step  # noqa: E402
+from dflash_train.training.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.training.trainer import micro_step  # noqa: E402
 
 PROMPT_TOKENS = 16  # leading tokens outside the loss mask, like a chat prompt
 NAIVE = "naive"
@@ -109,7 +109,7 @@ def drafter(vocab: int, hidden: int, num_layers: int, tapped: int, block_size: i
 
 def naive_block_loss(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, cfg: LossConfig,
                      block_size: int) -> LossOutput:
-    """BASELINE, NOT THE PACKAGE'S LOSS: dflash_train.loss.block_loss's kl objective computed the
+    """BASELINE, NOT THE PACKAGE'S LOSS: dflash_train.training.loss.block_loss's kl objective computed the
     obvious way, with full-vocabulary fp32 logits [M, P, V] for every block position of the batch,
     all alive for backward. Same value as block_loss (the benchmark checks it)."""
     logits = states.float() @ lm_head_weight.float().T  # [M, P, V]

@@ -30,11 +30,11 @@ from bench_packed import plan_lengths, sharegpt_lengths  # noqa: E402
 from bench_trainer import synthetic_batch, synthetic_sequences  # noqa: E402
 
 from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.distributed import DistInfo  # noqa: E402
-from dflash_train.loss import LossConfig, set_head_matmul  # noqa: E402
-from dflash_train.model import DFlashDrafter  # noqa: E402
-from dflash_train.noise import NoiseConfig, add_noise_  # noqa: E402
-from dflash_train.trainer import micro_step  # noqa: E402
+from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.loss import LossConfig, set_head_matmul  # noqa: E402
+from dflash_train.training.model import DFlashDrafter  # noqa: E402
+from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
+from dflash_train.training.trainer import micro_step  # noqa: E402
 
 PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "ddp", "bench")
 TEACHER = ROOT / "examples" / "teacher"
@@ -142,7 +142,7 @@ def part_step(out: Path):
         set_head_matmul(mode, dev)
         with torch.no_grad(), autocast:
             t = time.perf_counter()
-            from dflash_train.loss import batch_loss
+            from dflash_train.training.loss import batch_loss
             value = batch_loss(model, batch, LossConfig(), model)
             sync(dev)
             head[mode] = (float(value.loss), time.perf_counter() - t)
@@ -265,7 +265,7 @@ def part_build(out: Path):
 def part_loader(out: Path):
     """The pinned loader on the built cache: batches straight into page-locked memory, GB/s."""
     from dflash_cache import open_cache
-    from dflash_train.data import DataConfig, LoaderState, train_loader
+    from dflash_train.training.data import DataConfig, LoaderState, train_loader
 
     url = str(out / "cache-dev-bf16")
     state = LoaderState(manifest_fingerprint=open_cache(url).fingerprint)

@@ -48,7 +48,7 @@ def run_(
     """Train a drafter on a cache; checkpoints, metrics and the exported drafter go to --out."""
 
     def action():
-        from dflash_train.trainer import train
+        from dflash_train.training.trainer import train
 
         cfg = _train_config(config, resume or resume_from is not None, knob_values, set_)
         result = train(cfg, resume=resume, progress=BarProgress(enabled=not quiet), resume_from=resume_from)
@@ -70,7 +70,7 @@ def export(
     """Export a checkpoint's drafter in the format vLLM, SGLang and the reference DFlash code load."""
 
     def action():
-        from dflash_train.trainer import export_checkpoint
+        from dflash_train.training.trainer import export_checkpoint
 
         exported = export_checkpoint(checkpoint, out_dir)
         typer.echo(f"drafter exported to {exported}")
@@ -80,8 +80,8 @@ def export(
 
 
 def _echo_serve_commands(export_dir) -> None:
-    from dflash_train.export import read_export_config
-    from dflash_train.serving import serve_commands
+    from dflash_train.measuring.serving import serve_commands
+    from dflash_train.training.export import read_export_config
 
     commands = serve_commands(export_dir, read_export_config(export_dir))
     typer.echo("serve it with its teacher (TEACHER: the model the cache was built from):")
@@ -100,7 +100,7 @@ def eval_(
     speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_train.evaluation import eval_config, eval_text, run_eval
+        from dflash_train.measuring.evaluation import eval_config, eval_text, run_eval
 
         result = run_eval(eval_config(nested_values(eval_knobs(), knob_values)), BarProgress(enabled=not quiet))
         typer.echo(eval_text(result))
@@ -120,7 +120,7 @@ def generate(
 
     def action():
         from dflash_common.knobs import make_config
-        from dflash_train.evaluation import run_generate
+        from dflash_train.measuring.evaluation import run_generate
         from dflash_train.settings.evaluation import GenerateConfig
 
         for answer in run_generate(make_config(GenerateConfig, nested_values(generate_knobs(), knob_values))):

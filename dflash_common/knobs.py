@@ -1,7 +1,9 @@
-"""Config fields as knobs: the one declaration of every setting a command takes.
+"""Config fields: the one declaration of everything a command may be given.
 
-A knob is a leaf field of a config dataclass (``teacher.top_k``, ``loss.kind``, ``steps``). Its
-field says everything else needs: the type, the default, the docstring below it and, in the
+The words: a *field* is a leaf field of a config dataclass (``teacher.top_k``, ``loss.kind``,
+``steps``), the one concept in code, docs and errors; its *option* is how a command line spells it
+(``--top-k``); a ``Knob`` is the code's description of one field (its path, short name, type,
+default and doc). The field says everything else needs: the type, the default, the docstring below it and, in the
 field's metadata,
 - ``name``: a short name where the field name alone would be ambiguous or unclear (``loss.kind`` is
   ``loss``, ``teacher.name_or_path`` is ``teacher``);
@@ -31,7 +33,7 @@ from dflash_common.values import json_object
 
 @dataclass(frozen=True)
 class Knob:
-    """One leaf field of a config, as the command line, sweeps and the docs see it."""
+    """The description of one leaf field of a config, as the command line, sweeps and the docs see it."""
 
     path: tuple[str, ...]
     """Where it sits in the config, e.g. ("loss", "kind") or ("steps",)."""

@@ -24,7 +24,7 @@ from dflash_train.settings.noise import NoiseConfig
 
 
 @dataclass(frozen=True)
-class ModelOptions:
+class ModelConfig:
     """Drafter shape; unset fields are derived from the teacher config saved in the cache."""
 
     kind: str = field(default="dflash", metadata={"name": "model_kind"})
@@ -83,7 +83,7 @@ class ModelOptions:
 
 
 STRATEGIES = ("ddp", "fsdp")
-"""Data parallelism under torchrun (dflash_train.distributed carries them out)."""
+"""Data parallelism under torchrun (dflash_train.training.distributed carries them out)."""
 
 # How a run computes, not what it learns: a resumed run may change these.
 MODEL_OPERATIONAL = ("attention_backend",)
@@ -147,7 +147,7 @@ class TrainConfig:
     epochs: float | None = None
     """Passes over the training split, instead of steps."""
 
-    model: ModelOptions = field(default_factory=ModelOptions)
+    model: ModelConfig = field(default_factory=ModelConfig)
     """The drafter's shape and attention kernel."""
 
     loss: LossConfig = field(default_factory=LossConfig)
@@ -219,7 +219,7 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"model": ModelOptions, "loss": LossConfig, "dspark": DSparkConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelConfig, "loss": LossConfig, "dspark": DSparkConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:
@@ -261,12 +261,12 @@ def _type_problem(value: Any, hint: Any) -> str | None:
 
 def _build(cls, values: dict, where: str):
     if not isinstance(values, dict):
-        raise ConfigError(f"the {where} settings are {values!r}, not a table of options; write them as [{where}] in "
+        raise ConfigError(f"the {where} section is {values!r}, not a table of fields; write them as [{where}] in "
                           f"TOML or an object in JSON, e.g. {where}.{dataclasses.fields(cls)[0].name}=...")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown {where} option(s) {unknown}; known: {sorted(known)}")
+        raise ConfigError(f"unknown {where} field(s) {unknown}; known: {sorted(known)}")
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
         if name in SECTIONS and cls is TrainConfig:
@@ -327,7 +327,7 @@ def merge(base: dict, overrides: dict) -> dict:
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
         elif isinstance(value, dict) and out.get(key) is not None:
-            raise ConfigError(f"the {key} settings are {out[key]!r}, not a table of options; write them as [{key}] "
+            raise ConfigError(f"the {key} section is {out[key]!r}, not a table of fields; write them as [{key}] "
                               "in TOML or an object in JSON")
         else:
             out[key] = value

@@ -81,7 +81,7 @@ def cache_url(tiny_cache) -> str:
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The python of the vLLM environment the serving tests run (DFLASH_VLLM_PYTHON or .venv-vllm)."""
-    from dflash_train.serving import find_vllm_python
+    from dflash_train.measuring.serving import find_vllm_python
 
     try:
         return str(find_vllm_python())

@@ -115,7 +115,7 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                     "no CUDA GPU"),
         "train device cuda": (train_app, run + fresh + ["--device", "cuda"], "no CUDA GPU"),
         "config lr string": (train_app, run + fresh + ["--config", str(root / "lr_fast.toml")], "optim.lr = 'fast' must be a number"),
-        "config model not a table": (train_app, run + fresh + ["--config", str(root / "model_3.toml")], "model settings are 3"),
+        "config model not a table": (train_app, run + fresh + ["--config", str(root / "model_3.toml")], "model section is 3"),
         "config a JSON list": (train_app, run + fresh + ["--config", str(root / "list.json")], "holds a JSON list"),
         "config bool for int": (train_app, run + fresh + ["--config", str(root / "anchors_true.toml")],
                                 "data.num_anchors = True must be a whole number"),

@@ -10,7 +10,7 @@ import torch
 from helpers import english_like_sentences
 
 from dflash_cache import open_cache
-from dflash_train.data import (
+from dflash_train.training.data import (
     Batch,
     DataConfig,
     EpochPlan,
@@ -22,7 +22,7 @@ from dflash_train.data import (
     sample_anchors,
     train_loader,
 )
-from dflash_train.noise import NoiseConfig
+from dflash_train.training.noise import NoiseConfig
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_loader_hands_out_the_cached_bf16_and_to_device_gives_float32(small_cach
 
 
 def test_read_ahead_is_bounded_by_bytes_and_by_batches():
-    from dflash_train.data import READ_AHEAD_BATCHES, read_ahead_budget
+    from dflash_train.training.data import READ_AHEAD_BATCHES, read_ahead_budget
 
     production = 5 * 5120 * 2  # bytes of hidden states a token
     assert read_ahead_budget(DataConfig(), production) == 2**30  # 1 GiB: ~2.5 batches of 8,192 tokens
@@ -162,7 +162,7 @@ def test_read_ahead_is_bounded_by_bytes_and_by_batches():
 
 
 def test_rank_shares_partition_every_planned_batch():
-    from dflash_train.data import rank_share
+    from dflash_train.training.data import rank_share
 
     refs = [(0, i) for i in range(7)]
     for world in (1, 2, 3, 8):
@@ -176,9 +176,9 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, l
     """The trainer noises the batch on its device, padded or packed; the values are each
     sequence's own draws at that step, padding and the last tapped layer untouched."""
     from dflash_train.config import TrainConfig
-    from dflash_train.data import collate, load_batch, sample_anchors
-    from dflash_train.noise import apply_noise
-    from dflash_train.trainer import on_device
+    from dflash_train.training.data import collate, load_batch, sample_anchors
+    from dflash_train.training.noise import apply_noise
+    from dflash_train.training.trainer import on_device
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_cache.teacher import TeacherConfig, fp32_logits, load_teacher
 from dflash_common.devices import select_device
 from dflash_common.errors import ConfigError
-from dflash_train.distributed import process_group_options
-from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend
+from dflash_train.training.distributed import process_group_options
+from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend
 
 
 def make_cfg() -> DrafterConfig:
@@ -104,7 +104,7 @@ def test_a_production_width_drafter_builds_on_the_meta_device_without_host_memor
     a 10 GB fp32 head, ~22 GB if built on the host. Measured in a fresh process."""
     script = textwrap.dedent("""
         import resource, torch
-        from dflash_train.model import DFlashDrafter, DrafterConfig
+        from dflash_train.training.model import DFlashDrafter, DrafterConfig
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         cfg = DrafterConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                             intermediate_size=17408, vocab_size=248320, mask_token_id=248077,
@@ -157,7 +157,7 @@ def test_attention_backend_choice():
 def test_flex_under_bf16_autocast_gets_one_dtype_and_equals_sdpa(monkeypatch):
     """Under autocast the q/k norms return fp32 and v is bf16; compiled flex_attention on CUDA
     refuses that mix (eager CPU flex accepts it, so the dtypes it is handed are checked)."""
-    import dflash_train.model as model_module
+    import dflash_train.training.model as model_module
 
     seen, flex_attend = [], model_module._flex_attend
 

@@ -20,10 +20,10 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_cache import open_cache
-from dflash_train.config import ModelOptions, TrainConfig
-from dflash_train.data import DataConfig, EpochPlan
-from dflash_train.distributed import shard_drafter
-from dflash_train.trainer import build_drafter
+from dflash_train.config import ModelConfig, TrainConfig
+from dflash_train.training.data import DataConfig, EpochPlan
+from dflash_train.training.distributed import shard_drafter
+from dflash_train.training.trainer import build_drafter
 
 # real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(t
 def test_fsdp_units_gather_in_time_and_leave_the_teacher_pieces_frozen(tmp_path, cache_url):  # noqa: F811
     """On a one-rank mesh in this process: sharded, the drafter computes the unsharded loss and
     gradients (its context path uses k/v projections outside any layer's forward)."""
-    cfg = TrainConfig(cache=cache_url, out=str(tmp_path), model=ModelOptions(num_layers=2, block_size=4))
+    cfg = TrainConfig(cache=cache_url, out=str(tmp_path), model=ModelConfig(num_layers=2, block_size=4))
     plain, model = (build_drafter(cfg, open_cache(cache_url), torch.device("cpu")) for _ in range(2))
     c = plain.cfg
     generator = torch.Generator().manual_seed(0)

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_from_dict
-from dflash_train.dspark import DSparkConfig
-from dflash_train.export import load_drafter, read_export_config
-from dflash_train.loss import DraftHeads, LossConfig, block_loss, bucket_alpha
-from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.speculative import SpecConfig, speculative_generate, teacher_generate
+from dflash_train.measuring.speculative import SpecConfig, speculative_generate, teacher_generate
 from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
+from dflash_train.training.dspark import DSparkConfig
+from dflash_train.training.export import load_drafter, read_export_config
+from dflash_train.training.loss import DraftHeads, LossConfig, block_loss, bucket_alpha
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 
 @pytest.mark.parametrize("overrides", [
@@ -211,7 +211,7 @@ def test_sampled_dspark_decoding_runs_with_markov_drafts():
 
 
 def test_export_round_trip_loads_the_heads(tmp_path):
-    from dflash_train.export import export_drafter
+    from dflash_train.training.export import export_drafter
 
     teacher = run_teacher("qwen3", 0.1)
     drafter = _drafter(teacher, markov_head_type="gated", sample_from_anchor=False, confidence_target="greedy")
@@ -228,7 +228,7 @@ def _export_for(teacher_folder: str, out, dspark: DSparkConfig | None, acceptanc
     """An export for a teacher folder; a confidence head that predicts `acceptance` everywhere."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.export import export_drafter
+    from dflash_train.training.export import export_drafter
 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_folder)
     cfg = DrafterConfig.from_teacher(teacher.config.to_dict(), (0, 2), teacher.config.vocab_size - 1, block_size=4,
@@ -297,7 +297,7 @@ def test_serve_commands_name_no_sglang_command_for_dspark():
     and the line says why; the DFlash export keeps its SGLang command."""
     import dataclasses
 
-    from dflash_train.serving import serve_commands
+    from dflash_train.measuring.serving import serve_commands
 
     cfg = _drafter(run_teacher("qwen3", 0.1)).cfg
     dspark = serve_commands("exp", cfg)

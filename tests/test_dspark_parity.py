@@ -30,10 +30,10 @@ import pytest
 import torch
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 
-import dflash_train.model
-from dflash_train.dspark import DSparkConfig
-from dflash_train.export import export_drafter
-from dflash_train.model import DFlashDrafter, DrafterConfig
+import dflash_train.training.model
+from dflash_train.training.dspark import DSparkConfig
+from dflash_train.training.export import export_drafter
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 pytestmark = pytest.mark.serving
 
@@ -263,7 +263,7 @@ def test_speculators_sliding_window_rule_is_not_vllms(vllm_python, tmp_path, mon
     peer = _peer({"sliding": drafter}, teacher, data, vllm_python, tmp_path)["sliding"]["logits"]
     ours = _ours(drafter, data)["logits"]
     assert (ours - peer).abs().max() > 1e-2
-    monkeypatch.setattr(dflash_train.model, "_visible", _speculators_window_rule)
+    monkeypatch.setattr(dflash_train.training.model, "_visible", _speculators_window_rule)
     torch.testing.assert_close(_ours(drafter, data)["logits"], peer, atol=1e-4, rtol=1e-4)
 
 

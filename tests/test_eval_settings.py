@@ -74,7 +74,7 @@ def test_options_reach_the_nested_config():
 
 
 def test_the_run_held_out_fraction_is_the_default(tmp_path):
-    from dflash_train.evaluation import eval_config
+    from dflash_train.measuring.evaluation import eval_config
 
     (tmp_path / "run" / "drafter").mkdir(parents=True)
     (tmp_path / "run" / "config.json").write_text(json.dumps({"optim": {}, "data": {"heldout_fraction": 0.25}}))
@@ -86,7 +86,7 @@ def test_the_run_held_out_fraction_is_the_default(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({}, "give --cache (offline) and/or --teacher with --prompts"),
-    ({"cache": "c", "decoding": {"confidence_threshold": 0.3}}, "is a setting of the built-in decoder"),
+    ({"cache": "c", "decoding": {"confidence_threshold": 0.3}}, "is a field of the built-in decoder"),
     ({"prompts": "p", "decoding": {"teacher": "t", "confidence_threshold": 0.3}, "engine": "vllm"}, "built-in decoder"),
     ({"cache": "c", "split": "train"}, "--split 'train' is not supported"),
     ({"cache": "c", "max_sequences": 0}, "--max-sequences 0"),

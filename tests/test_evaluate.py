@@ -8,7 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from cli.train import app
-from dflash_train.evaluate import assistant_spans, streak_lengths
+from dflash_train.measuring.evaluate import assistant_spans
+from dflash_train.training.heldout import streak_lengths
 
 
 def test_streak_lengths_count_leading_hits():

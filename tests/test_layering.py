@@ -53,12 +53,12 @@ def test_imports_go_one_way_and_private_names_stay_home():
 def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     fake = tmp_path / "dflash_cache"
     fake.mkdir()
-    (fake / "bad.py").write_text("def f():\n    from dflash_train.trainer import train\n    from dflash_common.errors import _hidden\n")
+    (fake / "bad.py").write_text("def f():\n    from dflash_train.training.trainer import train\n    from dflash_common.errors import _hidden\n")
     for package in ALLOWED:
         if package != "dflash_cache":
             (tmp_path / package).mkdir()
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert problems() == ["dflash_cache/bad.py:2 imports dflash_train.trainer: dflash_cache may not import dflash_train",
+    assert problems() == ["dflash_cache/bad.py:2 imports dflash_train.training.trainer: dflash_cache may not import dflash_train",
                           "dflash_cache/bad.py:3 imports the private dflash_common.errors._hidden"]
 
 
@@ -101,11 +101,11 @@ def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch)
     fake = tmp_path / "dflash_train" / "settings"
     fake.mkdir(parents=True)
     (fake / "bad.py").write_text("import torch\nfrom dflash_train.settings.loss import LossConfig\n"
-                                 "def f():\n    from dflash_train.model import DFlashDrafter\n")
+                                 "def f():\n    from dflash_train.training.model import DFlashDrafter\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert settings_problems() == [
         "dflash_train/settings/bad.py:1 imports torch: settings load no torch, zarr, pyarrow, ml_dtypes",
-        "dflash_train/settings/bad.py:4 imports dflash_train.model: settings import only settings and dflash_common"]
+        "dflash_train/settings/bad.py:4 imports dflash_train.training.model: settings import only settings and dflash_common"]
 
 
 def test_the_command_lines_load_no_heavy_library():
@@ -113,4 +113,57 @@ def test_the_command_lines_load_no_heavy_library():
     assert heavy_modules_loaded("cli.cache") == []
     assert heavy_modules_loaded("dflash_cache.settings.build") == []
     # the same check sees torch where a module does load it
-    assert "torch" in heavy_modules_loaded("dflash_train.model")
+    assert "torch" in heavy_modules_loaded("dflash_train.training.model")
+
+
+# Inside dflash_train, one way too, bottom to top: the settings sections, the config that composes
+# them, the field tables of the command lines (knobs), what trains a drafter (training/), what
+# measures one (measuring/: it loads and evaluates what training made), and the sweep, which does
+# both. A part imports itself and the parts below it, never one above.
+PARTS = ("settings", "config", "knobs", "training", "measuring", "sweep")
+
+
+def part_of(module: str) -> str | None:
+    """The part of dflash_train a dotted module name belongs to (None for other packages)."""
+    pieces = module.split(".")
+    return pieces[1] if pieces[0] == "dflash_train" and len(pieces) > 1 and pieces[1] in PARTS else None
+
+
+def parts_problems() -> list[str]:
+    found = []
+    for path in sorted((ROOT / "dflash_train").rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        here = part_of(".".join(relative.with_suffix("").parts))
+        if here is None:  # dflash_train/__init__.py
+            continue
+        for module, _, line in imports_of(path):
+            there = part_of(module)
+            if there is not None and PARTS.index(there) > PARTS.index(here):
+                found.append(f"{relative}:{line} imports {module}: dflash_train.{here} may not import dflash_train.{there}")
+    return found
+
+
+def test_dflash_train_parts_import_downward_only():
+    assert parts_problems() == []
+
+
+def test_every_dflash_train_module_is_in_a_part():
+    # a new top-level module must be placed in the map (PARTS), not left beside it
+    modules = {p.stem if p.is_file() else p.name for p in (ROOT / "dflash_train").iterdir()
+               if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
+    assert modules == set(PARTS)
+
+
+def test_the_parts_check_sees_an_upward_import(tmp_path, monkeypatch):
+    for part in ("training", "measuring"):
+        (tmp_path / "dflash_train" / part).mkdir(parents=True)
+    (tmp_path / "dflash_train" / "training" / "bad.py").write_text(
+        "from dflash_train.training.model import DFlashDrafter\n"
+        "def f():\n    from dflash_train.measuring.evaluate import greedy_replay\n"
+        "    from dflash_train.sweep import run_sweep\n")
+    (tmp_path / "dflash_train" / "measuring" / "fine.py").write_text("from dflash_train.training.data import Batch\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert parts_problems() == [
+        "dflash_train/training/bad.py:3 imports dflash_train.measuring.evaluate: "
+        "dflash_train.training may not import dflash_train.measuring",
+        "dflash_train/training/bad.py:4 imports dflash_train.sweep: dflash_train.training may not import dflash_train.sweep"]

@@ -1,4 +1,4 @@
-"""Tests for dflash_train.loss: hand-computed cases, a float64 brute force, chunking and memory."""
+"""Tests for dflash_train.training.loss: hand-computed cases, a float64 brute force, chunking and memory."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_common.errors import ConfigError
-from dflash_train.loss import (
+from dflash_train.training.loss import (
     LOSS_KINDS,
     WEIGHTINGS,
     LossConfig,

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.data import Batch
-from dflash_train.distributed import DistInfo, data_parallel, init_distributed
-from dflash_train.loss import WEIGHTINGS, LossConfig
-from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.trainer import micro_step
+from dflash_train.training.data import Batch
+from dflash_train.training.distributed import DistInfo, data_parallel, init_distributed
+from dflash_train.training.loss import WEIGHTINGS, LossConfig
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.trainer import micro_step
 
 # real torchrun processes: `make test-slow`
 pytestmark = pytest.mark.slow

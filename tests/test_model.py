@@ -9,7 +9,7 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_common.errors import ConfigError
-from dflash_train.model import (
+from dflash_train.training.model import (
     DFlashDrafter,
     DrafterConfig,
     block_attention_mask,

@@ -1,4 +1,4 @@
-"""Tests for dflash_train.noise: schedules (hand values), the counter-based generator against a
+"""Tests for dflash_train.training.noise: schedules (hand values), the counter-based generator against a
 pure-Python reference, determinism, distributions, layers, batches."""
 
 import math
@@ -11,8 +11,8 @@ import torch
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_train import noise as noise_module
-from dflash_train.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
+from dflash_train.training import noise as noise_module
+from dflash_train.training.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 
 S = 100
 # The schedule these tests were written for (the default until the recipe study): explicit, so

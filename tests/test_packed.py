@@ -16,11 +16,21 @@ from dflash_cache import open_cache
 from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
-from dflash_train.data import DataConfig, EpochPlan, LoaderState, block_targets, collate, hidden_buffer, load_batch, train_loader
-from dflash_train.distributed import DistInfo
-from dflash_train.dspark import DSparkConfig
-from dflash_train.evaluate import evaluate, greedy_replay
-from dflash_train.layout import (
+from dflash_train.measuring.evaluate import greedy_replay
+from dflash_train.training.data import (
+    DataConfig,
+    EpochPlan,
+    LoaderState,
+    block_targets,
+    collate,
+    hidden_buffer,
+    load_batch,
+    train_loader,
+)
+from dflash_train.training.distributed import DistInfo
+from dflash_train.training.dspark import DSparkConfig
+from dflash_train.training.heldout import evaluate
+from dflash_train.training.layout import (
     PACKED,
     PADDED,
     padding_fraction,
@@ -28,10 +38,10 @@ from dflash_train.layout import (
     slots,
     token_positions,
 )
-from dflash_train.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
-from dflash_train.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
-from dflash_train.noise import NoiseConfig
-from dflash_train.trainer import micro_step, on_device
+from dflash_train.training.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
+from dflash_train.training.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
+from dflash_train.training.noise import NoiseConfig
+from dflash_train.training.trainer import micro_step, on_device
 
 VOCAB, HIDDEN, K, LAYERS = 61, 32, 5, 2
 LENGTHS = (23, 9, 31, 14, 27)
@@ -184,7 +194,7 @@ def test_loader_reads_straight_into_the_packed_batch(cache_url):
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     buffer, views = hidden_buffer(cache, lengths, PACKED)
     assert buffer.shape[:2] == (1, sum(lengths)) and all(np.shares_memory(buffer, v) for v in views)
-    from dflash_train.data import make_batch
+    from dflash_train.training.data import make_batch
 
     batch = make_batch([cache.shards[s].read(i, v) for (s, i), v in zip(refs, views)], cfg, 0, buffer)
     assert batch.hidden.data_ptr() == buffer.ctypes.data  # the tensor is the buffer read into

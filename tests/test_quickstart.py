@@ -12,10 +12,10 @@ from helpers import write_jsonl
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
-from dflash_train.data import DataConfig
-from dflash_train.noise import NoiseConfig
-from dflash_train.trainer import train
+from dflash_train.config import ModelConfig, OptimConfig, TrainConfig
+from dflash_train.training.data import DataConfig
+from dflash_train.training.noise import NoiseConfig
+from dflash_train.training.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -41,7 +41,7 @@ def test_example_files_are_shipped():
 @pytest.mark.slow  # ~5 minutes on 2 cores; `make test-all` runs it, `make demo` shows the same at full size
 def test_trained_drafter_beats_untrained_on_heldout(tmp_path, example_cache):
     cfg = TrainConfig(cache=example_cache, out=str(tmp_path / "run"), steps=150, eval_sequences=60,
-                      model=ModelOptions(num_layers=2, block_size=8), noise=NoiseConfig(schedule="off"),
+                      model=ModelConfig(num_layers=2, block_size=8), noise=NoiseConfig(schedule="off"),
                       data=DataConfig(batch_tokens=1200, num_anchors=8, heldout_fraction=0.1),
                       optim=OptimConfig(lr=2e-3), log_every=50, save_every=150)
     result = train(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from dflash_train.serving import VllmConfig, VllmServer, find_vllm_python
+from dflash_train.measuring.serving import VllmConfig, VllmServer, find_vllm_python
 
 pytestmark = pytest.mark.serving
 

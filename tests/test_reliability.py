@@ -337,7 +337,7 @@ def test_training_refuses_damaged_shards_and_can_skip_them(tmp_path, train_cache
 
     # the skip list is part of what a resumed run must keep
     changed = CliRunner().invoke(train_app, run + ["--out", str(out), "--resume", "--steps", "3", "--skip-shards", f"{skip},{shards[5].name}"])
-    assert changed.exit_code == 1 and "data settings differ" in _one_line_error(changed.output)
+    assert changed.exit_code == 1 and "data fields differ" in _one_line_error(changed.output)
     unknown = CliRunner().invoke(train_app, run + ["--out", str(tmp_path / "u"), "--skip-shards", f"{skip},shard-r00000-999999"])
     assert unknown.exit_code == 1 and "shard-r00000-999999" in _one_line_error(unknown.output)
 
@@ -395,7 +395,7 @@ def test_deep_verify_passes_a_bfloat16_cache_within_rounding(tmp_path, teacher_d
 @pytest.mark.parametrize("damage", ["model.safetensors:garbage", "model.safetensors:truncate",
                                     "trainer.pt:garbage", "trainer.pt:truncate", "config.json:garbage"])
 def test_damaged_checkpoint_file_is_one_typed_error(tmp_path, damage):
-    from dflash_train.checkpoint import CheckpointError, CheckpointManager
+    from dflash_train.training.checkpoint import CheckpointError, CheckpointManager
 
     manager = CheckpointManager(tmp_path / "checkpoints")
     trainer = {"step": 3, "optimizer": {}, "scheduler": {}, "loader": {}, "rng": {"torch": torch.get_rng_state()},

@@ -21,14 +21,14 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig, load_teacher
-from dflash_train.config import ModelOptions, OptimConfig, TrainConfig
-from dflash_train.data import DataConfig
-from dflash_train.decoding import read_prompts
-from dflash_train.evaluate import load_trained_drafter
-from dflash_train.export import export_drafter
-from dflash_train.serving import EngineRun, VllmConfig, run_vllm, spec_summary
-from dflash_train.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
-from dflash_train.trainer import build_drafter, train
+from dflash_train.config import ModelConfig, OptimConfig, TrainConfig
+from dflash_train.measuring.decoding import read_prompts
+from dflash_train.measuring.evaluate import load_trained_drafter
+from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary
+from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.training.data import DataConfig
+from dflash_train.training.export import export_drafter
+from dflash_train.training.trainer import build_drafter, train
 
 pytestmark = pytest.mark.serving
 
@@ -53,7 +53,7 @@ def example_cache(tmp_path_factory) -> str:
 
 def _train(cache: str, out: Path, **model) -> Path:
     cfg = TrainConfig(cache=cache, out=str(out), steps=200, eval_sequences=0, log_every=50, save_every=200,
-                      model=ModelOptions(num_layers=3, block_size=BLOCK, **model),
+                      model=ModelConfig(num_layers=3, block_size=BLOCK, **model),
                       data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05), optim=OptimConfig(lr=1e-3))
     return train(cfg).export_dir
 
@@ -61,7 +61,7 @@ def _train(cache: str, out: Path, **model) -> Path:
 @pytest.fixture(scope="module")
 def drafters(example_cache, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafters")
-    untrained = build_drafter(TrainConfig(cache=example_cache, out=str(root), model=ModelOptions(num_layers=3, block_size=BLOCK)),
+    untrained = build_drafter(TrainConfig(cache=example_cache, out=str(root), model=ModelConfig(num_layers=3, block_size=BLOCK)),
                               open_cache(example_cache), device=torch.device("cpu"))
     return {
         "trained": _train(example_cache, root / "trained"),

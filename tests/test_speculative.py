@@ -17,8 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3_5TextConf
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from dflash_common.errors import ConfigError
-from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.speculative import (
+from dflash_train.measuring.speculative import (
     SpecConfig,
     SpecResult,
     extend_until_stop,
@@ -29,6 +28,7 @@ from dflash_train.speculative import (
     speculative_generate,
     teacher_generate,
 )
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 PROMPTS = ([5, 17, 33, 2, 90, 41], [260, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])
 LAYER_IDS = (1, 3)

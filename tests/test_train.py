@@ -22,10 +22,10 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_train.config import ModelOptions, TrainConfig
-from dflash_train.data import Batch, DataConfig, EpochPlan, load_batch
-from dflash_train.loss import LossConfig, batch_loss
-from dflash_train.trainer import build_drafter, lr_factor
+from dflash_train.config import ModelConfig, TrainConfig
+from dflash_train.training.data import Batch, DataConfig, EpochPlan, load_batch
+from dflash_train.training.loss import LossConfig, batch_loss
+from dflash_train.training.trainer import build_drafter, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (0, 2)
@@ -43,7 +43,7 @@ def test_lr_schedule_hand_values():
 def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
     """Loss and gradients from cached features equal those from running the teacher now."""
     cache = open_cache(cache_url)
-    cfg = TrainConfig(cache=cache_url, out="unused", model=ModelOptions(num_layers=2, block_size=4),
+    cfg = TrainConfig(cache=cache_url, out="unused", model=ModelConfig(num_layers=2, block_size=4),
                       data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0, layout="padded"))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     offline = load_batch(cache, cfg.data, refs, epoch=0).to("cpu")  # padded: the online batch is built per row
@@ -125,14 +125,14 @@ def test_refusals_one_line(tmp_path, cache_url, tiny_cache):
     again = runner.invoke(app, args)
     assert again.exit_code == 1 and "already holds checkpoints; pass --resume" in again.output
     changed = runner.invoke(app, args[:-1] + ["--resume", "--block-size", "8", "--quiet"])
-    assert changed.exit_code == 1 and "model settings differ" in changed.output
+    assert changed.exit_code == 1 and "model fields differ" in changed.output
     other = tiny_cache(rows=qa_rows(40, seed=9, prefix="t9-"))
     wrong = runner.invoke(app, ["run", "--cache", other, "--out", str(run_dir), "--resume", "--steps", "4", "--quiet"])
     assert wrong.exit_code == 1 and "different cache" in wrong.output and "Traceback" not in wrong.output
     bad = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r2"), "--block-size", "1"])
     assert bad.exit_code == 1 and "--block-size must be at least 2" in bad.output
     unknown = runner.invoke(app, args[:3] + ["--out", str(tmp_path / "r3"), "--set", "loss.nope=1"])
-    assert unknown.exit_code == 1 and "unknown loss option" in unknown.output
+    assert unknown.exit_code == 1 and "unknown loss field" in unknown.output
 
 
 def test_export_command_matches_run_export(tmp_path, cache_url):

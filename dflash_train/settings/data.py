@@ -1,5 +1,5 @@
-"""The data section: how a run's sequences are split, ordered, batched and laid out (dflash_train.data
-reads them; dflash_train.layout places the tokens of each layout)."""
+"""The data section: how a run's sequences are split, ordered, batched and laid out (dflash_train.training.data
+reads them; dflash_train.training.layout places the tokens of each layout)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A drafter's shape (DrafterConfig) and its Hugging Face config dicts: derived from the teacher's
 config, written as the export's config.json (what the reference DFlash code, vLLM and SGLang read),
-and read back. dflash_train.model builds the drafter from it."""
+and read back. dflash_train.training.model builds the drafter from it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The dspark section: DSpark's heads and layout (dflash_train.dspark builds the heads)."""
+"""The dspark section: DSpark's heads and layout (dflash_train.training.dspark builds the heads)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The settings of measuring a drafter: `dflash-train eval` (EvalConfig) and `generate`
 (GenerateConfig), and the decoding settings both share (DecodingConfig), declared once here.
 Their command-line options come from these fields (``eval_knobs``, ``generate_knobs``);
-dflash_train.evaluation carries them out."""
+dflash_train.measuring.evaluation carries them out."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class EvalConfig:
         if not self.cache and not self.real:
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")
         if threshold and (not self.real or self.engine == "vllm"):
-            raise ConfigError(f"--confidence-threshold {threshold:g} is a setting of the built-in decoder; give --teacher "
+            raise ConfigError(f"--confidence-threshold {threshold:g} is a field of the built-in decoder; give --teacher "
                               "and --prompts with --engine dflash or both, or drop it")
         if self.split != "heldout":
             raise ConfigError(f"--split {self.split!r} is not supported; use heldout")

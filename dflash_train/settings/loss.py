@@ -1,4 +1,4 @@
-"""The loss section: the per-position terms and the position weights (dflash_train.loss computes them)."""
+"""The loss section: the per-position terms and the position weights (dflash_train.training.loss computes them)."""
 
 from __future__ import annotations
 

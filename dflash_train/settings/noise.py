@@ -1,5 +1,5 @@
 """The noise section: which tapped layers get noise on load, how much and from which distribution
-(dflash_train.noise draws it)."""
+(dflash_train.training.noise draws it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How to generate with a drafter: length, sampling and stopping (dflash_train.speculative decodes)."""
+"""How to generate with a drafter: length, sampling and stopping (dflash_train.measuring.speculative decodes)."""
 
 from __future__ import annotations
 

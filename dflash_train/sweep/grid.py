@@ -113,7 +113,7 @@ class GridAxis:
         if not self.values:
             raise ConfigError(f"grid key {self.key!r} has no values; pass e.g. --grid {self.key}=a,b")
         if not self.path and len(self.extras) != len(self.values):
-            raise ConfigError(f"grid key {self.key!r} sets no config field, so each of its values needs its settings "
+            raise ConfigError(f"grid key {self.key!r} sets no config field, so each of its values needs its field values "
                               "as extras; give one set per value")
         if self.extras and len(self.extras) != len(self.values):
             raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "

@@ -85,7 +85,7 @@ class MeasureConfig:
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
     from dflash_cache.chat import stop_token_ids
-    from dflash_train.speculative import SpecConfig
+    from dflash_train.measuring.speculative import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
                       seed=seed)
@@ -95,8 +95,8 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
     REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
     from dflash_cache.teacher import TeacherConfig, load_teacher
-    from dflash_train.decoding import read_prompts
-    from dflash_train.speculative import teacher_generate
+    from dflash_train.measuring.decoding import read_prompts
+    from dflash_train.measuring.speculative import teacher_generate
 
     path = Path(sweep_dir) / REFERENCE_FILE
     key = {"teacher": str(Path(measure.teacher).resolve()), "prompts": str(Path(measure.prompts).resolve()),
@@ -129,8 +129,8 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
                    temperature: float = 0.0, seed: int = 0) -> dict:
     """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled: the
     accepted length and, greedy, whether every output equals the teacher's own greedy output."""
-    from dflash_train.evaluate import load_trained_drafter
-    from dflash_train.speculative import mean_accepted_length, speculative_generate
+    from dflash_train.measuring.evaluate import load_trained_drafter
+    from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate
 
     teacher = _teacher(str(Path(measure.teacher).resolve()), device)
     head = teacher.model
@@ -154,7 +154,7 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
 def run_tokens(config, steps: int) -> list[int]:
     """Training tokens after each step of a run, from its epoch plan (what its loader reads)."""
     from dflash_cache import open_cache
-    from dflash_train.data import EpochPlan
+    from dflash_train.training.data import EpochPlan
 
     cache = open_cache(config.cache, config.storage_options)
     plan = EpochPlan(cache, config.data)
@@ -173,8 +173,9 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
 
     from dflash_cache import open_cache
     from dflash_cache.teacher import resolve_device
-    from dflash_train.checkpoint import CheckpointManager
-    from dflash_train.evaluate import evaluate, load_drafter_for
+    from dflash_train.measuring.evaluate import load_drafter_for
+    from dflash_train.training.checkpoint import CheckpointManager
+    from dflash_train.training.heldout import evaluate
 
     device = resolve_device(config.device)
     steps = metrics.last_step

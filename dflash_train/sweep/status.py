@@ -87,8 +87,8 @@ class RunStatus:
 def run_status(run: SweepRun) -> RunStatus:
     """Inspect a run folder; a folder made with other settings is refused (its results would be
     reported under the wrong name)."""
-    from dflash_train.checkpoint import CheckpointManager
-    from dflash_train.export import CONFIG_FILE, WEIGHTS_FILE
+    from dflash_train.training.checkpoint import CheckpointManager
+    from dflash_train.training.export import CONFIG_FILE, WEIGHTS_FILE
 
     folder = Path(run.config.out)
     saved = folder / "config.json"
@@ -109,7 +109,7 @@ def run_status(run: SweepRun) -> RunStatus:
 def train_run(run: SweepRun, progress: Progress | None = None) -> None:
     """Train one combination to the end, resuming from its newest checkpoint when it has one,
     then measure it when the sweep asks (curve points, real decoding)."""
-    from dflash_train.trainer import train
+    from dflash_train.training.trainer import train
 
     status = run_status(run)
     if not status.trained:

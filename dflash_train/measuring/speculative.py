@@ -50,8 +50,8 @@ from torch import Tensor
 from dflash_cache.chat import top_p_filter
 from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
-from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.settings.speculative import SpecConfig  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 
 @dataclass

@@ -4,7 +4,7 @@ vLLM pins its own torch and transformers, so it lives in its own virtual environ
 script imports nothing from dflash: it reads a JSON request (teacher, optional drafter, prompt
 token ids, sampling settings, and a list of runs: the teacher alone or with a drafter), runs
 vLLM's offline engine over all prompts once per run, one engine at a time, and writes a JSON
-result (per run: output token ids, wall time, vLLM's spec-decode counters). `dflash_train.serving` writes
+result (per run: output token ids, wall time, vLLM's spec-decode counters). `dflash_train.measuring.serving` writes
 the request and reads the result.
 """
 

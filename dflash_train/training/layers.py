@@ -1,5 +1,5 @@
 """The drafter's building blocks: rotary embeddings, RMSNorm, the SwiGLU MLP, and the attention
-and decoder layers that dflash_train.model stacks (docs/design.md, "The drafter").
+and decoder layers that dflash_train.training.model stacks (docs/design.md, "The drafter").
 
 Attention takes its kernel as an `AttendFn`, so one layer serves the many-block training pass
 (a block mask) and one-block decoding alike; the masks live with the drafter in model.py.

@@ -21,7 +21,8 @@ from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
-from dflash_train.checkpoint import (
+from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
+from dflash_train.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
     full_model_state,
@@ -29,9 +30,8 @@ from dflash_train.checkpoint import (
     load_full_state,
     trainer_state,
 )
-from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
-from dflash_train.data import Batch, EpochPlan, LoaderState, train_loader
-from dflash_train.distributed import (
+from dflash_train.training.data import Batch, EpochPlan, LoaderState, train_loader
+from dflash_train.training.distributed import (
     DistInfo,
     barrier,
     clip_gradients,
@@ -44,11 +44,11 @@ from dflash_train.distributed import (
     release_gathered,
     shutdown,
 )
-from dflash_train.evaluate import AcceptanceMeter, evaluate, meter_rows
-from dflash_train.export import check_export_folder, export_weights
-from dflash_train.loss import LossOutput, batch_loss, set_head_matmul
-from dflash_train.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
-from dflash_train.noise import add_noise_
+from dflash_train.training.export import check_export_folder, export_weights
+from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
+from dflash_train.training.loss import LossOutput, batch_loss, set_head_matmul
+from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
+from dflash_train.training.noise import add_noise_
 
 DEFAULT_STEPS = 1000
 
@@ -132,8 +132,8 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
     differences = config_differences(state["config"], current, free=RESUME_MAY_CHANGE)
     if differences:
         key, before, after = differences[0]
-        raise ConfigError(f"the {key.split('.')[0]} settings differ from checkpoint {path}: {key} differs (checkpoint: "
-                          f"{shown(before)}, this run: {shown(after)}); resume with the original settings or use a new --out")
+        raise ConfigError(f"the {key.split('.')[0]} fields differ from checkpoint {path}: {key} differs (checkpoint: "
+                          f"{shown(before)}, this run: {shown(after)}); resume with the original values or use a new --out")
     load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])

@@ -1,6 +1,6 @@
 """Real speculative decoding against the teacher: prompts in, a report of what was accepted out.
 
-Runs each prompt twice, with the teacher alone and with the drafter (dflash_train.speculative),
+Runs each prompt twice, with the teacher alone and with the drafter (dflash_train.measuring.speculative),
 checks greedy outputs match, and puts the offline estimate for the same prompts beside the
 measured accepted length: the greedy replay of the drafter over the teacher's own output.
 """
@@ -21,10 +21,16 @@ from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file, read_bounded
 from dflash_common.values import text_problem
-from dflash_train.data import collate
-from dflash_train.evaluate import load_trained_drafter, replay_batch
-from dflash_train.model import DFlashDrafter
-from dflash_train.speculative import SpecConfig, SpecResult, mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.measuring.evaluate import load_trained_drafter, replay_batch
+from dflash_train.measuring.speculative import (
+    SpecConfig,
+    SpecResult,
+    mean_accepted_length,
+    speculative_generate,
+    teacher_generate,
+)
+from dflash_train.training.data import collate
+from dflash_train.training.model import DFlashDrafter
 
 
 @dataclass
@@ -93,7 +99,7 @@ def run_config_of(checkpoint: str) -> dict | None:
 def run_heldout_fraction(checkpoint: str, given: float | None) -> float:
     """The held-out fraction to evaluate with: the one given, else the run's, else the default.
     Evaluating with another fraction than training used would score sequences it trained on."""
-    from dflash_train.data import DataConfig
+    from dflash_train.training.data import DataConfig
 
     if given is not None:
         return given

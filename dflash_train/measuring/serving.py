@@ -1,7 +1,7 @@
 """The drafter in the engine users deploy on: greedy decoding in vLLM, measured by vLLM's own counters.
 
 vLLM pins its own torch and transformers, so it runs in a virtual environment of its own
-(`make serving` makes `.venv-vllm`) and in its own process: `dflash_train/vllm_worker.py`, run by
+(`make serving` makes `.venv-vllm`) and in its own process: `dflash_train/measuring/vllm_worker.py`, run by
 that environment's python. This module finds that python, writes the worker's request (the
 teacher, the exported drafter, the prompts as token ids, so both engines see exactly the same
 tokens), and turns vLLM's spec-decode counters into the numbers the built-in decoder reports:
@@ -24,7 +24,7 @@ from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
 from dflash_common.vllm_env import INSTALL_HINT, VLLM_PYTHON_ENV, VLLM_VENV, find_vllm_python  # noqa: F401 (re-exported)
-from dflash_train.model import DrafterConfig
+from dflash_train.training.model import DrafterConfig
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -166,7 +166,7 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
     `reference`, when given, is another engine's greedy output (transformers') for the same
     prompts; the report says whether vLLM's teacher-alone output equals it.
     """
-    from dflash_train.export import read_export_config
+    from dflash_train.training.export import read_export_config
 
     drafter_cfg = read_export_config(drafter_dir)
     result = run_vllm(cfg, teacher, prompts, max_new_tokens, stop_token_ids,

@@ -7,7 +7,7 @@ The caller gathers, for every block and column, the drafter's final-norm output 
 slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a + k - 1`, and
 whether the position is valid; for DSpark also the Markov features and confidence logits
 (`DraftHeads`). This module turns that into the loss, the acceptance estimates and the
-confidence head's BCE term (the position weights it applies are dflash_train.weighting's).
+confidence head's BCE term (the position weights it applies are dflash_train.training.weighting's).
 `batch_loss`, at the end, is the training objective of one batch: the drafter's forward
 (`block_states`) gathered into those inputs, then the loss.
 
@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_train.data import block_targets
 from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import path before the settings moved)
     HEAD_MATMULS,
     LOSS_KINDS,
@@ -37,7 +36,8 @@ from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import 
     LossConfig,
     check_terms,
 )
-from dflash_train.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
+from dflash_train.training.data import block_targets
+from dflash_train.training.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
     decay_weights,
     default_gamma,
     dpace_weights,
@@ -47,8 +47,8 @@ from dflash_train.weighting import (  # noqa: F401 (re-exported: the import path
 )
 
 if TYPE_CHECKING:
-    from dflash_train.data import Batch
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.training.data import Batch
+    from dflash_train.training.model import DFlashDrafter
 
 # -log(alpha) is floored here: a drafter that puts no mass on any of the teacher's buckets would
 # otherwise give an infinite loss and a NaN gradient.

@@ -20,9 +20,6 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
-from dflash_train.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
-from dflash_train.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
-from dflash_train.layout import PACKED, sequence_starts, token_positions
 from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the import path before the settings moved)
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
@@ -32,6 +29,9 @@ from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the impo
     DrafterConfig,
     _require_int,
 )
+from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
+from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
+from dflash_train.training.layout import PACKED, sequence_starts, token_positions
 
 MASK_TOKEN = "<|MASK|>"
 
@@ -311,7 +311,7 @@ class DFlashDrafter(nn.Module):
 
         context_hidden [N, T, n_layers, H]; input_ids [N, T] (padded); anchors [N, A] long, -1 for
         unused slots (their outputs are finite but meaningless). With `packed_lengths` [N] the
-        sequences lie end to end instead (dflash_train.layout): context_hidden [1, sum T, n_layers,
+        sequences lie end to end instead (dflash_train.training.layout): context_hidden [1, sum T, n_layers,
         H], input_ids [1, sum T], anchors still in each sequence's own positions.
 
         With `heads`, the draft positions' outputs under teacher forcing instead (see

@@ -2,7 +2,7 @@
 
 Everything that decides *what* a step sees is a pure function of (manifest, seed, epoch, step):
 the held-out split, the epoch's sequence order and its cut into batches, and each sequence's
-anchors (its noise, too, but the trainer adds that on its device: dflash_train.noise). The loader
+anchors (its noise, too, but the trainer adds that on its device: dflash_train.training.noise). The loader
 only executes that plan, so a run resumed from a checkpoint's loader state sees exactly the
 batches an uninterrupted run would, whatever the worker count.
 
@@ -26,8 +26,8 @@ import xxhash
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
 from dflash_common.errors import CacheError, DFlashError
-from dflash_train.layout import PACKED, PADDED, sequence_starts, slots
 from dflash_train.settings.data import OPERATIONAL_FIELDS, DataConfig  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.training.layout import PACKED, PADDED, sequence_starts, slots
 
 
 def _unit_hash(text: str, salt: int) -> float:
@@ -97,7 +97,7 @@ class LoaderState:
 
 @dataclass
 class Batch:
-    """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.layout):
+    """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.training.layout):
     [N, T_max] padded, [1, sum T] packed; ``lengths`` and ``anchors`` are per sequence either way
     (anchors in the sequence's own positions, -1 in unused slots). ``hidden`` leaves the loader in
     the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``."""

@@ -40,7 +40,7 @@ class EvalResult:
 def eval_config(values: dict) -> EvalConfig:
     """An EvalConfig from nested option values; the held-out fraction, when not given, is the
     training run's (another fraction would score sequences the drafter trained on)."""
-    from dflash_train.decoding import run_heldout_fraction
+    from dflash_train.measuring.decoding import run_heldout_fraction
 
     data = values.get("data", {})
     if data.get("heldout_fraction") is None:
@@ -65,7 +65,7 @@ def report_path(cfg: EvalConfig) -> Path:
 def check_drafter(decoding: DecodingConfig) -> None:
     """What needs only the drafter, checked before minutes of loading the teacher: a confidence
     threshold needs a drafter with a confidence head."""
-    from dflash_train.speculative import check_confidence_threshold
+    from dflash_train.measuring.speculative import check_confidence_threshold
 
     if decoding.spec.confidence_threshold > 0:
         check_confidence_threshold(drafter_config_of(decoding.checkpoint), decoding.spec.confidence_threshold)
@@ -73,9 +73,9 @@ def check_drafter(decoding: DecodingConfig) -> None:
 
 def drafter_config_of(checkpoint: str):
     """The DrafterConfig of a checkpoint folder or an export folder, without a teacher."""
-    from dflash_train.checkpoint import COMPLETE, CheckpointManager
-    from dflash_train.export import read_export_config
     from dflash_train.settings.drafter import DrafterConfig
+    from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
+    from dflash_train.training.export import read_export_config
 
     if (Path(checkpoint) / COMPLETE).exists():
         return DrafterConfig.from_hf_config(CheckpointManager.load(checkpoint)["trainer"]["drafter"])
@@ -96,7 +96,7 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
         report.update(offline(cfg, dev))
         lines += offline_lines(report)
     if cfg.real:
-        from dflash_train.decoding import resolve_template_kwargs
+        from dflash_train.measuring.decoding import resolve_template_kwargs
 
         report["chat_template_kwargs"] = kwargs = resolve_template_kwargs(
             cfg.decoding.checkpoint, cfg.cache, cfg.decoding.chat_template_kwargs, cfg.decoding.allow_template_mismatch,
@@ -107,7 +107,7 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
     if cfg.cache:
-        from dflash_train.evaluate import plot_acceptance
+        from dflash_train.measuring.evaluate import plot_acceptance
 
         o = report["offline"]
         plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
@@ -129,8 +129,9 @@ def eval_text(result: EvalResult) -> str:
 def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
-    from dflash_train.evaluate import evaluate, greedy_replay, load_drafter_for
-    from dflash_train.loss import LossConfig
+    from dflash_train.measuring.evaluate import greedy_replay, load_drafter_for
+    from dflash_train.training.heldout import evaluate
+    from dflash_train.training.loss import LossConfig
 
     cache = open_cache(cfg.cache, cfg.storage_options)
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
@@ -148,11 +149,11 @@ def offline_lines(report: dict) -> Lines:
 def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: Path, progress=None) -> tuple[dict, Lines]:
     """Real decoding with the built-in decoder (at each temperature) and/or vLLM (greedy): the
     report parts and their table lines."""
-    from dflash_train.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
+    from dflash_train.measuring.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
 
     decoding = cfg.decoding
     if cfg.engine != "dflash":
-        from dflash_train.serving import find_vllm_python
+        from dflash_train.measuring.serving import find_vllm_python
 
         find_vllm_python(cfg.vllm_python)  # fail before loading anything
     dtype = decoding.dtype(dev.type)
@@ -217,9 +218,9 @@ def vllm_lines(v: dict, alone: bool) -> Lines:
 
 def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
     """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
-    from dflash_train.checkpoint import COMPLETE
-    from dflash_train.serving import VllmConfig, vllm_report
-    from dflash_train.trainer import export_checkpoint
+    from dflash_train.measuring.serving import VllmConfig, vllm_report
+    from dflash_train.training.checkpoint import COMPLETE
+    from dflash_train.training.trainer import export_checkpoint
 
     checkpoint = cfg.decoding.checkpoint
     vllm_cfg = VllmConfig(python=cfg.vllm_python, dtype=dtype, log=str(vllm_log))
@@ -242,8 +243,8 @@ class Answer:
 def run_generate(cfg: GenerateConfig) -> list[Answer]:
     """An answer to cfg.prompt per temperature, with speculative decoding."""
     from dflash_common.devices import resolve_device
-    from dflash_train.decoding import load_pair, prompt_ids, resolve_template_kwargs
-    from dflash_train.speculative import speculative_generate
+    from dflash_train.measuring.decoding import load_pair, prompt_ids, resolve_template_kwargs
+    from dflash_train.measuring.speculative import speculative_generate
 
     decoding = cfg.decoding
     kwargs = resolve_template_kwargs(decoding.checkpoint, None, decoding.chat_template_kwargs, decoding.allow_template_mismatch)

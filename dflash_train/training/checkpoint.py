@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dflash_common.errors import DFlashError
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_path, give_plain_mode, refuse_links, remove_tree
-from dflash_train.distributed import is_sharded
+from dflash_train.training.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
 # What trainer.pt holds: trainer_state writes exactly these, load refuses a file without them.

@@ -1,0 +1,113 @@
+"""The held-out evaluation the trainer runs every `eval_every` steps: per-position acceptance, the loss
+and tau on the held-out split of a cache (fixed anchors, no noise), summed over batches and ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_cache import Cache
+from dflash_train.training.data import DataConfig, heldout_batches
+from dflash_train.training.loss import CONFIDENCE_SUMS, LossConfig, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.model import DFlashDrafter, DrafterConfig
+
+SUMS = ("alpha", "greedy", "count", "loss")
+"""The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
+
+
+def meter_rows(loss_cfg: LossConfig, drafter_cfg: DrafterConfig | None = None) -> tuple[str, ...]:
+    """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss,
+    then the confidence head's sums when the drafter has one."""
+    terms = loss_cfg.term_weights()
+    confidence = drafter_cfg is not None and drafter_cfg.dspark is not None and drafter_cfg.dspark.enable_confidence_head
+    return (SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
+            + (CONFIDENCE_SUMS if confidence else ()))
+
+
+class AcceptanceMeter:
+    """Sums of per-position statistics over batches, turned into means and tau."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, out: LossOutput) -> None:
+        parts = {"alpha": out.alpha_sum, "greedy": out.greedy_sum, "count": out.count, "loss": out.loss_sum,
+                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums}
+        for name, part in parts.items():
+            part = part.detach().double()
+            self.sums[name] = self.sums[name] + part if name in self.sums else part.clone()
+
+    def stacked(self, positions: int, rows: tuple[str, ...] = SUMS) -> torch.Tensor:
+        """The sums named by rows as one [len(rows), positions] float64 tensor (zeros where nothing
+        was added): what ranks all-reduce so that rank 0 logs the whole global batch."""
+        zeros = torch.zeros(positions, dtype=torch.float64)
+        return torch.stack([self.sums.get(name, zeros).cpu() for name in rows])
+
+    @classmethod
+    def from_stacked(cls, stats: torch.Tensor, rows: tuple[str, ...] = SUMS) -> "AcceptanceMeter":
+        meter = cls()
+        meter.sums = {name: row.clone() for name, row in zip(rows, stats.double().cpu())}
+        return meter
+
+    def summary(self) -> dict:
+        count = self.sums.get("count")
+        if count is None or count.sum() == 0:
+            return {}
+        total, count = count.sum(), count.clamp(min=1)
+        alpha, greedy = self.sums["alpha"] / count, self.sums["greedy"] / count
+        terms = {name: float(value.sum() / total) for name, value in self.sums.items() if name.startswith("loss_")}
+        # the confidence head's calibration: its mean predicted acceptance per position next to
+        # the mean acceptance it is trained on (alpha or greedy, dspark.confidence_target)
+        calibration = {"calibration": {name: [round(float(x), 5) for x in self.sums[name] / count]
+                                       for name in ("predicted", "measured")}} if "predicted" in self.sums else {}
+        return {
+            "loss": float(self.sums["loss"].sum() / total),
+            **terms,
+            "alpha": [round(float(x), 5) for x in alpha],
+            "greedy": [round(float(x), 5) for x in greedy],
+            "tau": tau_from_alpha(alpha),
+            "positions": int(total),
+            **calibration,
+        }
+
+
+@torch.no_grad()
+def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
+             max_sequences: int, device: torch.device) -> dict:
+    """Acceptance on held-out sequences (fixed anchors, no noise): the sampling estimate alpha_k
+    and tau, the greedy acceptance per position and the greedy streak per block."""
+    was_training = model.training
+    model.eval()
+    meter, streaks = AcceptanceMeter(), []
+    for batch in heldout_batches(cache, data_cfg, max_sequences):
+        batch = batch.to(device)
+        states, targets, heads = block_states(model, batch)
+        meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
+        hits = (argmax_chunks(model, states, heads.features) == targets["topk_ids"][..., 0]) & targets["valid"]
+        used = targets["valid"][:, 0]  # blocks whose first position counts
+        streaks.append(streak_lengths(hits)[used])
+    model.train(was_training)
+    summary = meter.summary()
+    if streaks and summary:
+        streak = torch.cat(streaks).double()
+        summary["greedy_streak"] = float(streak.mean())
+        summary["tau_greedy"] = 1.0 + summary["greedy_streak"]
+    return summary
+
+
+def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,
+                   chunk: int = 1024) -> torch.Tensor:
+    """Full-vocabulary argmax of [..., H] states (plus the Markov bias of features [..., r]), a
+    chunk of positions at a time."""
+    flat = states.reshape(-1, states.shape[-1])
+    feats = None if features is None else features.reshape(-1, features.shape[-1])
+    out = torch.cat([model.logits(flat[i:i + chunk], None if feats is None else feats[i:i + chunk]).argmax(-1)
+                     for i in range(0, flat.shape[0], chunk)])
+    return out.view(states.shape[:-1])
+
+
+def streak_lengths(hits: torch.Tensor) -> torch.Tensor:
+    """Consecutive hits from block position 1: [M, P] bool -> [M] long."""
+    return torch.cumprod(hits.long(), dim=1).sum(dim=1)
+
+
