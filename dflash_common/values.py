@@ -23,6 +23,12 @@ def is_real(value: object, finite: bool = False) -> bool:
     return math.isfinite(value) if finite else not math.isnan(value)
 
 
+def check_choice(name: str, value: object, choices) -> None:
+    """Refuse a value that is not one of a field's choices, naming the field and the choices."""
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r} is unknown; use one of {', '.join(map(str, choices))}")
+
+
 def text_problem(text: str) -> str | None:
     """Why a string is not text (a lone surrogate such as \\ud800, which a JSON escape can make and
     no tokenizer or UTF-8 file can hold), or None."""

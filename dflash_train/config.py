@@ -14,6 +14,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import set_path  # noqa: F401 (callers import it from here)
 from dflash_common.settings_files import load_settings_file
+from dflash_common.values import check_choice
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
@@ -64,8 +65,7 @@ class ModelConfig:
     same attention; export and serving do not depend on it."""
 
     def __post_init__(self):
-        if self.kind not in DRAFTER_KINDS:
-            raise ConfigError(f"model.kind {self.kind!r} is unknown; use one of {', '.join(DRAFTER_KINDS)}")
+        check_choice("model.kind", self.kind, DRAFTER_KINDS)
         if self.num_layers < 1:
             raise ConfigError(f"--num-layers must be at least 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -73,9 +73,7 @@ class ModelConfig:
         if self.block_size > MAX_BLOCK_SIZE:  # the attention mask grows with it: 100,000 asked for 640 GB
             raise ConfigError(f"--block-size {self.block_size} is larger than {MAX_BLOCK_SIZE}; a block is one draft "
                               "step (16 is typical), pass a smaller one")
-        if self.attention_backend not in ATTENTION_CHOICES:
-            raise ConfigError(f"model.attention_backend {self.attention_backend!r} is unknown; use one of "
-                              f"{', '.join(ATTENTION_CHOICES)}")
+        check_choice("model.attention_backend", self.attention_backend, ATTENTION_CHOICES)
 
     def overrides(self) -> dict:
         names = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")

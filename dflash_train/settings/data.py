@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
+from dflash_common.values import check_choice
 
 PACKED, PADDED = "packed", "padded"
 LAYOUTS = (PACKED, PADDED)
@@ -66,8 +67,7 @@ class DataConfig:
             raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 1073741824 (1 GiB)")
         if self.read_threads < 1:
             raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"--batch-layout {self.layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
+        check_choice("--batch-layout", self.layout, LAYOUTS)
         if not all(isinstance(n, str) and n for n in self.skip_shards):
             raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
 

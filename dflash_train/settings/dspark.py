@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_common.errors import ConfigError
-from dflash_common.values import is_int, is_real
+from dflash_common.values import check_choice, is_int, is_real
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIDENCE_TARGETS = ("alpha", "greedy")
@@ -51,9 +51,7 @@ class DSparkConfig:
         if not is_int(self.markov_rank) or self.markov_rank < 0:
             raise ConfigError(f"dspark.markov_rank {self.markov_rank!r} is not an integer >= 0 (pass e.g. 256, or 0 "
                               "for no Markov head)")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ConfigError(f"dspark.markov_head_type {self.markov_head_type!r} is unknown; use one of "
-                              f"{', '.join(MARKOV_HEAD_TYPES)}")
+        check_choice("dspark.markov_head_type", self.markov_head_type, MARKOV_HEAD_TYPES)
         for name in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dspark.{name} {getattr(self, name)!r} is not true or false")
@@ -63,9 +61,7 @@ class DSparkConfig:
         if not is_real(self.confidence_head_alpha, finite=True) or self.confidence_head_alpha < 0:
             raise ConfigError(f"dspark.confidence_head_alpha {self.confidence_head_alpha!r} is not a number >= 0 "
                               "(pass e.g. 1.0)")
-        if self.confidence_target not in CONFIDENCE_TARGETS:
-            raise ConfigError(f"dspark.confidence_target {self.confidence_target!r} is unknown; use one of "
-                              f"{', '.join(CONFIDENCE_TARGETS)}")
+        check_choice("dspark.confidence_target", self.confidence_target, CONFIDENCE_TARGETS)
 
     def export_fields(self) -> dict:
         """The config.json keys DSpark loaders read at the top level (vLLM, speculators)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash_cache.settings.teacher import TEACHER_DTYPES
 from dflash_common.errors import ConfigError
+from dflash_common.values import check_choice
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.speculative import SpecConfig
 
@@ -131,8 +132,7 @@ class EvalConfig:
         if self.max_sequences < 1 or (self.max_prompts is not None and self.max_prompts < 1):
             raise ConfigError(f"--max-sequences {self.max_sequences} and --max-prompts {self.max_prompts} must be at "
                               "least 1 (leave --max-prompts unset for every prompt)")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"--engine {self.engine!r} is unknown; use one of {', '.join(ENGINES)}")
+        check_choice("--engine", self.engine, ENGINES)
         if self.real and self.engine != "dflash" and 0 not in self.decoding.temperatures:
             raise ConfigError(f"--engine {self.engine} measures greedy decoding; add --temperature 0 (got "
                               f"{', '.join(f'{x:g}' for x in self.decoding.temperatures)})")

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
+from dflash_common.values import check_choice
 from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the import path before the settings moved)
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
@@ -77,8 +78,7 @@ def attention_backend(choice: str, device: torch.device, training: bool = True) 
     """The kernel for model.attention_backend on `device`: "auto" is flex_attention on CUDA
     (compiled, it skips the fully masked tiles of the block mask) and SDPA with a dense mask
     elsewhere. flex_attention has no backward on CPU, so training there refuses it."""
-    if choice not in ATTENTION_CHOICES:
-        raise ConfigError(f"model.attention_backend {choice!r} is unknown; use one of {', '.join(ATTENTION_CHOICES)}")
+    check_choice("model.attention_backend", choice, ATTENTION_CHOICES)
     if choice == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if choice == "flex" and training and device.type != "cuda":
