@@ -90,6 +90,13 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
     except KeyboardInterrupt:
         typer.echo(f"interrupted; {resume_hint}", err=True)
         raise typer.Exit(130)
+    except (typer.Exit, typer.Abort, typer.BadParameter):  # the command line's own ways out
+        raise
+    except Exception as err:  # noqa: BLE001 - a bug of ours: its traceback, but with the secrets hidden too
+        typer.echo(redact(traceback.format_exc(), secrets).rstrip("\n"), err=True)
+        typer.echo(f"error: unexpected {type(err).__name__}, a bug in dflash; please report it with the traceback above",
+                   err=True)
+        raise typer.Exit(1)
 
 
 def knob_options(knobs: Sequence, exclude: Collection[str] = (), top_panel: str = "run settings", paths: bool = True):

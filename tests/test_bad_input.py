@@ -643,6 +643,31 @@ def test_debug_tracebacks_hide_url_credentials(setup):
     assert result.output.strip().splitlines()[-1].startswith("error: http://***@127.0.0.1:9/cache: no manifest.json")
 
 
+def test_an_unexpected_error_prints_its_traceback_with_secrets_hidden(capsys):
+    """An exception that is not one of ours (a bug) went out through Python's own traceback, the
+    key and URL password quoted in it: it is printed redacted, with one line saying it is a bug."""
+    import typer
+
+    from cli.common import run
+
+    def action():
+        raise ValueError("request to http://alice:s3cretpw@127.0.0.1:9/v1 with key sk-live-123 failed")
+
+    for debug in (False, True):
+        with pytest.raises(typer.Exit) as stopped:
+            run(action, debug, secrets=["sk-live-123"])
+        printed = capsys.readouterr().err
+        assert stopped.value.exit_code == 1
+        assert "Traceback (most recent call last)" in printed and "ValueError: request to http://***@127.0.0.1:9/v1" in printed
+        assert "s3cretpw" not in printed and "sk-live-123" not in printed, printed
+        assert printed.strip().splitlines()[-1] == ("error: unexpected ValueError, a bug in dflash; please report it "
+                                                    "with the traceback above")
+    # typer's own exits pass through untouched
+    with pytest.raises(typer.Exit) as stopped:
+        run(lambda: (_ for _ in ()).throw(typer.Exit(3)), False)
+    assert stopped.value.exit_code == 3
+
+
 def test_a_diverged_run_stops_naming_the_step_and_exports_nothing(setup, tmp_path):
     """--lr 1e30 made the loss NaN, yet the run exited 0 and exported NaN weights."""
     import math
