@@ -146,11 +146,6 @@ def token_bytes_per_token(top_k: int) -> int:
     return 4 + 1 + top_k * (4 + 4)
 
 
-def to_storage(hidden: np.ndarray, hidden_dtype: str) -> np.ndarray:
-    """Reinterpret hidden states of the true dtype as the stored dtype, without copying."""
-    return hidden.view(HIDDEN_STORAGE[hidden_dtype])
-
-
 def from_storage(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
     """Reinterpret stored hidden states as their true dtype, without copying."""
     return stored.view(HIDDEN_NUMPY[hidden_dtype])

@@ -319,7 +319,7 @@ class Cache:
         listing of shards/: missing folders and files, sizes other than the commit records';
         cheap enough for every start) and the checksummed ones (``Shard.checksum_problems``, each
         shard hashed once per process). Returns the number of sequences the skipped shards hold."""
-        listed = {s.name: len(s) for s in self.shards}
+        listed = {s.name: len(s) for s in self.shards} if skip else {}  # per batch in the loader: no walk without skips
         unknown = [name for name in skip if name not in listed]
         if unknown:
             raise ConfigError(f"--skip-shards names {unknown}, which {self.url} does not list; take names from "

@@ -252,9 +252,6 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     --device), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
     own top-k too (the benchmark's comparison; the build does not use them)."""
     executable = find_vllm_python(python)  # before loading anything large
-    if cfg.device_map:
-        raise TeacherError("--device-map spreads a transformers teacher; with --engine vllm use "
-                           "--vllm-args '{\"tensor_parallel_size\": N}' instead")
     base = load_teacher(replace(cfg, device="cpu"))
     device = resolve_device(cfg.device)
     head, norm = base.model.get_output_embeddings(), final_norm(base.model)
