@@ -20,6 +20,7 @@ from dflash_train.sweep.plan import sweep_knobs
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train a DFlash drafter from a teacher cache.")
 
+
 def _train_config(config, resume, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
@@ -153,7 +154,7 @@ def sweep(
         from dflash_common.errors import ConfigError
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
         from dflash_train.sweep import preset as find_preset
-        from dflash_train.sweep.recipe import MeasureConfig
+        from dflash_train.sweep.measure import MeasureConfig
 
         given = nested_values(sweep_knobs(), {k.name: knob_values.pop(k.name) for k in sweep_knobs()})
         base = _train_config(config, False, {**knob_values, "cache": cache, "out": out}, set_)
