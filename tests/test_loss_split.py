@@ -19,7 +19,7 @@ import torch
 
 from dflash_train.config import TrainConfig
 from dflash_train.training.data import Batch
-from dflash_train.training.distributed import DistInfo, data_parallel, init_distributed
+from dflash_train.training.distributed import DistInfo, data_parallel, init_distributed, shutdown
 from dflash_train.training.loss import WEIGHTINGS, LossConfig
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 from dflash_train.training.trainer import micro_step
@@ -88,6 +88,13 @@ def step(model, forward, batch: Batch, loss: LossConfig, info: DistInfo) -> tupl
 
 def main() -> None:
     info = init_distributed(torch.device("cpu"))
+    results = split_steps(info)  # its DDP wrapper is gone before the group (see shutdown)
+    if info.is_main:
+        Path(os.environ["SPLIT_RESULT"]).write_text(json.dumps(results))
+    shutdown(info)
+
+
+def split_steps(info: DistInfo) -> list[dict]:
     model = drafter()
     forward = data_parallel(model, info, "ddp", torch.device("cpu"))
     parts = sequences()
@@ -100,9 +107,7 @@ def main() -> None:
         torch.distributed.all_reduce(total)
         results.append({"loss": dataclasses.asdict(loss), "loss_sum": float(total),
                          "grads": {k: v.tolist() for k, v in grads.items()}})
-    if info.is_main:
-        Path(os.environ["SPLIT_RESULT"]).write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    return results
 
 
 def test_split_across_two_processes_equals_one(tmp_path):

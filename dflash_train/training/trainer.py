@@ -278,17 +278,22 @@ def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, p
                   resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
     info = init_distributed(device)
-    try:
-        session = setup(cfg, cache, info, device, resume, resume_from, progress or Progress(), skipped_sequences)
-        before = held_out(session, "before") if cfg.eval_sequences and session.step == 0 else {}
-        run_steps(session)
-        after = held_out(session, "after") if cfg.eval_sequences else {}
-        model_state = full_model_state(session.model)  # all ranks
-        out = Path(cfg.out)
-        export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
-        barrier(info)
+    try:  # the session, and its DDP wrapper, is gone when shutdown runs
+        return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
     finally:
         shutdown(info)
+
+
+def _train_session(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume: bool,
+                   progress: Progress | None, resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
+    session = setup(cfg, cache, info, device, resume, resume_from, progress or Progress(), skipped_sequences)
+    before = held_out(session, "before") if cfg.eval_sequences and session.step == 0 else {}
+    run_steps(session)
+    after = held_out(session, "after") if cfg.eval_sequences else {}
+    model_state = full_model_state(session.model)  # all ranks
+    out = Path(cfg.out)
+    export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
+    barrier(info)
     return TrainResult(steps=session.step, export_dir=Path(export_dir), before=before, after=after)
 
 
