@@ -54,8 +54,10 @@ STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, 
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
 
 
-STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters")}
-"""Per study: its grid key, its configurations, the reference and the suffix of its sweep folders."""
+STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters"),
+           "confidence": ("drafter", {"dspark": DRAFTERS["dspark"]}, "dspark", "_confidence")}
+"""Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
+(`confidence`: the DSpark runs alone, whose confidence thresholds examples/confidence.py decodes)."""
 
 
 def bundle_axis(key: str, bundles: dict[str, dict]):
@@ -80,27 +82,36 @@ def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every study script shares: where, which caches, how long, how many seeds."""
     parser.add_argument("--out", type=Path, default=recipe.ROOT / "objectives")
     parser.add_argument("--caches", default="quickstart,manpages")
-    parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
-                        help="objectives (issue 23) or drafters: DFlash against DSpark (OUT/<cache>_drafters)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--parallel", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (2 steps a run) and a 2-step teacher under --out")
     parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+
+
+def study_settings(args: argparse.Namespace) -> recipe.RecipeSettings:
+    """STUDY's sizes (TINY's with --tiny), decoding greedy and at T = 1, with the options' overrides."""
     settings = replace(recipe.RecipeSettings(out=args.out, manpage_teacher=recipe.EXAMPLES / "manpage_teacher"), **STUDY)
     if args.tiny:
         settings = replace(settings, manpage_teacher=args.out / "manpage_teacher", **recipe.TINY)
     overrides = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("parallel", args.parallel)) if v is not None}
-    settings = replace(settings, sample_temperature=1.0, **overrides)
+    return replace(settings, sample_temperature=1.0, **overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_study_arguments(parser)
+    parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
+                        help="objectives (issue 23) or drafters: DFlash against DSpark (OUT/<cache>_drafters)")
+    args = parser.parse_args(argv)
     from cli.common import BarProgress
 
-    results = run_study(settings, tuple(c.strip() for c in args.caches.split(",")), BarProgress(enabled=not args.quiet),
-                        args.study)
+    results = run_study(study_settings(args), tuple(c.strip() for c in args.caches.split(",")),
+                        BarProgress(enabled=not args.quiet), args.study)
     key = STUDIES[args.study][0]
     for name, result in results.items():
         table = position_table(result.out, key)

@@ -319,6 +319,29 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, 
     assert (paper["loss"]["weighting"], paper["noise"]["schedule"]) == ("decay", "off")
 
 
+@pytest.mark.slow  # a tiny DSpark sweep, then 12 decodings per run (~1 minute on 2 cores)
+def test_tiny_confidence_study_decodes_every_threshold_losslessly(tmp_path, one_thread):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import confidence
+
+    confidence.main(["--tiny", "--out", str(tmp_path), "--caches", "quickstart", "--thresholds", "0,0.5,1", "--quiet"])
+    folder = tmp_path / "quickstart_confidence"
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in (folder / "confidence.md").read_text().splitlines()[2:]]
+    assert [row[:2] for row in rows] == [[kind, t] for kind in ("greedy", "T=1") for t in ("0", "0.5", "1")]
+    assert [row[-1] for row in rows] == ["yes"] * 3 + ["n/a"] * 3
+    records = [json.loads((run / "confidence.json").read_text()) for run in sorted((folder / "runs").iterdir())]
+    assert len(records) == 2
+    for record in records:
+        for kind in ("greedy", "T=1"):
+            # no threshold: every block verifies its B = 4 drafts (sample_from_anchor); at 1 the
+            # cumulative estimate is below the threshold before the first draft: the teacher alone
+            assert record[f"{kind}@0"]["drafts_per_forward"] == 4
+            assert record[f"{kind}@1"]["drafts_per_forward"] == 0 and record[f"{kind}@1"]["accepted_length"] == 1
+            assert 0 <= record[f"{kind}@0.5"]["drafts_per_forward"] <= 4
+        assert all(record[f"greedy@{t}"]["matched_teacher"] for t in ("0", "0.5", "1"))
+    assert _png_size(folder / "confidence.png")[0] > 300
+
+
 def test_acceptance_by_position_from_the_rounds_histogram():
     sys.path.insert(0, str(ROOT / "examples"))
     import objectives
@@ -331,8 +354,9 @@ def test_acceptance_by_position_from_the_rounds_histogram():
 @pytest.mark.slow
 def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tmp_path, one_thread):
     sys.path.insert(0, str(ROOT / "examples"))
-    import objectives
     import recipe
+
+    import objectives
 
     settings = recipe.RecipeSettings(out=tmp_path / "obj", manpage_teacher=tmp_path / "obj" / "manpage_teacher",
                                      **{**recipe.TINY, "seeds": 1, "curve_points": 0}, sample_temperature=1.0)

@@ -83,12 +83,12 @@ class MeasureConfig:
         return max(1, steps // (self.curve_points + 1))
 
 
-def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0):
+def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
     from dflash_cache.chat import stop_token_ids
     from dflash_train.measuring.speculative import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
-                      seed=seed)
+                      seed=seed, confidence_threshold=confidence_threshold)
 
 
 def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:
@@ -126,9 +126,10 @@ def _teacher(path: str, device: str):
 
 
 def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: dict, device: str,
-                   temperature: float = 0.0, seed: int = 0) -> dict:
-    """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled: the
-    accepted length and, greedy, whether every output equals the teacher's own greedy output."""
+                   temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0) -> dict:
+    """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled, a DSpark
+    block cut by its confidence head when `confidence_threshold` > 0: the accepted length, the
+    drafts verified per forward and, greedy, whether every output equals the teacher's own."""
     from dflash_train.measuring.evaluate import load_trained_drafter
     from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate
 
@@ -137,14 +138,17 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
     drafter = load_trained_drafter(str(drafter_dir), head.get_input_embeddings().weight.detach(),
                                    head.get_output_embeddings().weight.detach(), teacher.device)
     teacher.layer_ids = list(drafter.cfg.target_layer_ids)
-    spec = _spec(teacher.tokenizer, measure.max_new_tokens, temperature, seed)
+    spec = _spec(teacher.tokenizer, measure.max_new_tokens, temperature, seed, confidence_threshold)
     results, matched = [], []
     for prompt in reference["prompts"]:
         result = speculative_generate(teacher.model, drafter, prompt["ids"], spec)
         results.append(result)
         matched.append(result.tokens == prompt["output"] or not spec.greedy)
     lengths = [n for result in results for n in result.accepted_lengths]
+    forwards = sum(result.teacher_forwards for result in results)
     return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
+            "confidence_threshold": confidence_threshold,
+            "drafts_per_forward": sum(len(d) for result in results for d in result.draft_tokens) / max(forwards, 1),
             # rounds by tokens produced (index n: n tokens): acceptance by block position follows
             "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
             "matched_teacher": all(matched) if spec.greedy else None,
