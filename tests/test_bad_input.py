@@ -381,13 +381,18 @@ def test_interrupted_run_names_the_command_that_resumes(setup, tmp_path):
     out = tmp_path / "run"
     args = [str(BIN / "dflash-train"), "run", "--cache", setup["cache"], "--out", str(out), "--steps", "100000",
             "--num-layers", "1", "--block-size", "4", "--eval-sequences", "0", "--save-every", "1", "--quiet"]
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    # generous limits: on a loaded 2-core machine start-up alone took over a minute
-    deadline = time.time() + 300
-    while not list((out / "checkpoints").glob("step-*/COMPLETE")) and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    # SIGINT as a terminal gives it: a shell's background job (a CI runner's, say) starts with it
+    # ignored, and Python then keeps ignoring it
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 300
+        while not list((out / "checkpoints").glob("step-*/COMPLETE")) and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()  # never left training 100,000 steps behind a failed test
     assert proc.returncode == 130, err
     assert "rerun the same command with --resume" in err
     resumed = CliRunner().invoke(train_app, ["run", "--cache", setup["cache"], "--out", str(out), "--resume", "--steps", "3",
