@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recipe  # noqa: E402
-
 import objectives  # noqa: E402  (examples/objectives.py: the study settings and sweeps)
+
+recipe = objectives.recipe  # examples/recipe.py: the caches and their teachers
 
 RECORD = "confidence.json"
 """A run's decodings, keyed by decoding and threshold, in its folder."""
