@@ -354,9 +354,8 @@ def test_acceptance_by_position_from_the_rounds_histogram():
 @pytest.mark.slow
 def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tmp_path, one_thread):
     sys.path.insert(0, str(ROOT / "examples"))
-    import recipe
-
     import objectives
+    import recipe
 
     settings = recipe.RecipeSettings(out=tmp_path / "obj", manpage_teacher=tmp_path / "obj" / "manpage_teacher",
                                      **{**recipe.TINY, "seeds": 1, "curve_points": 0}, sample_temperature=1.0)
