@@ -5,11 +5,12 @@ Run from the repository root:
     python examples/confidence.py [--out objectives] [--thresholds 0,0.2,0.4,0.6,0.8] [--caches quickstart,manpages]
 
 Trains (or reuses) the DSpark runs of `objectives.py --study confidence` (OUT/<cache>_confidence:
-the drafters study's settings and seeds, DSpark alone), then decodes each run's held-out prompts
+the drafters study's settings and seeds, DSpark alone with its confidence head trained on alpha,
+the default, and on the greedy hit, `dspark-greedy`), then decodes each run's held-out prompts
 once per threshold, greedy and at temperature 1 (seeded by the run's seed), in the built-in
 decoder. A threshold cuts a block before the draft whose cumulative predicted acceptance falls
 below it: the teacher verifies fewer drafts per forward and accepts fewer tokens per forward.
-OUT/<cache>_confidence/confidence.md gets, per decoding and threshold, the accepted length (mean
+OUT/<cache>_confidence/confidence.md gets, per configuration, decoding and threshold, the accepted length (mean
 and 95% interval over seeds), its difference from no threshold paired by seed, the drafts verified
 per forward, the share of those accepted and whether greedy output equals the teacher's;
 confidence.png plots the accepted length against the threshold. Each run keeps its decodings in
@@ -53,43 +54,45 @@ def decode_run(run: Path, sweep_dir: Path, measure, thresholds: tuple[float, ...
     return record
 
 
-def table(records: dict[int, dict], thresholds: tuple[float, ...]) -> tuple[str, dict]:
-    """Markdown over seeds (records by seed) and the accepted-length intervals it shows, by
-    (decoding, threshold), for the plot."""
+def table(groups: dict[str, dict[int, dict]], thresholds: tuple[float, ...]) -> tuple[str, dict]:
+    """Markdown over seeds (records by configuration, then seed) and the accepted-length intervals
+    it shows, by (configuration, decoding, threshold), for the plot."""
     from dflash_train.sweep.recipe import _signed
     from dflash_train.sweep.statistics import paired_difference, t_interval
 
-    lines = ["| decoding | threshold | accepted length | Δ vs no threshold | drafts verified per forward | "
-             "share of verified drafts accepted | output equals the teacher's |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| configuration | decoding | threshold | accepted length | Δ vs no threshold | drafts verified per forward | "
+             "share of verified drafts accepted | output equals the teacher's |", "|---|---|---:|---:|---:|---:|---:|---|"]
     shown = {}
     for label in KINDS:
-        base = {seed: r[f"{label}@{thresholds[0]:g}"]["accepted_length"] for seed, r in records.items()}
-        for threshold in thresholds:
-            runs = {seed: r[f"{label}@{threshold:g}"] for seed, r in records.items()}
-            accepted = {seed: d["accepted_length"] for seed, d in runs.items()}
-            drafts = t_interval([d["drafts_per_forward"] for d in runs.values()])
-            # a forward's tokens are its accepted drafts and one more (the teacher's own)
-            share = t_interval([(d["accepted_length"] - 1) / max(d["drafts_per_forward"], 1e-9) for d in runs.values()])
-            matched = "n/a" if label != "greedy" else ("yes" if all(d["matched_teacher"] for d in runs.values()) else "NO")
-            shown[label, threshold] = t_interval(list(accepted.values()))
-            delta = "-" if threshold == thresholds[0] else _signed(paired_difference(accepted, base))
-            lines.append(f"| {label} | {threshold:g} | {shown[label, threshold].text()} | {delta} | {drafts.text()} | "
-                         f"{share.text()} | {matched} |")
+        for name, records in groups.items():
+            base = {seed: r[f"{label}@{thresholds[0]:g}"]["accepted_length"] for seed, r in records.items()}
+            for threshold in thresholds:
+                runs = {seed: r[f"{label}@{threshold:g}"] for seed, r in records.items()}
+                accepted = {seed: d["accepted_length"] for seed, d in runs.items()}
+                drafts = t_interval([d["drafts_per_forward"] for d in runs.values()])
+                # a forward's tokens are its accepted drafts and one more (the teacher's own)
+                share = t_interval([(d["accepted_length"] - 1) / max(d["drafts_per_forward"], 1e-9) for d in runs.values()])
+                matched = "n/a" if label != "greedy" else ("yes" if all(d["matched_teacher"] for d in runs.values()) else "NO")
+                shown[name, label, threshold] = t_interval(list(accepted.values()))
+                delta = "-" if threshold == thresholds[0] else _signed(paired_difference(accepted, base))
+                lines.append(f"| {name} | {label} | {threshold:g} | {shown[name, label, threshold].text()} | {delta} | "
+                             f"{drafts.text()} | {share.text()} | {matched} |")
     return "\n".join(lines) + "\n", shown
 
 
 def plot(shown: dict, thresholds: tuple[float, ...], path: Path, title: str) -> None:
-    """Accepted length against the threshold, one line per decoding, a band of its 95% interval."""
+    """Accepted length against the threshold, one line per configuration and decoding, a band of
+    its 95% interval."""
     from matplotlib.figure import Figure
 
     from dflash_train.sweep.plots import save_figure, style
 
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot(1, 1, 1)
-    for i, label in enumerate(KINDS):
-        intervals = [shown[label, t] for t in thresholds]
+    for i, (name, label) in enumerate(dict.fromkeys((n, k) for n, k, _ in shown)):
+        intervals = [shown[name, label, t] for t in thresholds]
         line_style = style(i)
-        ax.plot(thresholds, [iv.mean for iv in intervals], label=label, marker="o", **line_style)
+        ax.plot(thresholds, [iv.mean for iv in intervals], label=f"{name}, {label}", marker="o", **line_style)
         ax.fill_between(thresholds, [iv.low for iv in intervals], [iv.high for iv in intervals],
                         color=line_style["color"], alpha=0.15, linewidth=0)
     ax.set_xlabel("confidence threshold (0: off)")
@@ -120,13 +123,16 @@ def main(argv: list[str] | None = None) -> None:
         teacher = spec.teacher or recipe.ensure_manpage_teacher(settings)
         measure = MeasureConfig(teacher=str(teacher), prompts=str(spec.prompts), max_prompts=settings.max_prompts,
                                 max_new_tokens=settings.max_new_tokens)
-        runs = sorted(r for r in (sweep_dir / "runs").iterdir() if (r / "drafter").is_dir())
-        records = {json.loads((r / "config.json").read_text())["seed"]: decode_run(r, sweep_dir, measure, thresholds)
-                   for r in runs}
-        text, shown = table(records, thresholds)
+        groups: dict[str, dict[int, dict]] = {}
+        for run in sorted(r for r in (sweep_dir / "runs").iterdir() if (r / "drafter").is_dir()):
+            name = run.name.split("_seed-")[0].removeprefix("drafter-")
+            seed = json.loads((run / "config.json").read_text())["seed"]
+            groups.setdefault(name, {})[seed] = decode_run(run, sweep_dir, measure, thresholds)
+        order = list(objectives.STUDIES["confidence"][1])  # the reference (alpha, the default) first
+        text, shown = table(dict(sorted(groups.items(), key=lambda item: order.index(item[0]))), thresholds)
         (sweep_dir / "confidence.md").write_text(text)
         plot(shown, thresholds, sweep_dir / "confidence.png", spec.name)
-        print(f"\n## {spec.name} ({len(records)} seeds)\n\n{text}")
+        print(f"\n## {spec.name}\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -55,9 +55,12 @@ STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, 
 
 
 STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters"),
-           "confidence": ("drafter", {"dspark": DRAFTERS["dspark"]}, "dspark", "_confidence")}
+           "confidence": ("drafter", {"dspark": DRAFTERS["dspark"],
+                                      "dspark-greedy": {**DRAFTERS["dspark"], "dspark.confidence_target": "greedy"}},
+                          "dspark", "_confidence")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
-(`confidence`: the DSpark runs alone, whose confidence thresholds examples/confidence.py decodes)."""
+(`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
+confidence thresholds examples/confidence.py decodes)."""
 
 
 def bundle_axis(key: str, bundles: dict[str, dict]):

@@ -319,7 +319,7 @@ def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, 
     assert (paper["loss"]["weighting"], paper["noise"]["schedule"]) == ("decay", "off")
 
 
-@pytest.mark.slow  # a tiny DSpark sweep, then 12 decodings per run (~1 minute on 2 cores)
+@pytest.mark.slow  # a tiny sweep of two DSpark configurations, then 12 decodings per run (~2 minutes on 2 cores)
 def test_tiny_confidence_study_decodes_every_threshold_losslessly(tmp_path, one_thread):
     sys.path.insert(0, str(ROOT / "examples"))
     import confidence
@@ -327,11 +327,13 @@ def test_tiny_confidence_study_decodes_every_threshold_losslessly(tmp_path, one_
     confidence.main(["--tiny", "--out", str(tmp_path), "--caches", "quickstart", "--thresholds", "0,0.5,1", "--quiet"])
     folder = tmp_path / "quickstart_confidence"
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in (folder / "confidence.md").read_text().splitlines()[2:]]
-    assert [row[:2] for row in rows] == [[kind, t] for kind in ("greedy", "T=1") for t in ("0", "0.5", "1")]
-    assert [row[-1] for row in rows] == ["yes"] * 3 + ["n/a"] * 3
-    records = [json.loads((run / "confidence.json").read_text()) for run in sorted((folder / "runs").iterdir())]
-    assert len(records) == 2
-    for record in records:
+    assert [row[:3] for row in rows] == [[name, kind, t] for kind in ("greedy", "T=1") for name in ("dspark", "dspark-greedy")
+                                         for t in ("0", "0.5", "1")]
+    assert [row[-1] for row in rows] == ["yes"] * 6 + ["n/a"] * 6
+    runs = sorted((folder / "runs").iterdir())
+    targets = [json.loads((run / "config.json").read_text())["dspark"]["confidence_target"] for run in runs]
+    assert targets == ["greedy", "greedy", "alpha", "alpha"], [run.name for run in runs]
+    for record in (json.loads((run / "confidence.json").read_text()) for run in runs):
         for kind in ("greedy", "T=1"):
             # no threshold: every block verifies its B = 4 drafts (sample_from_anchor); at 1 the
             # cumulative estimate is below the threshold before the first draft: the teacher alone
