@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_study_arguments(parser)
     parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
-                        help="objectives (issue 23) or drafters: DFlash against DSpark (OUT/<cache>_drafters)")
+                        help="objectives (issue 23), drafters: DFlash against DSpark (OUT/<cache>_drafters), or "
+                             "confidence: DSpark's two confidence targets (examples/confidence.py decodes their thresholds)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 

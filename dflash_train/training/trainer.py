@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,9 @@ def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, p
     info = init_distributed(device)
     try:  # the session, and its DDP wrapper, is gone when shutdown runs
         return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)  # a failed session's, too: its frames would keep it
+        raise
     finally:
         shutdown(info)
 
