@@ -39,6 +39,7 @@ KINDS = {"greedy": 0.0, "T=1": 1.0}
 
 def decode_run(run: Path, sweep_dir: Path, measure, thresholds: tuple[float, ...]) -> dict:
     """The run's decoding at every (decoding, threshold), from its record where it has one."""
+    from dflash_common.files import write_file_atomic
     from dflash_train.sweep.measure import REFERENCE_FILE, decode_heldout
 
     path = run / RECORD
@@ -50,7 +51,7 @@ def decode_run(run: Path, sweep_dir: Path, measure, thresholds: tuple[float, ...
             key = f"{label}@{threshold:g}"
             if key not in record:
                 record[key] = decode_heldout(run / "drafter", measure, reference, "cpu", temperature, seed, threshold)
-                path.write_text(json.dumps(record, indent=1) + "\n")
+                write_file_atomic(path, (json.dumps(record, indent=1) + "\n").encode())  # a kill keeps the rest
     return record
 
 

@@ -25,6 +25,7 @@ from dflash_train.measuring.evaluate import load_trained_drafter, replay_batch
 from dflash_train.measuring.speculative import (
     SpecConfig,
     SpecResult,
+    drafts_per_forward,
     mean_accepted_length,
     speculative_generate,
     teacher_generate,
@@ -213,7 +214,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         "teacher_alone_forwards": base_forwards,
         "teacher_forwards_saved": base_forwards - forwards,
         # what a confidence threshold saves: drafts the teacher verifies per forward (P without one)
-        "drafts_per_forward": sum(len(d) for r in spec_results for d in r.draft_tokens) / max(forwards, 1),
+        "drafts_per_forward": drafts_per_forward(spec_results),
         # tokens kept per verify forward: the last round of an answer counts only up to its stop
         # token, as the offline replay does (accepted_length counts that round before the cut)
         "kept_per_forward": sum(len(r.tokens) - 1 for r in spec_results) / max(sum(r.teacher_forwards for r in spec_results), 1),

@@ -244,7 +244,7 @@ def run_generate(cfg: GenerateConfig) -> list[Answer]:
     """An answer to cfg.prompt per temperature, with speculative decoding."""
     from dflash_common.devices import resolve_device
     from dflash_train.measuring.decoding import load_pair, prompt_ids, resolve_template_kwargs
-    from dflash_train.measuring.speculative import speculative_generate
+    from dflash_train.measuring.speculative import drafts_per_forward, speculative_generate
 
     decoding = cfg.decoding
     kwargs = resolve_template_kwargs(decoding.checkpoint, None, decoding.chat_template_kwargs, decoding.allow_template_mismatch)
@@ -256,7 +256,7 @@ def run_generate(cfg: GenerateConfig) -> list[Answer]:
     for spec in decoding.specs(t.stop_token_ids()):
         result = speculative_generate(t.model, drafter, list(ids), spec)
         mean = sum(result.accepted_lengths) / max(len(result.accepted_lengths), 1)
-        drafts = sum(len(d) for d in result.draft_tokens) / max(result.teacher_forwards, 1)
+        drafts = drafts_per_forward([result])
         answers.append(Answer(t.tokenizer.decode(result.tokens, skip_special_tokens=True), (
             f"[{len(ids)} prompt tokens, {len(result.tokens)} tokens, {result.teacher_forwards} teacher forwards "
             f"({len(result.tokens) - 1 - result.teacher_forwards} saved), {drafts:.2f} drafts verified per forward, "

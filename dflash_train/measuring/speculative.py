@@ -88,6 +88,13 @@ def mean_accepted_length(results: Sequence[SpecResult]) -> float:
     return sum(lengths) / len(lengths)
 
 
+def drafts_per_forward(results: Sequence[SpecResult]) -> float:
+    """Drafts the teacher verified per verify forward, pooled over results: the block's P without
+    a confidence threshold, fewer where one ended blocks early."""
+    forwards = sum(result.teacher_forwards for result in results)
+    return sum(len(drafts) for result in results for drafts in result.draft_tokens) / max(forwards, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure decision functions
 

@@ -131,7 +131,7 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
     block cut by its confidence head when `confidence_threshold` > 0: the accepted length, the
     drafts verified per forward and, greedy, whether every output equals the teacher's own."""
     from dflash_train.measuring.evaluate import load_trained_drafter
-    from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate
+    from dflash_train.measuring.speculative import drafts_per_forward, mean_accepted_length, speculative_generate
 
     teacher = _teacher(str(Path(measure.teacher).resolve()), device)
     head = teacher.model
@@ -145,10 +145,8 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
         results.append(result)
         matched.append(result.tokens == prompt["output"] or not spec.greedy)
     lengths = [n for result in results for n in result.accepted_lengths]
-    forwards = sum(result.teacher_forwards for result in results)
     return {"accepted_length": mean_accepted_length(results), "temperature": temperature,
-            "confidence_threshold": confidence_threshold,
-            "drafts_per_forward": sum(len(d) for result in results for d in result.draft_tokens) / max(forwards, 1),
+            "confidence_threshold": confidence_threshold, "drafts_per_forward": drafts_per_forward(results),
             # rounds by tokens produced (index n: n tokens): acceptance by block position follows
             "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
             "matched_teacher": all(matched) if spec.greedy else None,
