@@ -20,12 +20,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _build_config(knob_values: dict):
     """The BuildConfig of the options given (the fields' defaults for the rest); the rank from torchrun's environment."""
-    import os
-
     from dflash_cache.settings.build import BuildConfig
+    from dflash_common.environment import int_from_env
 
     return make_config(BuildConfig, nested_values(build_knobs(), knob_values),
-                       rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+                       rank=int_from_env("RANK", 0, meaning="this process's rank, set by torchrun"),
+                       world_size=int_from_env("WORLD_SIZE", 1, minimum=1, meaning="the number of build processes"))
 
 
 @app.command()

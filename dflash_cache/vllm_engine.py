@@ -16,13 +16,20 @@ num_hidden_layers.
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
+import re
+import secrets
+import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,10 +38,18 @@ import torch
 
 from dflash_cache.settings.engines import VllmArgs
 from dflash_cache.teacher import Teacher, TeacherConfig, TeacherOutput, final_norm, load_teacher
-from dflash_cache.vllm_extract.dflash_frames import frame_header, read_exactly, read_header
+from dflash_cache.vllm_extract.dflash_frames import (
+    HEADER_LIMIT,
+    SECRET_ENV,
+    WORKER_MAGIC,
+    FrameError,
+    frame_header,
+    read_exactly,
+    read_header,
+)
 from dflash_common.devices import resolve_device
 from dflash_common.errors import TeacherError
-from dflash_common.vllm_env import find_vllm_python, vllm_environment
+from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
 
 WORKER = Path(__file__).with_name("vllm_extract") / "worker.py"
 STALL_TIMEOUT_S = 600.0
@@ -58,13 +73,59 @@ def worker_gpus(env: dict[str, str], args: VllmArgs) -> str | None:
     return local
 
 
+MAX_CONNECTIONS = 32
+"""Connections the state socket serves at once (one per data-parallel engine is what vLLM opens)."""
+HELLO_TIMEOUT_S = 30.0
+"""How long an admitted peer has to send the build's secret before it is dropped."""
+_STATE_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.int16}  # 16-bit kept as bits
+_LOGGED_REFUSALS = 10
+log = logging.getLogger(__name__)
+
+
+class RefusedFrame(Exception):
+    """A connection or frame the state socket does not take (the reason is the message)."""
+
+
+def descends_from(pid: int, ancestor: int, max_depth: int = 64) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (by /proc's parent links)."""
+    for _ in range(max_depth):
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            return False
+        pid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state": the parent
+    return False
+
+
 class StateReceiver:
     """Listens on a Linux abstract Unix socket (no file) for the connector's frames and keeps each
     request's states until taken. One connection per engine (data-parallel replicas connect
-    separately); frames arrive in any order."""
+    separately); frames arrive in any order.
 
-    def __init__(self):
+    The socket's name is visible to every local user (/proc/net/unix), so it admits only the
+    engine this build started: a peer (SO_PEERCRED) of the build's uid inside the worker's process
+    tree (`engine_pid`, set once the worker runs), at most `max_connections` at once, whose first
+    frame is the build's random `secret`. Each frame's header is checked before its payload is
+    allocated: [rows, layers, hidden] of this teacher, a float dtype, the byte count those make,
+    rows of a sequence the build sent (`expect`) and not yet received, an id not seen before. A
+    connection that fails any check is dropped and logged; only a failure of the engine's own
+    (authenticated) connection stops the build."""
+
+    def __init__(self, layers: int, hidden: int, max_connections: int = MAX_CONNECTIONS,
+                 hello_timeout_s: float = HELLO_TIMEOUT_S):
         self.name = f"dflash-hs-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.secret = secrets.token_hex(32)
+        self.layers, self.hidden = layers, hidden
+        self.max_connections, self.hello_timeout_s = max_connections, hello_timeout_s
+        self.engine_pid: int | None = None
+        self.expected: Counter[int] = Counter()  # rows -> sequences sent whose states have not arrived
+        self.refusals = 0
+        self.refused: list[str] = []  # the first reasons (logged too)
+        self.connections = 0
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind("\0" + self.name)
         self.server.listen()
@@ -73,29 +134,100 @@ class StateReceiver:
         self.arrived = threading.Condition()
         threading.Thread(target=self._accept, daemon=True, name="dflash-hs-accept").start()
 
+    def expect(self, lengths: list[int]) -> None:
+        """Sequences of these lengths were sent to the engine: their states may now arrive."""
+        with self.arrived:
+            self.expected.update(int(n) for n in lengths)
+
+    def _refuse(self, reason: str) -> None:
+        with self.arrived:
+            self.refusals += 1
+            count = self.refusals
+            if count <= _LOGGED_REFUSALS:
+                self.refused.append(reason)
+        if count <= _LOGGED_REFUSALS:
+            log.warning("refused a connection to the build's state socket: %s%s", reason,
+                        "; further refusals are only counted" if count == _LOGGED_REFUSALS else "")
+
+    def _peer_refusal(self, conn: socket.socket) -> str | None:
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():
+            return f"process {pid} runs as uid {uid}, not the build's uid {os.getuid()}"
+        if self.engine_pid is None or not descends_from(pid, self.engine_pid):
+            return f"process {pid} is not one of the build's vLLM engine (pid {self.engine_pid})"
+        if self.connections >= self.max_connections:
+            return f"process {pid} opened more than {self.max_connections} connections at once"
+        return None
+
     def _accept(self) -> None:
         while True:
             try:
                 conn, _ = self.server.accept()
             except OSError:
                 return  # closed
+            try:
+                reason = self._peer_refusal(conn)
+            except OSError as err:
+                reason = f"its credentials cannot be read ({err})"
+            if reason is not None:
+                self._refuse(reason)
+                conn.close()
+                continue
+            with self.arrived:
+                self.connections += 1
             threading.Thread(target=self._read, args=(conn,), daemon=True, name="dflash-hs-read").start()
 
+    def _admit(self, header: dict) -> tuple[str, np.ndarray]:
+        """The empty array a frame's payload goes into, once its header passed every check."""
+        key, shape, dtype = header.get("id"), header.get("shape"), header.get("dtype")
+        if not (isinstance(key, str) and 0 < len(key) <= 256):
+            raise RefusedFrame(f"a frame without a request id ({str(key)[:40]!r})")
+        if dtype not in _STATE_DTYPES:
+            raise RefusedFrame(f"frame {key[:40]!r} has dtype {str(dtype)[:40]!r}; only float32, bfloat16, float16 are sent")
+        if not (isinstance(shape, list) and len(shape) == 3 and all(type(n) is int for n in shape)
+                and shape[0] > 0 and shape[1:] == [self.layers, self.hidden]):
+            raise RefusedFrame(f"frame {key[:40]!r} has shape {str(shape)[:60]}; [rows, {self.layers}, {self.hidden}] expected")
+        storage = np.dtype(_STATE_DTYPES[dtype])
+        if header["nbytes"] != shape[0] * shape[1] * shape[2] * storage.itemsize:
+            raise RefusedFrame(f"frame {key[:40]!r} announces {header['nbytes']} bytes for shape {shape} of {dtype}")
+        with self.arrived:
+            if key in self.states:
+                raise RefusedFrame(f"frame {key[:40]!r} was already received")
+            if self.expected[shape[0]] <= 0:
+                raise RefusedFrame(f"frame {key[:40]!r} has {shape[0]} rows, the length of no sequence the build sent")
+            self.expected[shape[0]] -= 1
+        return key, np.empty(shape, dtype=storage)
+
     def _read(self, conn: socket.socket) -> None:
-        try:
-            with conn:
+        authenticated = False
+        with conn:  # closed after the reason is recorded: whoever sees it closed sees why
+            try:
+                conn.settimeout(self.hello_timeout_s)
+                hello = read_header(conn.recv_into)
+                if hello is None:
+                    return
+                if not hmac.compare_digest(str(hello.get("secret", "")).encode(), self.secret.encode()):
+                    raise RefusedFrame("its first frame is not the build's secret")
+                authenticated = True
+                conn.settimeout(None)
                 while (header := read_header(conn.recv_into)) is not None:
-                    storage = np.int16 if header["dtype"] in ("bfloat16", "float16") else np.dtype(header["dtype"])
-                    states = np.empty(header["shape"], dtype=storage)
+                    key, states = self._admit(header)
                     if not read_exactly(conn.recv_into, memoryview(states).cast("B")):
                         raise EOFError("connection ended inside a frame")
                     with self.arrived:
-                        self.states[header["id"]] = states
+                        self.states[key] = states
                         self.arrived.notify_all()
-        except (OSError, EOFError, ValueError, KeyError) as err:
-            with self.arrived:
-                self.error = f"{type(err).__name__}: {err}"
-                self.arrived.notify_all()
+            except (OSError, EOFError, ValueError, RefusedFrame) as err:
+                reason = str(err) if isinstance(err, RefusedFrame) else f"{type(err).__name__}: {err}"
+                if authenticated:  # the engine's own connection broke: the build cannot go on
+                    with self.arrived:
+                        self.error = reason
+                        self.arrived.notify_all()
+                else:
+                    self._refuse(reason)
+            finally:
+                with self.arrived:
+                    self.connections -= 1
 
     def take(self, request_ids: list[str], alive, timeout_s: float = STALL_TIMEOUT_S) -> list[np.ndarray]:
         """The states of these requests, in order, waiting for late ones; raises when the engine
@@ -116,19 +248,64 @@ class StateReceiver:
 
     def close(self) -> None:
         self.server.close()
+        if self.refusals > _LOGGED_REFUSALS:
+            log.warning("the build's state socket refused %d connections in all", self.refusals)
+
+
+GROUP_GRACE_S = 10.0
+"""After a worker that exited cleanly, how long its engine's last processes get to end on their own."""
 
 
 class VllmWorker:
-    """The vLLM process of a build: started once, fed batches of token ids until closed."""
+    """The vLLM process of a build: started once, fed batches of token ids until closed.
+
+    It runs in a session (and process group) of its own that holds every process of the engine,
+    and worker.py makes each of them die with its parent (PR_SET_PDEATHSIG). A watcher thread here
+    ends the whole group as soon as the worker exits, so a worker killed mid-build takes its
+    engine with it (the engine's processes would otherwise stay, holding memory and GPUs, and keep
+    its output pipe open so the build would wait for a reply forever)."""
 
     def __init__(self, python: Path, setup: dict, env: dict[str, str], log_path: Path):
-        self.log_path = log_path
+        self.python, self.log_path = python, log_path
+        self.logprobs = int(setup.get("prompt_logprobs") or 0)
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, env=env, start_new_session=True)
+        threading.Thread(target=self._end_group_after_exit, daemon=True, name="dflash-vllm-watch").start()
+        self._handshake()
         self._write(setup)
         ready = self._reply()
         self.vllm_version = ready.get("vllm_version")
+
+    def _end_group_after_exit(self) -> None:
+        code = self.proc.wait()
+        deadline = time.monotonic() + (GROUP_GRACE_S if code == 0 else 0.0)
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return  # the group ended on its own
+            time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _handshake(self) -> None:
+        """worker.py's first bytes; anything else (a --vllm-python that is not a python, or that
+        prints) is refused before a byte of it is read as a frame."""
+        got = bytearray(len(WORKER_MAGIC))
+        try:
+            ended = not read_exactly(self.proc.stdout.readinto, memoryview(got))
+        except EOFError:
+            ended = True
+        if ended:
+            raise self.failure()
+        if bytes(got) != WORKER_MAGIC:
+            self.kill()
+            raise TeacherError(f"vLLM python {self.python} did not answer as dflash's vLLM worker (its output began "
+                               f"{bytes(got)!r}); pass --vllm-python (or set DFLASH_VLLM_PYTHON to) the python of an "
+                               "environment with vLLM, such as .venv-vllm/bin/python")
 
     def _write(self, header: dict, payload: bytes = b"") -> None:
         try:
@@ -139,14 +316,22 @@ class VllmWorker:
         except BrokenPipeError:
             raise self.failure() from None
 
-    def _reply(self) -> dict:
-        """The worker's next answer, its payload under 'payload'."""
-        header = read_header(self.proc.stdout.readinto)
-        if header is None:
-            raise self.failure()
-        payload = bytearray(header.pop("nbytes"))
-        if payload and not read_exactly(self.proc.stdout.readinto, memoryview(payload)):
-            raise self.failure()
+    def _reply(self, sequences: int = 0, tokens: int = 0) -> dict:
+        """The worker's next answer, its payload under 'payload'; bounded by what an answer about
+        `sequences` sequences of `tokens` tokens in all can hold."""
+        limit = HEADER_LIMIT + 128 * sequences
+        try:
+            header = read_header(self.proc.stdout.readinto, limit=limit)
+            if header is None:
+                raise self.failure()
+            if header["nbytes"] > tokens * self.logprobs * 8:
+                raise FrameError(f"a payload of {header['nbytes']} bytes for {tokens} tokens")
+            payload = bytearray(header.pop("nbytes"))
+            if payload and not read_exactly(self.proc.stdout.readinto, memoryview(payload)):
+                raise self.failure()
+        except (FrameError, EOFError) as err:
+            self.kill()
+            raise TeacherError(f"vLLM's worker answered out of protocol ({err}); its log is {self.log_path}") from None
         header["payload"] = bytes(payload)
         return header
 
@@ -154,24 +339,32 @@ class VllmWorker:
         """One generate over the sequences; the reply names each sequence's vLLM request."""
         lengths = [len(s) for s in sequences]
         self._write({"lengths": lengths}, np.concatenate(sequences).astype(np.int32).tobytes())
-        return self._reply()
+        return self._reply(len(lengths), sum(lengths))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """The worker and every process of its engine, now."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
     def failure(self) -> TeacherError:
         try:
             self.proc.wait(timeout=60)  # its output ended: it is exiting
         except subprocess.TimeoutExpired:
-            pass
-        return TeacherError(f"vLLM's engine stopped (exit code {self.proc.returncode}: {last_error(self.log_path)}); "
-                            f"its log is {self.log_path}")
+            self.kill()
+        code = self.proc.returncode
+        cause = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                 else f"exit code {code}: {last_error(self.log_path)}")
+        return TeacherError(f"vLLM's engine stopped ({cause}); its log is {self.log_path}")
 
     def close(self) -> None:
         """End of stdin ends the engine; a worker that does not stop in a minute is killed with
         its process group (the engine's own processes included)."""
-        import signal
-
         if self.proc.stdin and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
@@ -180,19 +373,33 @@ class VllmWorker:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.kill()
+
+
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(?P<level>[A-Z]+) \d\d-\d\d [\d:]+ \[[^\]]*\] ")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<name>\w+(?:Error|Exception)|KeyboardInterrupt|SystemExit)(?::|$)")
 
 
 def last_error(log_path: Path) -> str:
-    """The last line of a failed engine's log that names an error (its exception, usually)."""
-    import re
-
+    """The cause a failed engine's log names: the last exception line of a traceback that is not a
+    warning (vLLM logs expected start-up failures as warnings with tracebacks, such as "Tokenizer
+    not available when skip_tokenizer_init=True", and EngineDeadError only says "see above"), else
+    its last ERROR line, else its last line."""
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    for line in reversed(lines):
-        # EngineDeadError only says "see above": the worker's own error is the one that helps
-        if re.search(r"\b(\w+Error|\w+Exception)\b", line) and "EngineDeadError" not in line:
-            return line[-300:]
+    errors = []
+    for line in lines:
+        prefix = _LOG_PREFIX.match(line)
+        level = prefix["level"] if prefix else ""
+        message = line[prefix.end():] if prefix else line
+        if level in ("", "ERROR", "CRITICAL") and (found := _EXCEPTION_LINE.match(message)) \
+                and found["name"] != "EngineDeadError":
+            errors.append((2, line))
+        elif level in ("ERROR", "CRITICAL"):
+            errors.append((1, line))
+    for rank in (2, 1):
+        chosen = [line for r, line in errors if r == rank]
+        if chosen:
+            return chosen[-1][-300:]
     return lines[-1][-300:] if lines else "no output"
 
 
@@ -215,6 +422,7 @@ class VllmTeacher(Teacher):
 
     @torch.inference_mode()
     def forward(self, sequences: list[np.ndarray]) -> TeacherOutput:
+        self.receiver.expect([len(s) for s in sequences])
         reply = self.worker.run(sequences)
         self.engine_seconds += float(reply["seconds"])
         ids = reply["requests"]
@@ -252,6 +460,7 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     --device), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
     own top-k too (the benchmark's comparison; the build does not use them)."""
     executable = find_vllm_python(python)  # before loading anything large
+    kv_cache_gib = cpu_kv_cache_gib()
     base = load_teacher(replace(cfg, device="cpu"))
     device = resolve_device(cfg.device)
     head, norm = base.model.get_output_embeddings(), final_norm(base.model)
@@ -259,22 +468,25 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     norm.to(device)
     text_config = base.model.config.get_text_config()
     num_layers = int(text_config.num_hidden_layers)
-    receiver = StateReceiver()
+    aux_ids = aux_layer_ids(base.layer_ids, num_layers)
+    receiver = StateReceiver(layers=len(aux_ids), hidden=int(text_config.hidden_size))
     handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
     os.close(handle)
-    env = vllm_environment(int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
+    env = vllm_environment(kv_cache_gib)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU builds: the build's threads share the cores
     gpus = worker_gpus(env, args)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     folder = Path(cfg.name_or_path).expanduser()
     setup = {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
-             "aux_layer_ids": aux_layer_ids(base.layer_ids, num_layers), "socket": receiver.name,
+             "aux_layer_ids": aux_ids, "socket": receiver.name,
              "engine_args": {**args.engine_args(max_length, getattr(text_config, "max_position_embeddings", None)), **({"revision": cfg.revision} if cfg.revision else {}),
                              "trust_remote_code": cfg.trust_remote_code},
              "prompt_logprobs": prompt_logprobs}
+    env[SECRET_ENV] = receiver.secret  # the connector's proof that it is ours (never argv: any user reads that)
     try:
         worker = VllmWorker(executable, setup, env, Path(log_name))
+        receiver.engine_pid = worker.proc.pid
     except BaseException:
         receiver.close()
         raise

@@ -6,13 +6,15 @@ import os
 
 import torch
 
+from dflash_common.environment import int_from_env
 from dflash_common.errors import ConfigError
 
 
 def local_rank() -> int | None:
     """This process's index on its node under torchrun (LOCAL_RANK), None outside torchrun."""
-    value = os.environ.get("LOCAL_RANK")
-    return int(value) if value not in (None, "") else None
+    if os.environ.get("LOCAL_RANK", "") == "":
+        return None
+    return int_from_env("LOCAL_RANK", 0, meaning="this process's index on its node, set by torchrun")
 
 
 def select_device(device: str, cuda_count: int, rank_on_node: int | None) -> torch.device:

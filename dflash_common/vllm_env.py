@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from dflash_common.environment import int_from_env
 from dflash_common.errors import DFlashError
 
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
@@ -40,6 +41,11 @@ def find_vllm_python(explicit: str | None = None) -> Path:
     if candidate.is_file():
         return candidate
     raise VllmMissingError(f"vLLM is not installed (no {VLLM_VENV} here and {VLLM_PYTHON_ENV} is unset); {INSTALL_HINT}")
+
+
+def cpu_kv_cache_gib() -> int:
+    """The CPU KV cache of a vLLM engine started here, in GiB: $VLLM_CPU_KVCACHE_SPACE or 1."""
+    return int_from_env("VLLM_CPU_KVCACHE_SPACE", 1, minimum=1, meaning="GiB of vLLM's CPU KV cache")
 
 
 def vllm_environment(cpu_kv_cache_gib: int) -> dict[str, str]:

@@ -151,22 +151,147 @@ def test_a_torchrun_rank_gives_its_engine_its_own_gpu():
 def test_states_sent_as_frames_are_taken_by_request_in_any_order():
     import socket
 
-    receiver = StateReceiver()
+    receiver = StateReceiver(layers=2, hidden=3)
+    receiver.engine_pid = os.getpid()  # this process plays the engine
     try:
         states = {"a": np.arange(24, dtype=np.float32).reshape(4, 2, 3), "b": np.full((2, 2, 3), 7, np.float32)}
-        bf16_bits = np.array([[[0x3F80, 0xC000, 0x0000]]], dtype=np.uint16).view(np.int16)  # 1.0, -2.0, 0.0 in bfloat16
+        bf16_bits = np.array([[[0x3F80, 0xC000, 0x0000], [0, 0, 0]]], dtype=np.uint16).view(np.int16)  # 1.0, -2.0, 0.0 in bfloat16
+        receiver.expect([4, 2, 1])
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect("\0" + receiver.name)
+            conn.sendall(frame_header({"secret": receiver.secret}))
             for key in ("b", "a"):
                 conn.sendall(frame_header({"id": key, "shape": list(states[key].shape), "dtype": "float32"},
                                           states[key].nbytes) + states[key].tobytes())
-            conn.sendall(frame_header({"id": "c", "shape": [1, 1, 3], "dtype": "bfloat16"}, 6) + bf16_bits.tobytes())
+            conn.sendall(frame_header({"id": "c", "shape": [1, 2, 3], "dtype": "bfloat16"}, 12) + bf16_bits.tobytes())
         got = receiver.take(["a", "b", "c"], alive=lambda: True, timeout_s=30)
         np.testing.assert_array_equal(got[0], states["a"])
         np.testing.assert_array_equal(got[1], states["b"])
         np.testing.assert_array_equal(got[2], bf16_bits)  # kept as bits: the teacher views them as bfloat16
-        assert receiver.states == {}  # taken states are not kept
+        assert receiver.states == {} and receiver.refusals == 0  # taken states are not kept
         # an engine that died before sending is noticed instead of waited for
         assert receiver.take(["never"], alive=lambda: False, timeout_s=30) == []
     finally:
         receiver.close()
+
+
+def _session(sid: int) -> dict[int, str]:
+    """pid -> command line of every process in session `sid` (the worker's: it leads its own)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            if int(stat[stat.rindex(b")") + 2:].split()[3]) == sid:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _worker_of(build_pid: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"worker.py" in (entry / "cmdline").read_bytes():
+                stat = (entry / "stat").read_bytes()
+                if int(stat[stat.rindex(b")") + 2:].split()[1]) == build_pid:
+                    return int(entry.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@pytest.mark.serving
+def test_a_worker_killed_mid_build_takes_its_engine_with_it(teacher_dir, vllm_python, tmp_path):
+    """SIGKILL of worker.py mid-build left VLLM::EngineCore, VLLM::Worker and the resource tracker
+    running (re-parented to PID 1), and the error blamed a start-up warning."""
+    import signal
+    import time
+
+    corpus = write_jsonl(tmp_path / "long.jsonl", qa_rows(240, seed=3, prefix="k-"))
+    out = tmp_path / "cache"
+    build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
+                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 540
+        while not list((out / "shards").glob("*.json")) and build.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert build.poll() is None, build.communicate()
+        worker = _worker_of(build.pid)
+        engine = _session(worker)
+        assert any("VLLM::" in cmd for cmd in engine.values()) and len(engine) >= 2, engine  # the engine runs
+        os.kill(worker, signal.SIGKILL)
+        _, err = build.communicate(timeout=120)
+    finally:
+        if build.poll() is None:
+            build.kill()
+    assert build.returncode == 1, err
+    assert err.strip().splitlines()[-1].startswith("error: vLLM's engine stopped (killed by SIGKILL); its log is "), err
+    deadline = time.monotonic() + 30
+    while (left := _session(worker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == {}, left
+
+
+ATTACKER = r"""
+import json, socket, struct, sys, time
+build, name = sys.argv[1], None
+def frame(header):
+    text = json.dumps(header).encode()
+    return struct.pack("<I", len(text)) + text
+attacks = [b"\x05\x00\x00\x00hello", b"\xff\xff\xff\xff",
+           frame({"id": "1-0a1b2c3d", "shape": [-1], "dtype": "float32", "nbytes": 0}),
+           frame({"id": "1-0a1b2c3d", "shape": [5, 3, 64], "dtype": "float32", "nbytes": 3840}) + bytes(3840),
+           frame({"secret": "guess"}) + frame({"id": "2-0", "shape": [2**20, 3, 64], "dtype": "float32", "nbytes": 2**32})]
+tries = 0
+deadline = time.time() + 900
+while time.time() < deadline:
+    found = [line.split()[-1][1:] for line in open("/proc/net/unix") if "@dflash-hs-%s-" % build in line]
+    if not found:
+        if tries:
+            break  # the build closed its socket
+        time.sleep(0.02)
+        continue
+    held = []
+    for payload in attacks * 10:
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect("\0" + found[0])
+            tries += 1
+            conn.sendall(payload)
+            held.append(conn)
+        except OSError:
+            pass
+    time.sleep(0.1)
+    for conn in held:
+        conn.close()
+print(tries)
+"""
+
+
+@pytest.mark.serving
+def test_a_foreign_process_can_neither_stop_nor_feed_a_build(built, corpus, teacher_dir, vllm_python, tmp_path):
+    """Any local user could end a build (9 bytes of non-JSON), make it allocate 4 GiB per
+    connection, or park frames in it: the socket's name is in /proc/net/unix."""
+    import shutil
+
+    clean = built("qwen3", "vllm")
+    out = tmp_path / "attacked"
+    build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
+                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    attacker = subprocess.Popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", "-c", ATTACKER, str(build.pid)],
+                                user="nobody", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        _, err = build.communicate(timeout=900)
+        tries, attack_err = attacker.communicate(timeout=60)
+    finally:
+        for proc in (build, attacker):
+            if proc.poll() is None:
+                proc.kill()
+    assert build.returncode == 0, err
+    assert int(tries) >= 50, (tries, attack_err)  # the attacks reached the socket
+    assert "refused a connection to the build's state socket: process" in err and "uid 65534" in err, err
+    assert_same_content(cache_content(clean), cache_content(out))

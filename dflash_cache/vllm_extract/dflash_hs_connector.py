@@ -3,7 +3,9 @@ socket, leaving no files: vLLM loads it by name (`kv_connector_module_path`) in 
 process, next to the `extract_hidden_states` speculative method, which writes the captured layers
 into a cache-only KV layer. When a request finishes, its rows are gathered from that layer and sent
 as one frame (dflash_frames) to the Unix socket named in `kv_connector_extra_config["dflash_socket"]`
-(a Linux abstract address: no file to clean up), keyed by vLLM's request id.
+(a Linux abstract address: no file to clean up), keyed by vLLM's request id. Its first frame is
+the build's secret (from the environment, SECRET_ENV): the build admits only connections from its
+engine's processes that know it.
 
 vLLM's own ExampleHiddenStatesConnector writes safetensors files through pinned memory and CUDA
 streams, which CPU builds lack; this one copies on a side stream into pinned memory where there is
@@ -13,12 +15,13 @@ replicated across ranks); each data-parallel engine connects on its own.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from functools import partial
 
 import torch
-from dflash_frames import frame_header
+from dflash_frames import SECRET_ENV, frame_header
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
@@ -39,6 +42,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._address = self._kv_transfer_config.get_from_extra_config("dflash_socket", None)
+        self._secret = os.environ.get(SECRET_ENV, "")
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()  # frames from the writer threads must not interleave
 
@@ -60,6 +64,7 @@ class DFlashHiddenStatesConnector(ExampleHiddenStatesConnector):
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.connect("\0" + self._address)
+                self._sock.sendall(frame_header({"secret": self._secret}))
             self._sock.sendall(head)
             self._sock.sendall(data)
 

@@ -8,7 +8,14 @@ stdout once the engine is up, then each frame on stdin is one batch of token-id 
 token, and is answered with the vLLM request id of each sequence in order (the connector,
 dflash_hs_connector, sends each request's states to the socket under that id) and the engine's
 seconds. An end of stdin ends the engine. vLLM logs to stdout, so the protocol keeps a private
-copy of the original stdout and everything else printed goes to stderr (the build's log file).
+copy of the original stdout and everything else printed goes to stderr (the build's log file); the
+first bytes on it are WORKER_MAGIC, so the build knows it talks to this script and not to a
+program that merely prints.
+
+No process of the engine outlives its parent: this process and every process vLLM starts from
+it (spawned ones import this file; forked ones run the fork hook) ask the kernel for SIGKILL when
+their parent dies (PR_SET_PDEATHSIG), and forked children let go of the protocol's pipe, which only
+this process may hold open. The build also kills the whole process group when this process exits.
 
 With `prompt_logprobs: k` in the setup, each answer also carries vLLM's own top-k log-probs per
 position (ids then log-probs, [tokens, k] each) for the benchmark that compares them with
@@ -18,11 +25,37 @@ our fp32 LM head.
 from __future__ import annotations
 
 import array
+import ctypes
 import os
+import signal
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_PR_SET_PDEATHSIG = 1
+_protocol_fd: int | None = None
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (the kernel's PR_SET_PDEATHSIG; Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request: nothing will signal
+        os._exit(1)
+
+
+def _in_forked_child() -> None:
+    _die_with_parent()
+    if _protocol_fd is not None:  # only this process answers the build; a child keeping it open would hang it
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, _protocol_fd, inheritable=False)  # not closed: the number stays taken, never reused
+        os.close(null)
+
+
+_die_with_parent()  # here and in every process vLLM spawns (they import this file as __mp_main__)
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def _send(out, header: dict, payload: bytes = b"") -> None:
@@ -74,7 +107,13 @@ def _topk_rows(entries, k: int, ids: array.array, logprobs: array.array) -> None
 
 
 def main() -> None:
-    protocol = os.fdopen(os.dup(1), "wb")
+    global _protocol_fd
+    from dflash_frames import WORKER_MAGIC
+
+    _protocol_fd = os.dup(1)
+    protocol = os.fdopen(_protocol_fd, "wb")
+    protocol.write(WORKER_MAGIC)
+    protocol.flush()
     os.dup2(2, 1)  # vLLM's prints and its workers' output go to the log, never into the protocol
     sys.stdout = sys.stderr
     # the connector is loaded by module name, in this process and in the engine's
