@@ -203,9 +203,11 @@ def _worker_of(build_pid: int) -> int | None:
 
 
 @pytest.mark.serving
-def test_a_worker_killed_mid_build_takes_its_engine_with_it(teacher_dir, vllm_python, tmp_path):
+@pytest.mark.parametrize("victim", ["worker", "build"])
+def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir, vllm_python, tmp_path, victim):
     """SIGKILL of worker.py mid-build left VLLM::EngineCore, VLLM::Worker and the resource tracker
-    running (re-parented to PID 1), and the error blamed a start-up warning."""
+    running (re-parented to PID 1), and the error blamed a start-up warning. The same must hold
+    when the build itself is killed (nothing of it runs to clean up)."""
     import signal
     import time
 
@@ -222,13 +224,16 @@ def test_a_worker_killed_mid_build_takes_its_engine_with_it(teacher_dir, vllm_py
         worker = _worker_of(build.pid)
         engine = _session(worker)
         assert any("VLLM::" in cmd for cmd in engine.values()) and len(engine) >= 2, engine  # the engine runs
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker if victim == "worker" else build.pid, signal.SIGKILL)
         _, err = build.communicate(timeout=120)
     finally:
         if build.poll() is None:
             build.kill()
-    assert build.returncode == 1, err
-    assert err.strip().splitlines()[-1].startswith("error: vLLM's engine stopped (killed by SIGKILL); its log is "), err
+    if victim == "worker":
+        assert build.returncode == 1, err
+        assert err.strip().splitlines()[-1].startswith("error: vLLM's engine stopped (killed by SIGKILL); its log is "), err
+    else:
+        assert build.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 30
     while (left := _session(worker)) and time.monotonic() < deadline:
         time.sleep(0.2)
