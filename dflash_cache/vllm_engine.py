@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -154,7 +155,7 @@ class StateReceiver:
         if uid != os.getuid():
             return f"process {pid} runs as uid {uid}, not the build's uid {os.getuid()}"
         if self.engine_pid is None or not descends_from(pid, self.engine_pid):
-            return f"process {pid} is not one of the build's vLLM engine (pid {self.engine_pid})"
+            return f"process {pid} is not a process of the build's vLLM engine (worker pid {self.engine_pid})"
         if self.connections >= self.max_connections:
             return f"process {pid} opened more than {self.max_connections} connections at once"
         return None
@@ -252,6 +253,8 @@ class StateReceiver:
             log.warning("the build's state socket refused %d connections in all", self.refusals)
 
 
+HANDSHAKE_TIMEOUT_S = 120.0
+"""How long the worker has to write its first bytes (worker.py does so before importing vLLM)."""
 GROUP_GRACE_S = 10.0
 """After a worker that exited cleanly, how long its engine's last processes get to end on their own."""
 
@@ -295,6 +298,11 @@ class VllmWorker:
         """worker.py's first bytes; anything else (a --vllm-python that is not a python, or that
         prints) is refused before a byte of it is read as a frame."""
         got = bytearray(len(WORKER_MAGIC))
+        if not select.select([self.proc.stdout], [], [], HANDSHAKE_TIMEOUT_S)[0]:
+            self.kill()
+            raise TeacherError(f"vLLM python {self.python} wrote nothing in {HANDSHAKE_TIMEOUT_S:.0f} s; pass --vllm-python "
+                               "(or set DFLASH_VLLM_PYTHON to) the python of an environment with vLLM, such as "
+                               ".venv-vllm/bin/python")
         try:
             ended = not read_exactly(self.proc.stdout.readinto, memoryview(got))
         except EOFError:

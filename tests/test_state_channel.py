@@ -28,7 +28,7 @@ from helpers import qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
-from dflash_cache.vllm_engine import StateReceiver, descends_from
+from dflash_cache.vllm_engine import StateReceiver, descends_from, last_error
 from dflash_cache.vllm_extract.dflash_frames import frame_header
 from dflash_common.errors import TeacherError
 
@@ -240,17 +240,27 @@ def _build(teacher_dir, corpus, out, *extra, env=None):
                                           "--layers", "0", "--engine", "vllm", "--quiet", *extra], env=env)
 
 
-@pytest.mark.parametrize("program", ["cat", "yes"])
-def test_a_vllm_python_that_only_prints_is_refused_in_one_line(teacher_dir, corpus, tmp_path, program):
-    """Its output was read as frames: 1.4-4.1 GB allocated, then a traceback."""
+@pytest.mark.parametrize("program,expected", [("cat", "did not answer as dflash's vLLM worker (its output began b'\"\"\"The"),
+                                              ("yes", "did not answer as dflash's vLLM worker (its output began b'/"),
+                                              ("silent", "wrote nothing in 2 s")])
+def test_a_vllm_python_that_only_prints_is_refused_in_one_line(teacher_dir, corpus, tmp_path, monkeypatch, program, expected):
+    """Its output was read as frames: 1.4-4.1 GB allocated, then a traceback (and one that
+    printed nothing was waited for forever)."""
     import resource
 
+    from dflash_cache import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "HANDSHAKE_TIMEOUT_S", 2.0)
+    python = shutil.which(program) if program != "silent" else tmp_path / "silent"
+    if program == "silent":
+        python.write_text("#!/bin/sh\nexec sleep 600\n")
+        python.chmod(0o755)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = _build(teacher_dir, corpus, tmp_path / "out", "--vllm-python", shutil.which(program))
+    result = _build(teacher_dir, corpus, tmp_path / "out", "--vllm-python", str(python))
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert result.exit_code == 1, (result.output, result.exception)
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "did not answer as dflash's vLLM worker" in lines[0], lines
+    assert len(lines) == 1 and expected in lines[0], lines
     assert "pass --vllm-python (or set DFLASH_VLLM_PYTHON to) the python of an environment with vLLM" in lines[0]
     assert grown_mib < 500, grown_mib
 
@@ -271,3 +281,24 @@ def test_environment_values_are_checked_in_one_line(teacher_dir, corpus, tmp_pat
     assert result.exit_code == 1, (result.output, result.exception)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_the_engine_s_error_line_is_its_exception_not_a_start_up_warning(tmp_path):
+    """Every engine failure was reported as "Tokenizer not available when skip_tokenizer_init=True",
+    a traceback vLLM logs as a WARNING at every start (lines as vLLM 0.32 writes them)."""
+    warning = "(MainProcess pid=7311) WARNING 12-03 10:29:20 [base.py:380] "
+    error = "(Worker pid=8219) ERROR 12-03 10:29:20 [multiproc_executor.py:1063] "
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join([
+        warning + "Chat template warmup failed", warning + "Traceback (most recent call last):",
+        warning + '    raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")',
+        warning + "ValueError: Tokenizer not available when `skip_tokenizer_init=True`",
+        error + "WorkerProc hit an exception.", error + "Traceback (most recent call last):",
+        error + "AssertionError: CPU GDN attention requires BF16.",
+        "(EngineCore pid=7981) ERROR 12-03 10:29:21 [core.py:1] EngineCore encountered a fatal error.",
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace above.",
+        warning + "ValueError: Tokenizer not available when `skip_tokenizer_init=True`"]) + "\n")
+    assert last_error(log) == error + "AssertionError: CPU GDN attention requires BF16."
+    log.write_text(warning + "ValueError: Tokenizer not available when `skip_tokenizer_init=True`\n"
+                   "(EngineCore pid=1) INFO 12-03 10:29:20 [core.py:1] starting\n")
+    assert last_error(log) == "(EngineCore pid=1) INFO 12-03 10:29:20 [core.py:1] starting"  # no error: the last line
