@@ -266,7 +266,9 @@ class VllmWorker:
     and worker.py makes each of them die with its parent (PR_SET_PDEATHSIG). A watcher thread here
     ends the whole group as soon as the worker exits, so a worker killed mid-build takes its
     engine with it (the engine's processes would otherwise stay, holding memory and GPUs, and keep
-    its output pipe open so the build would wait for a reply forever)."""
+    its output pipe open so the build would wait for a reply forever). Start it from a thread that
+    lives as long as the build (its main thread): the kernel's parent-death signal fires when the
+    *thread* that started a process ends."""
 
     def __init__(self, python: Path, setup: dict, env: dict[str, str], log_path: Path):
         self.python, self.log_path = python, log_path
