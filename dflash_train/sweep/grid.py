@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -118,10 +119,11 @@ class GridAxis:
         if self.extras and len(self.extras) != len(self.values):
             raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "
                               "extra settings; give one (possibly empty) set per value")
-        labels = [value_label(v) for v in self.values]
-        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        counts = Counter(value_label(v) for v in self.values)  # not list.count: a long axis would be quadratic
+        repeated = sorted(x for x, n in counts.items() if n > 1)
         if repeated:
-            raise ConfigError(f"grid key {self.key!r} repeats value(s) {repeated}; list each value once")
+            shown = repeated[:5] + ([f"... {len(repeated) - 5:,} more"] if len(repeated) > 5 else [])
+            raise ConfigError(f"grid key {self.key!r} repeats value(s) {shown}; list each value once")
 
 
 def parse_grid_item(text: str) -> GridAxis:
