@@ -6,7 +6,6 @@ and a time limit, so a plan that is not bounded fails its test instead of stalli
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
