@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dflash_common.errors import ConfigError
+from dflash_common.values import parse_json
 from dflash_train.config import set_path, with_run_length
 from dflash_train.knobs import find_knob, train_knobs
 
@@ -70,7 +71,7 @@ def split_values(text: str) -> list[str]:
 def parse_value(text: str) -> Any:
     """A grid value: JSON when it parses (0.3, 7, true, null, [0, 1]), else the plain string."""
     try:
-        value = json.loads(text)
+        value = parse_json(text, f"--grid value {text[:40]!r}{'...' if len(text) > 40 else ''}")
     except json.JSONDecodeError:
         return text
     return _tuples(value)
