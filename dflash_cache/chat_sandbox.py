@@ -379,7 +379,8 @@ def _measure_filters() -> dict[str, Callable]:
             from jinja2.filters import make_attrgetter
 
             getter = make_attrgetter(a["eval_ctx"].environment, a["attribute"])
-            a["value"], a["attribute"] = items = [getter(i) for i in items], None
+            items = [getter(i) for i in items]
+            a["value"], a["attribute"] = items, None
         sizes = 0
         for item in items:
             sizes += text_size(item, b.chars)
