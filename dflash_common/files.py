@@ -105,18 +105,23 @@ def give_plain_mode(path: str | os.PathLike) -> None:
     os.chmod(path, mode)
 
 
-def append_line(path: str | os.PathLike, line: str, root: str | os.PathLike | None = None) -> None:
-    """Append `line` (and a newline) to `path`, created when missing. A log is appended, not
-    rewritten (a rename per line would cost the whole file each time), so the final link is
-    refused by O_NOFOLLOW as well as by refuse_links: a link made after the check still fails."""
+def open_append(path: str | os.PathLike, root: str | os.PathLike | None = None) -> int:
+    """A descriptor appending to `path` (created when missing), for a log a child process writes
+    too. A log is appended, not rewritten (a rename per line would cost the whole file each time),
+    so the final link is refused by O_NOFOLLOW as well as by refuse_links: a link made after the
+    check still fails (as OutputError)."""
     refuse_links(path, root)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as err:
         if err.errno == errno.ELOOP:
             refuse_links(path)
         raise
-    with os.fdopen(fd, "a", encoding="utf-8") as f:
+
+
+def append_line(path: str | os.PathLike, line: str, root: str | os.PathLike | None = None) -> None:
+    """Append `line` (and a newline) to `path`, created when missing (see open_append)."""
+    with os.fdopen(open_append(path, root), "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 

@@ -39,15 +39,63 @@ def text_problem(text: str) -> str | None:
     return None
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is beyond a float's range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+MAX_OPTION_DEPTH = 32
+"""Deepest nesting of lists and objects a JSON option may hold (options are flat settings; the
+code walking a value recurses)."""
+
+
+def _depth(value) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_OPTION_DEPTH:
+                stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(text: str, option: str):
+    """JSON text given in an option (--vllm-args, --storage-options, --grid and --set values): the
+    one parser they share. Text that is not JSON raises json.JSONDecodeError (a caller may take it
+    as a plain string); JSON Python cannot hold as values (a number of over 4,300 digits, one
+    beyond a float's range, NaN, nesting too deep to parse) is a one-line ConfigError naming the
+    option."""
+    try:
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ConfigError(f"{option} is nested too deeply to parse ({len(text):,} characters); pass a flatter "
+                          "value") from None
+    except ValueError as err:  # a 5,000-digit integer, 1e999, NaN
+        first = str(err).split(";")[0].splitlines()[0][:120] if str(err) else "a number Python cannot hold"
+        raise ConfigError(f"{option} cannot be read ({first}); pass a smaller, finite number") from None
+    if _depth(value) > MAX_OPTION_DEPTH:
+        raise ConfigError(f"{option} is nested more than {MAX_OPTION_DEPTH} levels deep; pass a flatter value")
+    return value
+
+
 def json_object(text: str | None, option: str) -> dict | None:
     """A JSON-object option such as --storage-options, or None when not given."""
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = parse_json(text, option)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{option} {text!r} is not valid JSON ({err.msg} at character {err.pos}); "
+        raise ConfigError(f"{option} {text[:200]!r} is not valid JSON ({err.msg} at character {err.pos}); "
                           f"pass an object, e.g. {option} '{{\"endpoint_url\": \"http://127.0.0.1:9000\"}}'") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"{option} {text!r} is a JSON {type(value).__name__}, not an object; pass {{\"key\": value, ...}}")
+        raise ConfigError(f"{option} {text[:200]!r} is a JSON {type(value).__name__}, not an object; pass {{\"key\": value, ...}}")
     return value

@@ -20,6 +20,7 @@ from typing import Any
 from dflash_common import knobs
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
+from dflash_common.values import parse_json
 from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
@@ -54,12 +55,9 @@ def set_overrides(items: Sequence[str]) -> dict:
         if not sep or not key.strip():
             raise ConfigError(f"--set takes section.key=value, got {item!r}; e.g. --set loss.chunk_positions=1024")
         try:
-            value = json.loads(text)
+            value = parse_json(text, f"--set {key.strip()}=...")
         except json.JSONDecodeError:
             value = text
-        except (ValueError, RecursionError) as err:  # a 5,000-digit integer, nesting too deep to parse
-            first = str(err).split(";")[0][:100] if str(err) else "nested too deeply"
-            raise ConfigError(f"--set {key.strip()}=... cannot be read ({first}); pass a smaller value") from None
         set_path(out, key.strip().split("."), value)
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import stat
 from collections.abc import Sequence
 
 import xxhash
@@ -114,7 +115,13 @@ def list_corpus_files(data: str) -> list[str]:
             f"and datasets save_to_disk folders); check the path or pattern"
         )
     for entry in entries:
-        if os.path.isfile(entry):
+        kernel = _kernel_target(entry)
+        if kernel is not None:  # /proc/self/pagemap is a "regular file" whose reading never ends
+            raise ConfigError(f"corpus path {entry} leads to {kernel}, a kernel file, not corpus data; move it out of the "
+                              "corpus folder, or point --data at the corpus files alone")
+        if os.path.isdir(entry) and _is_saved_dataset(entry):
+            saved_dataset_files(entry)  # checked before datasets opens any of them
+        elif os.path.isfile(entry):
             _reject_json_array(entry)
         elif not os.path.isdir(entry):  # found in a folder: a pipe would block, /dev/zero never end
             raise ConfigError(f"corpus path {entry} is not a regular file or folder; move it out of the corpus folder, "
@@ -122,11 +129,58 @@ def list_corpus_files(data: str) -> list[str]:
     return entries
 
 
-def _saved_dataset_files(folder: str) -> list[str]:
-    state = load_settings_file(os.path.join(folder, "state.json"), kind="json", fix="save the dataset again")
-    if not isinstance(state, dict) or not isinstance(state.get("_data_files", []), list):
-        raise ConfigError(f"{folder}/state.json is not a datasets state (no _data_files list); save the dataset again")
-    return [os.path.join(folder, item["filename"]) for item in state.get("_data_files", [])]
+MAX_DATA_FILES = 10_000
+"""Most Arrow files one save_to_disk folder may name (save_to_disk writes ~500 MB each)."""
+
+_KERNEL_FOLDERS = ("/proc", "/sys", "/dev")
+
+
+def _kernel_target(path: str) -> str | None:
+    """Where `path` leads when that is inside /proc, /sys or /dev (files there never end, block,
+    or are gigabytes of kernel state that read as regular files), else None."""
+    target = os.path.realpath(path)
+    return target if any(target == k or target.startswith(k + os.sep) for k in _KERNEL_FOLDERS) else None
+
+
+def saved_dataset_files(folder: str) -> list[str]:
+    """The Arrow files a datasets save_to_disk folder's state.json names, each checked to be a
+    regular file inside the folder (no `..`, absolute path or link out of it, no FIFO or device),
+    so a folder never reads another's rows; every malformed state.json is one line naming the
+    folder, the entry and the fix."""
+    fix = "save the dataset again with dataset.save_to_disk(folder)"
+    state = load_settings_file(os.path.join(folder, "state.json"), kind="json", fix=fix)
+    if not isinstance(state, dict):
+        raise ConfigError(f"corpus folder {folder}: state.json is a JSON {type(state).__name__}, not a datasets state "
+                          f"(an object with a _data_files list); {fix}")
+    entries = state.get("_data_files")
+    if not isinstance(entries, list) or not entries:
+        shown = "missing" if entries is None else "an empty list" if entries == [] else f"a {type(entries).__name__}"
+        raise ConfigError(f"corpus folder {folder}: state.json's _data_files is {shown}, not a list of the folder's "
+                          f"Arrow files; {fix}")
+    if len(entries) > MAX_DATA_FILES:
+        raise ConfigError(f"corpus folder {folder}: state.json names {len(entries):,} data files, more than the "
+                          f"{MAX_DATA_FILES:,} a corpus folder may hold; {fix}")
+    root = os.path.realpath(folder)
+    files = []
+    for i, item in enumerate(entries):
+        name = item.get("filename") if isinstance(item, dict) else None
+        where = f"corpus folder {folder}: state.json's _data_files[{i}]"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where} has no file name ({str(item)[:80]!r}); {fix}")
+        path = os.path.join(folder, name)
+        target = os.path.realpath(path)
+        if os.path.isabs(name) or os.path.commonpath([root, target]) != root:
+            raise ConfigError(f"{where} names {name[:200]!r}, which is outside the folder; a corpus folder reads only "
+                              f"its own files: {fix}")
+        try:
+            mode = os.stat(target).st_mode
+        except OSError as err:
+            raise ConfigError(f"{where} names {name[:200]!r}, which cannot be read ({err.strerror}); {fix}") from None
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{where} names {name[:200]!r}, which is not a regular file (a FIFO, device or folder); "
+                              f"{fix}")
+        files.append(path)
+    return files
 
 
 def _sample_digest(path: str, size: int) -> tuple[str, str]:
@@ -150,7 +204,7 @@ def corpus_fingerprint(files: Sequence[str]) -> str:
     """
     data_files = []
     for entry in files:
-        data_files.extend(_saved_dataset_files(entry) if os.path.isdir(entry) else [entry])
+        data_files.extend(saved_dataset_files(entry) if os.path.isdir(entry) else [entry])
     if not data_files:
         raise ConfigError("corpus_fingerprint got no files; list them with list_corpus_files")
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in data_files])

@@ -14,7 +14,7 @@ import numpy as np
 
 from dflash_cache.corpus import limits
 from dflash_cache.corpus.config import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
-from dflash_cache.corpus.files import list_corpus_files
+from dflash_cache.corpus.files import list_corpus_files, saved_dataset_files
 from dflash_cache.corpus.limits import depth_problem, row_byte_limit, size_problem
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
@@ -253,6 +253,7 @@ def _count_arrow(path: str) -> int:
 def _load_saved_dataset(folder: str):
     import datasets
 
+    saved_dataset_files(folder)  # every file it names is a regular file inside it
     dataset = datasets.load_from_disk(folder)  # memory-maps the Arrow files
     if not isinstance(dataset, datasets.Dataset):
         raise ConfigError(f"corpus folder {folder} is not a single datasets split; point at one split")

@@ -6,12 +6,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_common.errors import CacheError
-from dflash_common.files import one_writer, write_file_atomic
+from dflash_common.errors import CacheError, ConfigError
+from dflash_common.files import LOCK_FILE, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
-from dflash_train.sweep.measure import (
-    reference_outputs,
-)
+from dflash_common.settings_files import load_settings_file
+from dflash_train.sweep.measure import REFERENCE_FILE, reference_outputs
 from dflash_train.sweep.plan import SweepConfig, SweepRun, plan_runs
 from dflash_train.sweep.processes import (
     RunFailure,
@@ -22,6 +21,7 @@ from dflash_train.sweep.processes import (
     train_in_processes,
     visible_gpus,
 )
+from dflash_train.sweep.recipe import SUMMARY_FILES
 from dflash_train.sweep.report import SweepReport, sweep_record, write_report
 from dflash_train.sweep.status import run_status, train_run
 
@@ -43,6 +43,36 @@ class SweepResult:
     """The rewritten comparison."""
 
 
+SWEEP_RECORD = "sweep.json"
+SWEEP_ENTRIES = (SWEEP_RECORD, "results.csv", "results.md", "loss_curves.png", "acceptance_by_position.png",
+                 *SUMMARY_FILES, REFERENCE_FILE, "runs", LOCK_FILE)
+"""What a sweep writes in its folder; none of them may be a symlink."""
+
+
+def check_sweep_folder(out: Path) -> None:
+    """Refuse an --out that is not ours to write into, as a run folder is refused: a file, a
+    sweep.json that is not a sweep's, or a non-empty folder without one (a sweep writes sweep.json
+    first, so its results.csv, results.md and plots would replace a user's files)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; choose a new or empty folder for the sweep")
+    refuse_links(out / SWEEP_RECORD, out)
+    record = out / SWEEP_RECORD
+    if record.exists():
+        try:
+            values = load_settings_file(str(record))
+        except ConfigError:
+            values = None
+        if isinstance(values, dict) and {"grid", "base", "runs"} <= set(values):
+            return
+        raise ConfigError(f"--out {out} holds a sweep.json that is not a dflash-train sweep's; choose a new or empty "
+                          "folder (the sweep would overwrite it, results.csv, results.md and its plots)")
+    foreign = foreign_entries(out, lambda entry: entry.name == LOCK_FILE
+                              or entry.name.startswith(f".{SWEEP_RECORD}.tmp-"))
+    if foreign:
+        raise ConfigError(f"--out {out} is a non-empty folder that is not a dflash-train sweep (it holds "
+                          f"{holds(foreign)}); choose a new or empty folder")
+
+
 def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult:
     """Train every unfinished combination, then rewrite the comparison.
 
@@ -61,6 +91,7 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
     if not open_cache(cfg.base.cache, cfg.base.storage_options).complete:
         raise CacheError(f"{cfg.base.cache} is an incomplete cache; rerun its `dflash-cache build` command to finish it")
     out = Path(cfg.out)
+    check_sweep_folder(out)
     # two sweeps on one folder would train the same runs at once (each run's own lock stops the
     # second there, after its teacher outputs and sweep.json were rewritten): one sweep per folder
     with one_writer(out, "dflash-train sweep", f"wait for it to end (or stop it), or choose another --out than {out}"):
@@ -70,8 +101,10 @@ def run_sweep(cfg: SweepConfig, progress: Progress | None = None) -> SweepResult
 def _sweep_locked(cfg: SweepConfig, runs: list[SweepRun], out: Path, progress: Progress) -> SweepResult:
     from dflash_cache import open_cache
 
+    for name in SWEEP_ENTRIES:  # every write checks again; this says so before hours of training
+        refuse_links(out / name, out)
     statuses = {run.name: run_status(run) for run in runs}  # refuses mismatched folders before writing
-    write_file_atomic(out / "sweep.json", (json.dumps(sweep_record(cfg, runs), indent=1) + "\n").encode())
+    write_file_atomic(out / SWEEP_RECORD, (json.dumps(sweep_record(cfg, runs), indent=1) + "\n").encode())
     if cfg.measure.teacher is not None and any(not s.finished for s in statuses.values()):
         progress.message(f"teacher's own greedy outputs for {cfg.measure.prompts} (once per sweep)")
         reference_outputs(cfg.measure, out, open_cache(cfg.base.cache, cfg.base.storage_options).chat_template_kwargs)

@@ -7,10 +7,12 @@ import hashlib
 import itertools
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dflash_common.errors import ConfigError
+from dflash_common.values import parse_json
 from dflash_train.config import set_path, with_run_length
 from dflash_train.knobs import find_knob, train_knobs
 
@@ -69,7 +71,7 @@ def split_values(text: str) -> list[str]:
 def parse_value(text: str) -> Any:
     """A grid value: JSON when it parses (0.3, 7, true, null, [0, 1]), else the plain string."""
     try:
-        value = json.loads(text)
+        value = parse_json(text, f"--grid value {text[:40]!r}{'...' if len(text) > 40 else ''}")
     except json.JSONDecodeError:
         return text
     return _tuples(value)
@@ -118,10 +120,11 @@ class GridAxis:
         if self.extras and len(self.extras) != len(self.values):
             raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "
                               "extra settings; give one (possibly empty) set per value")
-        labels = [value_label(v) for v in self.values]
-        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        counts = Counter(value_label(v) for v in self.values)  # not list.count: a long axis would be quadratic
+        repeated = sorted(x for x, n in counts.items() if n > 1)
         if repeated:
-            raise ConfigError(f"grid key {self.key!r} repeats value(s) {repeated}; list each value once")
+            shown = repeated[:5] + ([f"... {len(repeated) - 5:,} more"] if len(repeated) > 5 else [])
+            raise ConfigError(f"grid key {self.key!r} repeats value(s) {shown}; list each value once")
 
 
 def parse_grid_item(text: str) -> GridAxis:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_common.files import write_file_atomic
+from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
 from dflash_common.values import is_real
 from dflash_train.sweep.statistics import tokens_by_step
 
@@ -103,7 +104,7 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
            "max_prompts": measure.max_prompts, "max_new_tokens": measure.max_new_tokens,
            "chat_template_kwargs": template_kwargs}
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_reference(path)
         if saved.get("key") == key:
             return saved
     teacher = load_teacher(TeacherConfig(name_or_path=measure.teacher, dtype="float32", device="cpu", top_k=1))
@@ -111,10 +112,17 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     spec = _spec(teacher.tokenizer, measure.max_new_tokens)
     record = {"key": key, "prompts": [{"id": p.id, "ids": p.ids, "output": teacher_generate(teacher.model, p.ids, spec).tokens}
                                       for p in prompts]}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_file_atomic(path, (json.dumps(record) + "\n").encode(), Path(sweep_dir))
     return record
+
+
+def read_reference(path: Path) -> dict:
+    """A sweep's REFERENCE_FILE, read with a bound ({} when it is not ours: it is computed again)."""
+    try:
+        saved = load_settings_file(str(path), limit=MANIFEST_BYTES)
+    except ConfigError:
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 @functools.lru_cache(maxsize=2)
@@ -220,13 +228,11 @@ def read_measure(run_dir: str | Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return None  # cut short by a kill mid-write: measured again
+        saved = load_settings_file(str(path), limit=MANIFEST_BYTES)
+    except ConfigError:
+        return None  # not ours (or from before writes were atomic): measured again
+    return saved if isinstance(saved, dict) else None
 
 
 def write_measure(run_dir: str | Path, record: dict) -> None:
-    path = Path(run_dir) / MEASURE_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_file_atomic(Path(run_dir) / MEASURE_FILE, (json.dumps(record, indent=1) + "\n").encode(), Path(run_dir))

@@ -23,6 +23,29 @@ SEED_KEY = "seed"
 
 DESIGNS = ("full", "one-at-a-time")
 
+MAX_SWEEP_RUNS = 1000
+"""Most runs one sweep plans (grid combinations times seeds; the full grid for one-at-a-time,
+which is chosen from it): each is a training run, and planning checks every one's config."""
+
+MAX_PARALLEL = 256
+"""Most runs one sweep trains at once (each a process of its own)."""
+
+
+def check_sweep_size(grid: Sequence[GridAxis], seeds: int | None, parallel: int) -> None:
+    """Refuse a sweep larger than MAX_SWEEP_RUNS or MAX_PARALLEL, from the counts alone (before a
+    combination is made), naming the counts and the fix."""
+    combinations = 1
+    for axis in grid:
+        combinations *= len(axis.values)
+    runs = combinations * (seeds or 1)
+    if combinations > MAX_SWEEP_RUNS or runs > MAX_SWEEP_RUNS:
+        counted = " x ".join(f"{len(a.values):,} {a.key}" for a in grid) + (f" x {seeds:,} seeds" if seeds else "")
+        raise ConfigError(f"the sweep would plan {runs:,} runs ({counted}), more than the {MAX_SWEEP_RUNS:,} one sweep "
+                          "plans; give fewer --grid values or --seeds (or split it into several sweeps)")
+    if parallel > MAX_PARALLEL:
+        raise ConfigError(f"--parallel {parallel:,} is more than the {MAX_PARALLEL} runs one sweep trains at once; pass "
+                          f"--parallel {min(MAX_PARALLEL, runs)} or less")
+
 
 def seed_overrides(seed: int) -> dict:
     """Nested config values of replicate ``seed``: the same number for every seed of the run."""
@@ -124,6 +147,10 @@ class SweepConfig:
             if swept:
                 raise ConfigError(f"--seeds sets {', '.join('.'.join(p) for p in SEED_PATHS)} itself; drop --grid "
                                   f"{swept[0]}=... or --seeds")
+        parallel = self.parallel if self.parallel is not None else (len(self.devices) or 1)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ConfigError(f"--parallel must be a whole number of at least 1, got {self.parallel!r}; e.g. --parallel 2")
+        check_sweep_size(self.grid, self.seeds, parallel)
         if self.design not in DESIGNS:
             raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
         keys = [a.key for a in self.grid]
@@ -138,11 +165,7 @@ class SweepConfig:
                                   "give one value of every grid key")
         if self.measure.curve_points and self.base.steps is None and self.base.epochs is not None:
             raise ConfigError("held-out curve points need the run length in steps; pass --steps instead of --epochs")
-        devices = tuple(check_device(str(d)) for d in self.devices)
-        object.__setattr__(self, "devices", devices)
-        parallel = self.parallel if self.parallel is not None else (len(devices) or 1)
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise ConfigError(f"--parallel must be a whole number of at least 1, got {self.parallel!r}; e.g. --parallel 2")
+        object.__setattr__(self, "devices", tuple(check_device(str(d)) for d in self.devices))
         object.__setattr__(self, "parallel", parallel)
         plan_runs(self)  # every combination must be a valid train config before anything trains
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -14,10 +13,11 @@ def style(i: int) -> dict:
 def save_figure(fig, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    from dflash_common.files import write_atomic
+
     FigureCanvasAgg(fig)  # render with Agg without touching pyplot's global backend
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    # a fresh temporary, never a fixed name a link could be planted at, and no link at the path
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
 
 
 def plot_loss_curves(curves: dict[str, tuple[list[int], list[float]]], path: str | Path) -> None:

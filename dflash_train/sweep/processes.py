@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Collection, Iterable, Sequence
 
 from dflash_common.errors import DFlashError
+from dflash_common.files import open_append
 from dflash_common.progress import Progress
 from dflash_train.sweep.plan import SweepRun
 
@@ -121,7 +124,7 @@ def record_failure(run: SweepRun, err: Exception) -> RunFailure:
     folder.mkdir(parents=True, exist_ok=True)
     reason = str(err).splitlines()[0] if str(err) else type(err).__name__
     detail = "" if isinstance(err, DFlashError) else "".join(traceback.format_exception(err))
-    with open(folder / LOG_FILE, "a") as log:
+    with os.fdopen(open_append(folder / LOG_FILE, sweep_folder(run)), "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {run.name} failed in the sweep's process\n"
                   f"{detail}error: {reason}\n")
     return RunFailure(name=run.name, log=folder / LOG_FILE, exit_code=1, reason=_clipped(reason))
@@ -137,17 +140,22 @@ class SweepError(DFlashError):
                          "report was written; fix the cause and rerun the same command to resume")
 
 
+def sweep_folder(run: SweepRun) -> Path:
+    """The sweep folder a run's folder (OUT/runs/NAME) is in: no link below it is followed."""
+    return Path(run.config.out).parent.parent
+
+
 def _log_tail(path: Path, size: int = 65536) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - size))
-        return f.read().decode(errors="replace")
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+        return f.read(size).decode(errors="replace")
 
 
 def _start(run: SweepRun, slot: Slot, action: str) -> subprocess.Popen:
     folder = Path(run.config.out)
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(slot.threads), MKL_NUM_THREADS=str(slot.threads), PYTHONUNBUFFERED="1")
-    with open(folder / LOG_FILE, "a") as log:
+    with os.fdopen(open_append(folder / LOG_FILE, sweep_folder(run)), "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {action} {run.name} on {slot.device}, "
                   f"{slot.threads} thread(s)\n")
         log.flush()
@@ -162,7 +170,17 @@ def _start(run: SweepRun, slot: Slot, action: str) -> subprocess.Popen:
     return proc
 
 
+class SweepStopped(DFlashError):
+    """The sweep was asked to stop (SIGTERM) while runs trained in processes of their own."""
+
+
+def _stopped_by_signal(signum, frame) -> None:
+    raise SweepStopped(f"the sweep was stopped by signal {signal.Signals(signum).name}; its running runs were stopped "
+                       "too and resume from their newest checkpoints: rerun the same command to go on")
+
+
 def _stop(procs: Iterable[subprocess.Popen]) -> None:
+    """End the runs still going (SIGTERM, then SIGKILL after 30 s) and wait for each."""
     procs = [p for p in procs if p.poll() is None]
     for proc in procs:
         proc.terminate()
@@ -182,6 +200,10 @@ def train_in_processes(todo: Sequence[SweepRun], resumable: Collection[str], slo
     running: dict[int, tuple[SweepRun, subprocess.Popen, float]] = {}
     started = 0
     progress.start(len(todo), "sweep", "run")
+    # SIGTERM (a scheduler, `kill`) would end this process at once and leave its runs training as
+    # orphans: it raises here instead, so the finally below stops the runs and waits for them
+    handles = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stopped_by_signal) if handles else None
     try:
         while pending or running:
             for name, slot in assign_runs([r.name for r in pending], slots, running):
@@ -205,8 +227,14 @@ def train_in_processes(todo: Sequence[SweepRun], resumable: Collection[str], slo
                     progress.message(f"{run.name} FAILED (exit {failure.exit_code}: {failure.reason}); log {log}")
                 progress.advance(1)
     finally:
-        _stop(proc for _, proc, _ in running.values())  # interrupted: leave no run behind
-        progress.close()
+        if handles:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the waiting short
+        try:
+            _stop(proc for _, proc, _ in running.values())  # interrupted: leave no run behind
+        finally:
+            if handles:
+                signal.signal(signal.SIGTERM, previous)
+            progress.close()
     return failures
 
 

@@ -9,15 +9,19 @@ from pathlib import Path
 from typing import Iterable
 
 from dflash_common.errors import ConfigError
+from dflash_common.files import refuse_links
 from dflash_common.progress import Progress
+from dflash_common.settings_files import load_settings_file
 from dflash_train.config import config_differences
 from dflash_train.sweep.measure import (
     REFERENCE_FILE,
     measure_run,
     read_measure,
+    read_reference,
     write_measure,
 )
 from dflash_train.sweep.plan import SweepRun
+from dflash_train.sweep.processes import sweep_folder
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,15 @@ def run_status(run: SweepRun) -> RunStatus:
     reported under the wrong name)."""
     from dflash_train.training.checkpoint import CheckpointManager
     from dflash_train.training.export import CONFIG_FILE, WEIGHTS_FILE
+    from dflash_train.training.trainer import check_run_folder
 
     folder = Path(run.config.out)
+    refuse_links(folder, sweep_folder(run))  # a run folder linked elsewhere would be written there
+    check_run_folder(folder)  # no links where a run writes; a config.json that is a run's
     saved = folder / "config.json"
     if saved.exists():
-        differences = config_differences(json.loads(saved.read_text()), run.config.to_dict())
+        values = load_settings_file(str(saved), fix="move the folder away (or delete it) and rerun the sweep")
+        differences = config_differences(values, run.config.to_dict())
         if differences:
             said = "; ".join(f"{path}: {before!r} vs {after!r}" for path, before, after in differences)
             raise ConfigError(f"{folder} was made with other settings ({said}); "
@@ -117,5 +125,5 @@ def train_run(run: SweepRun, progress: Progress | None = None) -> None:
     if run.measure.active and not run.measure.covers(read_measure(run.config.out)):
         reference = None
         if run.measure.teacher is not None:
-            reference = json.loads((Path(run.config.out).parent.parent / REFERENCE_FILE).read_text())
+            reference = read_reference(sweep_folder(run) / REFERENCE_FILE)
         write_measure(run.config.out, measure_run(run.config, read_metrics(run.config.out), run.measure, reference, progress))

@@ -22,6 +22,7 @@ from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
+from dflash_common.settings_files import load_settings_file
 from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
 from dflash_train.training.checkpoint import (
     CheckpointError,
@@ -213,9 +214,9 @@ def check_run_folder(out: Path) -> None:
             refuse_links(entry)
     config = out / "config.json"
     if config.is_file():
-        try:
-            values = json.loads(config.read_text())
-        except (OSError, ValueError):
+        try:  # bounded: a config.json of gigabytes (or a link to /dev/zero) is not a run's
+            values = load_settings_file(str(config))
+        except (OSError, ConfigError):
             values = None
         if isinstance(values, dict) and {"cache", "model", "loss", "optim"} <= set(values):
             return
