@@ -187,6 +187,13 @@ class TrainConfig:
     seed: int = 0
     """Seed of the drafter's initial weights."""
 
+    init_from: str | None = None
+    """Start from these drafter weights instead of random ones: a checkpoint folder
+    (checkpoints/step-NNNNNN) or an exported drafter folder of an earlier run, whose drafter must
+    have this run's shape. Only the weights carry over: loss, weighting, schedule, steps and the
+    optimizer's state are this run's own (a fine-tuning phase; --resume-from continues a run
+    instead)."""
+
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
 

@@ -24,6 +24,7 @@ from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
 from dflash_train.training.checkpoint import (
+    COMPLETE,
     CheckpointError,
     CheckpointManager,
     full_model_state,
@@ -45,7 +46,7 @@ from dflash_train.training.distributed import (
     release_gathered,
     shutdown,
 )
-from dflash_train.training.export import check_export_folder, export_weights
+from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.training.loss import LossOutput, batch_loss, set_head_matmul
 from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
@@ -80,6 +81,46 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
     torch.manual_seed(cfg.seed)
     return DFlashDrafter.build(drafter_cfg, embed, lm_head, device, attention_backend(cfg.model.attention_backend, device))
+
+
+def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter config and trained tensors of a checkpoint folder (step-NNNNNN) or an export folder."""
+    path = Path(path)
+    if (path / COMPLETE).exists():
+        state = CheckpointManager.load(path)
+        return DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path} is neither a checkpoint folder (checkpoints/step-NNNNNN, with its "
+                          f"{COMPLETE} marker) nor an exported drafter folder; pass one of those")
+    return read_export(path)
+
+
+def weights_mismatch(wanted: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
+    """The first difference between two drafters' tensor sets (names, then shapes), or None."""
+    for name in sorted(set(wanted) | set(given)):
+        if name not in given:
+            return f"it lacks {name} (this run's drafter has it, shape {tuple(wanted[name].shape)})"
+        if name not in wanted:
+            return f"it has {name}, which this run's drafter lacks"
+        if wanted[name].shape != given[name].shape:
+            return f"its {name} is {tuple(given[name].shape)}, this run's is {tuple(wanted[name].shape)}"
+    return None
+
+
+def init_weights(model: DFlashDrafter, path: str | Path) -> None:
+    """Replace the drafter's initial weights by those of an earlier run (cfg.init_from), refusing
+    one of another shape or of other tapped teacher layers in one line."""
+    saved_cfg, state = drafter_weights(path)
+    problem = weights_mismatch(model.state_dict(), state)
+    if problem is None and tuple(saved_cfg.target_layer_ids) != tuple(model.cfg.target_layer_ids):
+        problem = (f"it reads teacher layers {list(saved_cfg.target_layer_ids)}, this run's cache "
+                   f"{list(model.cfg.target_layer_ids)}")
+    if problem:
+        raise ConfigError(f"--init-from {path} is not a drafter of this run's shape: {problem}; pass the drafter of a "
+                          "run with the same drafter options (--num-layers, --model-kind, ...) on a cache of the same teacher")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
 
 
 def total_steps(cfg: TrainConfig, cache) -> int:
@@ -308,6 +349,9 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     progress = progress if info.is_main else Progress()
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
+    if cfg.init_from is not None:  # before the wrapper: DDP and FSDP take the weights they find
+        init_weights(model, cfg.init_from)
+        progress.message(f"starting from the drafter weights of {cfg.init_from} (optimizer and schedule fresh)")
     forward = data_parallel(model, info, cfg.strategy, device)
     # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
