@@ -41,6 +41,7 @@ from dflash_train.training.distributed import (
     global_min,
     global_sum,
     global_sum_tensor,
+    gradient_sync,
     init_distributed,
     is_sharded,
     release_gathered,
@@ -352,7 +353,7 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     if cfg.init_from is not None:  # before the wrapper: DDP and FSDP take the weights they find
         init_weights(model, cfg.init_from)
         progress.message(f"starting from the drafter weights of {cfg.init_from} (optimizer and schedule fresh)")
-    forward = data_parallel(model, info, cfg.strategy, device)
+    forward = data_parallel(model, info, cfg.strategy, device, cfg.grad_reduce_dtype)
     # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
@@ -406,11 +407,12 @@ def run_steps(s: Session) -> None:
     s.progress.start(s.steps - s.step, "training", "step")
     s.model.train()
     while s.step < s.steps:
-        for _ in range(cfg.optim.grad_accum):
+        for index in range(cfg.optim.grad_accum):
             batch = next(batches)
             s.loader_state = LoaderState(**batch.state_after)
-            result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info, device,
-                                autocast)
+            with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1):
+                result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info,
+                                    device, autocast)
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens
