@@ -49,7 +49,7 @@ from dflash_train.training.distributed import (
 )
 from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
-from dflash_train.training.loss import LossOutput, batch_loss, set_head_matmul
+from dflash_train.training.loss import LossOutput, batch_loss, head_dtype, set_head_matmul
 from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
 
@@ -68,8 +68,9 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
     """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
     head = cache.load_teacher_head()
     # the embedding is a lookup and keeps the cache's dtype (bf16: half of 2.5 GB at production
-    # size); the LM head is fp32 because the loss's logits are
-    embed, lm_head = head["embed_tokens.weight"].to(device), head["lm_head.weight"].to(device).float()
+    # size); the LM head is fp32 because the loss's logits are, unless head_matmul bf16 on CUDA
+    embed = head["embed_tokens.weight"].to(device)
+    lm_head = head["lm_head.weight"].to(device).to(head_dtype(cfg.loss.head_matmul, device))
     tokenizer = cache.load_tokenizer()
     mask_id = resolve_mask_token_id(tokenizer, embed.shape[0], cfg.model.mask_token_id)
     drafter_cfg = DrafterConfig.from_teacher(
