@@ -36,7 +36,12 @@ from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.training.trainer import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "ddp", "bench")
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "ddp", "bench", "drafter",
+         "loader_width")
+CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp")
+"""The parts gpu_check.sh runs, re-cut for the first 10 minutes on one H200 (issue 34): (1) the
+drafter step at production shape, (3) the loader at production width, (4) the smoke parts; the
+others stay callable one by one (python benchmarks/gpu_check.py PART --out DIR)."""
 TEACHER = ROOT / "examples" / "teacher"
 CORPUS = ROOT / "examples" / "data" / "chat.jsonl"
 PROMPTS = ROOT / "examples" / "data" / "heldout_prompts.jsonl"
@@ -373,6 +378,131 @@ def part_bench(out: Path):
     return f"bench_gpu.py: see {out / 'bench_gpu.txt'}", {}
 
 
+def _markdown(header: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *["| " + " | ".join(str(v) for v in row) + " |" for row in rows]])
+
+
+def part_drafter(out: Path):
+    """(1) The drafter step at production shape on ~40 packed batches of ShareGPT-like lengths at
+    8k and 16k tokens (flex on CUDA): the first step (compile) time, steady tokens/s, dynamo's
+    compiled graphs (recompiles), peak memory; then the loss's LM head fp32 / tf32 / bf16 on one
+    batch: time and loss difference (CPU dry run: tiny sizes, sdpa, 6 batches)."""
+    import torch._dynamo.utils
+
+    from dflash_train.training.loss import batch_loss, head_dtype
+
+    s, dev = sizes(), device()
+    count = 6 if on_cpu() else 40
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    train_cfg, rows, details = TrainConfig(cache="", out=""), [], {}
+    for budget in ((s.batch_tokens, 2 * s.batch_tokens) if on_cpu() else (8192, 16384)):
+        model = _drafter(s, dev, "flex" if dev.type == "cuda" else "sdpa")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=dev.type == "cuda")
+        plans = [b for b in plan_lengths(sharegpt_lengths(4000, seed=2), budget) if sum(b) > budget // 2][:count]
+        torch._dynamo.utils.counters.clear()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        times, tokens, losses = [], [], []
+        for index, lengths in enumerate(plans):
+            batch = synthetic_sequences(lengths, s.vocab, len(s.tapped), s.hidden, s.top_k, s.num_anchors, seed=index,
+                                        layout="packed").to(dev)
+            t = time.perf_counter()
+            result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync(dev)
+            times.append(time.perf_counter() - t)
+            tokens.append(batch.num_tokens)
+            losses.append(float(result.loss.detach()))
+        if not all(v == v and abs(v) < float("inf") for v in losses):
+            raise RuntimeError(f"non-finite losses at {budget} tokens: {losses}")
+        steady = sum(tokens[3:]) / sum(times[3:])
+        graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        peak = peak_memory(dev)
+        rows.append([f"{budget:,}", len(plans), f"{times[0]:.1f} s", f"{steady:,.0f}", graphs, peak])
+        details[str(budget)] = {"first_step_s": times[0], "tokens_per_s": steady, "graphs": graphs, "peak": peak}
+        last = batch
+        del optimizer
+    heads = {}
+    model.eval()
+    for mode in ("fp32", "tf32", "bf16"):
+        set_head_matmul(mode, dev)
+        model.lm_head_weight = model.lm_head_weight.to(head_dtype(mode, dev))
+        with torch.no_grad(), autocast:
+            batch_loss(model, last, LossConfig(head_matmul=mode), model)  # warm
+            sync(dev)
+            t = time.perf_counter()
+            value = float(batch_loss(model, last, LossConfig(head_matmul=mode), model).loss)
+            sync(dev)
+            heads[mode] = {"loss": value, "seconds": time.perf_counter() - t,
+                           "head_gb": model.lm_head_weight.numel() * model.lm_head_weight.element_size() / 1e9}
+    set_head_matmul("fp32", dev)
+    for mode in heads:
+        heads[mode]["relative_loss_difference"] = abs(heads[mode]["loss"] - heads["fp32"]["loss"]) / abs(heads["fp32"]["loss"])
+    details["heads"] = heads
+    table = (_markdown(["batch tokens", "batches", "first step", "steady tok/s", "graphs compiled", "peak"], rows) + "\n\n"
+             + _markdown(["LM head", "loss (eval, one batch)", "rel. diff vs fp32", "seconds", "head GB"],
+                         [[m, f"{h['loss']:.5f}", f"{h['relative_loss_difference']:.1e}", f"{h['seconds']:.3f}",
+                           f"{h['head_gb']:.2f}"] for m, h in heads.items()]))
+    details["table"] = table
+    print(table)
+    first = details[str((s.batch_tokens if on_cpu() else 8192))]
+    return (f"{first['tokens_per_s']:,.0f} tok/s at the smaller budget, first step {first['first_step_s']:.1f} s, "
+            f"{first['graphs']} graph(s); bf16 head loss rel. diff {heads['bf16']['relative_loss_difference']:.1e}"), details
+
+
+def part_loader_width(out: Path):
+    """(3) The loader at production width (5 tapped layers x 5,120, bf16) on a synthetic cache:
+    the shards' integrity check (checksums of every file) timed alone, against the loader
+    streaming batches to the device with its check on (train_loader always checks: each shard is
+    hashed on the reading threads before its first sequence is handed out). The loader's rate
+    without the check is bounded by the two: checking costs at most loader bytes / checksum rate."""
+    import shutil
+
+    from bench_gpu import write_synthetic_cache
+
+    from dflash_cache import open_cache
+    from dflash_train.training.data import DataConfig, LoaderState, train_loader
+
+    s, dev = sizes(), device()
+    root = out / "width-cache"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        url, gigabytes = write_synthetic_cache(s, root)
+        cache = open_cache(url)
+        t = time.perf_counter()
+        problems = [p for shard in cache.shards for p in shard.checksum_problems()]
+        hash_s = time.perf_counter() - t
+        if problems:
+            raise RuntimeError(f"a fresh synthetic cache fails its checksums: {problems[:2]}")
+        details = {"cache_gb": gigabytes, "hash_gb_per_s": gigabytes / hash_s}
+        data = DataConfig(batch_tokens=s.batch_tokens, num_anchors=s.num_anchors, heldout_fraction=0.0)
+        stream = iter(train_loader(url, None, data, LoaderState(manifest_fingerprint=cache.fingerprint),
+                                   pin_memory=dev.type == "cuda"))
+        t, tokens, batches = time.perf_counter(), 0, 0
+        for batch in stream:  # one epoch: every shard read, so every shard hashed
+            batch.to(dev)
+            tokens, batches = tokens + batch.num_tokens, batches + 1
+            if batch.state_after["epoch"] > 0:
+                break
+        sync(dev)
+        stream = None
+        seconds = time.perf_counter() - t
+        rate = tokens / seconds
+        details.update(loader_tokens_per_s=rate, loader_gb_per_s=gigabytes / seconds)
+        rows = [["checksums alone", "-", "-", f"{gigabytes / hash_s:.2f}"],
+                ["loader, check on (one epoch)", batches, f"{rate:,.0f}", f"{gigabytes / seconds:.2f}"]]
+        table = (f"cache {gigabytes:.2f} GB, {len(cache.shards)} shard(s)\n\n"
+                 + _markdown(["what", "batches", f"tokens/s to {dev.type}", "GB/s"], rows))
+        details["table"] = table
+        print(table)
+        return (f"checksums {gigabytes / hash_s:.2f} GB/s alone; loader {rate:,.0f} tok/s "
+                f"({gigabytes / seconds:.2f} GB/s) with the check on"), details
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # --- driver ---------------------------------------------------------------------------------------------------
 
 
@@ -391,7 +521,7 @@ def run_part(name: str, out: Path) -> dict:
 
 def table(out: Path) -> str:
     lines = ["| part | status | seconds | result |", "|---|---|---|---|"]
-    for name in PARTS:
+    for name in CHECK:
         path = out / f"{name}.json"
         if not path.exists():
             status = (out / f"{name}.status").read_text().strip() if (out / f"{name}.status").exists() else "not run"

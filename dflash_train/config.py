@@ -83,6 +83,9 @@ class ModelConfig:
 STRATEGIES = ("ddp", "fsdp")
 """Data parallelism under torchrun (dflash_train.training.distributed carries them out)."""
 
+REDUCE_DTYPES = ("fp32", "bf16")
+"""Dtypes of the gradients' reduction across ranks (distributed.REDUCE_DTYPES maps them to torch's)."""
+
 # How a run computes, not what it learns: a resumed run may change these.
 MODEL_OPERATIONAL = ("attention_backend",)
 
@@ -184,8 +187,21 @@ class TrainConfig:
     or 'fsdp' (FSDP2: parameters, gradients and optimizer state sharded across ranks). One
     process trains unwrapped either way; checkpoints are the same for both."""
 
+    grad_reduce_dtype: str = "fp32"
+    """Dtype the gradients cross ranks in under torchrun: "fp32" (exact; a 2-process run equals
+    one process) or "bf16" (half the bytes: DDP's bf16 compression hook, FSDP2's reduce_dtype;
+    each rank's gradient is rounded to bf16 before the sum). One reduction per optimizer step
+    either way: gradient accumulation reduces only at its last batch."""
+
     seed: int = 0
     """Seed of the drafter's initial weights."""
+
+    init_from: str | None = None
+    """Start from these drafter weights instead of random ones: a checkpoint folder
+    (checkpoints/step-NNNNNN) or an exported drafter folder of an earlier run, whose drafter must
+    have this run's shape. Only the weights carry over: loss, weighting, schedule, steps and the
+    optimizer's state are this run's own (a fine-tuning phase; --resume-from continues a run
+    instead)."""
 
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""
@@ -201,6 +217,8 @@ class TrainConfig:
             raise ConfigError(f"--steps must be at least 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ConfigError(f"--grad-reduce-dtype must be one of {', '.join(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}; use ddp, or fsdp for drafters too large to replicate on every rank")
         if self.log_every < 1 or self.save_every < 1:
@@ -335,7 +353,7 @@ def merge(base: dict, overrides: dict) -> dict:
 # Settings (dotted paths) that change how a run is executed or logged, not what it learns: a
 # checkpoint resumes with other values of these, and a sweep counts a finished run made with other
 # values as its combination.
-OPERATIONAL_PATHS = frozenset({"out", "device", "strategy", "tensorboard", "log_every", "save_every", "keep_checkpoints",
+OPERATIONAL_PATHS = frozenset({"out", "device", "strategy", "grad_reduce_dtype", "tensorboard", "log_every", "save_every", "keep_checkpoints",
                                "storage_options", *(f"model.{name}" for name in MODEL_OPERATIONAL),
                                *(f"data.{name}" for name in DATA_OPERATIONAL),
                                *(f"loss.{name}" for name in LOSS_OPERATIONAL)})

@@ -207,6 +207,14 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
                                                            teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
                                                            "--out", str(root / "sur-eval.json"), "--quiet"],
                                                "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+        # issue 34: the tokenizer raised these as a traceback
+        "a lone surrogate in generate --prompt": (train_app, ["generate", "--checkpoint", str(root / "run" / "drafter"),
+                                                             "--teacher", teacher, "--prompt", "a\ud800b"],
+                                                  "--prompt holds a lone surrogate '\\ud800' at character 1"),
+        "bytes not UTF-8 in generate --prompt": (train_app, ["generate", "--checkpoint", str(root / "run" / "drafter"),
+                                                            "--teacher", teacher, "--prompt",
+                                                            b"caf\xe9".decode("utf-8", "surrogateescape")],
+                                                 "--prompt holds a lone surrogate '\\udce9' at character 3"),
         "drafter block_size 10**18": (train_app, ["eval", "--checkpoint", str(root / "huge-block-drafter"), "--cache",
                                                  cache, "--quiet"],
                                      "config.json: drafter config block_size 1000000000000000000 is not a whole number "

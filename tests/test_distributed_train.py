@@ -169,6 +169,25 @@ def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(t
     _assert_continues(single, one_then_fsdp)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_accumulation_equals_one_process_and_bf16_reduction_trains(tmp_path, cache_url, strategy):  # noqa: F811
+    """--grad-accum 2 on two ranks (gradients reduced once per step: no_sync, FSDP2's gradient
+    sync off until the last micro-batch) ends where one process does; --grad-reduce-dtype bf16
+    trains to nearly the same loss."""
+    args = [*ARGS, "--grad-accum", "2"]
+    single = tmp_path / "single"
+    _one_process("run", "--cache", cache_url, "--out", str(single), *args)
+    two = tmp_path / "two"
+    _torchrun("run", "--cache", cache_url, "--out", str(two), "--strategy", strategy, *args)
+    _close(_params(single, 6), _params(two, 6))
+    _same_train_metrics(single, two)
+    half = tmp_path / "bf16"
+    _torchrun("run", "--cache", cache_url, "--out", str(half), "--strategy", strategy, "--grad-reduce-dtype", "bf16", *args)
+    assert json.loads((half / "config.json").read_text())["grad_reduce_dtype"] == "bf16"
+    losses = [[r["loss"] for r in _metrics(run, "train")] for run in (single, half)]
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
 def test_fsdp_units_gather_in_time_and_leave_the_teacher_pieces_frozen(tmp_path, cache_url):  # noqa: F811
     """On a one-rank mesh in this process: sharded, the drafter computes the unsharded loss and
     gradients (its context path uses k/v projections outside any layer's forward)."""

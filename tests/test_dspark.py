@@ -305,3 +305,41 @@ def test_serve_commands_name_no_sglang_command_for_dspark():
     assert '"method": "dspark"' in dspark["vllm"]
     dflash = serve_commands("exp", dataclasses.replace(cfg, dspark=None))
     assert "--speculative-algorithm DFLASH" in dflash["sglang"]
+
+
+def test_offline_replay_counts_a_whole_accepted_dspark_block():
+    """`eval --teacher --prompts` of a DSpark drafter crashed (IndexError in the histogram) when a
+    block was accepted whole: a DSpark block drafts block_size tokens, the replay's histogram held
+    block_size + 1 rounds lengths (0..block_size). Here the teacher's top-1 is made the drafter's own
+    guess at every anchor the replay visits, so every round accepts all P drafts."""
+    import numpy as np
+
+    from dflash_cache.reader import SequenceRecord
+    from dflash_train.measuring.decoding import replay_record
+    from dflash_train.training.heldout import argmax_chunks
+
+    teacher = run_teacher("qwen3", 0.1)
+    drafter = _drafter(teacher)
+    p = drafter.cfg.num_draft_positions
+    assert p == drafter.cfg.block_size == 4
+    torch.manual_seed(3)
+    length, start = 24, 2
+    hidden = torch.randn(1, length, len(LAYER_IDS), 64)
+    ids = torch.randint(0, RUN_VOCAB - 1, (1, length))
+    topk = torch.zeros(length, 1, dtype=torch.long)
+    anchor = start
+    with torch.no_grad():
+        while anchor < length - 1:
+            states, features, _ = drafter(hidden, ids, torch.tensor([[anchor]]), heads=True)
+            guesses = argmax_chunks(drafter, states, features)[0]
+            stop = min(anchor + p, length - 1)
+            topk[anchor:stop, 0] = guesses[:stop - anchor]
+            anchor += p + 1
+    mask = np.zeros(length, np.uint8)
+    mask[start:] = 1
+    record = SequenceRecord(id="s", input_ids=ids[0].numpy().astype(np.int32), loss_mask=mask,
+                            hidden=hidden[0].numpy(), topk_ids=topk.numpy().astype(np.int32),
+                            topk_logprobs=np.zeros((length, 1), np.float32))
+    produced, rounds = replay_record(drafter, record, torch.device("cpu"))
+    # 22 tokens to produce after the first: four whole rounds of 4 drafts + 1, then the last 2
+    assert (produced, rounds) == (length - 1 - start, 5)

@@ -19,8 +19,10 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_one_table(tmp_path):
                           timeout=580)
     table = (tmp_path / "out" / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")]
-    assert [row.split("|")[1].strip() for row in rows] == ["env", "noise", "step", "flex", "packed", "build", "loader",
-                                                           "train", "dspark", "ddp", "bench"], table
+    assert [row.split("|")[1].strip() for row in rows] == ["env", "drafter", "loader_width", "build", "loader", "ddp"], table
+    # the production-scale parts print their own tables (issue 34)
+    assert "steady tok/s" in done.stdout and "graphs compiled" in done.stdout and "| bf16 |" in done.stdout, done.stdout
+    assert "checksums alone" in done.stdout, done.stdout
     assert all(row.split("|")[2].strip() == "ok" for row in rows), table + done.stdout[-2000:]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -37,4 +39,4 @@ def test_a_failing_part_is_its_own_row_and_the_check_fails(tmp_path):
     assert ok.returncode == 0, ok.stderr
     table = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "table", "--out", str(out)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60).stdout
-    assert "| loader | FAIL |" in table and "| noise | ok |" in table and "| step | not run |" in table, table
+    assert "| loader | FAIL |" in table and "| ddp | not run |" in table, table

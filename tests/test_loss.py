@@ -486,6 +486,31 @@ def test_autocast_does_not_lower_logit_precision():
     assert autocast.item() == pytest.approx(plain.item(), rel=1e-6)
 
 
+def test_bf16_head_rounds_the_matmul_inputs_and_keeps_fp32_accumulation():
+    """head_matmul bf16: the loss of bf16-rounded states and head accumulated in fp32 (what cuBLAS
+    computes on CUDA), close to fp32's; CPU keeps the stored head in fp32, CUDA holds it in bf16."""
+    from dflash_train.training.loss import head_dtype, head_logits
+
+    states, lm_head, targets, ids, logprobs, valid, b = random_batch(5)
+    states = states.detach().requires_grad_()
+    exact = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(), b)
+    half = block_loss(states, lm_head, targets, ids, logprobs, valid, LossConfig(head_matmul="bf16"), b)
+    rounded = block_loss(states.detach().bfloat16().float().requires_grad_(), lm_head.bfloat16().float(), targets, ids,
+                         logprobs, valid, LossConfig(), b)
+    assert half.loss.item() == pytest.approx(rounded.loss.item(), rel=1e-6)
+    assert half.loss.item() != exact.loss.item() and half.loss.item() == pytest.approx(exact.loss.item(), rel=1e-2)
+    half.loss.backward()
+    assert states.grad is not None and torch.isfinite(states.grad).all()
+    # fp32 accumulation: far closer to fp32 than logits rounded to bf16 afterwards would be
+    plain = states.detach()[0]
+    logits = head_logits(plain, lm_head, "bf16")
+    assert logits.dtype == torch.float32
+    error = (logits - plain @ lm_head.T).abs().max()
+    assert error < (plain.bfloat16() @ lm_head.bfloat16().T).float().sub(plain @ lm_head.T).abs().max()
+    assert head_dtype("bf16", torch.device("cpu")) == torch.float32
+    assert head_dtype("bf16", torch.device("cuda")) == torch.bfloat16 and head_dtype("fp32", torch.device("cuda")) == torch.float32
+
+
 def test_no_grad_evaluation_runs_without_checkpoint():
     states, lm_head, targets, ids, logprobs, valid, b = random_batch(6)
     with torch.no_grad():

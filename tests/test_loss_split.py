@@ -19,7 +19,7 @@ import torch
 
 from dflash_train.config import TrainConfig
 from dflash_train.training.data import Batch
-from dflash_train.training.distributed import DistInfo, data_parallel, init_distributed, shutdown
+from dflash_train.training.distributed import DistInfo, data_parallel, gradient_sync, init_distributed, shutdown
 from dflash_train.training.loss import WEIGHTINGS, LossConfig
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 from dflash_train.training.trainer import micro_step
@@ -88,10 +88,54 @@ def step(model, forward, batch: Batch, loss: LossConfig, info: DistInfo) -> tupl
 
 def main() -> None:
     info = init_distributed(torch.device("cpu"))
-    results = split_steps(info)  # its DDP wrapper is gone before the group (see shutdown)
+    # each's DDP wrapper is gone before the group (see shutdown)
+    results = accumulated_steps(info) if "ACCUM_RESULT" in os.environ else split_steps(info)
     if info.is_main:
-        Path(os.environ["SPLIT_RESULT"]).write_text(json.dumps(results))
+        Path(os.environ.get("ACCUM_RESULT") or os.environ["SPLIT_RESULT"]).write_text(json.dumps(results))
     shutdown(info)
+
+
+ACCUM = 4
+ACCUM_LENGTHS = (23, 9, 31, 14, 27, 12, 19, 25)  # micro-batch i: sequences 2i (rank 0) and 2i + 1 (rank 1)
+
+
+def written_bytes() -> int:
+    """Bytes this process has passed to write and send calls (gloo's gradient traffic, on CPU)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise OSError("no wchar in /proc/self/io")
+
+
+def accumulate(model, forward, micro_batches: list[Batch], info: DistInfo, strategy_sync: bool = True) -> dict:
+    """The trainer's accumulation (gradient_sync around each micro_step), the gradients it leaves."""
+    cfg = TrainConfig(cache="", out="", optim=dataclasses.replace(TrainConfig(cache="", out="").optim,
+                                                                  grad_accum=len(micro_batches)))
+    model.zero_grad(set_to_none=True)
+    for index, batch in enumerate(micro_batches):
+        with gradient_sync(forward, model, sync=not strategy_sync or index == len(micro_batches) - 1):
+            micro_step(model, forward, batch, cfg, info, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def accumulated_steps(info: DistInfo) -> dict:
+    """Per gradient dtype, accumulation 1 and 4 and reduction per micro-batch (the trainer before
+    issue 34): the bytes this rank wrote during the micro-steps, and the gradients of accumulation 4."""
+    parts = sequences(ACCUM_LENGTHS)
+    mine = [parts[2 * i + info.rank] for i in range(ACCUM)]
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        for label, batches, once in (("accum1", mine[:1], True), ("accum4", mine, True), ("accum4-every", mine, False)):
+            model = drafter()
+            forward = data_parallel(model, info, "ddp", torch.device("cpu"), dtype)
+            accumulate(model, forward, batches, info, once)  # DDP builds its buckets in the first backward
+            torch.distributed.barrier()
+            before = written_bytes()
+            grads = accumulate(model, forward, batches, info, once)
+            out[f"{dtype}/{label}"] = {"bytes": written_bytes() - before,
+                                       "grads": {k: v.tolist() for k, v in grads.items()} if label == "accum4" else None}
+            del forward
+    return out
 
 
 def split_steps(info: DistInfo) -> list[dict]:
@@ -129,6 +173,33 @@ def test_split_across_two_processes_equals_one(tmp_path):
         assert set(got["grads"]) == set(grads), label
         for name, grad in grads.items():
             torch.testing.assert_close(torch.tensor(got["grads"][name]), grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+
+
+def test_accumulation_reduces_once_per_optimizer_step(tmp_path):
+    """Under DDP a step of 4 accumulated micro-batches moves the bytes of one reduction (it moved
+    4x with a reduction per micro-batch), its gradient still equals one process's accumulated
+    over the same global batches (fp32), and bf16 reduction moves about half the bytes."""
+    result = tmp_path / "accum.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__],
+                          env={**env, "ACCUM_RESULT": str(result), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(result.read_text())
+    size = {dtype: got[f"{dtype}/accum1"]["bytes"] for dtype in ("fp32", "bf16")}
+    params = sum(p.numel() for p in drafter().parameters())
+    assert size["fp32"] >= 4 * params  # one reduction writes at least the gradient's bytes
+    for dtype in ("fp32", "bf16"):
+        assert got[f"{dtype}/accum4"]["bytes"] < 1.25 * size[dtype], (dtype, got[f"{dtype}/accum4"]["bytes"], size)
+        assert got[f"{dtype}/accum4-every"]["bytes"] > 3.5 * size[dtype]  # what the trainer moved before
+    assert size["bf16"] < 0.7 * size["fp32"], size
+
+    model, parts = drafter(), sequences(ACCUM_LENGTHS)
+    whole = accumulate(model, model, [join(parts[2 * i:2 * i + 2]) for i in range(ACCUM)], DistInfo())
+    for name, grad in whole.items():
+        torch.testing.assert_close(torch.tensor(got["fp32/accum4"]["grads"][name]), grad, rtol=1e-4, atol=1e-6)
+        # bf16 rounds each rank's sum to 8 bits of mantissa before the reduction
+        torch.testing.assert_close(torch.tensor(got["bf16/accum4"]["grads"][name]), grad, rtol=2e-2, atol=1e-4)
 
 
 if __name__ == "__main__":

@@ -266,3 +266,42 @@ def test_acceptance_objectives_train_log_their_terms_and_resume_exactly(tmp_path
     # the objective is part of what a resume must keep
     changed = CliRunner().invoke(app, [*args, "--out", str(cut), "--resume", "--steps", "6", "--dpace-smoothing", "0.9"])
     assert changed.exit_code == 1 and "loss.dpace_smoothing differs" in changed.output
+
+
+def test_init_from_starts_a_new_run_from_a_runs_weights(tmp_path, cache_url):
+    """--init-from: a second phase with its own loss and schedule starts from the first run's weights
+    (an export or a checkpoint folder), its optimizer fresh; a drafter of another shape is refused."""
+    runner = CliRunner()
+    common = ["--num-layers", "1", "--block-size", "4", "--heldout-fraction", "0.05", "--eval-sequences", "4",
+              "--save-every", "3", "--quiet"]
+    first = tmp_path / "first"
+    assert runner.invoke(app, ["run", "--cache", cache_url, "--out", str(first), "--steps", "3", "--lr", "3e-3",
+                               *common]).exit_code == 0
+    after = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    untrained, after = [r for r in after if r.get("kind") == "eval"]
+    assert abs(untrained["tau"] - after["tau"]) > 0.01  # so an equal tau below is the first run's weights
+    for source in (first / "drafter", first / "checkpoints" / "step-000003"):
+        second = tmp_path / f"second-{source.name}"
+        result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(second), "--steps", "2",
+                                     "--init-from", str(source), "--loss", "onpolicy_kl", *common])
+        assert result.exit_code == 0, result.output
+        config = json.loads((second / "config.json").read_text())
+        assert config["init_from"] == str(source) and config["loss"]["kind"] == "onpolicy_kl"
+        before = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+        before = [r for r in before if r.get("kind") == "eval"][0]
+        # the held-out evaluation before the second run's first step is the first run's after its last
+        # (the checkpoint's fp32 weights exactly; the export holds them in bf16)
+        exact = source.name.startswith("step-")
+        assert before["step"] == 0 and before["tau"] == pytest.approx(after["tau"], abs=1e-9 if exact else 1e-3)
+        # a fresh schedule: the second run warms up from its own step 0
+        train_lines = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(line).get("kind") == "train"]
+        assert train_lines[-1]["step"] == 2
+    wrong = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(tmp_path / "wrong"), "--steps", "2",
+                                "--init-from", str(first / "drafter"), "--num-layers", "2", "--block-size", "4",
+                                "--eval-sequences", "0", "--quiet"])
+    assert wrong.exit_code == 1 and len(wrong.output.strip().splitlines()) == 1, wrong.output
+    assert "is not a drafter of this run's shape: it lacks layers.1." in wrong.output
+    missing = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(tmp_path / "missing"), "--steps", "2",
+                                  "--init-from", str(tmp_path), "--eval-sequences", "0", "--quiet"])
+    assert missing.exit_code == 1 and "is neither a checkpoint folder" in missing.output, missing.output

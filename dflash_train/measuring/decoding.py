@@ -21,7 +21,7 @@ from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file, read_bounded
 from dflash_common.values import text_problem
-from dflash_train.measuring.evaluate import load_trained_drafter, replay_batch
+from dflash_train.measuring.evaluate import load_trained_drafter, replay_batch, replay_histogram
 from dflash_train.measuring.speculative import (
     SpecConfig,
     SpecResult,
@@ -164,8 +164,15 @@ def offline_estimate(teacher: Teacher, drafter: DFlashDrafter, prompt: Prompt, o
     mask[len(prompt.ids):] = 1
     record = SequenceRecord(id=prompt.id, input_ids=seq, loss_mask=mask, hidden=hidden,
                             topk_ids=out.topk_ids, topk_logprobs=out.topk_logprobs)
-    batch = collate([record], [np.zeros(0, np.int64)], [hidden]).to(teacher.device)
-    return replay_batch(drafter, batch, torch.zeros(drafter.cfg.block_size + 1, dtype=torch.long))
+    return replay_record(drafter, record, teacher.device)
+
+
+def replay_record(drafter: DFlashDrafter, record: SequenceRecord, device) -> tuple[int, int]:
+    """The greedy replay (replay_batch) of one sequence: (tokens produced, rounds)."""
+    batch = collate([record], [np.zeros(0, np.int64)], [record.hidden]).to(device)
+    # sized by the drafter's drafts per block: a DSpark drafter drafts block_size tokens, and a
+    # histogram of block_size + 1 had no slot for its whole accepted block (an IndexError)
+    return replay_batch(drafter, batch, replay_histogram(drafter.cfg))
 
 
 def offline_accepted_length(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt],

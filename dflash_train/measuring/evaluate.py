@@ -20,6 +20,12 @@ def assistant_spans(loss_mask: torch.Tensor, length: int) -> list[tuple[int, int
     return [(int(s), int(e)) for s, e in zip(starts, ends)]
 
 
+def replay_histogram(drafter_cfg) -> torch.Tensor:
+    """Rounds counted by the tokens they produced, 0 to P + 1 (a whole block of P drafts
+    accepted plus the teacher's token): what replay_batch counts into."""
+    return torch.zeros(drafter_cfg.num_draft_positions + 2, dtype=torch.long)
+
+
 @torch.no_grad()
 def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) -> tuple[int, int]:
     """Walk each assistant turn of a batch the way greedy speculative decoding does.
@@ -30,7 +36,7 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     teacher's own greedy output this is what real greedy decoding accepts (for DSpark too: along
     an accepted streak each drafted token is the true one, so teacher-forced Markov inputs are the
     drafted ones). Returns (tokens produced by rounds, rounds) and counts each round's length in
-    ``histogram``.
+    ``histogram`` (from replay_histogram).
     """
     block = model.cfg.num_draft_positions + 1
     produced = rounds = 0
@@ -65,7 +71,7 @@ def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_
                   device: torch.device) -> dict:
     """Greedy replay (see replay_batch) over the held-out split of a cache."""
     model.eval()
-    produced, rounds, histogram = 0, 0, torch.zeros(model.cfg.num_draft_positions + 2, dtype=torch.long)
+    produced, rounds, histogram = 0, 0, replay_histogram(model.cfg)
     for batch in heldout_batches(cache, data_cfg, max_sequences):
         p, r = replay_batch(model, batch.to(device), histogram)
         produced, rounds = produced + p, rounds + r

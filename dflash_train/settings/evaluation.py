@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash_cache.settings.teacher import TEACHER_DTYPES
 from dflash_common.errors import ConfigError
-from dflash_common.values import check_choice
+from dflash_common.values import check_choice, text_problem
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.speculative import SpecConfig
 
@@ -151,3 +151,9 @@ class GenerateConfig:
     def __post_init__(self):
         if not self.decoding.teacher:
             raise ConfigError("generate decodes with the drafter's teacher; give --teacher (a folder or hub name)")
+        # a command line's bytes that are not UTF-8 arrive as lone surrogates (surrogateescape), which
+        # no tokenizer can take: the tokenizer raised it as a traceback
+        problem = text_problem(self.prompt)
+        if problem:
+            raise ConfigError(f"--prompt {problem} (bytes that are not UTF-8 on the command line arrive so); "
+                              "pass the prompt as UTF-8 text")

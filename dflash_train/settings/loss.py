@@ -14,7 +14,7 @@ LOSS_KINDS = (*TERMS, "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.
 OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
 WEIGHTINGS = ("streak", "decay", "dpace", "none")
-HEAD_MATMULS = ("fp32", "tf32")
+HEAD_MATMULS = ("fp32", "tf32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,12 @@ class LossConfig:
     270 positions at a 248,320-token vocabulary, and a whole batch at small vocabularies)."""
 
     head_matmul: str = "fp32"
-    """Precision of the loss's LM-head matmul on CUDA: "fp32" (exact) or "tf32" (tensor cores,
+    """Precision of the loss's LM-head matmul: "fp32" (exact), "tf32" (CUDA tensor cores,
     10-bit mantissa inputs with fp32 accumulation; by FLOP count most of a production step at
-    fp32). CPU always computes fp32. The accuracy and speed of both are in benchmarks/RESULTS.md."""
+    fp32) or "bf16" (the frozen head held in bf16 on CUDA, half its memory: 2.5 GB at production
+    size; bf16 inputs, fp32 accumulation and fp32 logits). CPU keeps the head in fp32: there
+    "tf32" is fp32 and "bf16" rounds the matmul's inputs to bf16 the way CUDA computes it. The
+    accuracy and speed of each are in benchmarks/RESULTS.md."""
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:

@@ -153,6 +153,12 @@ def _check_tensors(path: Path, loaded: dict[str, Tensor], expected: dict[str, Te
 def load_drafter(export_dir: str | os.PathLike[str], embed_weight: Tensor, lm_head_weight: Tensor,
                  dtype: torch.dtype = torch.bfloat16) -> DFlashDrafter:
     """Load an export folder into a DFlashDrafter around the teacher's embedding and LM head."""
+    cfg, loaded = read_export(export_dir)
+    return DFlashDrafter.build(cfg, embed_weight, lm_head_weight, embed_weight.device, state=loaded).to(dtype)
+
+
+def read_export(export_dir: str | os.PathLike[str]) -> tuple[DrafterConfig, dict[str, Tensor]]:
+    """An export folder's DrafterConfig and its trained tensors, checked against each other."""
     cfg = read_export_config(export_dir)
     path = Path(export_dir) / WEIGHTS_FILE
     if not path.is_file():
@@ -161,7 +167,8 @@ def load_drafter(export_dir: str | os.PathLike[str], embed_weight: Tensor, lm_he
         loaded = load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise ExportError(f"{path} is not a readable safetensors file ({err}); export the drafter again") from err
+    hidden = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
     with torch.device("meta"):
-        expected = DFlashDrafter(cfg, embed_weight.to("meta"), lm_head_weight.to("meta")).state_dict()
+        expected = DFlashDrafter(cfg, hidden, hidden).state_dict()
     _check_tensors(path, loaded, expected)
-    return DFlashDrafter.build(cfg, embed_weight, lm_head_weight, embed_weight.device, state=loaded).to(dtype)
+    return cfg, loaded

@@ -91,6 +91,41 @@ def set_head_matmul(head_matmul: str, device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = head_matmul == "tf32"
 
 
+class _Bf16HeadLogits(torch.autograd.Function):
+    """fp32 logits of bf16 states and a bf16 head, accumulated in fp32 by cuBLAS (mm's out_dtype);
+    the head is frozen, so only the states get a gradient (bf16 inputs, fp32 accumulation too)."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        half = states.to(torch.bfloat16)
+        ctx.save_for_backward(head)
+        ctx.states_dtype = states.dtype
+        return torch.mm(half, head.to(torch.bfloat16).T, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (head,) = ctx.saved_tensors
+        grad_states = torch.mm(grad.to(torch.bfloat16), head.to(torch.bfloat16), out_dtype=torch.float32)
+        return grad_states.to(ctx.states_dtype), None
+
+
+def head_logits(states: torch.Tensor, lm_head_weight: torch.Tensor, head_matmul: str = "fp32") -> torch.Tensor:
+    """fp32 logits [T, V] of states [T, H] through the frozen LM head [V, H] in the loss's
+    head_matmul precision (tf32 is fp32 here: set_head_matmul lets CUDA's fp32 matmuls use it).
+    bf16: on CUDA a bf16 GEMM with fp32 accumulation; elsewhere the same numbers computed in
+    fp32 from the bf16-rounded inputs (a product of two bf16 values is exact in fp32)."""
+    if head_matmul != "bf16":
+        return states.float() @ lm_head_weight.float().T
+    if states.is_cuda:
+        return _Bf16HeadLogits.apply(states, lm_head_weight)
+    return states.to(torch.bfloat16).float() @ lm_head_weight.to(torch.bfloat16).float().T
+
+
+def head_dtype(head_matmul: str, device: torch.device) -> torch.dtype:
+    """The dtype the frozen LM head is held in: bf16 for head_matmul "bf16" on CUDA, else fp32."""
+    return torch.bfloat16 if head_matmul == "bf16" and device.type == "cuda" else torch.float32
+
+
 @dataclass
 class LossOutput:
     """One batch's loss plus detached per-block-position sums, so logs can aggregate across
@@ -197,6 +232,7 @@ def _chunk_terms(
     names: tuple[str, ...],
     lk_eta: float,
     has_tail: bool,
+    head_matmul: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence) for n
     gathered valid positions; the only place full-vocabulary logits exist. Runs under checkpoint,
@@ -204,7 +240,7 @@ def _chunk_terms(
     halves, kl and rkl, which block_loss joins."""
     # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
     with torch.autocast(device_type=states.device.type, enabled=False):
-        logits = states.float() @ lm_head_weight.float().T
+        logits = head_logits(states, lm_head_weight, head_matmul)
         if features is not None:
             logits = logits + features.float() @ bias_weight.float().T
         log_norm = torch.logsumexp(logits, dim=-1)
@@ -375,7 +411,7 @@ def _valid_position_terms(
         piece = slice(start, start + step)
         args = (valid_states[piece], lm_head_weight, None if valid_features is None else valid_features[piece],
                 heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
-                float(cfg.lk_eta), has_tail)
+                float(cfg.lk_eta), has_tail, cfg.head_matmul)
         parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
     per_term, alpha, greedy, confidence = (torch.cat(piece, dim=-1) for piece in zip(*parts))
     return per_term, alpha.detach(), greedy, confidence.detach()

@@ -155,27 +155,41 @@ def _sdpa_attend(mask: Tensor | None, kv_groups: int) -> AttendFn:
 
 
 _compiled_flex_attention: Callable[..., Tensor] | None = None
+COMPILE_FLEX_ON = {"cuda"}
+"""Device types whose flex_attention is compiled (elsewhere it runs eagerly, which is only for
+tests: CPU has no flex backward, and its forward compiles in tens of seconds)."""
 
 
-def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window: int | None) -> AttendFn:
-    """flex_attention with a BlockMask built from the same predicate as `block_attention_mask`.
-
-    Compiled on CUDA (where it skips fully masked tiles); eager elsewhere, which is only for tests.
-    """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    global _compiled_flex_attention
-    num_queries = anchors.shape[1] * block_size
+def flex_mask_mod(anchors: Tensor, seq_len: Tensor, block_size: int, sliding_window: int | None):
+    """The flex_attention mask_mod of `block_attention_mask`, reading the batch from tensors
+    (anchors [N, A], seq_len a 0-d tensor): compiled code guards on their shapes, not on their
+    values, so batches of other lengths and anchors reuse one dynamic-shape graph instead of
+    recompiling per batch (a Python int closed over was a constant, and a recompile, per value).
+    block_size and the window are the drafter's, the same for every batch."""
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         query_anchor = anchors[b, torch.div(q_idx, block_size, rounding_mode="floor")]
         return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window)
 
+    return mask_mod
+
+
+def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window: int | None) -> AttendFn:
+    """flex_attention with a BlockMask built from the same predicate as `block_attention_mask`.
+
+    Compiled on CUDA (where it skips fully masked tiles), with dynamic shapes: the batch's
+    sizes vary from step to step; eager elsewhere (COMPILE_FLEX_ON).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex_attention
+    num_queries = anchors.shape[1] * block_size
+    mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window)
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
                                    device=anchors.device)
-    if anchors.is_cuda:
+    if anchors.device.type in COMPILE_FLEX_ON:
         if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention)
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
         kernel = _compiled_flex_attention
     else:
         kernel = flex_attention

@@ -25,6 +25,7 @@ from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
 from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
 from dflash_train.training.checkpoint import (
+    COMPLETE,
     CheckpointError,
     CheckpointManager,
     full_model_state,
@@ -41,14 +42,15 @@ from dflash_train.training.distributed import (
     global_min,
     global_sum,
     global_sum_tensor,
+    gradient_sync,
     init_distributed,
     is_sharded,
     release_gathered,
     shutdown,
 )
-from dflash_train.training.export import check_export_folder, export_weights
+from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
-from dflash_train.training.loss import LossOutput, batch_loss, set_head_matmul
+from dflash_train.training.loss import LossOutput, batch_loss, head_dtype, set_head_matmul
 from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
 
@@ -67,8 +69,9 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
     """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
     head = cache.load_teacher_head()
     # the embedding is a lookup and keeps the cache's dtype (bf16: half of 2.5 GB at production
-    # size); the LM head is fp32 because the loss's logits are
-    embed, lm_head = head["embed_tokens.weight"].to(device), head["lm_head.weight"].to(device).float()
+    # size); the LM head is fp32 because the loss's logits are, unless head_matmul bf16 on CUDA
+    embed = head["embed_tokens.weight"].to(device)
+    lm_head = head["lm_head.weight"].to(device).to(head_dtype(cfg.loss.head_matmul, device))
     tokenizer = cache.load_tokenizer()
     mask_id = resolve_mask_token_id(tokenizer, embed.shape[0], cfg.model.mask_token_id)
     drafter_cfg = DrafterConfig.from_teacher(
@@ -81,6 +84,46 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
     torch.manual_seed(cfg.seed)
     return DFlashDrafter.build(drafter_cfg, embed, lm_head, device, attention_backend(cfg.model.attention_backend, device))
+
+
+def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter config and trained tensors of a checkpoint folder (step-NNNNNN) or an export folder."""
+    path = Path(path)
+    if (path / COMPLETE).exists():
+        state = CheckpointManager.load(path)
+        return DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path} is neither a checkpoint folder (checkpoints/step-NNNNNN, with its "
+                          f"{COMPLETE} marker) nor an exported drafter folder; pass one of those")
+    return read_export(path)
+
+
+def weights_mismatch(wanted: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
+    """The first difference between two drafters' tensor sets (names, then shapes), or None."""
+    for name in sorted(set(wanted) | set(given)):
+        if name not in given:
+            return f"it lacks {name} (this run's drafter has it, shape {tuple(wanted[name].shape)})"
+        if name not in wanted:
+            return f"it has {name}, which this run's drafter lacks"
+        if wanted[name].shape != given[name].shape:
+            return f"its {name} is {tuple(given[name].shape)}, this run's is {tuple(wanted[name].shape)}"
+    return None
+
+
+def init_weights(model: DFlashDrafter, path: str | Path) -> None:
+    """Replace the drafter's initial weights by those of an earlier run (cfg.init_from), refusing
+    one of another shape or of other tapped teacher layers in one line."""
+    saved_cfg, state = drafter_weights(path)
+    problem = weights_mismatch(model.state_dict(), state)
+    if problem is None and tuple(saved_cfg.target_layer_ids) != tuple(model.cfg.target_layer_ids):
+        problem = (f"it reads teacher layers {list(saved_cfg.target_layer_ids)}, this run's cache "
+                   f"{list(model.cfg.target_layer_ids)}")
+    if problem:
+        raise ConfigError(f"--init-from {path} is not a drafter of this run's shape: {problem}; pass the drafter of a "
+                          "run with the same drafter options (--num-layers, --model-kind, ...) on a cache of the same teacher")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
 
 
 def total_steps(cfg: TrainConfig, cache) -> int:
@@ -309,7 +352,10 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     progress = progress if info.is_main else Progress()
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
-    forward = data_parallel(model, info, cfg.strategy, device)
+    if cfg.init_from is not None:  # before the wrapper: DDP and FSDP take the weights they find
+        init_weights(model, cfg.init_from)
+        progress.message(f"starting from the drafter weights of {cfg.init_from} (optimizer and schedule fresh)")
+    forward = data_parallel(model, info, cfg.strategy, device, cfg.grad_reduce_dtype)
     # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
@@ -363,11 +409,12 @@ def run_steps(s: Session) -> None:
     s.progress.start(s.steps - s.step, "training", "step")
     s.model.train()
     while s.step < s.steps:
-        for _ in range(cfg.optim.grad_accum):
+        for index in range(cfg.optim.grad_accum):
             batch = next(batches)
             s.loader_state = LoaderState(**batch.state_after)
-            result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info, device,
-                                autocast)
+            with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1):
+                result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info,
+                                    device, autocast)
             if result is not None:
                 meter.add(result)
                 tokens += batch.num_tokens
