@@ -7,7 +7,7 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.training.data import DataConfig, heldout_batches
-from dflash_train.training.loss import CONFIDENCE_SUMS, LossConfig, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossConfig, LossOutput, block_loss, block_states, tau_from_alpha
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 SUMS = ("alpha", "greedy", "count", "loss")
@@ -16,11 +16,12 @@ SUMS = ("alpha", "greedy", "count", "loss")
 
 def meter_rows(loss_cfg: LossConfig, drafter_cfg: DrafterConfig | None = None) -> tuple[str, ...]:
     """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss,
-    then the confidence head's sums when the drafter has one."""
+    then the confidence head's sums when the drafter has one, DFlash2's selector's sums."""
     terms = loss_cfg.term_weights()
     confidence = drafter_cfg is not None and drafter_cfg.dspark is not None and drafter_cfg.dspark.enable_confidence_head
     return (SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
-            + (CONFIDENCE_SUMS if confidence else ()))
+            + (CONFIDENCE_SUMS if confidence else ())
+            + (SELECTOR_SUMS if drafter_cfg is not None and drafter_cfg.dflash2 is not None else ()))
 
 
 class AcceptanceMeter:
@@ -31,7 +32,7 @@ class AcceptanceMeter:
 
     def add(self, out: LossOutput) -> None:
         parts = {"alpha": out.alpha_sum, "greedy": out.greedy_sum, "count": out.count, "loss": out.loss_sum,
-                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums}
+                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums, **out.selector_sums}
         for name, part in parts.items():
             part = part.detach().double()
             self.sums[name] = self.sums[name] + part if name in self.sums else part.clone()
@@ -59,6 +60,10 @@ class AcceptanceMeter:
         # the mean acceptance it is trained on (alpha or greedy, dspark.confidence_target)
         calibration = {"calibration": {name: [round(float(x), 5) for x in self.sums[name] / count]
                                        for name in ("predicted", "measured")}} if "predicted" in self.sums else {}
+        # DFlash2: per position, the teacher's top-1 among the top-k, the selector choosing it, the
+        # selector leaving the drafter's top-1 (teacher-forced)
+        selector = {"selector": {name.removeprefix("selector_"): [round(float(x), 5) for x in self.sums[name] / count]
+                                 for name in SELECTOR_SUMS[1:]}} if "selector_hit" in self.sums else {}
         return {
             "loss": float(self.sums["loss"].sum() / total),
             **terms,
@@ -67,6 +72,7 @@ class AcceptanceMeter:
             "tau": tau_from_alpha(alpha),
             "positions": int(total),
             **calibration,
+            **selector,
         }
 
 
