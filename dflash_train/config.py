@@ -17,8 +17,8 @@ from dflash_common.settings_files import load_settings_file
 from dflash_common.values import check_choice
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.settings.data import DataConfig
-from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
 from dflash_train.settings.dflash2 import DFlash2Config
+from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
 from dflash_train.settings.dspark import DRAFTER_KINDS, DSparkConfig
 from dflash_train.settings.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
 from dflash_train.settings.loss import LossConfig

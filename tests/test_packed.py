@@ -17,6 +17,7 @@ from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
 from dflash_train.measuring.evaluate import greedy_replay
+from dflash_train.settings.dflash2 import DFlash2Config
 from dflash_train.training.data import (
     DataConfig,
     EpochPlan,
@@ -28,7 +29,6 @@ from dflash_train.training.data import (
     train_loader,
 )
 from dflash_train.training.distributed import DistInfo
-from dflash_train.settings.dflash2 import DFlash2Config
 from dflash_train.training.dspark import DSparkConfig
 from dflash_train.training.heldout import evaluate
 from dflash_train.training.layout import (

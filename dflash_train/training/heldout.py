@@ -7,7 +7,15 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.training.data import DataConfig, heldout_batches
-from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossConfig, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.loss import (
+    CONFIDENCE_SUMS,
+    SELECTOR_SUMS,
+    LossConfig,
+    LossOutput,
+    block_loss,
+    block_states,
+    tau_from_alpha,
+)
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 SUMS = ("alpha", "greedy", "count", "loss")
