@@ -23,7 +23,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 # part:seconds; the benchmark takes what is left of TOTAL_S
-PARTS="env:60 noise:60 step:150 flex:90 packed:120 build:120 loader:60 train:150 dspark:120 ddp:150"
+PARTS="env:60 noise:60 step:150 flex:90 packed:120 build:120 loader:60 train:150 dspark:120 dflash2:120 ddp:150"
 for entry in $PARTS; do
     part=${entry%%:*}; limit=${entry##*:}
     left=$(( TOTAL_S - ($(date +%s) - START) ))

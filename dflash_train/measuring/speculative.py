@@ -106,6 +106,25 @@ def drafts_per_forward(results: Sequence[SpecResult]) -> float:
     return sum(len(drafts) for result in results for drafts in result.draft_tokens) / max(forwards, 1)
 
 
+def selector_changes(results: Sequence[SpecResult]) -> dict | None:
+    """DFlash2's selector in real decoding, pooled over results: the share of drafts where it chose
+    other than the drafter's top-1 (`changed`), the share of those the teacher accepted
+    (`changed_accepted`) and of the others (`kept_accepted`); None for other drafters."""
+    counts = {"changed": 0, "changed_accepted": 0, "kept": 0, "kept_accepted": 0}
+    for result in results:
+        for changed, kept in zip(result.selector_changed, result.accepted_lengths):
+            for index, flag in enumerate(changed):
+                name = "changed" if flag else "kept"
+                counts[name] += 1
+                counts[name + "_accepted"] += index < kept - 1
+    drafts = counts["changed"] + counts["kept"]
+    if not drafts:
+        return None
+    return {"changed": counts["changed"] / drafts, "drafts": drafts,
+            "changed_accepted": counts["changed_accepted"] / max(counts["changed"], 1),
+            "kept_accepted": counts["kept_accepted"] / max(counts["kept"], 1)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure decision functions
 
