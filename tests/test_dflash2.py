@@ -290,3 +290,14 @@ def test_sampled_dflash2_decoding_keeps_the_teacher_distribution():
         rounds.update(result.accepted_lengths)
     assert chi_square_pvalue(counts, exact, samples) > 1e-3, counts.most_common(8)
     assert len(rounds) > 1, rounds  # some drafts accepted, some rejected
+
+
+def test_selector_changes_count_accepted_drafts_by_round():
+    from dflash_train.measuring.speculative import SpecResult, selector_changes
+
+    # round 1: 3 drafts, 2 accepted (3 tokens); round 2: 3 drafts, none accepted
+    result = SpecResult(tokens=[], accepted_lengths=[3, 1], draft_tokens=[[1, 2, 3], [4, 5, 6]],
+                        selector_changed=[[True, False, True], [True, False, False]])
+    assert selector_changes([result]) == {"changed": 0.5, "drafts": 6, "changed_accepted": 1 / 3,
+                                          "kept_accepted": 1 / 3}
+    assert selector_changes([SpecResult(tokens=[], accepted_lengths=[2], draft_tokens=[[1]])]) is None
