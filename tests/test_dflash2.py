@@ -226,6 +226,14 @@ def test_dflash2_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
     assert f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve TEACHER --speculative-config '{spec}'" in result.output
     assert "V2 model runner" in result.output
 
+    # offline eval: the greedy replay walks the selector's choices (it once read them as Markov features)
+    report = tmp_path / "eval.json"
+    evaluated = runner.invoke(app, ["eval", "--checkpoint", str(straight / "drafter"), "--cache", cache_url,
+                                    "--heldout-fraction", "0.1", "--out", str(report), "--quiet"])
+    assert evaluated.exit_code == 0, evaluated.output
+    replay = json.loads(report.read_text())["greedy_replay"]
+    assert replay["rounds"] > 0 and sum(replay["accepted_histogram"]) == replay["rounds"]
+
     records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train[-1]["alpha"]) == 3 and train[-1]["loss_selector"] > 0
@@ -301,3 +309,25 @@ def test_selector_changes_count_accepted_drafts_by_round():
     assert selector_changes([result]) == {"changed": 0.5, "drafts": 6, "changed_accepted": 1 / 3,
                                           "kept_accepted": 1 / 3}
     assert selector_changes([SpecResult(tokens=[], accepted_lengths=[2], draft_tokens=[[1]])]) is None
+
+
+def test_the_offline_greedy_choice_is_the_selectors():
+    """argmax_chunks (held-out greedy streak, greedy replay) takes, for DFlash2, the selector's best
+    among the top-k given the teacher-forced previous token, not the plain argmax."""
+    from dflash_train.training.heldout import argmax_chunks
+
+    teacher = run_teacher("qwen3", 0.1)
+    drafter = _drafter(teacher)
+    _stir(drafter, scale=3.0)
+    torch.manual_seed(1)
+    hidden, ids = torch.randn(1, 40, len(LAYER_IDS), 64), torch.randint(0, RUN_VOCAB - 1, (1, 40))
+    anchors = torch.arange(2, 38, 4).view(1, -1)
+    with torch.no_grad():
+        positions, context, _ = drafter(hidden, ids, anchors, heads=True)
+        chosen = argmax_chunks(drafter, positions, context, chunk=5)
+        logits = drafter.logits(positions)
+        top = logits.topk(4, dim=-1)
+        by_hand = top.indices.gather(-1, drafter.candidate_selector.scores(context, top.indices, top.values)
+                                     .argmax(-1, keepdim=True)).squeeze(-1)
+    assert torch.equal(chosen, by_hand)
+    assert not torch.equal(chosen, logits.argmax(-1))

@@ -7,6 +7,7 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.training.data import DataConfig, heldout_batches
+from dflash_train.training.dflash2 import unary_scores
 from dflash_train.training.loss import (
     CONFIDENCE_SUMS,
     SELECTOR_SUMS,
@@ -97,7 +98,8 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
         states, targets, heads = block_states(model, batch)
         meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                              targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
-        hits = (argmax_chunks(model, states, heads.features) == targets["topk_ids"][..., 0]) & targets["valid"]
+        second = heads.features if heads.selector_context is None else heads.selector_context
+        hits = (argmax_chunks(model, states, second) == targets["topk_ids"][..., 0]) & targets["valid"]
         used = targets["valid"][:, 0]  # blocks whose first position counts
         streaks.append(streak_lengths(hits)[used])
     model.train(was_training)
@@ -111,13 +113,23 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
 
 def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,
                    chunk: int = 1024) -> torch.Tensor:
-    """Full-vocabulary argmax of [..., H] states (plus the Markov bias of features [..., r]), a
-    chunk of positions at a time."""
+    """The drafter's greedy choice at [..., H] states, a chunk of positions at a time: the
+    full-vocabulary argmax (plus the Markov bias of DSpark's features [..., r]) or, for DFlash2
+    with features its selector's context [..., r], the selector's best among the top-k (the
+    teacher-forced previous token: what greedy decoding draws along an accepted streak)."""
     flat = states.reshape(-1, states.shape[-1])
     feats = None if features is None else features.reshape(-1, features.shape[-1])
-    out = torch.cat([model.logits(flat[i:i + chunk], None if feats is None else feats[i:i + chunk]).argmax(-1)
-                     for i in range(0, flat.shape[0], chunk)])
-    return out.view(states.shape[:-1])
+    selector = model.candidate_selector
+
+    def choose(i: int) -> torch.Tensor:
+        part = None if feats is None else feats[i:i + chunk]
+        if selector is None or part is None:
+            return model.logits(flat[i:i + chunk], part).argmax(-1)
+        top = model.logits(flat[i:i + chunk]).float().topk(model.cfg.dflash2.selector_top_k, dim=-1)
+        scores = selector.scores(part, top.indices, unary_scores(top.values, model.cfg.dflash2))
+        return top.indices.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+    return torch.cat([choose(i) for i in range(0, flat.shape[0], chunk)]).view(states.shape[:-1])
 
 
 def streak_lengths(hits: torch.Tensor) -> torch.Tensor:
