@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_one_table(tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")]
     assert [row.split("|")[1].strip() for row in rows] == ["env", "noise", "step", "flex", "packed", "build", "loader",
-                                                           "train", "dspark", "ddp", "bench"], table
+                                                           "train", "dspark", "dflash2", "ddp", "bench"], table
     assert all(row.split("|")[2].strip() == "ok" for row in rows), table + done.stdout[-2000:]
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
