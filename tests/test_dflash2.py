@@ -331,3 +331,32 @@ def test_the_offline_greedy_choice_is_the_selectors():
                                      .argmax(-1, keepdim=True)).squeeze(-1)
     assert torch.equal(chosen, by_hand)
     assert not torch.equal(chosen, logits.argmax(-1))
+
+
+def test_eval_reports_the_selectors_changes(tmp_path, teacher_dir):
+    """eval's real decoding of a DFlash2 export: the output equals the teacher's, and the report and
+    the printed table give the share of drafts where the selector left the drafter's top-1."""
+    from helpers import write_jsonl
+    from transformers import AutoModelForCausalLM
+
+    teacher_folder = teacher_dir("qwen3")
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_folder)
+    hidden = teacher.config.hidden_size
+    cfg = DrafterConfig.from_teacher(teacher.config.to_dict(), (0, 2), teacher.config.vocab_size - 1, block_size=4,
+                                     num_hidden_layers=1, dflash2=DFlash2Config(conv_group_size=hidden // 4,
+                                                                                selector_rank=8, selector_top_k=4))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, teacher.get_input_embeddings().weight, teacher.get_output_embeddings().weight)
+    _stir(drafter, scale=3.0)
+    export_drafter(drafter, tmp_path / "exp", dtype=torch.float32)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello there"}, {"prompt": "what is a cat"}])
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(tmp_path / "exp"), "--teacher", teacher_folder,
+                                      "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "12",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    decoding = json.loads(out.read_text())["decoding"]
+    assert decoding["matched_teacher"] is True
+    selector = decoding["selector"]
+    assert selector["drafts"] == 3 * decoding["teacher_forwards"] and 0 < selector["changed"] <= 1
+    assert "selector left the top-1" in result.output
