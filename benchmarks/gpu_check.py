@@ -36,9 +36,9 @@ from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.training.trainer import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "ddp", "bench", "drafter",
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "bench", "drafter",
          "loader_width")
-CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp")
+CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "dflash2")
 """The parts gpu_check.sh runs, re-cut for the first 10 minutes on one H200 (issue 34): (1) the
 drafter step at production shape, (3) the loader at production width, (4) the smoke parts; the
 others stay callable one by one (python benchmarks/gpu_check.py PART --out DIR)."""
@@ -346,6 +346,42 @@ def part_dspark(out: Path):
     return (f"{steps} steps with a resume, DSpark greedy decode = teacher, accepted {accepted:.2f}"
             + (f", vLLM dspark accepted {served.get('accepted_length', 0):.2f}" if served else "")), \
         {"accepted_length": accepted, "vllm": served}
+
+
+def part_dflash2(out: Path):
+    """DFlash2 on the device: train with a resume (the convolutions and the selector's loss under
+    bf16 autocast), greedy decoding with the selector's walk = teacher, and the export served by
+    vLLM's DFlash2 speculator, which only its V2 model runner has (VLLM_USE_V2_MODEL_RUNNER=1, GPU),
+    when a vLLM python is given (DFLASH_VLLM_PYTHON); otherwise the summary says why it was not."""
+    cache, run = str(out / "cache-dev-bf16"), out / "dflash2"
+    dev, steps = str(device()), 4 if on_cpu() else 20
+    half = str(steps // 2)
+    kind = ["--model-kind", "dflash2", "--selector-rank", "64"]
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", half, "--save-every", half, "--device", dev,
+        *kind, *RUN)
+    cli("train", "run", "--cache", cache, "--out", str(run), "--steps", str(steps), "--save-every", half, "--device", dev,
+        "--resume", *kind, *RUN)
+    if on_cpu():
+        why_not = "not served: a CPU dry run (vLLM's V1 runner, the CPU one, refuses candidate-head drafts)"
+    elif not os.environ.get("DFLASH_VLLM_PYTHON"):
+        why_not = "not served: no vLLM here (set DFLASH_VLLM_PYTHON)"
+    else:
+        why_not = ""
+    report = out / "dflash2-eval.json"
+    cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
+        "--prompts", str(PROMPTS), "--max-prompts", "2" if on_cpu() else "8", "--max-new-tokens", "32" if on_cpu() else "96",
+        "--device", dev, "--heldout-fraction", "0.05", "--out", str(report), "--quiet",
+        *([] if why_not else ["--engine", "both"]), env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    values = json.loads(report.read_text())
+    if not values["decoding"]["matched_teacher"]:
+        raise RuntimeError("greedy DFlash2 decoding did not reproduce the teacher's output")
+    served = values.get("vllm", {})
+    if served and not served.get("matched_teacher"):
+        raise RuntimeError("vLLM's DFlash2 speculator (V2 runner) did not reproduce the teacher's output")
+    accepted = values["decoding"]["accepted_length"]
+    return (f"{steps} steps with a resume, DFlash2 greedy decode = teacher, accepted {accepted:.2f}, vLLM V2 "
+            + (f"accepted {served.get('accepted_length', 0):.2f}" if served else why_not)), \
+        {"accepted_length": accepted, "vllm": served, "vllm_not_served": why_not}
 
 
 def part_ddp(out: Path):

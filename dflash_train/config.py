@@ -17,6 +17,7 @@ from dflash_common.settings_files import load_settings_file
 from dflash_common.values import check_choice
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
 from dflash_train.settings.data import DataConfig
+from dflash_train.settings.dflash2 import DFlash2Config
 from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
 from dflash_train.settings.dspark import DRAFTER_KINDS, DSparkConfig
 from dflash_train.settings.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
@@ -29,8 +30,10 @@ class ModelConfig:
     """Drafter shape; unset fields are derived from the teacher config saved in the cache."""
 
     kind: str = field(default="dflash", metadata={"name": "model_kind"})
-    """Drafter kind: "dflash" (the block-parallel drafter) or "dspark" (DFlash's backbone plus
-    a Markov logit-bias head and a confidence head, set up by the dspark section)."""
+    """Drafter kind: "dflash" (the block-parallel drafter), "dspark" (DFlash's backbone plus
+    a Markov logit-bias head and a confidence head, set up by the dspark section) or "dflash2"
+    (DFlash with grouped dynamic convolutions in each layer and a candidate selector over the
+    top-k, set up by the dflash2 section)."""
 
     num_layers: int = 5
     """Drafter decoder layers."""
@@ -157,6 +160,9 @@ class TrainConfig:
     dspark: DSparkConfig = field(default_factory=DSparkConfig)
     """DSpark's heads and layout, used when model.kind is "dspark"."""
 
+    dflash2: DFlash2Config = field(default_factory=DFlash2Config)
+    """DFlash2's convolutions and candidate selector, used when model.kind is "dflash2"."""
+
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """Noise added to the tapped hidden states on load."""
 
@@ -235,7 +241,7 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"model": ModelConfig, "loss": LossConfig, "dspark": DSparkConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelConfig, "loss": LossConfig, "dspark": DSparkConfig, "dflash2": DFlash2Config, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
 
 
 def _type_problem(value: Any, hint: Any) -> str | None:

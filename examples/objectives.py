@@ -17,7 +17,9 @@ decoding of held-out prompts greedy and at temperature 1 in the built-in decoder
 folder gets summary.md (means, 95% intervals over seeds, differences from kl+streak paired by
 seed, the real accepted length at T=0 and T=1) and its plots. Everything resumes: rerunning
 the same command skips finished runs. `--tiny` runs the same pipeline at toy size.
-`--study drafters` compares DFlash with DSpark the same way (OUT/<cache>_drafters).
+`--study drafters` compares DFlash with DSpark the same way (OUT/<cache>_drafters), `--study kinds`
+DFlash, DSpark and DFlash2 (OUT/<cache>_kinds; positions.md also gets the DFlash2 selector's share of
+drafts where it left the drafter's top-1 and how often those were accepted).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ DRAFTERS: dict[str, dict] = {"dflash": {"model.kind": "dflash"}, "dspark": {"mod
 """`--study drafters` (issue 24): DFlash against DSpark (vanilla Markov head of rank 256, the
 confidence head, sample_from_anchor) under the default objective, at equal training tokens."""
 
+KINDS: dict[str, dict] = {**DRAFTERS, "dflash2": {"model.kind": "dflash2"}}
+"""`--study kinds` (issue 35): DFlash, DSpark and DFlash2 (grouped convolutions of 2 taps in groups of
+16, the selector of rank 256 over the top 16) under the default objective, at equal training tokens."""
+
 STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
@@ -57,7 +63,8 @@ STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, 
 STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters"),
            "confidence": ("drafter", {"dspark": DRAFTERS["dspark"],
                                       "dspark-greedy": {**DRAFTERS["dspark"], "dspark.confidence_target": "greedy"}},
-                          "dspark", "_confidence")}
+                          "dspark", "_confidence"),
+           "kinds": ("drafter", KINDS, "dflash", "_kinds")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
 (`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
 confidence thresholds examples/confidence.py decodes)."""
@@ -109,8 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_study_arguments(parser)
     parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
-                        help="objectives (issue 23), drafters: DFlash against DSpark (OUT/<cache>_drafters), or "
-                             "confidence: DSpark's two confidence targets (examples/confidence.py decodes their thresholds)")
+                        help="objectives (issue 23), drafters: DFlash against DSpark (OUT/<cache>_drafters), "
+                             "confidence: DSpark's two confidence targets (examples/confidence.py decodes their thresholds), "
+                             "or kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                         BarProgress(enabled=not args.quiet), args.study)
     key = STUDIES[args.study][0]
     for name, result in results.items():
-        table = position_table(result.out, key)
+        table = position_table(result.out, key) + selector_table(result.out, key)
         (result.out / "positions.md").write_text(table)
         print(f"\n## {name}\n\n{result.report.summary}\n### Acceptance by draft position (real decoding)\n\n{table}")
 
@@ -160,6 +168,30 @@ def position_table(sweep_dir: Path, key: str) -> str:
             cells = [f"{x:.3f}" for x in mean] + [""] * (8 - len(mean))
             rate = f"{sum(speed) / len(speed):,.0f}" if speed else "n/a"
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {rate} |")
+    return "\n".join(lines) + "\n"
+
+
+def selector_table(sweep_dir: Path, key: str) -> str:
+    """Markdown: per DFlash2 configuration and decoding (mean over seeds) the share of real drafts
+    where the selector left the drafter's top-1, the share of those accepted and of the others;
+    empty without DFlash2 runs."""
+    from dflash_train.sweep.recipe import read_measure
+
+    rows = {}
+    for run in sorted((sweep_dir / "runs").iterdir()):
+        for kind in ("decoding", "sampling"):
+            found = (((read_measure(run) or {}).get(kind) or {}).get("selector"))
+            if found:
+                rows.setdefault((run.name.split("_seed-")[0].removeprefix(f"{key}-"), kind), []).append(found)
+    if not rows:
+        return ""
+    lines = ["", "DFlash2's selector in real decoding (mean over seeds)", "",
+             "| configuration | decoding | drafts changed | changed accepted | unchanged accepted | seeds |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (name, kind), found in rows.items():
+        mean = {k: sum(f[k] for f in found) / len(found) for k in ("changed", "changed_accepted", "kept_accepted")}
+        lines.append(f"| {name} | {'greedy' if kind == 'decoding' else 'T=1'} | {mean['changed']:.3f} | "
+                     f"{mean['changed_accepted']:.3f} | {mean['kept_accepted']:.3f} | {len(found)} |")
     return "\n".join(lines) + "\n"
 
 

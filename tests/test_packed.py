@@ -17,6 +17,7 @@ from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
 from dflash_train.config import TrainConfig
 from dflash_train.measuring.evaluate import greedy_replay
+from dflash_train.settings.dflash2 import DFlash2Config
 from dflash_train.training.data import (
     DataConfig,
     EpochPlan,
@@ -114,7 +115,9 @@ def drafter(kind: str, seed=0) -> DFlashDrafter:
                         intermediate_size=48, vocab_size=VOCAB, mask_token_id=VOCAB - 1, target_layer_ids=(0, 2),
                         num_target_layers=3, num_hidden_layers=2, block_size=4, max_position_embeddings=128,
                         layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) if sliding else None,
-                        sliding_window=5 if sliding else None, dspark=dspark)
+                        sliding_window=5 if sliding else None, dspark=dspark,
+                        dflash2=DFlash2Config(conv_group_size=4, selector_rank=8, selector_top_k=4)
+                        if kind == "dflash2" else None)
     gen = torch.Generator().manual_seed(seed)
     embed, head = torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen) * 0.3
     torch.manual_seed(seed)
@@ -133,9 +136,10 @@ def step(model, batch, loss: LossConfig) -> tuple[torch.Tensor, dict]:
     return out.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-# the DSpark heads run in make test-slow (~20 s): make test stays under its 10 minutes
+# the DSpark heads and DFlash2 run in make test-slow (~20 s each): make test stays under its 10 minutes
 @pytest.mark.parametrize("kind", ["dflash", "sliding", *(pytest.param(f"dspark-{head}", marks=pytest.mark.slow)
-                                                         for head in ("rnn", "gated", "vanilla"))])
+                                                         for head in ("rnn", "gated", "vanilla")),
+                                  pytest.param("dflash2", marks=pytest.mark.slow)])
 def test_packed_loss_and_gradients_equal_padded(kind):
     """For every loss kind and weighting (and a sum of terms): float32 loss and every parameter's
     gradient of one packed batch equal the padded batch's."""

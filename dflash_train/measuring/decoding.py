@@ -27,6 +27,7 @@ from dflash_train.measuring.speculative import (
     SpecResult,
     drafts_per_forward,
     mean_accepted_length,
+    selector_changes,
     speculative_generate,
     teacher_generate,
 )
@@ -233,6 +234,9 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         "teacher_outputs": [r.tokens for r in base_results],
     }
     report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
+    changes = selector_changes(spec_results)
+    if changes:  # DFlash2: how often the selector left the drafter's top-1, and how often that was accepted
+        report["selector"] = changes
     return report
 
 

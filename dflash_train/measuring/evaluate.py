@@ -35,8 +35,9 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     drafts plus one teacher token, and the next anchor follows them. On sequences that are the
     teacher's own greedy output this is what real greedy decoding accepts (for DSpark too: along
     an accepted streak each drafted token is the true one, so teacher-forced Markov inputs are the
-    drafted ones). Returns (tokens produced by rounds, rounds) and counts each round's length in
-    ``histogram`` (from replay_histogram).
+    drafted ones; for DFlash2 the selector's choice, teacher-forced likewise). Returns (tokens
+    produced by rounds, rounds) and counts each round's length in ``histogram`` (from
+    replay_histogram).
     """
     block = model.cfg.num_draft_positions + 1
     produced = rounds = 0

@@ -192,6 +192,10 @@ def decoding_lines(specs, decodings: list[dict], draft_positions: int) -> Lines:
         if s.confidence_threshold:
             lines.append((f"  drafts verified per forward (confidence >= {s.confidence_threshold:g})",
                           f"{d['drafts_per_forward']:.3f} of {draft_positions}"))
+        if d.get("selector"):
+            c = d["selector"]
+            lines.append(("  selector left the top-1" + at, f"{c['changed']:.1%} of drafts, {c['changed_accepted']:.1%} "
+                          f"of those accepted ({c['kept_accepted']:.1%} of the others)"))
     r = decodings[0]
     if r["offline_accepted_length"] is not None:
         lines.append(("offline estimate, same prompts", f"{r['offline_accepted_length']:.3f}"))

@@ -195,7 +195,8 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
 
 
 def speculative_method(cfg: DrafterConfig) -> str:
-    """vLLM's speculative method for a drafter: "dspark" or "dflash"."""
+    """vLLM's speculative method for a drafter: "dspark" or "dflash" (DFlash2 too: vLLM picks its
+    DFlash2 speculator by the architecture DFlash2DraftModel)."""
     return "dspark" if cfg.dspark is not None else "dflash"
 
 
@@ -205,7 +206,9 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
     A DSpark drafter proposes num_draft_positions tokens (block_size with sample_from_anchor);
     vLLM 0.32 runs it only on its GPU model runner and only with the vanilla Markov head. SGLang's
     DSPARK algorithm loads DeepSpec's checkpoint layout instead (docs/design.md, "DSpark"), so no
-    SGLang command is claimed for it."""
+    SGLang command is claimed for it. A DFlash2 drafter is served with method "dflash" by vLLM's V2
+    model runner only (its V1 runner, the one on CPU, refuses candidate-head drafts), so on a GPU
+    with VLLM_USE_V2_MODEL_RUNNER=1; its conv block is 1 + num_speculative_tokens = block_size."""
     drafter = str(export_dir)
     spec = json.dumps({"method": speculative_method(cfg), "model": drafter,
                        "num_speculative_tokens": cfg.num_draft_positions})
@@ -215,6 +218,10 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
             vllm += f"  # vLLM 0.32 serves only markov_head_type vanilla, not {cfg.dspark.markov_head_type}"
         return {"vllm": vllm, "sglang": "not available: SGLang's DSPARK loads DeepSpec's Qwen3DSparkModel layout (its own "
                                         "embed_tokens/lm_head, top-level target_layer_ids), not this vLLM-layout export"}
+    if cfg.dflash2 is not None:
+        return {"vllm": f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {teacher} --speculative-config '{spec}'"
+                        "  # DFlash2 runs only in vLLM's V2 model runner, on GPU (V1 refuses candidate-head drafts)",
+                "sglang": "not checked: this toolkit has not run SGLang's DFlash2 path against this export"}
     block_size = cfg.block_size
     return {
         "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",

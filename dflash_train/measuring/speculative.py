@@ -24,6 +24,13 @@ Each draft is then drawn from the distribution it was drafted from, so rejection
 exact. With `confidence_threshold` > 0 a block stops before the position where the confidence
 head's cumulative acceptance estimate falls below it: fewer drafts, the same output.
 
+A DFlash2 drafter drafts with its convolutions inside the block forward, then lets its candidate
+selector choose, left to right, among the top-k tokens of each position's logits, as vLLM's V2
+DFlash2 speculator walks them: position j's candidates are scored `unary + <P[prev] * W h_j,
+S[candidate]>` with prev the token chosen at j - 1 (the anchor for j = 1); greedy takes the best
+score, sampling draws from softmax(scores / T) over the k candidates (top-p applied), and that
+distribution is the q rejection sampling checks, so the output stays the teacher's.
+
 Rolling the teacher's cache back: attention layers are cropped (`crop` with a negative count;
 sliding-window layers are switched to recording their past after the prefill, so a crop still
 works once the window is full). Layers whose state cannot be cropped (the recurrent state of the
@@ -51,6 +58,7 @@ from dflash_cache.chat import top_p_filter
 from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
 from dflash_train.settings.speculative import SpecConfig  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.training.dflash2 import unary_scores
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 
@@ -74,6 +82,9 @@ class SpecResult:
     """Per verify forward, the drafter's proposals (P = block_size - 1, or block_size for DSpark's
     sample_from_anchor; fewer where the confidence threshold ended a block), for per-position
     acceptance analysis; empty for the teacher alone."""
+    selector_changed: list[list[bool]] = field(default_factory=list)
+    """DFlash2: per verify forward, per draft, whether the selector chose a candidate other than the
+    drafter's own top-1 (the draft's index in draft_tokens; accepted when below accepted_lengths - 1)."""
 
 
 def mean_accepted_length(results: Sequence[SpecResult]) -> float:
@@ -93,6 +104,25 @@ def drafts_per_forward(results: Sequence[SpecResult]) -> float:
     a confidence threshold, fewer where one ended blocks early."""
     forwards = sum(result.teacher_forwards for result in results)
     return sum(len(drafts) for result in results for drafts in result.draft_tokens) / max(forwards, 1)
+
+
+def selector_changes(results: Sequence[SpecResult]) -> dict | None:
+    """DFlash2's selector in real decoding, pooled over results: the share of drafts where it chose
+    other than the drafter's top-1 (`changed`), the share of those the teacher accepted
+    (`changed_accepted`) and of the others (`kept_accepted`); None for other drafters."""
+    counts = {"changed": 0, "changed_accepted": 0, "kept": 0, "kept_accepted": 0}
+    for result in results:
+        for changed, kept in zip(result.selector_changed, result.accepted_lengths):
+            for index, flag in enumerate(changed):
+                name = "changed" if flag else "kept"
+                counts[name] += 1
+                counts[name + "_accepted"] += index < kept - 1
+    drafts = counts["changed"] + counts["kept"]
+    if not drafts:
+        return None
+    return {"changed": counts["changed"] / drafts, "drafts": drafts,
+            "changed_accepted": counts["changed_accepted"] / max(counts["changed"], 1),
+            "kept_accepted": counts["kept_accepted"] / max(counts["kept"], 1)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,13 +340,45 @@ def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConf
     return out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device)
 
 
+def _select(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConfig, generator: torch.Generator,
+            device: torch.device) -> tuple[Tensor, Tensor | None, list[bool]]:
+    """DFlash2's (drafts [P], q [P, V] or None when greedy, per draft whether the selector left the
+    top-1) of one block from its draft positions' states [P, H]: vLLM's candidate walk."""
+    settings, selector = drafter.cfg.dflash2, drafter.candidate_selector
+    top = drafter.logits(positions).float().topk(settings.selector_top_k, dim=-1)
+    unary = unary_scores(top.values, settings)
+    prev = torch.tensor(anchor, device=positions.device)
+    drafts: list[Tensor] = []
+    dists: list[Tensor] = []
+    changed: list[bool] = []
+    for j in range(positions.shape[0]):
+        scores = selector.scores(selector.context(positions[j], prev), top.indices[j], unary[j]).float()
+        if cfg.greedy:
+            index = scores.argmax()
+        else:
+            full = torch.full((drafter.cfg.vocab_size,), float("-inf"), device=scores.device)
+            dists.append(probs_from_logits(full.index_copy(0, top.indices[j], scores), cfg.temperature, cfg.top_p))
+            token = torch.multinomial(dists[-1].to(device), 1, generator=generator)[0].to(scores.device)
+            index = (top.indices[j] == token).long().argmax()
+        prev = top.indices[j][index]
+        drafts.append(prev)
+        changed.append(bool(index != 0))
+    out = torch.stack(drafts).to(device)
+    return out, None if cfg.greedy else torch.stack(dists).to(device), changed
+
+
 def _draft_block(drafter: DFlashDrafter, anchor: int, mask_block: Tensor, context: list[tuple[Tensor, Tensor]],
-                 cfg: SpecConfig, generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """_draft's (drafts, q) of the block `[anchor, MASK, ...]` placed right after the cached context."""
+                 cfg: SpecConfig, generator: torch.Generator, device: torch.device
+                 ) -> tuple[Tensor, Tensor | None, list[bool]]:
+    """(drafts, q, per draft whether DFlash2's selector left the top-1: empty for other kinds) of
+    the block `[anchor, MASK, ...]` placed right after the cached context."""
     block = torch.cat((torch.tensor([anchor], device=mask_block.device), mask_block))
     states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
     first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
-    return _draft(drafter, states[0, first:first + drafter.cfg.num_draft_positions], anchor, cfg, generator, device)
+    positions = states[0, first:first + drafter.cfg.num_draft_positions]
+    if drafter.candidate_selector is not None:
+        return _select(drafter, positions, anchor, cfg, generator, device)
+    return (*_draft(drafter, positions, anchor, cfg, generator, device), [])
 
 
 def _append_context(context: list[tuple[Tensor, Tensor]],
@@ -329,7 +391,8 @@ def check_confidence_threshold(drafter_cfg: DrafterConfig, threshold: float) -> 
     """Refuse a confidence threshold for a drafter without a confidence head: it would be ignored,
     and a measurement taken with it would silently be one without it."""
     if threshold > 0 and (drafter_cfg.dspark is None or not drafter_cfg.dspark.enable_confidence_head):
-        kind = "a DFlash drafter" if drafter_cfg.dspark is None else "this DSpark drafter (dspark.enable_confidence_head off)"
+        kind = ("this DSpark drafter (dspark.enable_confidence_head off)" if drafter_cfg.dspark is not None
+                else "a DFlash2 drafter" if drafter_cfg.dflash2 is not None else "a DFlash drafter")
         raise ConfigError(f"confidence threshold {threshold:g} needs a confidence head, which {kind} has none of; "
                           "drop the threshold (or set it to 0), or train with --model-kind dspark")
 
@@ -392,6 +455,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     tokens: list[int] = []
     accepted_lengths: list[int] = []
     draft_tokens: list[list[int]] = []
+    selector_changed: list[list[bool]] = []
     reruns = 0
     with torch.inference_mode(), LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
         prompt = torch.tensor(list(prompt_ids), device=device)
@@ -403,7 +467,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
 
         while not done:
-            drafts, q = _draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device)
+            drafts, q, changed = _draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device)
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
@@ -413,6 +477,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
             kept = m + 1
             accepted_lengths.append(kept)
             draft_tokens.append(drafts.tolist())
+            if changed:
+                selector_changed.append(changed)
             done = extend_until_stop(tokens, drafts[:m].tolist() + [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
             if done:
                 break  # nothing after this round is needed: skip the rollback and context update
@@ -426,4 +492,5 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
             position += kept
 
     return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),
-                      seconds=time.perf_counter() - start, rerun_forwards=reruns, draft_tokens=draft_tokens)
+                      seconds=time.perf_counter() - start, rerun_forwards=reruns, draft_tokens=draft_tokens,
+                      selector_changed=selector_changed)

@@ -10,6 +10,8 @@ from typing import Any, Mapping, Sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
+from dflash_train.settings.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash_train.settings.dflash2 import DFlash2Config
 from dflash_train.settings.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.settings.dspark import DSparkConfig
 
@@ -63,7 +65,9 @@ class DrafterConfig:
     """The tokenizer's token at mask_token_id (e.g. "<|MASK|>"), None when that id is a spare embedding row;
     exported as dflash_config.mask_token, which SGLang checks against the tokenizer."""
     dspark: DSparkConfig | None = None
-    """DSpark's heads and layout; None is a DFlash drafter."""
+    """DSpark's heads and layout; None is a DFlash (or DFlash2) drafter."""
+    dflash2: DFlash2Config | None = None
+    """DFlash2's convolutions and candidate selector; None is a DFlash (or DSpark) drafter."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -113,6 +117,8 @@ class DrafterConfig:
         object.__setattr__(self, "layer_types", types)
         if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
             raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
+        if self.dflash2 is not None:
+            self._check_dflash2()
 
         if self.any_sliding:
             if self.sliding_window is None:
@@ -122,6 +128,22 @@ class DrafterConfig:
             raise ConfigError(
                 f"sliding_window={self.sliding_window} is set but no layer is sliding_attention; "
                 "choose sliding layers or drop the window")
+
+    def _check_dflash2(self) -> None:
+        conv = self.dflash2
+        if not isinstance(conv, DFlash2Config):
+            raise ConfigError(f"dflash2 is a {type(conv).__name__}, not a DFlash2Config; pass DFlash2Config(...) or None")
+        if self.dspark is not None:
+            raise ConfigError("a drafter is DSpark or DFlash2, not both; pass dspark or dflash2")
+        if self.hidden_size % conv.conv_group_size:
+            raise ConfigError(f"dflash2.conv_group_size {conv.conv_group_size} does not divide hidden_size "
+                              f"{self.hidden_size}; pick a divisor (16 is the default)")
+        if conv.conv_kernel_size > self.block_size:
+            raise ConfigError(f"dflash2.conv_kernel_size {conv.conv_kernel_size} exceeds block_size {self.block_size}; "
+                              "a tap reaches within the block only (2 is the default)")
+        if conv.selector_top_k > self.vocab_size:
+            raise ConfigError(f"dflash2.selector_top_k {conv.selector_top_k} exceeds the vocabulary's {self.vocab_size} "
+                              "tokens; pick fewer candidates (16 is the default)")
 
     @property
     def any_sliding(self) -> bool:
@@ -176,7 +198,7 @@ def _require_positive_int(name: str, value: Any) -> None:
 
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE)
+EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE, DFLASH2_ARCHITECTURE)
 """The architectures an export of ours names: one per drafter kind."""
 
 
@@ -270,6 +292,11 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
         # DFlash runtime, which DSpark's extends, refuses dflash_config.sample_from_anchor = true.
         config["architectures"] = [DSPARK_ARCHITECTURE]
         config.update(cfg.dspark.export_fields())
+    if cfg.dflash2 is not None:
+        # vLLM maps DFlash2DraftModel to its DFlash2Qwen3ForCausalLM, which reads the convolution's,
+        # the selector's and the scales' keys from dflash_config.
+        config["architectures"] = [DFLASH2_ARCHITECTURE]
+        config["dflash_config"].update(cfg.dflash2.export_fields())
     return config
 
 
@@ -308,6 +335,7 @@ def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
         sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
         mask_token=dflash.get("mask_token"),
         dspark=DSparkConfig.from_export(config) if DSPARK_ARCHITECTURE in (config.get("architectures") or ()) else None,
+        dflash2=DFlash2Config.from_export(dflash) if DFLASH2_ARCHITECTURE in (config.get("architectures") or ()) else None,
     )
 
 

@@ -9,7 +9,7 @@ from dflash_common.values import check_choice, is_int, is_real
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIDENCE_TARGETS = ("alpha", "greedy")
-DRAFTER_KINDS = ("dflash", "dspark")
+DRAFTER_KINDS = ("dflash", "dspark", "dflash2")
 ARCHITECTURE = "DSparkDraftModel"
 
 

@@ -31,7 +31,7 @@ _SAFE_TOKEN = re.compile(r"[A-Za-z0-9._+-]+")
 
 
 # The order grid keys are listed in an error: the sections a loss experiment varies first.
-_LISTING_ORDER = ("loss", "noise", "optim", "model", "dspark", "data", None)
+_LISTING_ORDER = ("loss", "noise", "optim", "model", "dspark", "dflash2", "data", None)
 
 
 def resolve_grid_key(key: str) -> tuple[str, tuple[str, ...]]:

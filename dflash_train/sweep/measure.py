@@ -137,9 +137,15 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
                    temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0) -> dict:
     """Speculative decoding of the reference prompts, greedy (temperature 0) or sampled, a DSpark
     block cut by its confidence head when `confidence_threshold` > 0: the accepted length, the
-    drafts verified per forward and, greedy, whether every output equals the teacher's own."""
+    drafts verified per forward, DFlash2's selector_changes and, greedy, whether every output
+    equals the teacher's own."""
     from dflash_train.measuring.evaluate import load_trained_drafter
-    from dflash_train.measuring.speculative import drafts_per_forward, mean_accepted_length, speculative_generate
+    from dflash_train.measuring.speculative import (
+        drafts_per_forward,
+        mean_accepted_length,
+        selector_changes,
+        speculative_generate,
+    )
 
     teacher = _teacher(str(Path(measure.teacher).resolve()), device)
     head = teacher.model
@@ -158,7 +164,9 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
             # rounds by tokens produced (index n: n tokens): acceptance by block position follows
             "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
             "matched_teacher": all(matched) if spec.greedy else None,
-            "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok]}
+            "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok],
+            # DFlash2: how often its selector left the drafter's top-1, and how often that was accepted
+            **({"selector": changes} if (changes := selector_changes(results)) else {})}
 
 
 def run_tokens(config, steps: int) -> list[int]:

@@ -7,7 +7,16 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.training.data import DataConfig, heldout_batches
-from dflash_train.training.loss import CONFIDENCE_SUMS, LossConfig, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.dflash2 import unary_scores
+from dflash_train.training.loss import (
+    CONFIDENCE_SUMS,
+    SELECTOR_SUMS,
+    LossConfig,
+    LossOutput,
+    block_loss,
+    block_states,
+    tau_from_alpha,
+)
 from dflash_train.training.model import DFlashDrafter, DrafterConfig
 
 SUMS = ("alpha", "greedy", "count", "loss")
@@ -16,11 +25,12 @@ SUMS = ("alpha", "greedy", "count", "loss")
 
 def meter_rows(loss_cfg: LossConfig, drafter_cfg: DrafterConfig | None = None) -> tuple[str, ...]:
     """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss,
-    then the confidence head's sums when the drafter has one."""
+    then the confidence head's sums when the drafter has one, DFlash2's selector's sums."""
     terms = loss_cfg.term_weights()
     confidence = drafter_cfg is not None and drafter_cfg.dspark is not None and drafter_cfg.dspark.enable_confidence_head
     return (SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
-            + (CONFIDENCE_SUMS if confidence else ()))
+            + (CONFIDENCE_SUMS if confidence else ())
+            + (SELECTOR_SUMS if drafter_cfg is not None and drafter_cfg.dflash2 is not None else ()))
 
 
 class AcceptanceMeter:
@@ -31,7 +41,7 @@ class AcceptanceMeter:
 
     def add(self, out: LossOutput) -> None:
         parts = {"alpha": out.alpha_sum, "greedy": out.greedy_sum, "count": out.count, "loss": out.loss_sum,
-                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums}
+                 **{f"loss_{name}": value for name, value in out.term_sums.items()}, **out.confidence_sums, **out.selector_sums}
         for name, part in parts.items():
             part = part.detach().double()
             self.sums[name] = self.sums[name] + part if name in self.sums else part.clone()
@@ -59,6 +69,10 @@ class AcceptanceMeter:
         # the mean acceptance it is trained on (alpha or greedy, dspark.confidence_target)
         calibration = {"calibration": {name: [round(float(x), 5) for x in self.sums[name] / count]
                                        for name in ("predicted", "measured")}} if "predicted" in self.sums else {}
+        # DFlash2: per position, the teacher's top-1 among the top-k, the selector choosing it, the
+        # selector leaving the drafter's top-1 (teacher-forced)
+        selector = {"selector": {name.removeprefix("selector_"): [round(float(x), 5) for x in self.sums[name] / count]
+                                 for name in SELECTOR_SUMS[1:]}} if "selector_hit" in self.sums else {}
         return {
             "loss": float(self.sums["loss"].sum() / total),
             **terms,
@@ -67,6 +81,7 @@ class AcceptanceMeter:
             "tau": tau_from_alpha(alpha),
             "positions": int(total),
             **calibration,
+            **selector,
         }
 
 
@@ -83,7 +98,8 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
         states, targets, heads = block_states(model, batch)
         meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                              targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
-        hits = (argmax_chunks(model, states, heads.features) == targets["topk_ids"][..., 0]) & targets["valid"]
+        second = heads.features if heads.selector_context is None else heads.selector_context
+        hits = (argmax_chunks(model, states, second) == targets["topk_ids"][..., 0]) & targets["valid"]
         used = targets["valid"][:, 0]  # blocks whose first position counts
         streaks.append(streak_lengths(hits)[used])
     model.train(was_training)
@@ -97,13 +113,23 @@ def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg:
 
 def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,
                    chunk: int = 1024) -> torch.Tensor:
-    """Full-vocabulary argmax of [..., H] states (plus the Markov bias of features [..., r]), a
-    chunk of positions at a time."""
+    """The drafter's greedy choice at [..., H] states, a chunk of positions at a time: the
+    full-vocabulary argmax (plus the Markov bias of DSpark's features [..., r]) or, for DFlash2
+    with features its selector's context [..., r], the selector's best among the top-k (the
+    teacher-forced previous token: what greedy decoding draws along an accepted streak)."""
     flat = states.reshape(-1, states.shape[-1])
     feats = None if features is None else features.reshape(-1, features.shape[-1])
-    out = torch.cat([model.logits(flat[i:i + chunk], None if feats is None else feats[i:i + chunk]).argmax(-1)
-                     for i in range(0, flat.shape[0], chunk)])
-    return out.view(states.shape[:-1])
+    selector = model.candidate_selector
+
+    def choose(i: int) -> torch.Tensor:
+        part = None if feats is None else feats[i:i + chunk]
+        if selector is None or part is None:
+            return model.logits(flat[i:i + chunk], part).argmax(-1)
+        top = model.logits(flat[i:i + chunk]).float().topk(model.cfg.dflash2.selector_top_k, dim=-1)
+        scores = selector.scores(part, top.indices, unary_scores(top.values, model.cfg.dflash2))
+        return top.indices.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+    return torch.cat([choose(i) for i in range(0, flat.shape[0], chunk)]).view(states.shape[:-1])
 
 
 def streak_lengths(hits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.training.dflash2 import GroupedConv
 
 
 def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -102,7 +103,8 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm residual block: attention, then SwiGLU MLP."""
+    """Pre-norm residual block: attention, then SwiGLU MLP; for DFlash2 each of the two wrapped in
+    its grouped dynamic convolution along the block (dflash_train.training.dflash2)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -110,8 +112,18 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        conv = cfg.dflash2
+        if conv is not None:
+            shape = (cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*shape), GroupedConv(*shape)
 
     def forward(self, x: Tensor, context_kv: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
                 attend: AttendFn) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x [N, S, H]: S is whole blocks of block_size positions, one after another."""
+        if not hasattr(self, "attention_conv"):
+            x = x + self.self_attn(self.input_layernorm(x), context_kv, cos, sin, attend)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, context_kv, cos, sin, attend), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)

@@ -37,6 +37,7 @@ from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import 
     check_terms,
 )
 from dflash_train.training.data import block_targets
+from dflash_train.training.dflash2 import DFlash2Config, training_candidates, unary_scores
 from dflash_train.training.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
     decay_weights,
     default_gamma,
@@ -64,6 +65,11 @@ _LOG_EMPTY = math.log(1e-30)
 CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured")
 """The names of LossOutput.confidence_sums, in the order meters keep them."""
 
+SELECTOR_SUMS = ("loss_selector", "selector_recall", "selector_hit", "selector_changed")
+"""The names of LossOutput.selector_sums (DFlash2), in the order meters keep them: the selector's
+cross-entropy, whether the teacher's top-1 was among the drafter's top-k, whether the selector
+(teacher-forced) chose it from there, whether its choice differs from the drafter's top-1."""
+
 
 @dataclass
 class DraftHeads:
@@ -83,6 +89,15 @@ class DraftHeads:
 
     confidence_target: str = "alpha"
     """"alpha" (sampling acceptance) or "greedy" (argmax equals the teacher's top-1)."""
+
+    selector_context: torch.Tensor | None = None
+    """[M, P, r] DFlash2's selector context P[prev] * W h of each position (teacher-forced prev)."""
+
+    successor_codebook: torch.Tensor | None = None
+    """[V, r] the selector's successor codebook S."""
+
+    selector: DFlash2Config | None = None
+    """DFlash2's settings: top-k, the unary scores' scale and cap, the selector loss's weight."""
 
 
 def set_head_matmul(head_matmul: str, device: torch.device) -> None:
@@ -152,6 +167,9 @@ class LossOutput:
     confidence_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """With a confidence head, [P] float32 sums of its BCE ("loss_confidence"), its predicted
     acceptance ("predicted") and the acceptance it is trained on ("measured")."""
+
+    selector_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With DFlash2's selector, [P] float32 sums named by SELECTOR_SUMS."""
 
     @staticmethod
     def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
@@ -233,11 +251,15 @@ def _chunk_terms(
     lk_eta: float,
     has_tail: bool,
     head_matmul: str = "fp32",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence) for n
-    gathered valid positions; the only place full-vocabulary logits exist. Runs under checkpoint,
-    so it must stay deterministic. onpolicy_kl needs whole blocks, so it comes back as its two
-    halves, kl and rkl, which block_loss joins."""
+    selector_context: torch.Tensor | None = None,
+    successor_codebook: torch.Tensor | None = None,
+    selector: DFlash2Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence, selector
+    values [4, T] named by SELECTOR_SUMS, or [0, T] without a selector) for n gathered valid
+    positions; the only place full-vocabulary logits exist. Runs under checkpoint, so it must stay
+    deterministic. onpolicy_kl needs whole blocks, so it comes back as its two halves, kl and rkl,
+    which block_loss joins."""
     # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
     with torch.autocast(device_type=states.device.type, enabled=False):
         logits = head_logits(states, lm_head_weight, head_matmul)
@@ -262,7 +284,25 @@ def _chunk_terms(
             alpha = bucket_alpha(teacher_logp.exp(), log_q.exp())
             greedy = (logits.argmax(dim=-1) == topk_ids[:, 0]).to(torch.float32)
             confidence = torch.exp(-ce)
-    return per_term, alpha, greedy, confidence
+        selected = (logits.new_zeros(0, logits.shape[0]) if selector is None
+                    else selector_terms(logits, selector_context, successor_codebook, topk_ids[:, 0], selector))
+    return per_term, alpha, greedy, confidence, selected
+
+
+def selector_terms(logits: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
+                   target_ids: torch.Tensor, selector: DFlash2Config) -> torch.Tensor:
+    """DFlash2's selector objective as speculators defines it, per position [4, T] (SELECTOR_SUMS'
+    order): the K-way cross-entropy of the teacher's top-1 among the drafter's top-k candidates
+    (put in the last slot where the top-k misses it), scored `unary + <context, S[candidate]>`,
+    then, without gradient, recall, the selector's hit and whether its choice left the top-1."""
+    candidates, index, contains = training_candidates(logits.topk(selector.selector_top_k, dim=-1).indices, target_ids)
+    unary = unary_scores(logits.gather(1, candidates), selector)
+    scores = unary + (successor_codebook[candidates].float() * context.float().unsqueeze(1)).sum(-1)
+    ce = F.cross_entropy(scores, index, reduction="none")
+    with torch.no_grad():
+        choice = scores.argmax(-1)
+        hit = (choice == index) & contains
+    return torch.stack([ce, contains.float(), hit.float(), (choice != 0).float()])
 
 
 def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor,
@@ -333,7 +373,7 @@ def block_loss(
 
     weights_by_term = cfg.term_weights()
     names = _computed_terms(weights_by_term)
-    per_term, alpha, greedy, confidence = _valid_position_terms(
+    per_term, alpha, greedy, confidence, selector = _valid_position_terms(
         states, lm_head_weight, targets, topk_ids, topk_logprobs, rows, heads, cfg, names)
     grid = (num_blocks, num_positions)
     terms = dict(zip(names, per_term))
@@ -351,6 +391,13 @@ def block_loss(
         loss = loss + heads.confidence_alpha * bce.sum() / num_valid
         confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
                            zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
+    selector_sums = {}
+    if heads.selector is not None:
+        # weighted per position as the backbone's loss, as speculators weights its selector term
+        selected = weights.reshape(-1).index_select(0, rows) * selector[0]
+        loss = loss + heads.selector.selector_loss_alpha * selected.sum() / num_valid
+        selector_sums = {name: _sum_per_column(value, columns, num_positions)
+                         for name, value in zip(SELECTOR_SUMS, selector)}
     return LossOutput(
         loss=loss,
         alpha_sum=_sum_per_column(alpha, columns, num_positions),
@@ -360,13 +407,14 @@ def block_loss(
         term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
         if len(weights_by_term) > 1 else {},
         confidence_sums=confidence_sums,
+        selector_sums=selector_sums,
     )
 
 
 def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_positions: int) -> LossOutput:
     """block_loss of a batch without a valid position: zero sums and a zero loss."""
     zeros = torch.zeros(num_positions, dtype=torch.float32, device=states.device)
-    connected = [t for t in (states, heads.features, heads.confidence) if t is not None]
+    connected = [t for t in (states, heads.features, heads.confidence, heads.selector_context) if t is not None]
     return LossOutput(
         # An empty sum keeps the graph connected, so backward still reaches every parameter.
         loss=sum(t.reshape(-1)[:0].float().sum() for t in connected),
@@ -376,6 +424,7 @@ def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_
         loss_sum=zeros.clone(),
         term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
         confidence_sums={name: zeros.clone() for name in CONFIDENCE_SUMS} if heads.confidence is not None else {},
+        selector_sums={name: zeros.clone() for name in SELECTOR_SUMS} if heads.selector is not None else {},
     )
 
 
@@ -389,10 +438,10 @@ def _valid_position_terms(
     heads: DraftHeads,
     cfg: LossConfig,
     names: tuple[str, ...],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_chunk_terms over the valid positions (flat indices `rows` of the [M, P] grid), one chunk of
-    full-vocabulary logits at a time: ([T, n] terms, alpha, greedy, confidence), alpha and
-    confidence detached."""
+    full-vocabulary logits at a time: ([T, n] terms, alpha, greedy, confidence, [4 or 0, T]
+    selector values), alpha and confidence detached."""
     num_blocks, num_positions, hidden = states.shape
     valid_states = states.reshape(-1, hidden).index_select(0, rows)
     valid_targets = targets.reshape(-1).index_select(0, rows).long()
@@ -400,10 +449,13 @@ def _valid_position_terms(
     valid_logprobs = topk_logprobs.reshape(num_blocks * num_positions, -1).index_select(0, rows)
     valid_features = (None if heads.features is None
                       else heads.features.reshape(num_blocks * num_positions, -1).index_select(0, rows))
+    valid_context = (None if heads.selector_context is None
+                     else heads.selector_context.reshape(num_blocks * num_positions, -1).index_select(0, rows))
     # With k >= V the top-k is the whole vocabulary and there is no tail bucket to compare.
     has_tail = valid_ids.shape[1] < lm_head_weight.shape[0]
     recompute = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (states, lm_head_weight, valid_features))
+        t is not None and t.requires_grad for t in (states, lm_head_weight, valid_features, valid_context,
+                                                     heads.successor_codebook))
 
     parts: list[tuple[torch.Tensor, ...]] = []
     step = cfg.positions_per_chunk(lm_head_weight.shape[0])
@@ -411,10 +463,11 @@ def _valid_position_terms(
         piece = slice(start, start + step)
         args = (valid_states[piece], lm_head_weight, None if valid_features is None else valid_features[piece],
                 heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
-                float(cfg.lk_eta), has_tail, cfg.head_matmul)
+                float(cfg.lk_eta), has_tail, cfg.head_matmul, None if valid_context is None else valid_context[piece],
+                heads.successor_codebook, heads.selector)
         parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
-    per_term, alpha, greedy, confidence = (torch.cat(piece, dim=-1) for piece in zip(*parts))
-    return per_term, alpha.detach(), greedy, confidence.detach()
+    per_term, alpha, greedy, confidence, selector = (torch.cat(piece, dim=-1) for piece in zip(*parts))
+    return per_term, alpha.detach(), greedy, confidence.detach(), selector
 
 
 def _onpolicy_kl(terms: dict[str, torch.Tensor], greedy: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
@@ -476,12 +529,16 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
     one must run the forward (DDP)."""
     states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
                                                       packed_lengths=batch.packed_lengths)
+    targets = block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions)
+    if model.cfg.dflash2 is not None:  # the second output is the selector's context
+        return states, targets, DraftHeads(selector_context=features, selector=model.cfg.dflash2,
+                                           successor_codebook=model.candidate_selector.successor_codebook)
     dspark = model.cfg.dspark
     heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
                        confidence=confidence)
     if dspark is not None:
         heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
-    return states, block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions), heads
+    return states, targets, heads
 
 
 def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:

@@ -30,6 +30,7 @@ from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the impo
     DrafterConfig,
     _require_int,
 )
+from dflash_train.training.dflash2 import CandidateSelector, GroupedConv
 from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
 from dflash_train.training.layout import PACKED, sequence_starts, token_positions
@@ -229,6 +230,8 @@ class DFlashDrafter(nn.Module):
                             if heads is not None and heads.markov_rank > 0 else None)
         self.confidence_head = (ConfidenceHead(cfg.hidden_size, heads.markov_rank, heads.confidence_head_with_markov)
                                 if heads is not None and heads.enable_confidence_head else None)
+        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.dflash2.selector_rank)
+                                   if cfg.dflash2 is not None else None)
         # Frozen teacher pieces: buffers follow .to() but stay out of state_dict and the optimizer.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
@@ -255,7 +258,8 @@ class DFlashDrafter(nn.Module):
 
     def reset_parameters(self) -> None:
         """Linear weights ~ N(0, 0.02) and biases 0, norm weights 1 (the HF Qwen3 initialisation);
-        the Markov embedding W1 ~ N(0, 0.01) (DSpark's)."""
+        the Markov embedding W1 ~ N(0, 0.01) (DSpark's); DFlash2's convolutions the identity and its
+        selector N(0, 0.02) (speculators')."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
@@ -265,6 +269,9 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=MARKOV_EMBED_STD)
+        for module in self.modules():  # after their own Linear children's generic start above
+            if isinstance(module, (GroupedConv, CandidateSelector)):
+                module.reset_parameters()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -315,8 +322,10 @@ class DFlashDrafter(nn.Module):
                 for keys, values in self._keys_values(features, token_positions(lengths).unsqueeze(0))]
 
     def embed(self, token_ids: Tensor) -> Tensor:
-        """Teacher input embeddings of token ids, in the model dtype."""
-        return F.embedding(token_ids, self.embed_weight).to(self.dtype)
+        """Teacher input embeddings of token ids, in the model dtype (times DFlash2's input_embedding_scale)."""
+        embedded = F.embedding(token_ids, self.embed_weight).to(self.dtype)
+        scale = self.cfg.dflash2.input_embedding_scale if self.cfg.dflash2 is not None else 1.0
+        return embedded * scale if scale != 1.0 else embedded
 
     def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
                 heads: bool = False, packed_lengths: Tensor | None = None
@@ -384,10 +393,13 @@ class DFlashDrafter(nn.Module):
         return int(packed_lengths.max()), context, sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
 
     def draft_outputs(self, states: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(positions [M, P, H], Markov features [M, P, r] or None, confidence logits [M, P] or
-        None) of whole blocks' states [M, B, H], position j's previous token being prev_ids[:, j-1]."""
+        """(positions [M, P, H], Markov features [M, P, r] (DSpark) or the selector's context
+        [M, P, r] (DFlash2) or None, confidence logits [M, P] or None) of whole blocks' states
+        [M, B, H], position j's previous token being prev_ids[:, j-1]."""
         first = self.cfg.first_slot_predicts
         positions = states[:, 1 - first:1 - first + self.cfg.num_draft_positions]
+        if self.candidate_selector is not None:
+            return positions, self.candidate_selector.context(positions, prev_ids), None
         prev_embed = self.markov_head.embed(prev_ids) if self.markov_head is not None else None
         features = self.markov_head.features(prev_embed, positions) if self.markov_head is not None else None
         confidence = self.confidence_head(positions, prev_embed) if self.confidence_head is not None else None

@@ -1,0 +1,77 @@
+"""The dflash2 section: DFlash2's convolutions and candidate selector (dflash_train.training.dflash2
+builds them). The exported fields are the keys vLLM 0.32's DFlash2DraftModel reads from
+config.json's dflash_config (docs/design.md, "DFlash2")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_common.errors import ConfigError
+from dflash_common.values import is_int, is_real
+
+ARCHITECTURE = "DFlash2DraftModel"
+
+# Read by vLLM from dflash_config; the defaults are speculators' (conv 2 taps in groups of 16,
+# selector rank 256 over the top 16) and vLLM's (the three scales).
+EXPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+            "output_multiplier", "final_logit_softcapping")
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    """DFlash2's convolutions and candidate selector (used when model.kind is "dflash2"); exported in
+    config.json's dflash_config."""
+
+    conv_kernel_size: int = 2
+    """Taps of each layer's grouped dynamic convolution along the block: block position k mixes
+    its own state with those of positions k-1 .. k-taps+1 of the same block (1: no mixing, a
+    per-channel gate). Two convolutions per layer, around attention and around the MLP."""
+
+    conv_group_size: int = 16
+    """Channels sharing one token-dependent kernel coefficient (the dynamic part is predicted per
+    group of this many channels from the state); divides the hidden size."""
+
+    selector_rank: int = 256
+    """Rank r of the candidate selector: each candidate's score gains
+    <predecessor_codebook[previous token] * hidden_projection(state), successor_codebook[candidate]>,
+    codebooks vocabulary x r."""
+
+    selector_top_k: int = 16
+    """Candidates per draft position the selector chooses among: the top-k of the drafter's own
+    logits (its unary scores)."""
+
+    selector_loss_alpha: float = 1.0
+    """Weight of the selector's K-way cross-entropy in the loss (training only; not exported)."""
+
+    input_embedding_scale: float = 1.0
+    """Factor on the block's token embeddings (the anchor's and the MASK's) before the first layer."""
+
+    output_multiplier: float = 1.0
+    """Factor on the unary scores (the drafter's logits of the top-k candidates) the selector adds to."""
+
+    final_logit_softcapping: float = 0.0
+    """Soft cap c of the unary scores, c * tanh(s / c) after output_multiplier; 0 is no cap."""
+
+    def __post_init__(self) -> None:
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"dflash2.{name} {value!r} is not an integer >= 1 (default "
+                                  f"{getattr(DFlash2Config, name)})")
+        for name, positive in (("selector_loss_alpha", False), ("input_embedding_scale", True),
+                               ("output_multiplier", True), ("final_logit_softcapping", False)):
+            value = getattr(self, name)
+            if not is_real(value, finite=True) or value < 0 or (positive and value == 0):
+                bound = "> 0" if positive else ">= 0"
+                raise ConfigError(f"dflash2.{name} {value!r} is not a number {bound} (default "
+                                  f"{getattr(DFlash2Config, name)})")
+
+    def export_fields(self) -> dict:
+        """The dflash_config keys vLLM's DFlash2DraftModel reads."""
+        return {name: getattr(self, name) for name in EXPORTED}
+
+    @classmethod
+    def from_export(cls, dflash_config: dict) -> "DFlash2Config":
+        """Read export_fields back; a missing key takes the default."""
+        defaults = cls()
+        return cls(**{name: dflash_config.get(name, getattr(defaults, name)) for name in EXPORTED})
