@@ -47,7 +47,7 @@ def _finite_float(text: str) -> float:
 
 
 def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+    raise ValueError(f"{name} is not finite (NaN or Infinity), which JSON cannot hold")
 
 
 MAX_OPTION_DEPTH = 32

@@ -116,7 +116,7 @@ def list_corpus_files(data: str) -> list[str]:
         )
     for entry in entries:
         kernel = _kernel_target(entry)
-        if kernel is not None:  # /proc/self/pagemap is a "regular file" whose reading never ends
+        if os.path.isfile(entry) and kernel is not None:  # /proc/self/pagemap: a "regular file" never read to its end
             raise ConfigError(f"corpus path {entry} leads to {kernel}, a kernel file, not corpus data; move it out of the "
                               "corpus folder, or point --data at the corpus files alone")
         if os.path.isdir(entry) and _is_saved_dataset(entry):
