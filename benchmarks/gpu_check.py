@@ -423,13 +423,13 @@ def part_drafter(out: Path):
     """(1) The drafter step at production shape on ~40 packed batches of ShareGPT-like lengths at
     8k and 16k tokens (flex on CUDA): the first step (compile) time, steady tokens/s, dynamo's
     compiled graphs (recompiles), peak memory; then the loss's LM head fp32 / tf32 / bf16 on one
-    batch: time and loss difference (CPU dry run: tiny sizes, sdpa, 6 batches)."""
+    batch: time and loss difference (CPU dry run: tiny sizes, sdpa, 4 batches)."""
     import torch._dynamo.utils
 
     from dflash_train.training.loss import batch_loss, head_dtype
 
     s, dev = sizes(), device()
-    count = 6 if on_cpu() else 40
+    count = 4 if on_cpu() else 40
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
     train_cfg, rows, details = TrainConfig(cache="", out=""), [], {}
     for budget in ((s.batch_tokens, 2 * s.batch_tokens) if on_cpu() else (8192, 16384)):
