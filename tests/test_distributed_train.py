@@ -36,7 +36,7 @@ CLI = str(Path(sys.executable).with_name("dflash-train"))
 # trains on the same global batches as two ranks.
 ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "100", "--num-anchors", "4",
         "--heldout-fraction", "0.05", "--save-every", "3", "--log-every", "1", "--eval-sequences", "8",
-        "--noise", "cosine", "--grad-clip", "0.005", "--quiet"]
+        "--noise", "cosine", "--grad-clip", "0.003", "--quiet"]
 
 
 def _torchrun(*args):
@@ -144,7 +144,7 @@ def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(t
     _same_train_metrics(single, fsdp)
     # clipping saw the global gradient norm (over both ranks' shards), and it clipped
     norms = [r["grad_norm"] for r in _metrics(single, "train")]
-    assert [r["grad_norm"] for r in _metrics(fsdp, "train")] == pytest.approx(norms, rel=1e-4) and min(norms) > 0.005
+    assert [r["grad_norm"] for r in _metrics(fsdp, "train")] == pytest.approx(norms, rel=1e-4) and min(norms) > 0.003
     # held-out evaluation before and after training (every rank runs the sharded forward)
     evals = [_metrics(run, "eval") for run in (single, fsdp)]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 6]
