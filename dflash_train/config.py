@@ -366,7 +366,9 @@ OPERATIONAL_PATHS = frozenset({"out", "device", "strategy", "grad_reduce_dtype",
 # What a resume may change besides: the cache's URL (its fingerprint is checked), the run's
 # length, its evaluation and the seed of the initial weights (the checkpoint's weights replace
 # them). A sweep does compare these: a run of other length or seed is another result.
-RESUME_MAY_CHANGE = OPERATIONAL_PATHS | {"cache", "steps", "epochs", "eval_sequences", "seed"}
+# data.partitions: 0 keeps the run's own partitions (the loader state's), any other value must equal
+# them (resolve_partitions refuses it otherwise).
+RESUME_MAY_CHANGE = OPERATIONAL_PATHS | {"cache", "steps", "epochs", "eval_sequences", "seed", "data.partitions"}
 
 
 def flat_config(values: dict, prefix: str = "") -> dict[str, Any]:

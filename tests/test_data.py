@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -10,15 +11,23 @@ import torch
 from helpers import english_like_sentences
 
 from dflash_cache import open_cache
+from dflash_common.errors import ConfigError
 from dflash_train.training.data import (
+    LANES,
     Batch,
     DataConfig,
     EpochPlan,
     LoaderState,
+    TrainStream,
     block_targets,
     cut_batches,
     epoch_order,
+    idle_ranks_warning,
     is_heldout,
+    lanes_per_partition,
+    owned_partitions,
+    plan_partitions,
+    resolve_partitions,
     sample_anchors,
     train_loader,
 )
@@ -161,14 +170,147 @@ def test_read_ahead_is_bounded_by_bytes_and_by_batches():
     assert read_ahead_budget(DataConfig(read_ahead_bytes=0), production) == 0
 
 
-def test_rank_shares_partition_every_planned_batch():
-    from dflash_train.training.data import rank_share
+def _synthetic(num_shards: int, seed: int = 0, most: int = 12) -> list[np.ndarray]:
+    """A length table: shards of 0..most sequences of 20..3,000 tokens."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(20, 3000, size=rng.integers(0, most + 1)) for _ in range(num_shards)]
 
-    refs = [(0, i) for i in range(7)]
-    for world in (1, 2, 3, 8):
-        shares = [rank_share(refs, r, world) for r in range(world)]
-        assert sorted(x for s in shares for x in s) == refs
-        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+def _rank_refs(plans, partitions: int, rank: int, world: int) -> list[tuple[int, int]]:
+    return [ref for p in owned_partitions(partitions, rank, world) for b in range(len(plans[p])) for ref in plans[p].batch(b)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_ranks_read_disjoint_sequences_and_together_all(world):
+    lengths = _synthetic(300)
+    everything = {(s, i) for s, x in enumerate(lengths) for i in range(len(x))}
+    total = sum(int(x.sum()) for x in lengths)
+    plans = plan_partitions(lengths, seed=3, epoch=1, partitions=world, batch_tokens=4000)
+    shares = [_rank_refs(plans, world, r, world) for r in range(world)]
+    assert sorted(ref for share in shares for ref in share) == sorted(everything)  # all, each once
+    for share in shares:
+        tokens = sum(int(lengths[s][i]) for s, i in share)
+        assert abs(tokens - total / world) <= 3000  # balanced to a sequence
+    # whole shards: a shard is read by two ranks only where a rank's span ends
+    touched = [{s for s, _ in share} for share in shares]
+    shared = {s for a, b in itertools.combinations(touched, 2) for s in a & b}
+    assert len(shared) <= world - 1
+    assert plan_partitions(lengths, 3, 1, world, 4000)[0].batch(0) == plans[0].batch(0)  # a pure function
+    assert plan_partitions(lengths, 3, 2, world, 4000)[0].batch(0) != plans[0].batch(0)  # each epoch its own order
+
+
+def test_each_rank_batch_holds_its_partitions_budget_and_one_process_reproduces_two():
+    lengths = _synthetic(200, seed=1)
+    plans = plan_partitions(lengths, seed=0, epoch=0, partitions=2, batch_tokens=5000)
+    steps = max(len(p) for p in plans)
+    for rank in (0, 1):
+        (p,) = owned_partitions(2, rank, 2)
+        for b in range(len(plans[p])):
+            batch = plans[p].batch(b)
+            assert sum(int(lengths[s][i]) for s, i in batch) <= 5000 or len(batch) == 1  # a per-rank budget
+    # one process planned over the two partitions takes both ranks' batches at every step
+    one = [[ref for p in plans if b < len(p) for ref in p.batch(b)] for b in range(steps)]
+    two = [[ref for r in (0, 1) for p in owned_partitions(2, r, 2) if b < len(plans[p]) for ref in plans[p].batch(b)]
+           for b in range(steps)]
+    assert one == two
+
+
+def test_thousands_of_tiny_shards_plan_from_lengths_alone():
+    """5,000 shards of 0-3 sequences: every sequence once, partitions balanced by tokens, and a
+    rank touches its 1/W of the shards (plus at most one shard at each end of its span)."""
+    lengths = _synthetic(5000, seed=2, most=3)
+    num, total = sum(len(x) for x in lengths), sum(int(x.sum()) for x in lengths)
+    largest = max(int(x.sum()) for x in lengths)
+    for world in (1, 8, 32):
+        plans = plan_partitions(lengths, seed=0, epoch=0, partitions=world, batch_tokens=8192)
+        refs = [_rank_refs(plans, world, r, world) for r in range(world)]
+        assert sum(map(len, refs)) == num and len({x for share in refs for x in share}) == num
+        for share in refs:  # the shards a rank opens hold its 1/W of the tokens, plus one shard at each end
+            assert sum(int(lengths[s].sum()) for s in {s for s, _ in share}) <= total / world + 2 * largest
+
+
+def test_loader_workers_read_disjoint_lanes():
+    """Enough batches for eight lanes a partition: worker w of 2, 4 or 8 reads its own lanes' shards
+    (shared only where a lane's span ends, and in the epoch's last turns where lanes run out)."""
+    lengths = _synthetic(3000, seed=4, most=8)
+    batch_tokens = 1000
+    assert lanes_per_partition(sum(int(x.sum()) for x in lengths), batch_tokens) == LANES
+    (plan,) = plan_partitions(lengths, seed=0, epoch=0, partitions=1, batch_tokens=batch_tokens)
+    for workers in (2, 4, 8):
+        touched = [{s for b in range(w, len(plan), workers) for s, _ in plan.batch(b)} for w in range(workers)]
+        shared = {s for a, b in itertools.combinations(touched, 2) for s in a & b}
+        assert len(shared) < 0.03 * len(lengths), (workers, len(shared))
+
+
+def test_partitions_resolve_from_the_run_and_refuse_too_few():
+    assert resolve_partitions(0, 4) == 4 and resolve_partitions(8, 4) == 8
+    assert resolve_partitions(0, 2, saved=4) == 4 and resolve_partitions(4, 3, saved=4) == 4  # a resume keeps its own
+    with pytest.raises(ConfigError, match="16 ranks need at least 16 partitions, but this run was planned over 8; run on at most 8"):
+        resolve_partitions(0, 16, saved=8)
+    with pytest.raises(ConfigError, match="4 ranks need at least 4 partitions, but --data-partitions gives 2; run on at most 2 ranks"):
+        resolve_partitions(2, 4)
+    with pytest.raises(ConfigError, match="--data-partitions 6 differs from the 4 partitions"):
+        resolve_partitions(6, 2, saved=4)
+    with pytest.raises(ConfigError, match="--data-partitions must be >= 0"):
+        DataConfig(partitions=-1)
+
+
+def test_a_rank_without_sequences_is_named_in_one_line(small_cache):
+    cache = open_cache(small_cache)
+    plan = EpochPlan(cache, DataConfig(batch_tokens=400, heldout_fraction=0.1))
+    assert idle_ranks_warning(plan, 0, 2, 2) is None
+    few = plan.num_sequences
+    idle = plan.idle_ranks(0, few + 2, few + 2)
+    assert len(idle) >= 2  # more ranks than sequences
+    line = idle_ranks_warning(plan, 0, few + 2, few + 2)
+    assert line.count("\n") == 0 and line.startswith(f"warning: {len(idle)} of {few + 2} ranks get no training sequence "
+                                                       f"in epoch 0 (rank(s) {', '.join(map(str, idle))})")
+    assert f"the split's {few} sequences fill {few + 2 - len(idle)} of the {few + 2} partitions" in line
+
+
+def _epoch_ids(url, cfg, state, world, steps=None):
+    """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or `steps` steps)."""
+    streams = [iter(TrainStream(url, None, cfg, state, rank, world)) for rank in range(world)]
+    out, after = [], state
+    while after.epoch == state.epoch and (steps is None or len(out) < steps):
+        batches = [next(s) for s in streams]
+        assert len({json.dumps(b.state_after, sort_keys=True) for b in batches}) == 1  # every rank at the same step
+        out.append([i for b in batches for i in b.ids])
+        after = LoaderState(**batches[0].state_after)
+    return out, after
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (4, 3), (2, 4)])
+def test_resume_mid_epoch_on_another_world_size_loses_and_repeats_nothing(small_cache, before, after):
+    cache = open_cache(small_cache)
+    cfg = DataConfig(batch_tokens=200, heldout_fraction=0.1)
+    partitions = max(before, after)
+    start = LoaderState(manifest_fingerprint=cache.fingerprint, partitions=partitions)
+    whole, _ = _epoch_ids(small_cache, cfg, start, before)
+    train_ids = sorted(i for s in cache.shards for i in s.ids if not is_heldout(i, 0.1))
+    assert sorted(i for step in whole for i in step) == train_ids
+    first, state = _epoch_ids(small_cache, cfg, start, before, steps=len(whole) // 2)
+    rest, end = _epoch_ids(small_cache, cfg, state, after)
+    assert first + rest == whole  # the same global batches, step for step, on the other world size
+    assert end.epoch == 1 and end.batches_done == len(whole)
+
+
+def test_a_ranks_epoch_reads_only_its_share_of_the_shards(small_cache):
+    """Through the real loader: two ranks' epochs read disjoint sequences and together all, each
+    rank opening only the shards of its own span."""
+    cache = open_cache(small_cache)
+    cfg = DataConfig(batch_tokens=300, heldout_fraction=0.1)
+    state = LoaderState(manifest_fingerprint=cache.fingerprint, partitions=2)
+    per_rank = []
+    for rank in (0, 1):
+        stream = TrainStream(small_cache, None, cfg, state, rank, 2)
+        steps = EpochPlan(cache, cfg).steps(0, 2)
+        per_rank.append([i for b in itertools.islice(iter(stream), steps) for i in b.ids])
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(i for s in cache.shards for i in s.ids if not is_heldout(i, 0.1))
+    where = {seq_id: s.name for s in cache.shards for seq_id in s.ids}
+    shards = [{where[i] for i in ids} for ids in per_rank]
+    assert len(shards[0] & shards[1]) <= 1 and len(shards[0]) < len(cache.shards)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

@@ -17,7 +17,21 @@ class DataConfig:
     """How sequences are split, ordered, batched and sampled."""
 
     batch_tokens: int = 8192
-    """Sequence tokens per batch (sum of lengths); a longer sequence forms a batch alone."""
+    """Sequence tokens per rank per micro-batch (sum of lengths; a longer sequence forms a batch
+    alone): a per-rank budget, so the global batch is world size x batch_tokens (x grad_accum)
+    and every rank gets whole sequences at any world size. Precisely it is the budget of one plan
+    partition (data.partitions, one per rank by default). Growing the world k-fold grows the
+    global batch k-fold: keep the learning rate by lowering this (or grad_accum) k-fold, or raise
+    --lr about sqrt(k)-fold for AdamW (linear scaling overshoots) and keep the warmup."""
+
+    partitions: int = field(default=0, metadata={"name": "data_partitions"})
+    """Partitions each epoch is planned over (0: the world size of the run's first session). An
+    epoch's shards are cut into this many disjoint spans of equal tokens; global step s is batch s
+    of every partition, and each rank reads only its own block of them (1/world of the cache per
+    epoch). A resume keeps the run's partitions, so on any world size up to it (a divisor gives
+    equal shares; each rank then takes partitions/world batches a step) no sequence of the epoch is
+    lost or repeated and the global batches stay the same. Set it above the world size to leave
+    room to resume on more ranks, or on one process to reproduce a multi-rank run's batches."""
 
     num_anchors: int = 8
     """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors)."""
@@ -57,6 +71,8 @@ class DataConfig:
     def __post_init__(self):
         if self.batch_tokens < 1:
             raise ConfigError(f"batch tokens must be positive, got {self.batch_tokens}; pass e.g. --batch-tokens 8192")
+        if self.partitions < 0:
+            raise ConfigError(f"--data-partitions must be >= 0 (0: the world size), got {self.partitions}")
         if self.num_anchors < 1:
             raise ConfigError(f"--num-anchors must be at least 1, got {self.num_anchors}")
         if not 0 <= self.heldout_fraction < 1:

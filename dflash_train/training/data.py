@@ -1,15 +1,24 @@
 """Streaming training data from a cache: deterministic epoch plans, anchors, batches.
 
-Everything that decides *what* a step sees is a pure function of (manifest, seed, epoch, step):
-the held-out split, the epoch's sequence order and its cut into batches, and each sequence's
-anchors (its noise, too, but the trainer adds that on its device: dflash_train.training.noise). The loader
-only executes that plan, so a run resumed from a checkpoint's loader state sees exactly the
-batches an uninterrupted run would, whatever the worker count.
+Everything that decides *what* a step sees is a pure function of (the split's lengths, seed,
+epoch, partitions, step): the held-out split, each epoch's cut of the sequences into partitions
+and lanes, their order and their batches, and each sequence's anchors (its noise, too, but the
+trainer adds that on its device: dflash_train.training.noise). The loader only executes that
+plan, so a run resumed from a checkpoint's loader state sees exactly the batches an
+uninterrupted run would, whatever the worker count.
+
+Each rank reads only its share (docs/design.md, "Per-rank epoch plans"): an epoch's sequences,
+shard after shard in a seeded order, are cut into ``partitions`` contiguous spans of equal tokens
+(whole shards, plus at most one shard split at each end), each span into lanes that the loader
+workers read. Global step s is batch s of every partition; a rank owns a contiguous block of
+partitions, so it reads 1/W of the cache per epoch, and a run resumes on any world size that owns
+at least one partition a rank with the same global batches.
 
 Nothing of a shard is used before its bytes match the checksums of its commit record: the plan
 checks each shard's sequences.arrow, and the loader its tokens.arrow and hidden states before it
 hands out the shard's first sequence (``Shard.checksum_problems``: each shard hashed once per
-process). A damaged shard stops the run with one line naming it and ``--skip-shards``.
+process, and only the shards this rank reads). A damaged shard stops the run with one line naming
+it and ``--skip-shards``.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import xxhash
 
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
-from dflash_common.errors import CacheError, DFlashError
+from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_train.settings.data import OPERATIONAL_FIELDS, DataConfig  # noqa: F401 (re-exported: the import path before the settings moved)
 from dflash_train.training.layout import PACKED, PADDED, sequence_starts, slots
 
@@ -90,6 +99,7 @@ class LoaderState:
     batches_done: int = 0  # over all epochs: the global batch counter
     seed: int = 0
     manifest_fingerprint: str = ""
+    partitions: int = 0  # the plan's partitions (0: a state from before per-rank plans)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -131,7 +141,7 @@ class Batch:
 
     @classmethod
     def empty(cls) -> "Batch":
-        """A rank's share of a planned batch that has fewer sequences than ranks."""
+        """A rank's batch at a step where its partitions ran out (or never held a sequence)."""
         none = torch.zeros(0)
         return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
                    topk_logprobs=none, anchors=none)
@@ -227,14 +237,156 @@ def block_targets(batch: Batch, block_size: int, num_positions: int | None = Non
     }
 
 
+LANES = 8
+"""At most this many lanes per partition: loader workers read disjoint shards when their count
+divides the lanes (1, 2, 4 or 8)."""
+LANE_MIN_BATCHES = 64
+"""A partition is cut into more lanes only while each keeps at least this many batches: a lane's
+last batch is partial, so a small cache keeps one lane and packs its batches as one stream."""
+SHUFFLE_BLOCK = (2, 6)
+"""Shard pieces per shuffle block (drawn per block, inclusive): sequences are shuffled across the
+few consecutive shards of a block, so a batch mixes shards while reads stay local."""
+
+
+def lanes_per_partition(partition_tokens: float, batch_tokens: int) -> int:
+    """1, 2, 4 or 8 lanes: as many as keep LANE_MIN_BATCHES batches in each."""
+    lanes = 1
+    while lanes < LANES and partition_tokens >= 2 * lanes * LANE_MIN_BATCHES * batch_tokens:
+        lanes *= 2
+    return lanes
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition's batches of an epoch: batch b is sequences ``bounds[b]:bounds[b + 1]`` of
+    (``shard``, ``position``): the shard's index and the sequence's position among the shard's
+    planned sequences."""
+
+    shard: np.ndarray
+    position: np.ndarray
+    bounds: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def batch(self, b: int) -> list[tuple[int, int]]:
+        lo, hi = self.bounds[b], self.bounds[b + 1]
+        return list(zip(self.shard[lo:hi].tolist(), self.position[lo:hi].tolist()))
+
+
+def _cut_bounds(tokens: np.ndarray, batch_tokens: int) -> np.ndarray:
+    """Where consecutive batches of at most batch_tokens start (cut_batches' rule: a longer
+    sequence forms a batch alone), plus the end. Each sequence's furthest batch end is found at
+    once; only the batch starts are walked."""
+    cumulative = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    reach = np.searchsorted(cumulative, cumulative[:-1] + batch_tokens, side="right") - 1
+    reach = np.maximum(reach, np.arange(1, len(tokens) + 1)).tolist()
+    bounds, i = [0], 0
+    while i < len(tokens):
+        i = reach[i]
+        bounds.append(i)
+    return np.array(bounds, dtype=np.int64)
+
+
+def _take_in_turn(perms: list[np.ndarray], bounds: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Lanes' batches (lane l: batch k is perms[l][bounds[l][k]:bounds[l][k + 1]]) taken in turn,
+    batch 0 of every lane, then batch 1, ..., skipping lanes that ran out: the sequences in that
+    order and where each batch starts."""
+    offsets = np.cumsum([0] + [len(p) for p in perms])[:-1]
+    starts = np.concatenate([o + b[:-1] for o, b in zip(offsets, bounds)])
+    sizes = np.concatenate([np.diff(b) for b in bounds])
+    turn = np.concatenate([np.arange(len(b) - 1) for b in bounds]) * len(perms)
+    lane = np.repeat(np.arange(len(perms)), [len(b) - 1 for b in bounds])
+    order = np.argsort(turn + lane, kind="stable")
+    starts, sizes = starts[order], sizes[order]
+    ends = np.cumsum(sizes)
+    picked = np.concatenate(perms)[np.repeat(starts - (ends - sizes), sizes) + np.arange(int(ends[-1]) if len(ends) else 0)]
+    return picked, np.concatenate([[0], ends])
+
+
+def _block_order(pieces: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of a lane's sequences (``pieces``: each one's shard piece, nondecreasing)
+    shuffled within blocks of SHUFFLE_BLOCK consecutive pieces, blocks kept in order."""
+    count = int(pieces[-1]) + 1 if len(pieces) else 0
+    sizes = rng.integers(SHUFFLE_BLOCK[0], SHUFFLE_BLOCK[1] + 1, size=count // SHUFFLE_BLOCK[0] + 1)
+    block_of_piece = np.repeat(np.arange(len(sizes)), sizes)[:count]
+    key = (block_of_piece[pieces].astype(np.int64) << 32) | rng.integers(0, 2**32, size=len(pieces), dtype=np.int64)
+    return np.argsort(key)
+
+
+def plan_partitions(lengths: list[np.ndarray], seed: int, epoch: int, partitions: int,
+                    batch_tokens: int) -> list[PartitionPlan]:
+    """The epoch's batches of every partition, a pure function of the split's lengths (``lengths[s]``:
+    shard s's planned sequences), seed, epoch, partition count and token budget.
+
+    Shards in a seeded order form one line of sequences; the line is cut into ``partitions`` x
+    lanes contiguous spans of equal tokens (by each sequence's token midpoint: balanced to a
+    sequence; a shard is split only where a span ends). Each span (a lane) is shuffled within
+    blocks of a few shard pieces, then cut into batches of at most ``batch_tokens`` tokens. A
+    partition's batches take its lanes in turn (lane b mod lanes while none has run out), so
+    loader worker w of a count dividing the lanes reads only its own lanes' shards."""
+    sizes = np.array([len(x) for x in lengths], dtype=np.int64)
+    order = _generator(seed, epoch, 1).permutation(len(lengths))
+    order = order[sizes[order] > 0]
+    counts = sizes[order]
+    total_seqs = int(counts.sum())
+    if total_seqs == 0:
+        return [PartitionPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64))] * partitions
+    shard = np.repeat(order, counts)
+    starts = np.cumsum(counts) - counts
+    position = np.arange(total_seqs) - np.repeat(starts, counts)
+    tokens = np.concatenate([lengths[s] for s in order]).astype(np.int64)
+    total = int(tokens.sum())
+    lanes = lanes_per_partition(total / partitions, batch_tokens)
+    spans = partitions * lanes
+    cumulative = np.cumsum(tokens)
+    span = np.minimum((2 * cumulative - tokens) * spans // (2 * total), spans - 1)  # by each sequence's midpoint
+    # a piece: a run of one shard's sequences in one span
+    piece = np.concatenate([[0], np.cumsum((shard[1:] != shard[:-1]) | (span[1:] != span[:-1]))])
+    edges = np.searchsorted(span, np.arange(spans + 1))
+    plans = []
+    for p in range(partitions):
+        perms, bounds = [], []
+        for j in range(p * lanes, (p + 1) * lanes):
+            lo, hi = edges[j], edges[j + 1]
+            perm = lo + _block_order(piece[lo:hi] - (piece[lo] if hi > lo else 0), _generator(seed, epoch, 3, j))
+            perms.append(perm)
+            bounds.append(_cut_bounds(tokens[perm], batch_tokens) if hi > lo else np.zeros(1, np.int64))
+        picked, batch_bounds = _take_in_turn(perms, bounds)
+        plans.append(PartitionPlan(shard[picked], position[picked], batch_bounds))
+    return plans
+
+
+def owned_partitions(partitions: int, rank: int, world_size: int) -> range:
+    """The contiguous block of partitions rank ``rank`` of ``world_size`` reads (sizes differ by
+    at most one when the world size does not divide the partitions)."""
+    return range(rank * partitions // world_size, (rank + 1) * partitions // world_size)
+
+
+def resolve_partitions(configured: int, world_size: int, saved: int = 0) -> int:
+    """The partitions a session plans over: a resumed run's own (``saved``), else data.partitions,
+    else the world size. Every rank must own at least one partition (ConfigError)."""
+    partitions = saved or configured or world_size
+    if configured and saved and configured != saved:
+        raise ConfigError(f"--data-partitions {configured} differs from the {saved} partitions this run was planned "
+                          f"over; resume with --data-partitions {saved} (or 0)")
+    if partitions < world_size:
+        where = "this run was planned over" if saved else "--data-partitions gives"
+        raise ConfigError(f"{world_size} ranks need at least {world_size} partitions, but {where} {partitions}; "
+                          f"run on at most {partitions} ranks (a divisor of {partitions} gives every rank equal "
+                          "shares)" + ("" if saved else f", or pass --data-partitions {world_size} or 0"))
+    return partitions
+
+
 class EpochPlan:
-    """The training split of a cache and its batches per epoch (pure functions of the manifest).
-    The sequence tables it reads are checked against their checksums first."""
+    """The training split of a cache and its batches per epoch (pure functions of the split's
+    lengths). The sequence tables it reads are checked against their checksums first."""
 
     def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
         self.cache, self.cfg = cache, cfg
         self.lengths, self.index = [], []
         skip = set(cfg.skip_shards)
+        # v1 keeps each shard's ids and lengths in its sequences.arrow: checked before they are trusted
         cache.ensure_intact((fmt.SEQUENCES,), skip=cfg.skip_shards)
         for shard in cache.shards:
             # a skipped shard keeps its place (shard indices stay those of the cache) but is never
@@ -247,12 +399,47 @@ class EpochPlan:
         if self.num_sequences == 0:
             split = "held-out" if heldout else "training"
             raise CacheError(f"the {split} split of {cache.url} is empty ({len(cache)} sequences, held-out fraction {cfg.heldout_fraction}); use a larger cache or change --heldout-fraction")
+        self._planned: tuple[tuple[int, int], list[PartitionPlan]] | None = None
 
-    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
-        """Batches of (shard, sequence-in-shard) for one epoch."""
-        order = epoch_order([len(i) for i in self.index], self.cfg.seed, epoch)
-        cut = cut_batches(order, self.lengths, self.cfg.batch_tokens)
-        return [[(s, int(self.index[s][i])) for s, i in batch] for batch in cut]
+    def partitions(self, epoch: int, partitions: int = 1) -> list[PartitionPlan]:
+        """Each partition's batches of the epoch (positions among the planned sequences)."""
+        if self._planned is None or self._planned[0] != (epoch, partitions):
+            self._planned = (epoch, partitions), plan_partitions(self.lengths, self.cfg.seed, epoch, partitions,
+                                                                 self.cfg.batch_tokens)
+        return self._planned[1]
+
+    def steps(self, epoch: int, partitions: int = 1) -> int:
+        """Steps of the epoch: its longest partition's batches (every rank runs them all)."""
+        return max(len(p) for p in self.partitions(epoch, partitions))
+
+    def rank_batches(self, epoch: int, partitions: int = 1, rank: int = 0, world_size: int = 1) -> list[list[tuple[int, int]]]:
+        """This rank's batch of (shard, sequence-in-shard) at every step of the epoch: batch s of
+        each partition it owns, together (empty once they ran out)."""
+        owned = [self.partitions(epoch, partitions)[p] for p in owned_partitions(partitions, rank, world_size)]
+        return [[(s, int(self.index[s][i])) for part in owned if b < len(part) for s, i in part.batch(b)]
+                for b in range(self.steps(epoch, partitions))]
+
+    def batches(self, epoch: int, partitions: int = 1) -> list[list[tuple[int, int]]]:
+        """The global batches of (shard, sequence-in-shard) for one epoch: every partition's batch
+        of each step."""
+        return self.rank_batches(epoch, partitions)
+
+    def idle_ranks(self, epoch: int, partitions: int, world_size: int) -> list[int]:
+        """Ranks whose partitions hold no sequence in this epoch."""
+        plans = self.partitions(epoch, partitions)
+        return [r for r in range(world_size)
+                if not any(len(plans[p]) for p in owned_partitions(partitions, r, world_size))]
+
+
+def idle_ranks_warning(plan: EpochPlan, epoch: int, partitions: int, world_size: int) -> str | None:
+    """The one line that says some rank gets no training sequence this epoch (it runs idle steps)."""
+    idle = plan.idle_ranks(epoch, partitions, world_size)
+    if not idle:
+        return None
+    filled = sum(len(p) > 0 for p in plan.partitions(epoch, partitions))
+    return (f"warning: {len(idle)} of {world_size} ranks get no training sequence in epoch {epoch} (rank(s) "
+            f"{', '.join(map(str, idle))}): the split's {plan.num_sequences} sequences fill {filled} of the {partitions} "
+            "partitions; those ranks run idle steps. Use fewer ranks or a larger cache")
 
 
 def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
@@ -272,12 +459,6 @@ def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch
     return make_batch(records, cfg, epoch, hidden)
 
 
-def rank_share(refs: list, rank: int, world_size: int) -> list:
-    """This rank's part of a planned (global) batch: every world_size-th sequence. The loader
-    state counts global batches, so a run resumes with any number of ranks."""
-    return refs[rank::world_size]
-
-
 READ_AHEAD_BATCHES = 4
 
 
@@ -289,35 +470,42 @@ def read_ahead_budget(cfg: DataConfig, hidden_bytes_per_token: int) -> int:
 
 
 class TrainStream(torch.utils.data.IterableDataset):
-    """Batches from a loader state onwards, forever (epoch after epoch).
+    """This rank's batches from a loader state onwards, forever (epoch after epoch).
 
-    Worker w of W executes planned batches w, w+W, ...; the DataLoader interleaves workers in
-    order, so the stream is the same for any worker count. With several ranks each takes its
-    share of every planned batch; a rank whose share is empty gets a batch with no sequences.
+    The plan is over ``state.partitions`` partitions (the world size when the state has none);
+    this rank executes its own partitions' batch of every step, an empty batch once they ran out
+    (the epoch lasts as long as its longest partition, on every rank). Worker w of W executes
+    steps w, w+W, ...; the DataLoader interleaves workers in order, so the stream is the same for
+    any worker count, and a worker count dividing the plan's lanes reads disjoint shards.
     """
 
     def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
-                 rank: int = 0, world_size: int = 1, pinned: bool = False):
+                 rank: int = 0, world_size: int = 1, pinned: bool = False, plan: EpochPlan | None = None):
         self.url, self.storage_options, self.cfg, self.state = url, storage_options, cfg, state
         self.rank, self.world_size = rank, world_size
+        self.partitions = state.partitions or world_size
+        # the plan this process already made (its cache's sequence tables read and checked once);
+        # worker processes make their own
+        self.plan = plan if cfg.num_workers == 0 else None
         # batches read in this process go straight into page-locked memory; a worker's batches
         # cross to this process through shared memory and are pinned by the DataLoader there
         self.pinned = pinned and cfg.num_workers == 0
 
     def _jobs(self, plan: EpochPlan, worker: int, workers: int):
-        """(this rank's share, global batch counter, epoch, loader state after it) of every planned
-        batch this worker executes, in order."""
+        """(this rank's batch, global step counter, epoch, loader state after it) of every step
+        this worker executes, in order."""
         epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
-        position = 0  # batches emitted by the whole stream (all workers)
+        position = 0  # steps emitted by the whole stream (all workers)
         while True:
-            batches = plan.batches(epoch)
+            batches = plan.rank_batches(epoch, self.partitions, self.rank, self.world_size)
             for b in range(start, len(batches)):
                 if position % workers == worker:
                     last = b + 1 == len(batches)
                     after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
                                         batches_done=done + 1, seed=self.cfg.seed,
-                                        manifest_fingerprint=self.state.manifest_fingerprint).to_dict()
-                    yield rank_share(batches[b], self.rank, self.world_size), done, epoch, after
+                                        manifest_fingerprint=self.state.manifest_fingerprint,
+                                        partitions=self.partitions).to_dict()
+                    yield batches[b], done, epoch, after
                 position += 1
                 done += 1
             epoch, start = epoch + 1, 0
@@ -335,8 +523,8 @@ class TrainStream(torch.utils.data.IterableDataset):
     def _batches(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        cache = open_cache(self.url, self.storage_options)
-        plan = EpochPlan(cache, self.cfg)
+        plan = self.plan if self.plan is not None else EpochPlan(open_cache(self.url, self.storage_options), self.cfg)
+        cache = plan.cache
         # the plan says which sequences come next, so they are read ahead while a batch is built,
         # each straight into its row of the batch it belongs to
         jobs, ahead = itertools.tee(self._jobs(plan, worker, workers))
@@ -389,10 +577,11 @@ class _BatchLoader(torch.utils.data.DataLoader):
 
 
 def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
-                 rank: int = 0, world_size: int = 1, pin_memory: bool = False):
-    """The batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out page-locked
-    batches so ``Batch.to(device)`` copies without blocking."""
-    stream = TrainStream(url, storage_options, cfg, state, rank, world_size, pinned=pin_memory)
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, plan: EpochPlan | None = None):
+    """This rank's batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out
+    page-locked batches so ``Batch.to(device)`` copies without blocking; ``plan``: this cache's
+    epoch plan if this process made it already (used when the loader reads in this process)."""
+    stream = TrainStream(url, storage_options, cfg, state, rank, world_size, pinned=pin_memory, plan=plan)
     return _BatchLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 

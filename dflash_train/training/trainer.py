@@ -8,7 +8,7 @@ import os
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from dflash_train.training.checkpoint import (
     load_full_state,
     trainer_state,
 )
-from dflash_train.training.data import Batch, EpochPlan, LoaderState, train_loader
+from dflash_train.training.data import Batch, EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions, train_loader
 from dflash_train.training.distributed import (
     DistInfo,
     barrier,
@@ -127,11 +127,25 @@ def init_weights(model: DFlashDrafter, path: str | Path) -> None:
             tensor.copy_(state[name])
 
 
-def total_steps(cfg: TrainConfig, cache) -> int:
+def total_steps(cfg: TrainConfig, plan: EpochPlan, partitions: int = 1) -> int:
     if cfg.epochs is None:
         return cfg.steps or DEFAULT_STEPS
-    batches = len(EpochPlan(cache, cfg.data).batches(0))
-    return max(1, math.ceil(cfg.epochs * batches / cfg.optim.grad_accum))
+    return max(1, math.ceil(cfg.epochs * plan.steps(0, partitions) / cfg.optim.grad_accum))
+
+
+def plan_session(cfg: TrainConfig, cache, info: DistInfo, state: LoaderState, progress: Progress) -> tuple[LoaderState, EpochPlan]:
+    """The loader state this session starts from, with the partitions its epochs are planned
+    over (a resumed run's own), and the epoch plan; one line when a rank gets no sequence."""
+    if not state.partitions and state.batch_in_epoch:
+        progress.message(f"the checkpoint's loader state predates per-rank epoch plans: epoch {state.epoch} restarts "
+                         f"from its first batch ({state.batch_in_epoch} of its batches were trained on)")
+        state = replace(state, batch_in_epoch=0)
+    state = replace(state, partitions=resolve_partitions(cfg.data.partitions, info.world_size, state.partitions))
+    plan = EpochPlan(cache, cfg.data)
+    warning = idle_ranks_warning(plan, state.epoch, state.partitions, info.world_size)
+    if warning:
+        progress.message(warning)
+    return state, plan
 
 
 @dataclass
@@ -164,12 +178,13 @@ class MetricsLog:
                     self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
 
 
-def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint: str, current: dict,
-            progress: Progress, resume_from: str | Path | None = None) -> tuple[int, LoaderState]:
+def _checkpoint_to_resume(manager: CheckpointManager, fingerprint: str, current: dict, progress: Progress,
+                          resume_from: str | Path | None = None) -> tuple[Path, dict] | None:
+    """The checkpoint a resume continues and its state, checked against this run (None: start at step 0)."""
     path = Path(resume_from) if resume_from is not None else manager.latest()
     if path is None:
         progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
-        return 0, LoaderState(manifest_fingerprint=fingerprint)
+        return None
     state = manager.load(path)
     trainer = state["trainer"]
     saved = trainer["loader"]["manifest_fingerprint"]
@@ -180,11 +195,18 @@ def _resume(manager: CheckpointManager, model, optimizer, scheduler, fingerprint
         key, before, after = differences[0]
         raise ConfigError(f"the {key.split('.')[0]} fields differ from checkpoint {path}: {key} differs (checkpoint: "
                           f"{shown(before)}, this run: {shown(after)}); resume with the original values or use a new --out")
+    return path, state
+
+
+def _restore(checkpoint: tuple[Path, dict], model, optimizer, scheduler, progress: Progress) -> int:
+    """Load a checked checkpoint's weights, optimizer, schedule and RNG; its step."""
+    path, state = checkpoint
+    trainer = state["trainer"]
     load_full_state(model, optimizer, state["model"], trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng"]["torch"])
     progress.message(f"resuming from {path} (step {trainer['step']})")
-    return int(trainer["step"]), LoaderState(**trainer["loader"])
+    return int(trainer["step"])
 
 
 def on_device(batch: Batch, device: torch.device, cfg: TrainConfig, step: int, steps: int) -> Batch:
@@ -290,6 +312,7 @@ class Session:
     steps: int
     step: int
     loader_state: LoaderState
+    plan: EpochPlan | None = None  # the training split's epoch plan, made at setup
 
     @property
     def sharded(self) -> bool:
@@ -361,16 +384,17 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
     set_head_matmul(cfg.loss.head_matmul, device)
-    steps = total_steps(cfg, cache)
-    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
-
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
     if not resume and manager.latest() is not None:
         raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
-    step, loader_state = (_resume(manager, model, optimizer, scheduler, cache.fingerprint,
-                                  json.loads(json.dumps(cfg.to_dict())), progress, resume_from) if resume
-                          else (0, LoaderState(manifest_fingerprint=cache.fingerprint)))
+    checkpoint = (_checkpoint_to_resume(manager, cache.fingerprint, json.loads(json.dumps(cfg.to_dict())), progress,
+                                        resume_from) if resume else None)
+    loader_state, plan = plan_session(cfg, cache, info, LoaderState(**checkpoint[1]["trainer"]["loader"]) if checkpoint
+                                      else LoaderState(manifest_fingerprint=cache.fingerprint), progress)
+    steps = total_steps(cfg, plan, loader_state.partitions)
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
+    step = _restore(checkpoint, model, optimizer, scheduler, progress) if checkpoint else 0
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
@@ -380,7 +404,7 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
         metrics.write({"kind": "data", "skipped_shards": list(cfg.data.skip_shards), "skipped_sequences": skipped_sequences})
     return Session(cfg=cfg, cache=cache, info=info, device=device, model=model, forward=forward, optimizer=optimizer,
                    scheduler=scheduler, manager=manager, metrics=metrics, progress=progress, steps=steps, step=step,
-                   loader_state=loader_state)
+                   loader_state=loader_state, plan=plan)
 
 
 def held_out(s: Session, kind: str) -> dict:
@@ -401,7 +425,7 @@ def run_steps(s: Session) -> None:
     """The training loop, from s.step to s.steps: micro-steps, optimizer step, logs, checkpoints."""
     cfg, info, device = s.cfg, s.info, s.device
     batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, s.loader_state, info.rank, info.world_size,
-                                pin_memory=device.type == "cuda"))
+                                pin_memory=device.type == "cuda", plan=s.plan))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
     # the first step whose loss was NaN/Inf, kept on the device: a per-step check would make
