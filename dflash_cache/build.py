@@ -42,6 +42,7 @@ from dflash_cache.corpus import (
 from dflash_cache.settings.build import BuildConfig
 from dflash_cache.teacher import (
     Teacher,
+    identity_like,
     load_config,
     load_teacher,
     load_tokenizer,
@@ -129,10 +130,12 @@ def estimate(cfg: BuildConfig, progress: Progress | None = None) -> DryRunEstima
     )
 
 
-def _header(cfg: BuildConfig, teacher: Teacher, files: list[str]) -> dict:
+def _header(cfg: BuildConfig, teacher: Teacher, files: list[str], recorded_teacher: dict | None = None) -> dict:
+    """The manifest header of this build; `recorded_teacher` (the cache's, on resume) decides how
+    the teacher's weights are hashed (identity_like: caches from before the file hash)."""
     return fmt.manifest_header(
         teacher.layer_ids, teacher.hidden_size, cfg.teacher.dtype, cfg.teacher.top_k, cfg.storage.hidden_format,
-        teacher=teacher.identity, tokenizer=tokenizer_hashes(teacher.tokenizer),
+        teacher=identity_like(teacher, recorded_teacher), tokenizer=tokenizer_hashes(teacher.tokenizer),
         corpus={"fingerprint": corpus_fingerprint(files), "files": len(files)},
         content_options=_content_options(cfg), build=cfg.to_dict(),
     )
@@ -237,6 +240,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
             held.enter_context(one_writer(root, "dflash-cache build" + (f" of rank {cfg.rank}" if cfg.world_size > 1 else ""),
                                           "wait for it to end (or stop it), or choose another --out", lock_name(cfg.rank)))
         teacher = load_build_teacher(cfg)
+        for note in getattr(teacher, "notes", ()):
+            progress.message(note)
         try:
             return _build_with(cfg, progress, files, total_rows, fs, root, teacher)
         finally:
@@ -254,7 +259,9 @@ def load_build_teacher(cfg: BuildConfig) -> Teacher:
 
 def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str,
                 teacher: Teacher) -> dict:
-    header = _header(cfg, teacher, files)
+    with fmt.reaching(cfg.out):
+        existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
+    header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
         prepare_output(fs, root, cfg.out, header, cfg.overwrite)
     resume = open_output(fs, root, cfg.out, header, cfg.rank, live=cfg.world_size == 1,

@@ -17,6 +17,7 @@ import xxhash
 from dflash_cache import format as fmt
 from dflash_cache.chat import stop_token_ids
 from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.settings_files import load_settings_file
@@ -110,30 +111,55 @@ def tokenizer_hashes(tokenizer) -> dict:
     }
 
 
-def teacher_identity(model, name_or_path: str, revision: str | None) -> dict:
-    """Name, revision and hashes of the config and weights (a strided sample of every tensor,
-    so hashing a 27B model takes seconds, not minutes)."""
-    config = model.config.to_dict()
+def _config_hash(config) -> str:
+    config = config.to_dict()
     for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_commit_hash"):
         config.pop(volatile, None)
-    config_hash = xxhash.xxh64(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return xxhash.xxh64(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def teacher_identity(config, name_or_path: str, revision: str | None, tensors: dict, vocab_size: int) -> dict:
+    """Name, revision and hashes of the config and of the weight files (teacher_files.weights_hash:
+    a strided sample of every stored tensor, so hashing a 27B model takes seconds and never loads
+    it). The same for both engines: it comes from the files, not from what an engine loaded."""
+    text_config = config.get_text_config()
+    return {
+        "name": name_or_path,
+        "revision": revision or getattr(config, "_commit_hash", None),
+        "model_type": getattr(text_config, "model_type", config.model_type),
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "hidden_size": int(text_config.hidden_size),
+        "vocab_size": int(vocab_size),
+        "config_hash": _config_hash(config),
+        "weights_hash": weights_hash(tensors),
+        "weights_hash_of": IDENTITY_SOURCE,
+    }
+
+
+def legacy_weights_hash(model) -> str:
+    """The weights hash of caches built before `weights_hash_of` existed: a strided sample of every
+    tensor of the loaded model's state_dict, in the build dtype (needs the whole model loaded)."""
     weights = xxhash.xxh64()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)][:4096].float().cpu().numpy()
         weights.update(f"{name}:{tuple(tensor.shape)}".encode())
         weights.update(sample.tobytes())
-    text_config = model.config.get_text_config()
-    return {
-        "name": name_or_path,
-        "revision": revision or getattr(model.config, "_commit_hash", None),
-        "model_type": getattr(text_config, "model_type", model.config.model_type),
-        "num_hidden_layers": int(text_config.num_hidden_layers),
-        "hidden_size": int(text_config.hidden_size),
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
-        "config_hash": config_hash,
-        "weights_hash": weights.hexdigest(),
-    }
+    return weights.hexdigest()
+
+
+def identity_like(teacher: "Teacher", recorded: dict | None) -> dict:
+    """The teacher's identity hashed the way `recorded` (a cache's manifest teacher) was: a cache
+    from before the file hash is compared by its own legacy hash, which needs the whole model in
+    this process (the transformers engine); the vLLM engine says so in one line."""
+    if not recorded or recorded.get("weights_hash_of") or "weights_hash" not in recorded:
+        return teacher.identity
+    if not teacher.holds_whole_model:
+        raise TeacherError("this cache was started by an older dflash, whose teacher hash needs the whole teacher "
+                           "loaded in the build process; resume it with --engine transformers (or rebuild it with "
+                           "--overwrite)")
+    legacy = {k: v for k, v in teacher.identity.items() if k != "weights_hash_of"}
+    return {**legacy, "config_hash": _config_hash(teacher.model.config), "weights_hash": legacy_weights_hash(teacher.model)}
 
 
 def _pretrained(cfg: TeacherConfig) -> dict:
@@ -160,13 +186,18 @@ def load_tokenizer(cfg: TeacherConfig):
 
 
 def load_config(cfg: TeacherConfig):
+    """The teacher's text config (a vision-language checkpoint's language model's)."""
+    return load_full_config(cfg).get_text_config()
+
+
+def load_full_config(cfg: TeacherConfig):
     from transformers import AutoConfig
 
     local = os.path.join(os.path.expanduser(cfg.name_or_path), "config.json")
     if os.path.lexists(local):  # transformers reads it whole: a link to /dev/zero would exhaust memory
         load_settings_file(local, f"the teacher's {local}", fix="check the teacher folder")
     try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg)).get_text_config()
+        return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg))
     except (OSError, ValueError) as err:
         raise _load_error(cfg, "teacher config", err) from None
 
@@ -241,6 +272,10 @@ class Teacher:
     # Batches run padded to their longest sequence (plan_batches); an engine that packs sequences
     # says False, and the build counts no padding for it.
     pads_batches = True
+
+    # Whether `model` is the whole teacher (the transformers engine) or only its head pieces
+    # (TextHead: the vLLM engine runs the rest elsewhere).
+    holds_whole_model = True
 
     def batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         """The sequence indices of each forward of one shard."""
@@ -320,20 +355,80 @@ def _sliced_fp32_logits(states: torch.Tensor, weight: torch.Tensor, vocab_chunk:
     return out
 
 
+class TextHead(torch.nn.Module):
+    """What a build needs of a teacher that another engine runs: its config, final norm and LM head
+    (on the device), read by name from the safetensors files; the input embedding is read from the
+    files when asked (once, for the frozen teacher files) and not kept. Answers the few model
+    methods the build calls (get_input_embeddings, get_output_embeddings, config, generation_config)."""
+
+    def __init__(self, config, generation_config, tensors: dict, names: dict, dtype: torch.dtype,
+                 norm: torch.nn.Module, head: torch.nn.Linear):
+        super().__init__()
+        self.config, self.generation_config = config, generation_config
+        self.norm, self.lm_head = norm, head
+        self._tensors, self._names, self._dtype = tensors, names, dtype
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        if self._names["embed"] == self._names["head"]:  # tied: the head is the embedding
+            return torch.nn.Embedding.from_pretrained(self.lm_head.weight.detach(), freeze=True)
+        return torch.nn.Embedding.from_pretrained(read_tensor(self._tensors, self._names["embed"], self._dtype), freeze=True)
+
+
+def _final_norm_module(config, cfg: TeacherConfig) -> torch.nn.Module:
+    """An empty final norm of the teacher's own class (built on the meta device: no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            skeleton = AutoModelForCausalLM.from_config(config.get_text_config(), trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise _load_error(cfg, "model", err) from None
+    return final_norm(skeleton)
+
+
+def load_text_head(cfg: TeacherConfig, device: torch.device) -> tuple[TextHead, dict]:
+    """The teacher's TextHead on `device` and its identity, without loading the rest of it."""
+    from transformers import GenerationConfig
+
+    config = load_full_config(cfg)
+    folder = teacher_folder(cfg.name_or_path, cfg.revision)
+    tensors = stored_tensors(folder)
+    text_config = config.get_text_config()
+    tied = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    names = text_names(tensors, tied)
+    dtype = DTYPES[cfg.dtype]
+    weight = read_tensor(tensors, names["head"], dtype, device)
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    norm = _final_norm_module(config, cfg).to_empty(device=device)
+    norm.load_state_dict({"weight": read_tensor(tensors, names["norm"], dtype, device)})
+    norm.to(dtype).eval()
+    try:
+        generation = GenerationConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg))
+    except (OSError, ValueError):
+        generation = None
+    identity = teacher_identity(config, cfg.name_or_path, cfg.revision, tensors, weight.shape[0])
+    return TextHead(config, generation, tensors, names, dtype, norm, head), identity
+
+
 def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
     from transformers import AutoModelForCausalLM
 
-    extra = {"device_map": cfg.device_map} if cfg.device_map else {}
+    if not cfg.device_map:
+        device = resolve_device(cfg.device)
+        bind_device(device)
+    # straight onto its device: never a whole host copy first (a 27B teacher is ~54 GB)
+    placement = cfg.device_map or {"": str(device)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype], **_pretrained(cfg), **extra)
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=DTYPES[cfg.dtype], device_map=placement,
+                                                     **_pretrained(cfg))
     except (OSError, ValueError) as err:
         raise _load_error(cfg, "model", err) from None
     if cfg.device_map:  # inputs go where the embedding lives
         device = model.get_input_embeddings().weight.device
-    else:
-        device = resolve_device(cfg.device)
-        bind_device(device)
-        model.to(device)
     model.eval()
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -345,5 +440,7 @@ def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
         tokenizer=tokenizer,
         layer_ids=resolve_layers(cfg, num_layers),
         device=device,
-        identity=teacher_identity(model, cfg.name_or_path, cfg.revision),
+        identity=teacher_identity(load_full_config(cfg), cfg.name_or_path, cfg.revision,
+                                  stored_tensors(teacher_folder(cfg.name_or_path, cfg.revision)),
+                                  model.get_output_embeddings().weight.shape[0]),
     )

@@ -224,7 +224,7 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
     """Re-run the teacher (the manifest's, or ``teacher``) on ``sample`` cached sequences and
     compare hidden states and top-k with what is stored. Checksums prove the bytes are the ones
     written; this proves they are the teacher's outputs for these tokens."""
-    from dflash_cache.teacher import TeacherConfig, load_teacher, plan_batches
+    from dflash_cache.teacher import TeacherConfig, identity_like, load_teacher, plan_batches
     from dflash_common.errors import CacheError
 
     progress = progress or Progress()
@@ -234,10 +234,11 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
                         dtype=cache.hidden_dtype, device=device, layers=tuple(cache.layer_ids), top_k=cache.top_k,
                         batch_tokens=int(built.get("batch_tokens", 8192)), logits_chunk=int(built.get("logits_chunk", 2048)))
     model = load_teacher(cfg)
+    identity = identity_like(model, cache.manifest["teacher"])  # hashed as the cache's was
     for key in ("config_hash", "weights_hash"):
         expected = cache.manifest["teacher"].get(key)
-        if expected and model.identity[key] != expected:
-            raise CacheError(f"the teacher {name!r} is not the one {cache.url} was built with ({key} {model.identity[key]}, cache {expected}); pass --teacher with the original model")
+        if expected and identity[key] != expected:
+            raise CacheError(f"the teacher {name!r} is not the one {cache.url} was built with ({key} {identity[key]}, cache {expected}); pass --teacher with the original model")
     tol = dict(DEEP_TOLERANCE[cache.hidden_dtype])
     if cache.hidden_format == fp8.FORMAT:
         tol["hidden"] = FP8_HIDDEN_TOLERANCE[cache.hidden_dtype]

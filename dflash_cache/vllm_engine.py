@@ -1,8 +1,9 @@
 """The teacher forward of `dflash-cache build --engine vllm`: vLLM's engine, in its own environment.
 
 Everything but the forward stays the build's: the tokenizer, the ids and masks, the teacher's
-identity and frozen files come from the transformers teacher loaded on the CPU, exactly as with
-the transformers engine. vLLM runs the teacher (dflash_cache/vllm_extract/worker.py, started with
+identity and frozen files, exactly as with the transformers engine. The build process never holds
+the whole teacher: it reads the config, the tokenizer and, by name from the safetensors files, the
+final norm and LM head (and once the input embedding) (teacher.load_text_head). vLLM runs the teacher (dflash_cache/vllm_extract/worker.py, started with
 the python of vLLM's environment) and captures, with its `extract_hidden_states` method, the
 tapped layers plus the last decoder layer's output; our connector sends each finished sequence's
 states to a socket of this process. The final norm and the LM head then run here in fp32 by the
@@ -31,14 +32,21 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash_cache.settings.engines import VllmArgs
-from dflash_cache.teacher import Teacher, TeacherConfig, TeacherOutput, final_norm, load_teacher
+from dflash_cache.teacher import (
+    Teacher,
+    TeacherConfig,
+    TeacherOutput,
+    load_text_head,
+    load_tokenizer,
+    resolve_layers,
+)
 from dflash_cache.vllm_extract.dflash_frames import (
     HEADER_LIMIT,
     SECRET_ENV,
@@ -49,7 +57,7 @@ from dflash_cache.vllm_extract.dflash_frames import (
     read_header,
 )
 from dflash_common.devices import resolve_device
-from dflash_common.errors import TeacherError
+from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
 
 WORKER = Path(__file__).with_name("vllm_extract") / "worker.py"
@@ -65,13 +73,14 @@ def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 
 def worker_gpus(env: dict[str, str], args: VllmArgs) -> str | None:
-    """CUDA_VISIBLE_DEVICES for the engine of a torchrun rank: its LOCAL_RANK GPU when the engine
-    needs one GPU and the launcher did not choose (one build process per GPU); None otherwise
-    (one process per node, whose engine spreads over the node's GPUs by tensor/data parallel)."""
+    """CUDA_VISIBLE_DEVICES for the engine of a torchrun rank when the launcher did not choose: one
+    engine per rank, on GPUs LOCAL_RANK * tp .. LOCAL_RANK * tp + tp - 1 (tp = tensor_parallel_size:
+    one GPU per rank by default, the whole node for one rank per node); None outside torchrun."""
     local = env.get("LOCAL_RANK")
-    if local in (None, "") or "CUDA_VISIBLE_DEVICES" in env or args.tensor_parallel_size * args.data_parallel_size > 1:
+    if local in (None, "") or "CUDA_VISIBLE_DEVICES" in env:
         return None
-    return local
+    tp = args.tensor_parallel_size
+    return ",".join(str(int(local) * tp + i) for i in range(tp))
 
 
 MAX_CONNECTIONS = 32
@@ -422,9 +431,12 @@ class VllmTeacher(Teacher):
     norm: torch.nn.Module | None = None
     log_path: Path | None = None
     engine_seconds: float = 0.0
+    notes: list = field(default_factory=list)
+    """Lines for the user about this engine (a vLLM version outside VLLM_VERSIONS)."""
     """Seconds inside vLLM's generate so far (the benchmark's engine-only time)."""
 
     pads_batches = False  # vLLM packs sequences; nothing is padded
+    holds_whole_model = False  # model is a TextHead: vLLM holds the rest
 
     def batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         # a whole shard per generate call: vLLM's scheduler batches better than any plan here
@@ -464,29 +476,65 @@ class VllmTeacher(Teacher):
             self.receiver.close()
 
 
-def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, python: str | None = None,
-                      prompt_logprobs: int = 0) -> VllmTeacher:
-    """The transformers teacher on the CPU (identity, frozen files, final norm and LM head, moved to
-    --device), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
-    own top-k too (the benchmark's comparison; the build does not use them)."""
-    executable = find_vllm_python(python)  # before loading anything large
-    kv_cache_gib = cpu_kv_cache_gib()
-    base = load_teacher(replace(cfg, device="cpu"))
-    device = resolve_device(cfg.device)
-    head, norm = base.model.get_output_embeddings(), final_norm(base.model)
-    head.to(device)
-    norm.to(device)
-    text_config = base.model.config.get_text_config()
-    num_layers = int(text_config.num_hidden_layers)
-    aux_ids = aux_layer_ids(base.layer_ids, num_layers)
-    receiver = StateReceiver(layers=len(aux_ids), hidden=int(text_config.hidden_size))
-    handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
-    os.close(handle)
-    env = vllm_environment(kv_cache_gib)
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+"""What torchrun tells a build rank. vLLM reads RANK, WORLD_SIZE and MASTER_* as its own
+distributed setup: a build rank's engine must start as a world of one."""
+
+VLLM_VERSIONS = ("0.32.0", "0.33.0")
+"""vLLM versions [from, to) the connector (vllm_extract/dflash_hs_connector.py) was written and
+tested against: it subclasses ExampleHiddenStatesConnector and reads private members of it."""
+
+
+def worker_environment(args: VllmArgs) -> dict[str, str]:
+    """The environment of a build's vLLM process: vLLM's own (dflash_common.vllm_env), the rank's
+    GPU under torchrun (worker_gpus), and none of torchrun's variables."""
+    env = vllm_environment(cpu_kv_cache_gib())
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU builds: the build's threads share the cores
     gpus = worker_gpus(env, args)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
+    for name in TORCHRUN_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+def version_note(version: str | None) -> str | None:
+    """One line when the engine's vLLM is outside VLLM_VERSIONS (None inside)."""
+    def key(text: str) -> tuple:
+        import re
+
+        return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+    low, high = VLLM_VERSIONS
+    if version and key(low) <= key(version) < key(high):
+        return None
+    return (f"vLLM {version} is outside the versions the hidden-state connector was written for ({low} <= v < {high}; "
+            f"it uses private members of vLLM's ExampleHiddenStatesConnector): install vllm=={low} if the build fails "
+            "or its states look wrong")
+
+
+def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, python: str | None = None,
+                      prompt_logprobs: int = 0) -> VllmTeacher:
+    """The teacher's config, tokenizer, final norm and LM head, read by name from its files (the
+    head and norm on --device; never the whole model), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
+    own top-k too (the benchmark's comparison; the build does not use them)."""
+    executable = find_vllm_python(python)  # before loading anything
+    env = worker_environment(args)  # checks VLLM_CPU_KVCACHE_SPACE before the teacher loads
+    device = resolve_device(cfg.device)
+    head, identity = load_text_head(cfg, device)
+    text_config = head.config.get_text_config()
+    num_layers = int(text_config.num_hidden_layers)
+    if cfg.top_k > head.lm_head.weight.shape[0]:
+        raise ConfigError(f"--top-k {cfg.top_k} exceeds the teacher's vocabulary; use a smaller k")
+    layer_ids = resolve_layers(cfg, num_layers)
+    tokenizer = load_tokenizer(cfg)
+    aux_ids = aux_layer_ids(layer_ids, num_layers)
+    receiver = StateReceiver(layers=len(aux_ids), hidden=int(text_config.hidden_size))
+    handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
+    os.close(handle)
     folder = Path(cfg.name_or_path).expanduser()
     setup = {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
              "aux_layer_ids": aux_ids, "socket": receiver.name,
@@ -500,5 +548,6 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     except BaseException:
         receiver.close()
         raise
-    fields = {name: getattr(base, name) for name in ("cfg", "model", "tokenizer", "layer_ids", "device", "identity")}
-    return VllmTeacher(**fields, worker=worker, receiver=receiver, norm=norm, log_path=Path(log_name))
+    note = version_note(worker.vllm_version)
+    return VllmTeacher(cfg=cfg, model=head, notes=[note] if note else [], tokenizer=tokenizer, layer_ids=layer_ids, device=device, identity=identity,
+                       worker=worker, receiver=receiver, norm=head.norm, log_path=Path(log_name))

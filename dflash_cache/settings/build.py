@@ -52,7 +52,8 @@ class BuildConfig:
     vllm: VllmArgs = field(default_factory=VllmArgs,
                            metadata={"name": "vllm_args", "parse": parse_vllm_args, "show": vllm_args_text})
     """With engine 'vllm': the engine's options as one JSON object, e.g. {"tensor_parallel_size": 2,
-    "gpu_memory_utilization": 0.85}; keys tensor_parallel_size, data_parallel_size,
+    "gpu_memory_utilization": 0.85}; keys tensor_parallel_size, data_parallel_size (only 1: one
+    engine per process; run one build process per GPU under torchrun),
     gpu_memory_utilization, max_model_len (default max_length + 1), enable_prefix_caching (default
     off: the states are read from each request's own KV blocks), enforce_eager (default on: a build
     only prefills), max_num_batched_tokens."""

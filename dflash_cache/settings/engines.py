@@ -23,7 +23,9 @@ class VllmArgs:
     than one GPU."""
 
     data_parallel_size: int = 1
-    """Engine replicas, one per group of tensor_parallel_size GPUs, sharing the build's batches."""
+    """Only 1: vLLM's LLM(...) runs one engine per process. For one engine per GPU (or per
+    tensor_parallel_size GPUs), run one build process per engine under torchrun; each rank's engine
+    takes its LOCAL_RANK GPU."""
 
     gpu_memory_utilization: float | None = None
     """Share of each GPU vLLM may take (weights, KV cache); None: vLLM's default (0.9). The build
@@ -52,6 +54,11 @@ class VllmArgs:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ConfigError(f"--vllm-args {name}={value!r} must be a whole number >= 1, e.g. 1")
+        if self.data_parallel_size != 1:
+            raise ConfigError(f"--vllm-args data_parallel_size={self.data_parallel_size}: vLLM runs one engine per process "
+                              "(LLM(...) refuses data parallelism); run one build process per GPU instead: torchrun "
+                              f"--nproc-per-node {self.data_parallel_size} --no-python dflash-cache build --engine vllm ... "
+                              "(each rank's engine takes its LOCAL_RANK GPU)")
         for name in ("max_model_len", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 2):
@@ -67,7 +74,7 @@ class VllmArgs:
         """Keyword arguments of vLLM's LLM(...) for a build of sequences up to max_length tokens of
         a teacher with max_positions positions (vLLM refuses a longer max_model_len)."""
         default = max_length + 1 if max_positions is None else min(max_length + 1, max_positions)
-        args = {"tensor_parallel_size": self.tensor_parallel_size, "data_parallel_size": self.data_parallel_size,
+        args = {"tensor_parallel_size": self.tensor_parallel_size,
                 "max_model_len": self.max_model_len or default,
                 "enable_prefix_caching": self.enable_prefix_caching, "enforce_eager": self.enforce_eager}
         if self.gpu_memory_utilization is not None:
