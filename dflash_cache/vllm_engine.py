@@ -522,8 +522,8 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     head and norm on --device; never the whole model), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
     own top-k too (the benchmark's comparison; the build does not use them)."""
     executable = find_vllm_python(python)  # before loading anything
+    device = resolve_device(cfg.device)  # checks LOCAL_RANK, which worker_environment reads
     env = worker_environment(args)  # checks VLLM_CPU_KVCACHE_SPACE before the teacher loads
-    device = resolve_device(cfg.device)
     head, identity = load_text_head(cfg, device)
     text_config = head.config.get_text_config()
     num_layers = int(text_config.num_hidden_layers)
