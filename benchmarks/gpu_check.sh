@@ -26,7 +26,7 @@ fi
 # re-cut for the first 10 minutes on one H200 (issue 34): (1) drafter, (3) loader_width, (4) the smoke parts, then
 # DFlash2 (issue 35) with what is left;
 # the other parts of gpu_check.py run one by one (python benchmarks/gpu_check.py PART --out DIR)
-PARTS="env:40 drafter:200 loader_width:90 build:100 loader:40 ddp:90 dflash2:90"
+PARTS="env:40 drafter:180 loader_width:60 build:120 loader:40 ddp:90 dflash2:120"
 for entry in $PARTS; do
     part=${entry%%:*}; limit=${entry##*:}
     left=$(( TOTAL_S - ($(date +%s) - START) ))
