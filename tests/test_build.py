@@ -386,3 +386,38 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     fs = OtherRankWritesFirst(skip_instance_cache=True)
     commit.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()
+
+
+def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teacher_dir):
+    """--cross-check N recomputes N sequences unpadded with the transformers engine; a build whose
+    outputs are not the reference teacher's stops with one line."""
+    from types import SimpleNamespace
+
+    from dflash_cache.cross_check import CrossCheck
+    from dflash_cache.teacher import load_teacher
+    from dflash_common.errors import TeacherError
+
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    manifest = build_cache(make_config(data, tmp_path / "cache", teacher, cross_check=3))
+    check = manifest["last_run"]["cross_check"]
+    assert check["sequences"] == 3 and check["tokens"] > 0 and check["top1_agreement"] == 1.0
+    assert set(check["hidden_relative"]) == {"0", "1", "2"}
+    assert max(check["hidden_relative"].values()) < 1e-5 and check["logprobs_relative"] < 1e-5
+    with pytest.raises(ConfigError, match="--cross-check -1"):
+        make_config(data, tmp_path / "c2", teacher, cross_check=-1)
+
+    # the cache's sequences against another teacher (the llama one): far past any bound
+    cache = open_cache(str(tmp_path / "cache"))
+    records = [cache[i] for i in ["chat-0001", "chat-0004"]]
+    shard = SimpleNamespace(
+        ids=["chat-0001", "chat-0004"], lengths=np.array([len(r.input_ids) for r in records]),
+        input_ids=np.concatenate([r.input_ids for r in records]),
+        hidden=np.concatenate([r.hidden for r in records]).astype(np.float32),
+        topk_ids=np.concatenate([r.topk_ids for r in records]),
+        topk_logprobs=np.concatenate([r.topk_logprobs for r in records]))
+    other = load_teacher(TeacherConfig(name_or_path=teacher_dir("llama"), dtype="float32", layers=(0, 1, 2), top_k=8))
+    with pytest.raises(TeacherError, match=r"cross-check: sequence 'chat-000[14]' .* past --cross-check-bound 0.05") as err:
+        CrossCheck(5, 0.05, lambda: other, [0, 1, 2]).check_shard(0, shard)
+    assert "\n" not in str(err.value)
+
