@@ -421,3 +421,21 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
         CrossCheck(5, 0.05, lambda: other, [0, 1, 2]).check_shard(0, shard)
     assert "\n" not in str(err.value)
 
+
+def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, teacher_dir):
+    """A qwen3_5 teacher's build says whether its Gated DeltaNet layers run the kernels or the torch
+    fallback (here: the fallback, neither package installed), and warns for the fallback on CUDA."""
+    from dflash_cache.teacher import gated_deltanet_note, load_teacher
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    out = CliRunner().invoke(app, ["build", "--teacher", teacher_dir("qwen3_5"), "--data", data, "--out",
+                                   str(tmp_path / "cache"), "--dtype", "float32", "--layers", "0,1,2", "--quiet"])
+    assert out.exit_code == 0, out.output
+    fallback = "teacher: Gated DeltaNet layers run transformers' torch fallback (flash-linear-attention, causal-conv1d not installed)"
+    assert fallback in out.output
+    hybrid = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3_5"), dtype="float32", layers=(0, 1, 2)))
+    assert hybrid.notes == [fallback]
+    warning = gated_deltanet_note(hybrid.model, torch.device("cuda"))
+    assert warning.startswith("warning: " + fallback) and "pip install flash-linear-attention causal-conv1d" in warning
+    plain = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 1, 2)))
+    assert plain.notes == [] and gated_deltanet_note(plain.model, torch.device("cuda")) is None
