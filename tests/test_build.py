@@ -439,3 +439,13 @@ def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, t
     assert warning.startswith("warning: " + fallback) and "pip install flash-linear-attention causal-conv1d" in warning
     plain = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 1, 2)))
     assert plain.notes == [] and gated_deltanet_note(plain.model, torch.device("cuda")) is None
+
+
+def test_cross_check_of_two_ranks_is_merged_into_the_manifest(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    assert build_cache(make_config(data, tmp_path / "cache", teacher, rank=0, world_size=2, cross_check=2))["complete"] is False
+    manifest = build_cache(make_config(data, tmp_path / "cache", teacher, rank=1, world_size=2, cross_check=2))
+    check = manifest["last_run"]["cross_check"]
+    assert manifest["complete"] and check["sequences"] == 4 and check["top1_agreement"] == 1.0, check
+    assert max(check["hidden_relative"].values()) < 1e-5, check
