@@ -179,7 +179,7 @@ def test_accumulation_equals_one_process_and_bf16_reduction_trains(tmp_path, cac
     trains to nearly the same loss."""
     args = [*ARGS, "--grad-accum", "2"]
     single = tmp_path / "single"
-    _one_process("run", "--cache", cache_url, "--out", str(single), *args)
+    _one_process("run", "--cache", cache_url, "--out", str(single), "--data-partitions", "2", *args)
     two = tmp_path / "two"
     _torchrun("run", "--cache", cache_url, "--out", str(two), "--strategy", strategy, *args)
     _close(_params(single, 6), _params(two, 6))
