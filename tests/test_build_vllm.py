@@ -267,8 +267,8 @@ def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir
     corpus = write_jsonl(tmp_path / "long.jsonl", qa_rows(240, seed=3, prefix="k-"))
     out = tmp_path / "cache"
     build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
-                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
+                              *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 540
         while not list((out / "shards").glob("*.json")) and build.poll() is None and time.monotonic() < deadline:
@@ -338,8 +338,8 @@ def test_a_foreign_process_can_neither_stop_nor_feed_a_build(built, corpus, teac
     clean = built("qwen3", "vllm")
     out = tmp_path / "attacked"
     build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
-                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
+                              *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     attacker = subprocess.Popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", "-c", ATTACKER, str(build.pid)],
                                 user="nobody", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
     try:
