@@ -242,7 +242,8 @@ class Teacher:
     device: torch.device
     identity: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
-    """Lines for the user about how this teacher runs (its Gated DeltaNet kernels)."""
+    """Lines for the user about how this teacher runs (its Gated DeltaNet kernels; for vLLM, a
+    version outside the connector's range)."""
 
     def stop_token_ids(self) -> list[int]:
         """The tokens that end this teacher's answers (chat.stop_token_ids)."""

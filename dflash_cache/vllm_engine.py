@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -431,8 +431,6 @@ class VllmTeacher(Teacher):
     norm: torch.nn.Module | None = None
     log_path: Path | None = None
     engine_seconds: float = 0.0
-    notes: list = field(default_factory=list)
-    """Lines for the user about this engine (a vLLM version outside VLLM_VERSIONS)."""
     """Seconds inside vLLM's generate so far (the benchmark's engine-only time)."""
 
     pads_batches = False  # vLLM packs sequences; nothing is padded
