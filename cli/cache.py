@@ -51,8 +51,11 @@ def build(
                 + (f"\nskipped {e.skipped}" if e.skipped else "")
             )
             return
-        build_cache(cfg, progress)
-        typer.echo(f"cache ready at {cfg.out}")
+        manifest = build_cache(cfg, progress)
+        if manifest.get("complete"):  # under torchrun: only the rank that completed the cache
+            typer.echo(f"cache ready at {cfg.out}")
+        else:
+            typer.echo(f"rank {cfg.rank} finished its part of {cfg.out}; the last rank to finish completes the cache")
 
     run(action, debug)
 

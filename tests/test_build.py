@@ -209,7 +209,7 @@ def test_nonfinite_teacher_outputs_are_not_written(tmp_path, teacher_dir):
 
 
 def _records(out: Path) -> list[Path]:
-    return sorted((out / "shards").glob("shard-*.json"))
+    return sorted((out / "shards").glob("r*/shard-*.json"))
 
 
 def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_dir):
@@ -242,7 +242,7 @@ def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_di
     assert result.exit_code == 0, result.output
     assert open_cache(str(killed)).complete
     assert_same_content(cache_content(clean), cache_content(killed))
-    assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
+    assert not list((killed / "shards" / "r00000").glob(".tmp/*"))  # the rank's work folder holds no leftover
 
 
 def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
@@ -261,7 +261,7 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     assert f"tokens {tokens:,}" in dry.output
     assert runner.invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
 
-    shards = sorted(p for p in (out / "shards").iterdir() if p.is_dir())
+    shards = sorted(p for p in (out / "shards" / "r00000").iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(shards) >= 3
     with open(shards[0] / "tokens.arrow", "r+b") as f:  # truncate
         f.truncate(100)
@@ -274,7 +274,7 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     shutil.rmtree(shards[2])  # delete a shard folder
     result = runner.invoke(app, ["verify", str(out), "--quiet"])
     assert result.exit_code == 1
-    for shard, problem in [(shards[0], "tokens.arrow is 100 bytes"), (shards[1], "checksum mismatch"),
+    for shard, problem in [(shards[0], "tokens.arrow is 100 bytes"), (shards[1], "crc32c mismatch"),
                            (shards[2], "shard folder missing")]:
         assert f"BAD {shard.name}: " in result.output and problem in result.output
 
@@ -332,7 +332,7 @@ def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypat
 
     monkeypatch.setattr(commit, "LIVE_MANIFEST_SHARDS", 3)
     fs, root = fmt.url_to_fs(str(tmp_path))
-    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME}, [], live=True)
+    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
 
     def shard(i: int) -> dict:
         return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
