@@ -22,10 +22,10 @@ import json
 import os
 import threading
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Sequence as SequenceABC
 from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -34,6 +34,8 @@ import xxhash
 import zarr
 
 from dflash_cache import format as fmt
+from dflash_cache import index as cache_index
+from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
 from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity check lived here)
     CHECKSUMMED,
     RECORD,
@@ -47,8 +49,6 @@ from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity c
     refuse_outside_links,
     size_problems,
 )
-from dflash_cache import index as cache_index
-from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
 from dflash_cache.shard_files import ChunkFiles, fixed_list_values, list_width_problem, open_ipc  # noqa: F401 (re-exported)
 from dflash_cache.store import CacheStore
 from dflash_common.errors import CacheError, ConfigError

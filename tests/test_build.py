@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
@@ -386,3 +388,43 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     fs = OtherRankWritesFirst(skip_instance_cache=True)
     commit.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()
+
+
+def test_v2_manifest_is_small_and_index_holds_every_sequence(tmp_path, teacher_dir):
+    """Format 2 with tiny chunks: manifest.json names no shard or chunk file; the index tables
+    give every sequence's length without opening a shard; a shard has a constant number of files."""
+    from dflash_cache import format as fmt
+
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(20))
+    out = tmp_path / "cache"
+    build_cache(dataclasses.replace(make_config(data, out, teacher), storage=StorageConfig(shard_bytes=30_000, chunk_bytes=256)))
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    assert manifest["format_version"] == 2 and "shards" not in manifest and "hidden.zarr" not in json.dumps(manifest)
+    assert (out / fmt.MANIFEST).stat().st_size < 8000
+    cache = open_cache(str(out))
+    table = cache.sequence_table()
+    assert table.num_rows == len(cache) == 20 and int(table.column("length").to_numpy().sum()) == cache.num_tokens
+    for j, shard in enumerate(cache.shards):
+        files = [p for p in (out / "shards" / "r00000" / shard.name).rglob("*") if p.is_file()]
+        assert len(files) <= 4 and shard.record["chunk_tokens"] < shard.record["tokens"] or shard.record["tokens"] <= 1
+        assert list(shard.lengths) == list(table.filter(pc.equal(table.column("shard"), j)).column("length").to_numpy())
+
+
+def test_zeroed_embeddings_stop_the_build_with_one_line(tmp_path, teacher_dir):
+    """A real teacher whose input embeddings are zero writes all-zero hidden states: the build stops
+    before committing the shard, with the typed one-line error naming the layer."""
+    from dflash_cache.health import CaptureError
+
+    src = teacher_dir("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+    zeroed = tmp_path / "zeroed"
+    model.save_pretrained(zeroed)
+    AutoTokenizer.from_pretrained(src).save_pretrained(zeroed)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    with pytest.raises(CaptureError, match="tapped layer 0 is all zeros") as err:
+        build_cache(make_config(data, tmp_path / "cache", str(zeroed)))
+    assert "\n" not in str(err.value)
+    assert not list((tmp_path / "cache" / "shards").glob("r*/shard-*.json"))
