@@ -428,3 +428,16 @@ def test_zeroed_embeddings_stop_the_build_with_one_line(tmp_path, teacher_dir):
         build_cache(make_config(data, tmp_path / "cache", str(zeroed)))
     assert "\n" not in str(err.value)
     assert not list((tmp_path / "cache" / "shards").glob("r*/shard-*.json"))
+
+
+def test_info_on_an_edited_manifest_is_not_a_traceback(tmp_path, teacher_dir):
+    """#36: totals.bytes as a string, a teacher without a name: info still prints, no traceback."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    out = tmp_path / "cache"
+    build_cache(make_config(data, out, teacher_dir("qwen3")))
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    manifest["totals"]["bytes"] = "lots"
+    del manifest["teacher"]["name"]
+    (out / fmt.MANIFEST).write_text(json.dumps(manifest))
+    result = CliRunner().invoke(app, ["info", str(out)])
+    assert result.exit_code == 0 and "Traceback" not in result.output and "teacher      ?" in result.output
