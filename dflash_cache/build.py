@@ -263,20 +263,21 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
         existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
     header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
-        prepare_output(fs, root, cfg.out, header, cfg.overwrite)
+        version = prepare_output(fs, root, cfg.out, header, cfg.overwrite)
     resume = open_output(fs, root, cfg.out, header, cfg.rank, live=cfg.world_size == 1,
                          write_head=lambda: write_teacher_files(fs, root, teacher.model, teacher.tokenizer))
     if resume.records:
         progress.message(f"resuming: {len(resume.records)} committed shard(s) kept, continuing at corpus row {resume.start_row}"
                          + (f", {resume.removed} uncommitted shard(s) removed" if resume.removed else ""))
     stats = BuildStats()
-    _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows)
+    _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version)
     last_run = stats.last_run()
     if not stats.padded and resume.previous_run:  # a rerun of a finished build ran no teacher: keep what the last one did
         last_run = resume.previous_run
     manifest = complete_rank(fs, root, cfg.out, cfg.storage_options, resume, cfg.rank, last_run)
     if manifest is None:
-        progress.message(f"rank {cfg.rank} done ({len(resume.keeper.records)} shard(s)); the last rank to finish completes the manifest")
+        progress.message(f"rank {cfg.rank} finished its part ({len(resume.keeper.records)} shard(s)); the last rank to "
+                         "finish completes the cache")
         return fmt.read_manifest(fs, root, cfg.out)
     t = manifest["totals"]
     progress.message(
@@ -288,15 +289,15 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
 
 
 def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: Resume, stats: BuildStats,
-                  progress: Progress, fs, root: str, total_rows: int) -> None:
+                  progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION) -> None:
     """Rows -> sequences -> the shard writer, from the resume point to the corpus's end; returns
     once every shard is committed."""
-    seen = committed_ids(fs, root, resume.records)
+    seen = resume.seen(fs, root)
     per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
     writer = ShardWriter(fs, root, cfg.storage, cfg.teacher.dtype, per_token_hidden,
                          TeacherPass(teacher, stats, progress, resume.keeper), resume.keeper.commit,
-                         cfg.rank, len(resume.records), resume.start_row)
+                         cfg.rank, len(resume.records), resume.start_row, version, list(teacher.layer_ids))
     progress.start(max(total_rows - resume.start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = resume.start_row
     try:
