@@ -263,7 +263,7 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
         existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
     header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
-        version = prepare_output(fs, root, cfg.out, header, cfg.overwrite)
+        version = prepare_output(fs, root, cfg.out, header, cfg.overwrite, cfg.storage.format_version)
     resume = open_output(fs, root, cfg.out, header, cfg.rank, live=cfg.world_size == 1,
                          write_head=lambda: write_teacher_files(fs, root, teacher.model, teacher.tokenizer))
     if resume.records:

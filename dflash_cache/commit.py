@@ -228,13 +228,13 @@ def existing_manifest(fs, root: str, url: str) -> dict | None:
     return existing
 
 
-def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool) -> int:
+def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool, new_version: int = fmt.FORMAT_VERSION) -> int:
     """Refuse a folder holding another build's cache (unless --overwrite deletes it), and make
     the folder (local storage) or check its bucket exists (object stores). Returns the format
     version this build writes, also set in ``header``: a format-1 cache is resumed as format 1
-    (its shards stay as they are), anything new is format 2."""
+    (its shards stay as they are), anything new is ``new_version`` (--format-version)."""
     existing = existing_manifest(fs, root, url)
-    version = fmt.FORMAT_VERSION
+    version = new_version
     if existing is not None:
         readable = existing.get("format_version") in fmt.READ_VERSIONS
         problem = _mismatch(existing, header) if readable else "format version differs"
