@@ -37,8 +37,8 @@ from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
 from dflash_train.training.trainer import micro_step  # noqa: E402
 
 PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "bench", "drafter",
-         "loader_width")
-CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "dflash2")
+         "loader_width", "teacher_layers")
+CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "teacher_layers", "dflash2")
 """The parts gpu_check.sh runs, re-cut for the first 10 minutes on one H200 (issue 34): (1) the
 drafter step at production shape, (3) the loader at production width, (4) the smoke parts; the
 others stay callable one by one (python benchmarks/gpu_check.py PART --out DIR)."""
@@ -538,6 +538,56 @@ def part_loader_width(out: Path):
                 f"({gigabytes / seconds:.2f} GB/s) with the check on"), details
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def part_teacher_layers(out: Path):
+    """A few full-width qwen3_5 layers (random bf16 weights, the production teacher's widths:
+    hidden 5120, three Gated DeltaNet layers then one attention layer) timed over one 8k-token
+    sequence, and which Gated DeltaNet implementation ran: the kernel packages or transformers'
+    torch fallback (CPU dry run: hidden 64, 64 tokens)."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    from dflash_cache.teacher import gated_deltanet_kernels, gated_deltanet_note
+
+    dev, cpu = device(), on_cpu()
+    width = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  mrope=[2, 1, 1]) if cpu else
+             dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+                  mrope=[11, 11, 10]))
+    mrope = width.pop("mrope")
+    config = Qwen3_5TextConfig(
+        **width, vocab_size=256, num_hidden_layers=4, linear_conv_kernel_dim=4, max_position_embeddings=16384,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": mrope, "mrope_interleaved": True})
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen3_5TextModel(config).to(torch.float32 if cpu else torch.bfloat16).eval()
+        tokens = 64 if cpu else 8192
+        x = torch.randn(1, tokens, config.hidden_size, dtype=next(model.parameters()).dtype) * 0.5
+    kernels = gated_deltanet_kernels(model)
+    times = []
+    with torch.inference_mode():
+        for _ in range(1 if cpu else 4):  # the first is warm-up (kernel compilation, allocator)
+            sync(dev)
+            start = time.perf_counter()
+            last = model(inputs_embeds=x, use_cache=False).last_hidden_state
+            sync(dev)
+            times.append(time.perf_counter() - start)
+    if not torch.isfinite(last).all():
+        raise RuntimeError("full-width qwen3_5 layers gave non-finite states")
+    seconds = min(times[1:] or times)
+    implementation = ("kernels" if all(kernels.values()) else
+                      "torch fallback" if not any(kernels.values()) else "mixed")
+    details = {"implementation": implementation, "kernels": kernels, "tokens": tokens, "layers": 4,
+               "seconds": round(seconds, 4), "ms_per_layer": round(seconds * 1000 / 4, 2),
+               "tokens_per_s": round(tokens / seconds), "note": gated_deltanet_note(model, dev)}
+    return (f"Gated DeltaNet: {implementation} ({', '.join(f'{k} {v}' for k, v in kernels.items())}); 4 layers at "
+            f"hidden {config.hidden_size}, {tokens} tokens: {details['ms_per_layer']} ms/layer, "
+            f"{details['tokens_per_s']:,} tok/s"), details
 
 
 # --- driver ---------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from dflash_cache.corpus import (
     require_rows,
     tokenize_row,
 )
+from dflash_cache.cross_check import CrossCheck
 from dflash_cache.settings.build import BuildConfig
 from dflash_cache.teacher import (
     Teacher,
@@ -195,8 +196,10 @@ class TeacherPass:
     """Runs the teacher over one cut shard's sequences (bucketed batches) and packs the results;
     counts what it computed in ``stats`` and shows each batch on ``progress``."""
 
-    def __init__(self, teacher: Teacher, stats: BuildStats, progress: Progress, keeper: ManifestKeeper):
+    def __init__(self, teacher: Teacher, stats: BuildStats, progress: Progress, keeper: ManifestKeeper,
+                 cross_check: CrossCheck | None = None):
         self.teacher, self.stats, self.progress, self.keeper = teacher, stats, progress, keeper
+        self.cross_check = cross_check
 
     def _batch_done(self, lengths: np.ndarray) -> None:
         self.stats.add_batch(lengths, self.teacher.pads_batches)
@@ -219,6 +222,8 @@ class TeacherPass:
             shard = shard.drop(finite)
             shard.skipped["nonfinite"] = shard.skipped.get("nonfinite", 0) + int((~finite).sum())
             self.progress.message(f"teacher outputs were NaN/Inf for {int((~finite).sum())} sequence(s) in shard {shard.name}; not written (ids: {[s.id for s, f in zip(sequences, finite) if not f][:5]})")
+        if self.cross_check is not None:
+            self.cross_check.check_shard(pending.index, shard)
         return shard
 
 
@@ -270,8 +275,15 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
         progress.message(f"resuming: {len(resume.records)} committed shard(s) kept, continuing at corpus row {resume.start_row}"
                          + (f", {resume.removed} uncommitted shard(s) removed" if resume.removed else ""))
     stats = BuildStats()
-    _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version)
+    with ExitStack() as held:
+        cross_check = _cross_check(cfg, teacher, held)
+        _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version, cross_check)
     last_run = stats.last_run()
+    if cross_check is not None and cross_check.checked:
+        last_run["cross_check"] = cross_check.record()
+        progress.message(f"cross-check: {cross_check.checked} sequence(s) recomputed by the transformers engine; largest "
+                         f"relative difference {max(cross_check.hidden):.3g} (hidden states), "
+                         f"{cross_check.logprobs:.3g} (log-probs)")
     if not stats.padded and resume.previous_run:  # a rerun of a finished build ran no teacher: keep what the last one did
         last_run = resume.previous_run
     manifest = complete_rank(fs, root, cfg.out, cfg.storage_options, resume, cfg.rank, last_run)
@@ -288,15 +300,34 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
     return manifest
 
 
+def _cross_check(cfg: BuildConfig, teacher: Teacher, held: ExitStack) -> CrossCheck | None:
+    """The build's cross-check (None when off); its reference teacher is the build's own when that
+    is the transformers engine, else loaded on first use and closed with `held`."""
+    if not cfg.cross_check:
+        return None
+    loaded: list[Teacher] = []
+
+    def reference() -> Teacher:
+        if teacher.holds_whole_model:
+            return teacher
+        if not loaded:
+            loaded.append(load_teacher(cfg.teacher, teacher.tokenizer))
+            held.callback(loaded[0].close)
+        return loaded[0]
+
+    return CrossCheck(cfg.cross_check, cfg.cross_check_bound, reference, list(teacher.layer_ids), cfg.rank)
+
+
 def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: Resume, stats: BuildStats,
-                  progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION) -> None:
+                  progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION,
+                  cross_check: CrossCheck | None = None) -> None:
     """Rows -> sequences -> the shard writer, from the resume point to the corpus's end; returns
     once every shard is committed."""
     seen = resume.seen(fs, root)
     per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
     writer = ShardWriter(fs, root, cfg.storage, cfg.teacher.dtype, per_token_hidden,
-                         TeacherPass(teacher, stats, progress, resume.keeper), resume.keeper.commit,
+                         TeacherPass(teacher, stats, progress, resume.keeper, cross_check), resume.keeper.commit,
                          cfg.rank, len(resume.records), resume.start_row, version, list(teacher.layer_ids))
     progress.start(max(total_rows - resume.start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = resume.start_row

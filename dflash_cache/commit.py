@@ -18,6 +18,7 @@ from typing import Callable
 
 from dflash_cache import format as fmt
 from dflash_cache import index
+from dflash_cache.cross_check import merge_records
 from dflash_cache.store import CacheStore
 from dflash_common.errors import CacheError
 from dflash_common.resume_check import first_difference
@@ -477,6 +478,9 @@ def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
     runs = [fmt.read_json(fs, rank_marker(root, r)) for r in range(world)]
     last_run = {"seconds": max(r["seconds"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
                 "padding_fraction": max(r["padding_fraction"] for r in runs)}
+    checks = [r["cross_check"] for r in runs if r.get("cross_check")]
+    if checks:
+        last_run["cross_check"] = merge_records(checks)
     header = {k: v for k, v in manifest.items() if k not in ("shards", "totals", "complete", "last_run", "index")}
     # rank 0 wrote the teacher head and put its record in its marker (the first manifest may be
     # another rank's, written before the head existed)

@@ -6,8 +6,11 @@ over chunks of positions so ``[tokens, vocab]`` fp32 logits for a whole batch ne
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,6 +241,8 @@ class Teacher:
     layer_ids: list[int]
     device: torch.device
     identity: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    """Lines for the user about how this teacher runs (its Gated DeltaNet kernels)."""
 
     def stop_token_ids(self) -> list[int]:
         """The tokens that end this teacher's answers (chat.stop_token_ids)."""
@@ -414,6 +419,44 @@ def load_text_head(cfg: TeacherConfig, device: torch.device) -> tuple[TextHead, 
     return TextHead(config, generation, tensors, names, dtype, norm, head), identity
 
 
+# The functions of transformers' Gated DeltaNet (qwen3_5, qwen3_next) that run a kernel package
+# when it imports and its torch reference otherwise: (function, distribution, import name).
+GATED_DELTANET_KERNELS = (("torch_chunk_gated_delta_rule", "flash-linear-attention", "fla"),
+                          ("causal_conv1d_fn", "causal-conv1d", "causal_conv1d"))
+
+
+def gated_deltanet_kernels(model: torch.nn.Module) -> dict[str, bool] | None:
+    """For a teacher with Gated DeltaNet layers, whether each kernel package runs (True) or the
+    torch fallback does; None for a teacher without them."""
+    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or ()):
+        return None
+    module = sys.modules.get(type(model).__module__)
+    kernels = {}
+    for function, distribution, import_name in GATED_DELTANET_KERNELS:
+        wrapped = getattr(module, function, None)
+        # transformers decides once, at import, and keeps the decision in the wrapper's closure
+        fast = inspect.getclosurevars(wrapped).nonlocals.get("is_new_implementation") if callable(wrapped) else None
+        if fast is None:  # another transformers: the same rule, does the package import
+            fast = importlib.util.find_spec(import_name) is not None
+        kernels[distribution] = bool(fast)
+    return kernels
+
+
+def gated_deltanet_note(model: torch.nn.Module, device: torch.device) -> str | None:
+    """One line naming the Gated DeltaNet implementation that runs (a warning for the torch
+    fallback on CUDA, where it is many times slower); None without such layers."""
+    kernels = gated_deltanet_kernels(model)
+    if kernels is None:
+        return None
+    missing = [name for name, fast in kernels.items() if not fast]
+    if not missing:
+        return f"teacher: Gated DeltaNet layers run the fast kernels ({', '.join(kernels)})"
+    line = f"teacher: Gated DeltaNet layers run transformers' torch fallback ({', '.join(missing)} not installed)"
+    if device.type == "cuda":
+        return f"warning: {line}; on a GPU it is much slower than the kernels: pip install {' '.join(missing)}"
+    return line
+
+
 def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
     from transformers import AutoModelForCausalLM
 
@@ -443,4 +486,5 @@ def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:
         identity=teacher_identity(load_full_config(cfg), cfg.name_or_path, cfg.revision,
                                   stored_tensors(teacher_folder(cfg.name_or_path, cfg.revision)),
                                   model.get_output_embeddings().weight.shape[0]),
+        notes=[note] if (note := gated_deltanet_note(model, device)) else [],
     )

@@ -441,3 +441,66 @@ def test_info_on_an_edited_manifest_is_not_a_traceback(tmp_path, teacher_dir):
     (out / fmt.MANIFEST).write_text(json.dumps(manifest))
     result = CliRunner().invoke(app, ["info", str(out)])
     assert result.exit_code == 0 and "Traceback" not in result.output and "teacher      ?" in result.output
+
+
+def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teacher_dir):
+    """--cross-check N recomputes N sequences unpadded with the transformers engine; a build whose
+    outputs are not the reference teacher's stops with one line."""
+    from types import SimpleNamespace
+
+    from dflash_cache.cross_check import CrossCheck
+    from dflash_cache.teacher import load_teacher
+    from dflash_common.errors import TeacherError
+
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    manifest = build_cache(make_config(data, tmp_path / "cache", teacher, cross_check=3))
+    check = manifest["last_run"]["cross_check"]
+    assert check["sequences"] == 3 and check["tokens"] > 0 and check["top1_agreement"] == 1.0
+    assert set(check["hidden_relative"]) == {"0", "1", "2"}
+    assert max(check["hidden_relative"].values()) < 1e-5 and check["logprobs_relative"] < 1e-5
+    with pytest.raises(ConfigError, match="--cross-check -1"):
+        make_config(data, tmp_path / "c2", teacher, cross_check=-1)
+
+    # the cache's sequences against another teacher (the llama one): far past any bound
+    cache = open_cache(str(tmp_path / "cache"))
+    records = [cache[i] for i in ["chat-0001", "chat-0004"]]
+    shard = SimpleNamespace(
+        ids=["chat-0001", "chat-0004"], lengths=np.array([len(r.input_ids) for r in records]),
+        input_ids=np.concatenate([r.input_ids for r in records]),
+        hidden=np.concatenate([r.hidden for r in records]).astype(np.float32),
+        topk_ids=np.concatenate([r.topk_ids for r in records]),
+        topk_logprobs=np.concatenate([r.topk_logprobs for r in records]))
+    other = load_teacher(TeacherConfig(name_or_path=teacher_dir("llama"), dtype="float32", layers=(0, 1, 2), top_k=8))
+    with pytest.raises(TeacherError, match=r"cross-check: sequence 'chat-000[14]' .* past --cross-check-bound 0.05") as err:
+        CrossCheck(5, 0.05, lambda: other, [0, 1, 2]).check_shard(0, shard)
+    assert "\n" not in str(err.value)
+
+
+def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, teacher_dir):
+    """A qwen3_5 teacher's build says whether its Gated DeltaNet layers run the kernels or the torch
+    fallback (here: the fallback, neither package installed), and warns for the fallback on CUDA."""
+    from dflash_cache.teacher import gated_deltanet_note, load_teacher
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    out = CliRunner().invoke(app, ["build", "--teacher", teacher_dir("qwen3_5"), "--data", data, "--out",
+                                   str(tmp_path / "cache"), "--dtype", "float32", "--layers", "0,1,2", "--quiet"])
+    assert out.exit_code == 0, out.output
+    fallback = "teacher: Gated DeltaNet layers run transformers' torch fallback (flash-linear-attention, causal-conv1d not installed)"
+    assert fallback in out.output
+    hybrid = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3_5"), dtype="float32", layers=(0, 1, 2)))
+    assert hybrid.notes == [fallback]
+    warning = gated_deltanet_note(hybrid.model, torch.device("cuda"))
+    assert warning.startswith("warning: " + fallback) and "pip install flash-linear-attention causal-conv1d" in warning
+    plain = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 1, 2)))
+    assert plain.notes == [] and gated_deltanet_note(plain.model, torch.device("cuda")) is None
+
+
+def test_cross_check_of_two_ranks_is_merged_into_the_manifest(tmp_path, teacher_dir):
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    assert build_cache(make_config(data, tmp_path / "cache", teacher, rank=0, world_size=2, cross_check=2))["complete"] is False
+    manifest = build_cache(make_config(data, tmp_path / "cache", teacher, rank=1, world_size=2, cross_check=2))
+    check = manifest["last_run"]["cross_check"]
+    assert manifest["complete"] and check["sequences"] == 4 and check["top1_agreement"] == 1.0, check
+    assert max(check["hidden_relative"].values()) < 1e-5, check

@@ -353,3 +353,19 @@ def test_a_foreign_process_can_neither_stop_nor_feed_a_build(built, corpus, teac
     assert int(tries) >= 50, (tries, attack_err)  # the attacks reached the socket
     assert "refused a connection to the build's state socket: process" in err and "uid 65534" in err, err
     assert_same_content(cache_content(clean), cache_content(out))
+
+
+@pytest.mark.serving
+def test_cross_check_of_a_vllm_build_of_the_hybrid_teacher(corpus, teacher_dir, vllm_python, tmp_path):
+    """--cross-check with --engine vllm loads the transformers teacher beside the engine and records
+    how far vLLM's captures (Gated DeltaNet taps 0 and 2 included) are from it; all-zero captures
+    would be 1.0 apart and stop the build."""
+    out = tmp_path / "cache"
+    result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3_5"), "--data", corpus, "--out", str(out),
+                                            "--engine", "vllm", "--vllm-python", vllm_python, *ARGS, *dtype_args("qwen3_5"),
+                                            "--cross-check", "3"])
+    assert result.exit_code == 0, result.output
+    check = json.loads((out / "manifest.json").read_text())["last_run"]["cross_check"]
+    assert check["sequences"] == 3 and set(check["hidden_relative"]) == {"0", "2"}, check
+    assert 0 < max(check["hidden_relative"].values()) < 0.05 and check["logprobs_relative"] < 0.05, check
+    assert check["top1_agreement"] >= 0.95, check

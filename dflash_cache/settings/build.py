@@ -62,6 +62,16 @@ class BuildConfig:
     """With engine 'vllm': the python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else
     .venv-vllm/bin/python. A path of this machine: not recorded in the manifest."""
 
+    cross_check: int = 0
+    """Recompute this many sampled sequences per rank with the transformers engine (one at a time,
+    unpadded) and record the largest relative difference of each tapped layer's hidden states and
+    of the top-k log-probs in the manifest's `last_run`; 0: off. With --engine vllm it loads the
+    transformers teacher as well: on a GPU node the teacher's memory a second time."""
+
+    cross_check_bound: float = 0.05
+    """The build stops when a cross-checked sequence differs by more than this (relative to the
+    reference's largest magnitude, per tapped layer and for the log-probs)."""
+
     def __post_init__(self):
         if not self.out:
             raise ConfigError("--out is empty; give the cache a folder or URL")
@@ -72,6 +82,10 @@ class BuildConfig:
         if self.engine == "vllm" and self.teacher.device_map:
             raise ConfigError("--device-map spreads a transformers teacher over GPUs; with --engine vllm pass "
                               "--vllm-args '{\"tensor_parallel_size\": N}' instead")
+        if self.cross_check < 0:
+            raise ConfigError(f"--cross-check {self.cross_check} is negative; give the number of sequences to recompute per rank (0: off)")
+        if not self.cross_check_bound > 0:
+            raise ConfigError(f"--cross-check-bound {self.cross_check_bound} must be positive; e.g. 0.05")
         if self.overwrite and self.world_size > 1:
             raise ConfigError("--overwrite cannot be used by several ranks at once (they would delete each other's work); delete the cache first, then launch the ranks")
 
