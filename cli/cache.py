@@ -51,8 +51,11 @@ def build(
                 + (f"\nskipped {e.skipped}" if e.skipped else "")
             )
             return
-        build_cache(cfg, progress)
-        typer.echo(f"cache ready at {cfg.out}")
+        manifest = build_cache(cfg, progress)
+        if manifest.get("complete"):  # under torchrun: only the rank that completed the cache
+            typer.echo(f"cache ready at {cfg.out}")
+        else:
+            typer.echo(f"rank {cfg.rank} finished its part of {cfg.out}; the last rank to finish completes the cache")
 
     run(action, debug)
 
@@ -95,6 +98,13 @@ def info(
 
         # totals are a sum the build writes last; an older or hand-made manifest may lack them
         t, teacher = m.get("totals") or fmt.totals(cache.manifest.get("shards", [])), m["teacher"]
+        # an edited or hand-made manifest: descriptive fields of the wrong type print as "?", not a traceback
+        t = {k: (v if k == "skipped" and isinstance(v, dict) else v if isinstance(v, int) and not isinstance(v, bool) else 0)
+             for k, v in (t if isinstance(t, dict) else {}).items()}
+        teacher = {k: teacher.get(k, "?") for k in ("name", "model_type", "num_hidden_layers", "hidden_size",
+                                                    "vocab_size", "weights_hash")}
+        if not isinstance(teacher["vocab_size"], int):
+            teacher["vocab_size"] = 0
         tokens = max(t.get("tokens", 0), 1)
         lines = [
             f"cache        {url} ({'complete' if cache.complete else 'INCOMPLETE: rerun the build to finish it'})",
@@ -141,6 +151,11 @@ def verify(
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
         if report.head_problem:
             typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
+        for layer in report.layers:
+            typer.echo(f"layer {layer['layer']}: RMS {layer['rms']:.4g}, zeros {layer['zero_fraction']:.2%}, "
+                       f"NaN/Inf {layer['nonfinite']:,}", err=True)
+        for flag in report.health_flags:
+            typer.echo(f"FLAG capture health: {flag}", err=True)
         if report.head_note:
             typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None
@@ -153,6 +168,10 @@ def verify(
                 typer.echo(f"MISMATCH {seq}: {problem}", err=True)
         if report.head_problem and not report.bad_shards:
             typer.echo("error: the teacher head is damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
+            raise typer.Exit(1)
+        if report.health_flags and not report.bad_shards and not report.head_problem:
+            typer.echo("error: the capture health of this cache is flagged (see FLAG above): its hidden states look "
+                       "broken; check the teacher and rebuild with `dflash-cache build ... --overwrite`", err=True)
             raise typer.Exit(1)
         if not report.ok:
             typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged"

@@ -268,7 +268,7 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
         existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
     header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
-        prepare_output(fs, root, cfg.out, header, cfg.overwrite)
+        version = prepare_output(fs, root, cfg.out, header, cfg.overwrite, cfg.storage.format_version)
     resume = open_output(fs, root, cfg.out, header, cfg.rank, live=cfg.world_size == 1,
                          write_head=lambda: write_teacher_files(fs, root, teacher.model, teacher.tokenizer))
     if resume.records:
@@ -277,7 +277,7 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
     stats = BuildStats()
     with ExitStack() as held:
         cross_check = _cross_check(cfg, teacher, held)
-        _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, cross_check)
+        _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version, cross_check)
     last_run = stats.last_run()
     if cross_check is not None and cross_check.checked:
         last_run["cross_check"] = cross_check.record()
@@ -288,7 +288,8 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
         last_run = resume.previous_run
     manifest = complete_rank(fs, root, cfg.out, cfg.storage_options, resume, cfg.rank, last_run)
     if manifest is None:
-        progress.message(f"rank {cfg.rank} done ({len(resume.keeper.records)} shard(s)); the last rank to finish completes the manifest")
+        progress.message(f"rank {cfg.rank} finished its part ({len(resume.keeper.records)} shard(s)); the last rank to "
+                         "finish completes the cache")
         return fmt.read_manifest(fs, root, cfg.out)
     t = manifest["totals"]
     progress.message(
@@ -318,15 +319,16 @@ def _cross_check(cfg: BuildConfig, teacher: Teacher, held: ExitStack) -> CrossCh
 
 
 def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: Resume, stats: BuildStats,
-                  progress: Progress, fs, root: str, total_rows: int, cross_check: CrossCheck | None = None) -> None:
+                  progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION,
+                  cross_check: CrossCheck | None = None) -> None:
     """Rows -> sequences -> the shard writer, from the resume point to the corpus's end; returns
     once every shard is committed."""
-    seen = committed_ids(fs, root, resume.records)
+    seen = resume.seen(fs, root)
     per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
     writer = ShardWriter(fs, root, cfg.storage, cfg.teacher.dtype, per_token_hidden,
                          TeacherPass(teacher, stats, progress, resume.keeper, cross_check), resume.keeper.commit,
-                         cfg.rank, len(resume.records), resume.start_row)
+                         cfg.rank, len(resume.records), resume.start_row, version, list(teacher.layer_ids))
     progress.start(max(total_rows - resume.start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = resume.start_row
     try:

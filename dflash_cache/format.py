@@ -1,11 +1,20 @@
-"""The cache format: names, schemas, dtypes and the manifest. This module is its single owner.
+"""The cache format: names, schemas, dtypes, the layout and the manifest. This module is its
+single owner; the files' encodings sit next to it (dflash_cache.index: the shard and sequence
+tables of format 2; dflash_cache.hidden_files: the hidden-state arrays; dflash_cache.shard_files:
+the token tables as read).
 
-Layout of a cache at URL ``root`` (see docs/cache-format.md):
+Layout of a format-2 cache at URL ``root`` (see docs/cache-format.md; format 1 is still read):
 
-    manifest.json                   everything about the cache; lists committed shards
-    teacher/                        frozen teacher pieces for stage 2 (head, config, tokenizer)
-    shards/shard-r00000-000000/     one committed shard: hidden.zarr, tokens.arrow, sequences.arrow
-    shards/shard-r00000-000000.json the shard's commit record, written last
+    manifest.json                            header, totals and a pointer to the index (kilobytes)
+    index/shards.arrow, index/sequences.arrow the merged index of a complete cache
+    index/r00000/shards.arrow, ...           rank 0's part of the index (checkpointed while it builds)
+    teacher/                                 frozen teacher pieces for stage 2 (head, config, tokenizer)
+    shards/r00000/shard-r00000-000000/       one committed shard: hidden.zarr (one shard object with
+                                             crc32c per inner chunk), tokens.arrow, sequences.arrow
+    shards/r00000/shard-r00000-000000.json   the shard's commit record, written last
+
+Format 1 put every shard in ``shards/<name>/`` with one file per Zarr chunk and listed every
+commit record, chunk files included, in manifest.json.
 """
 
 from __future__ import annotations
@@ -29,7 +38,10 @@ from dflash_common.faults import maybe_fault
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""What a new build writes."""
+READ_VERSIONS = (1, 2)
+"""What the reader reads. A build over a format-1 cache resumes it as format 1."""
 
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
@@ -38,6 +50,31 @@ TEACHER_HEAD = "head.safetensors"
 HIDDEN = "hidden.zarr"
 TOKENS = "tokens.arrow"
 SEQUENCES = "sequences.arrow"
+INDEX_DIR = "index"
+SHARD_TABLE = "shards.arrow"
+SEQUENCE_TABLE = "sequences.arrow"
+# The files of a format-2 shard, in the order of the shard table's file_bytes column: a constant
+# number whatever the chunk size (the hidden states are one Zarr shard object).
+HIDDEN_META = f"{HIDDEN}/zarr.json"
+HIDDEN_DATA = f"{HIDDEN}/c/0/0/0"
+V2_FILES = (HIDDEN_META, HIDDEN_DATA, TOKENS, SEQUENCES)
+
+
+def rank_folder(rank: int) -> str:
+    """A rank's subfolder under shards/ and index/ (format 2): objects spread over one prefix per rank."""
+    return f"r{rank:05d}"
+
+
+def rank_of(name: str) -> int:
+    """The writing rank in a shard name (shard-rRRRRR-IIIIII)."""
+    return int(name[7:].split("-", 1)[0])
+
+
+def shard_path(root: str, name: str, version: int) -> str:
+    """The folder of shard ``name`` (its commit record is this path + '.json')."""
+    if version == 1:
+        return join(root, SHARDS_DIR, name)
+    return join(root, SHARDS_DIR, rank_folder(rank_of(name)), name)
 
 # Stored dtype of the hidden states, keyed by the true dtype recorded in the manifest. Zarr 3 has
 # no bfloat16, so bf16 is stored as its 16-bit pattern and viewed back on read (lossless).
@@ -281,17 +318,36 @@ def check_manifest(manifest: dict, url: str) -> dict:
     if manifest.get("format") != FORMAT_NAME:
         raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={manifest.get('format')!r})")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS or isinstance(version, bool):
         raise CacheError(
             f"{url}: cache format version {version} is not supported by this dflash "
-            f"(reads version {FORMAT_VERSION}); rebuild the cache or install a matching dflash"
+            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); rebuild the cache or install a matching dflash"
         )
-    for key in ("teacher", "layer_ids", "hidden_size", "hidden_dtype", "top_k", "shards"):
+    if version != 1:
+        return _check_header(manifest, url, ("teacher", "layer_ids", "hidden_size", "hidden_dtype", "top_k"))
+    _check_header(manifest, url, ("teacher", "layer_ids", "hidden_size", "hidden_dtype", "top_k", "shards"))
+    for position, record in enumerate(manifest["shards"]):
+        missing = [f for f in SHARD_RECORD_FIELDS if not isinstance(record, dict) or f not in record]
+        if missing:
+            raise CacheError(f"{url}: manifest.json shard entry {position} lacks {missing[0]!r}; the cache is damaged, "
+                             "rebuild it (or restore manifest.json)")
+        problem = record_shape_problem(record, manifest)
+        if problem:
+            raise CacheError(f"{url}: manifest.json shard entry {position} {problem}; the manifest is damaged or edited: "
+                             "rebuild the cache (or restore manifest.json)")
+    return manifest
+
+
+def _check_header(manifest: dict, url: str, required: tuple[str, ...]) -> dict:
+    """The fields every version shares: present, of their types, within bounds."""
+    for key in required:
         if key not in manifest:
             raise CacheError(f"{url}: manifest.json lacks the field {key!r}; the cache is damaged, rebuild it")
     expected = {"teacher": (dict, "an object"), "layer_ids": (list, "a list of layer ids"), "shards": (list, "a list"),
                 "hidden_size": (int, "a whole number"), "top_k": (int, "a whole number")}
     for key, (kind, what) in expected.items():
+        if key not in required:
+            continue
         value = manifest[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
             raise CacheError(f"{url}: manifest.json field {key!r} is {value!r}, not {what}; the cache is damaged, "
@@ -302,15 +358,6 @@ def check_manifest(manifest: dict, url: str) -> dict:
                              "most); the manifest is damaged or edited: rebuild the cache (or restore manifest.json)")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in manifest["layer_ids"]):
         raise CacheError(f"{url}: manifest.json layer_ids {manifest['layer_ids']!r} are not layer numbers; rebuild the cache")
-    for position, record in enumerate(manifest["shards"]):
-        missing = [f for f in SHARD_RECORD_FIELDS if not isinstance(record, dict) or f not in record]
-        if missing:
-            raise CacheError(f"{url}: manifest.json shard entry {position} lacks {missing[0]!r}; the cache is damaged, "
-                             "rebuild it (or restore manifest.json)")
-        problem = record_shape_problem(record, manifest)
-        if problem:
-            raise CacheError(f"{url}: manifest.json shard entry {position} {problem}; the manifest is damaged or edited: "
-                             "rebuild the cache (or restore manifest.json)")
     if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
         raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
     if hidden_format_of(manifest) not in HIDDEN_FORMATS:
@@ -362,12 +409,13 @@ def read_manifest(fs, root: str, url: str | None = None) -> dict:
 
 
 def manifest_header(layer_ids, hidden_size: int, hidden_dtype: str, top_k: int, hidden_format: str = LOSSLESS,
-                    teacher: dict | None = None, tokenizer: dict | None = None, **provenance: Any) -> dict:
+                    teacher: dict | None = None, tokenizer: dict | None = None, format_version: int = FORMAT_VERSION,
+                    **provenance: Any) -> dict:
     """A manifest's fields apart from its shards: what the arrays of every shard are (tapped layers,
     width, dtype and storage, k), the teacher, and what a build adds of its provenance (corpus,
     content options, build config). The one place these fields are put together: builds,
     benchmarks and tests all make manifests through it and write_manifest."""
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "complete": False, "teacher": teacher or {},
+    return {"format": FORMAT_NAME, "format_version": int(format_version), "complete": False, "teacher": teacher or {},
             **({"tokenizer": tokenizer} if tokenizer is not None else {}),
             "layer_ids": list(layer_ids), "hidden_size": int(hidden_size), "hidden_dtype": hidden_dtype,
             "hidden_format": hidden_format, "hidden_storage": stored_dtype(hidden_dtype, hidden_format).name,
@@ -376,8 +424,19 @@ def manifest_header(layer_ids, hidden_size: int, hidden_dtype: str, top_k: int, 
 
 def write_manifest(fs, root: str, header: dict, records: list[dict], complete: bool, fault_point: str | None = None,
                    **extra: Any) -> dict:
-    """Write manifest.json over these shard records (atomically: index written last) and return it."""
-    manifest = dict(header, complete=complete, totals=totals(records), shards=records, **extra)
+    """Write manifest.json over these shard records (atomically: index written last) and return it.
+    Format 1 lists the records in it; format 2 gives the totals and (``extra``) its ``index``, and
+    the dict returned also holds the records under ``shards`` for the caller (the file does not)."""
+    if header.get("format_version", FORMAT_VERSION) == 1:
+        manifest = dict(header, complete=complete, totals=totals(records), shards=records, **extra)
+    else:
+        if "index" not in extra and records:  # a cache put together by hand (benchmarks, tests): index its shards
+            from dflash_cache import index
+
+            extra = dict(extra, index=index.index_records(fs, root, records))
+        manifest = dict(header, complete=complete, totals=totals(records), **extra)
+        write_json_atomic(fs, join(root, MANIFEST), manifest, fault_point=fault_point)
+        return dict(manifest, shards=records)
     write_json_atomic(fs, join(root, MANIFEST), manifest, fault_point=fault_point)
     return manifest
 

@@ -63,7 +63,13 @@ def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> 
     missing folders and files, and sizes that differ from the commit records; a symlink in it
     that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
     for training; the loader checks a shard's checksums when it first reads it
-    (``Shard.checksum_problems``), verify checks everything."""
+    (``Shard.checksum_problems``), verify checks everything.
+
+    Format 2: nothing to do. Its sizes live in the index and listing shards/ would cost a request
+    per thousand objects at every start; a missing or short file shows when it is read (one line,
+    the shard named) or verified."""
+    if getattr(cache, "version", 1) != 1:
+        return {}
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
     try:
         listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
@@ -209,7 +215,10 @@ def part_problems(shard: Shard, part: str) -> list[str]:
             with _VERIFIED_LOCK:
                 if key in _VERIFIED:
                     return _VERIFIED[key]
-        problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
+        if part == "hidden" and shard.version != 1:
+            problems = _hidden_layout(shard)  # its bytes are checked per inner chunk as they are read
+        else:
+            problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
     except CacheError:
         raise  # a symlink out of the cache: refused, not a damaged shard
     except FileNotFoundError as err:
@@ -231,6 +240,34 @@ def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
     else:
         digest = fmt.checksum(fs.cat_file(path))
     return [] if digest == expected else [f"{name} checksum mismatch"]
+
+
+def _hidden_layout(shard: Shard) -> list[str]:
+    """A format-2 hidden-state array's shape and dtype against the record, and its shard index
+    against its crc32c (local): what a reader must trust before it reads inner chunks, each
+    checked as it is read."""
+    from dflash_cache.hidden_files import HiddenChecksumError
+
+    cache, record = shard.cache, shard.record
+    want_shape = tuple(record.get("hidden_shape") or ())
+    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
+    files = shard._chunk_files
+    if files is not None:
+        shape, dtype = files.shape, files.dtype
+    else:
+        array = shard.hidden_array
+        shape, dtype = tuple(array.shape), array.dtype
+    if shape != want_shape:
+        return [f"hidden shape {shape} differs from {want_shape}"]
+    if dtype != want_dtype:
+        return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
+                f"{cache.hidden_dtype} ({cache.hidden_format})"]
+    if files is not None and shape[0]:
+        try:
+            files._map()
+        except HiddenChecksumError as err:
+            return [f"hidden states: {err.problem}"]
+    return []
 
 
 def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:

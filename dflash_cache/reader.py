@@ -22,6 +22,7 @@ import json
 import os
 import threading
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,6 +34,8 @@ import xxhash
 import zarr
 
 from dflash_cache import format as fmt
+from dflash_cache import index as cache_index
+from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
 from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity check lived here)
     CHECKSUMMED,
     RECORD,
@@ -47,7 +50,7 @@ from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity c
     size_problems,
 )
 from dflash_cache.shard_files import ChunkFiles, fixed_list_values, list_width_problem, open_ipc  # noqa: F401 (re-exported)
-from dflash_cache.writer import zarr_store
+from dflash_cache.store import CacheStore
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.settings_files import load_settings_file
 
@@ -69,13 +72,35 @@ class SequenceRecord:
 
 
 class Shard:
-    """A committed shard: its sequence table, token table and hidden-state array."""
+    """A committed shard: its sequence table, token table and hidden-state array. Format 1: from
+    its commit record in the manifest and its own sequences.arrow; format 2: from the row
+    ``position`` of the index's shard table and its rows of the sequence table (no file of the
+    shard is read until its tokens or hidden states are)."""
 
-    def __init__(self, cache: "Cache", record: dict):
-        self.cache, self.record, self.name = cache, record, record["name"]
-        self.path = fmt.join(cache.root, fmt.SHARDS_DIR, self.name)
+    def __init__(self, cache: "Cache", record: dict | None = None, position: int | None = None):
+        self.cache, self.position = cache, position
+        if record is not None:
+            self.record = record
+        self.name = record["name"] if record is not None else cache._table.column("name")[position]
+        self.version = cache.version
+        self.path = fmt.shard_path(cache.root, self.name, self.version)
         self._checked: dict[str, list[str]] = {}  # part -> its problems, once checked
         self._check_lock = threading.Lock()
+        if self.version != 1 and fmt.is_local(cache.fs):  # format 2 checks its links here, not at open
+            real_root = os.path.realpath(cache.root)
+            for path in (self.path, f"{self.path}.json", os.path.dirname(self.path)):
+                if os.path.islink(path):
+                    inside_cache(real_root, path, cache.url)
+
+    @cached_property
+    def record(self) -> dict:
+        """The commit record (format 2: the shard table's row, in the same form)."""
+        return self.cache._table.record(self.position)
+
+    @cached_property
+    def _sequence_rows(self) -> tuple[int, int]:
+        first = self.cache._first_sequence
+        return int(first[self.position]), int(first[self.position + 1])
 
     def checksum_problems(self, parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden")) -> list[str]:
         """What differs between this shard's files and the checksums of its commit record (empty
@@ -122,36 +147,65 @@ class Shard:
 
     @cached_property
     def hidden_array(self) -> zarr.Array:
-        return zarr.open_array(zarr_store(self.cache.fs, fmt.join(self.path, fmt.HIDDEN), read_only=True), mode="r")
+        return zarr.open_array(self.cache.store.zarr_store(fmt.join(self.path, fmt.HIDDEN), read_only=True), mode="r")
+
+    def _indexed(self, column: str):
+        lo, hi = self._sequence_rows
+        return self.cache._sequence_table.column(column).slice(lo, hi - lo)
 
     @cached_property
     def ids(self) -> list[str]:
+        if self.version != 1:
+            return self._indexed("id").to_pylist()
         return self._sequences.column("id").to_pylist()
 
     @cached_property
     def offsets(self) -> np.ndarray:
+        if self.version != 1:
+            return self._indexed("offset").to_numpy()
         return self._sequences.column("offset").to_numpy()
 
     @cached_property
     def lengths(self) -> np.ndarray:
+        if self.version != 1:
+            return self._indexed("length").to_numpy()
         return self._sequences.column("length").to_numpy()
 
     def __len__(self) -> int:
+        if self.version != 1:
+            lo, hi = self._sequence_rows
+            return hi - lo
         return int(self.record["sequences"])
 
     @cached_property
-    def _chunk_files(self) -> "ChunkFiles | None":
+    def _chunk_files(self) -> "ChunkFiles | ShardedHidden | None":
+        """The fast local reader of the hidden states (format 1: chunk files; format 2: the shard
+        object), or None: Zarr reads them."""
         if not fmt.is_local(self.cache.fs):
             return None
-        return ChunkFiles.open(fmt.join(self.path, fmt.HIDDEN))
+        opener = ChunkFiles.open if self.version == 1 else ShardedHidden.open
+        return opener(fmt.join(self.path, fmt.HIDDEN))
 
-    def read_stored(self, start: int, stop: int) -> np.ndarray:
+    def read_stored(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Token rows start..stop of the hidden-state array exactly as stored (e.g. uint16 for bf16).
-        Uncompressed local shards are read straight from their chunk files; anything else goes
-        through Zarr."""
-        if self._chunk_files is not None:
-            return self._chunk_files.read(start, stop)
-        return self.hidden_array[start:stop]
+        Uncompressed local shards are read straight from their chunk files (format 1) or shard
+        object (format 2, each inner chunk's crc32c checked as it is first read); anything else
+        goes through Zarr (whose codec checks format 2's crc32c). Bytes that fail their crc32c are
+        ShardIntegrityError, the one refusal of a damaged shard."""
+        try:
+            if self._chunk_files is not None:
+                return self._chunk_files.read(start, stop, out)
+            stored = self.hidden_array[start:stop]
+        except HiddenChecksumError as err:
+            raise ShardIntegrityError(self.cache.url, self.name, [f"hidden states: {err.problem}"]) from None
+        except ValueError as err:
+            if self.version == 1 or "checksum" not in str(err):
+                raise
+            raise ShardIntegrityError(self.cache.url, self.name, ["hidden states: a chunk's crc32c mismatch"]) from None
+        if out is not None:
+            out.view(stored.dtype)[...] = stored
+            return out
+        return stored
 
     def read_hidden(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Hidden states of token rows start..stop of this shard, in their true dtype (fp8 shards
@@ -159,7 +213,7 @@ class Shard:
         uncompressed lossless local shards read straight into it, with no copy in between."""
         cache = self.cache
         if out is not None and cache.hidden_format == fmt.LOSSLESS and self._chunk_files is not None:
-            self._chunk_files.read(start, stop, out)
+            self.read_stored(start, stop, out)
             return out
         scales = self._tokens[fmt.SCALE_COLUMN][start:stop] if cache.hidden_format != fmt.LOSSLESS else None
         hidden = fmt.decode_hidden(self.read_stored(start, stop), scales, cache.hidden_dtype, cache.hidden_format)
@@ -215,14 +269,25 @@ class Cache:
     """A dflash cache opened for reading. Build one with ``open_cache``."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        self.url = url
-        self.fs, self.root = fmt.url_to_fs(url, storage_options)
+        self.store = CacheStore.open(url, storage_options)
+        self.url, self.fs, self.root = url, self.store.fs, self.store.root
         self.manifest = fmt.read_manifest(self.fs, self.root, url)
+        self.version: int = int(self.manifest["format_version"])
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self.hidden_dtype: str = self.manifest["hidden_dtype"]
         self.hidden_format: str = fmt.hidden_format_of(self.manifest)
         self.top_k: int = int(self.manifest["top_k"])
+        if self.version != 1:
+            # two reads whatever the shard count; the shards' own files wait until they are read
+            with fmt.reaching(url):
+                self._table, self._sequence_table = cache_index.open_index(self.store, self.manifest)
+            counts = self._table.numpy("sequences") if len(self._table) else np.zeros(0, np.int64)
+            self._first_sequence = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            self.shards: Sequence[Shard] = ShardList(self)
+            if fmt.is_local(self.fs):
+                inside_cache(os.path.realpath(self.root), os.path.join(self.root, fmt.SHARDS_DIR), self.url)
+            return
         records = self.manifest["shards"]
         if not isinstance(records, list):
             raise CacheError(f"{url}: manifest.json's shards is a {type(records).__name__}, not a list; the manifest is "
@@ -233,18 +298,6 @@ class Cache:
         if fmt.is_local(self.fs):
             self._refuse_outside_links()
 
-    def _refuse_outside_links(self) -> None:
-        """On local storage: refuse a shards folder, shard folder or commit record that is a
-        symlink resolving outside the cache (one lstat a shard; the files inside a shard are
-        checked where they are read: ``refuse_outside_links``)."""
-        root = os.path.realpath(self.root)
-        shards_dir = os.path.join(self.root, fmt.SHARDS_DIR)
-        inside_cache(root, shards_dir, self.url)
-        for shard in self.shards:
-            for path in (os.path.join(shards_dir, shard.name), os.path.join(shards_dir, f"{shard.name}.json")):
-                if os.path.islink(path):
-                    inside_cache(root, path, self.url)
-
     @property
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))
@@ -254,7 +307,12 @@ class Cache:
         """The cache's identity: teacher, tokenizer, layers, k, dtype and the committed shards'
         checksums. A checkpoint records it, so a run resumes only on the cache it trained on."""
         keys = ("teacher", "tokenizer", "layer_ids", "top_k", "hidden_dtype")
-        shards = [(s["name"], s["checksums"]) for s in self.manifest["shards"]]
+        if self.version != 1:
+            c = self._table.column
+            shards = [(name, {"hidden": h, fmt.TOKENS: t, fmt.SEQUENCES: q}) for name, h, t, q in
+                      zip(c("name"), c("checksum_hidden"), c("checksum_tokens"), c("checksum_sequences"))]
+        else:
+            shards = [(s["name"], s["checksums"]) for s in self.manifest["shards"]]
         payload = json.dumps([{k: self.manifest.get(k) for k in keys}, shards], sort_keys=True)
         return xxhash.xxh64(payload.encode()).hexdigest()
 
@@ -277,11 +335,32 @@ class Cache:
         return raw.numpy().view(dtype).reshape(shape)
 
     def __len__(self) -> int:
+        if self.version != 1:
+            return self._sequence_table.num_rows
         return sum(len(s) for s in self.shards)
 
     @property
     def num_tokens(self) -> int:
+        if self.version != 1:
+            return int(self._table.numpy("tokens").sum()) if len(self._table) else 0
         return sum(int(s.record["tokens"]) for s in self.shards)
+
+    def sequence_table(self) -> pa.Table:
+        """Every sequence of the cache at once, in shard order, as Arrow columns: ``shard`` (int32,
+        its shard's index in ``shards``), ``offset`` (int64, first token row in the shard),
+        ``length`` (int32), ``id`` (string), ``row`` (int64, corpus row). The cheap way to plan
+        over a whole cache: format 2 holds it in the index (read at open, no shard file opened);
+        format 1 reads every shard's sequences.arrow. ``.column("length").to_numpy()`` etc. give
+        numpy arrays without a copy."""
+        if self.version != 1:
+            return self._sequence_table.select(["shard", "offset", "length", "id", "row"])
+        tables = []
+        for position, shard in enumerate(self.shards):
+            rows = cache_index.sequence_rows(shard._sequences, position)
+            tables.append(rows.select(["shard", "offset", "length", "id", "row"]))
+        if not tables:
+            return cache_index.sequence_schema().empty_table().select(["shard", "offset", "length", "id", "row"])
+        return pa.concat_tables(tables)
 
     def sequences(self) -> Iterator[SequenceRecord]:
         for shard in self.shards:
@@ -319,21 +398,31 @@ class Cache:
         listing of shards/: missing folders and files, sizes other than the commit records';
         cheap enough for every start) and the checksummed ones (``Shard.checksum_problems``, each
         shard hashed once per process). Returns the number of sequences the skipped shards hold."""
-        listed = {s.name: len(s) for s in self.shards} if skip else {}  # per batch in the loader: no walk without skips
+        names_all = self.shard_names()
+        listed = ({name: int(n) for name, n in zip(names_all, np.diff(self._first_sequence))} if self.version != 1
+                  else {s.name: len(s) for s in self.shards}) if skip else {}  # per batch in the loader: no walk without skips
         unknown = [name for name in skip if name not in listed]
         if unknown:
             raise ConfigError(f"--skip-shards names {unknown}, which {self.url} does not list; take names from "
                               "`dflash-cache verify` or `dflash-cache info --json`")
-        chosen = [i for i, s in enumerate(self.shards) if s.name not in skip] if shards is None else list(shards)
-        names = {self.shards[i].name for i in chosen}
-        problems = {name: bad for name, bad in quick_check(self, set(skip)).items() if name in names} if SIZES in parts else {}
+        chosen = [i for i, name in enumerate(names_all) if name not in skip] if shards is None else list(shards)
+        problems = {}
+        if SIZES in parts:
+            names = {names_all[i] for i in chosen}
+            problems = {name: bad for name, bad in quick_check(self, set(skip)).items() if name in names}
         checksummed = [part for part in parts if part != SIZES]
         if checksummed:
-            problems.update(self.checksum_problems([i for i in chosen if self.shards[i].name not in problems],
+            problems.update(self.checksum_problems([i for i in chosen if names_all[i] not in problems],
                                                    checksummed, threads))
         if problems:
             raise CacheError(damaged_shards_message(self.url, problems))
         return sum(listed[name] for name in set(skip))
+
+    def shard_names(self) -> list[str]:
+        """The shards' names, in order (format 2: from the index, no Shard made)."""
+        if self.version != 1:
+            return self._table.column("name")
+        return [s.name for s in self.shards]
 
     def sequence_bytes(self, shard: int, i: int) -> int:
         """Bytes of one sequence's hidden states as the reader hands them out."""
@@ -341,6 +430,10 @@ class Cache:
 
     @cached_property
     def _index(self) -> dict[str, tuple[int, int]]:
+        if self.version != 1:
+            position = self._sequence_table.column("shard").to_numpy()
+            within = np.arange(len(position)) - self._first_sequence[position]
+            return dict(zip(self._sequence_table.column("id").to_pylist(), zip(position.tolist(), within.tolist())))
         index = {}
         for si, shard in enumerate(self.shards):
             for i, seq_id in enumerate(shard.ids):
@@ -427,6 +520,32 @@ class Cache:
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(self.teacher_path("") + "/", tmp + "/", recursive=True)
             return AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+
+
+class ShardList(SequenceABC):
+    """A format-2 cache's shards, made on first use (an index of 100k shards opens without 100k
+    objects); ``cache.shards[j]`` is the same Shard each time."""
+
+    def __init__(self, cache: Cache):
+        self._cache = cache
+        self._made: dict[int, Shard] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._cache._table)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        n = len(self)
+        if not -n <= j < n:
+            raise IndexError(f"shard index {j} out of range ({n} shards)")
+        j %= n
+        shard = self._made.get(j)
+        if shard is None:
+            with self._lock:
+                shard = self._made.get(j) or self._made.setdefault(j, Shard(self._cache, position=j))
+        return shard
 
 
 class ReadAhead:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash_cache import format as fmt
-from dflash_cache import fp8
+from dflash_cache import fp8, health
 from dflash_cache.integrity import (
+    HASH_WINDOW,
     RECORD,
+    ShardIntegrityError,
     record_problems,
     refuse_outside_links,
     size_problems,
@@ -33,9 +36,14 @@ class VerifyReport:
     """What verify could not check of the head and why (a cache built before its checksum was
     recorded; a build that has not written it yet), or None."""
 
+    layers: list[dict] = field(default_factory=list)
+    """Capture health per tapped layer over the cache (dflash_cache.health.summary)."""
+    health_flags: list[str] = field(default_factory=list)
+    """Layers (or shards' layers) whose capture health is far from the rest."""
+
     @property
     def ok(self) -> bool:
-        return not self.bad_shards and self.head_problem is None
+        return not self.bad_shards and self.head_problem is None and not self.health_flags
 
 
 def _nonfinite_bf16(bits: np.ndarray) -> int:
@@ -66,15 +74,28 @@ def scale_problems(tokens, n_layers: int) -> list[str]:
     return []
 
 
-def check_shard(cache: Cache, record: dict) -> list[str]:
-    """Problems of one shard (empty when it is intact). ``record`` comes from the cache's
-    manifest, whose paths the reader checked when it opened the cache; the commit record on disk
-    is checked the same way before it is compared, and a symlink in the shard that leaves the
-    cache is refused (CacheError), not reported as damage."""
-    fs = cache.fs
+MAX_PROBLEMS = 5
+"""Problems listed per bad shard (verify names the count of the rest)."""
+MAX_PROBLEM_CHARS = 200
+
+
+def short(problems: list[str]) -> list[str]:
+    """At most MAX_PROBLEMS problems of at most MAX_PROBLEM_CHARS characters each: one BAD line stays readable."""
+    shown = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS - 3] + "..." for p in problems[:MAX_PROBLEMS]]
+    return shown + ([f"+{len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else [])
+
+
+def check_shard(cache: Cache, shard) -> list[str]:
+    """Problems of one shard (empty when it is intact): a ``Shard`` of ``cache`` (or its record).
+    Its record comes from the cache's manifest or index, whose names the reader checked when it
+    opened the cache; the commit record on disk is checked the same way before it is compared,
+    and a symlink in the shard that leaves the cache is refused (CacheError), not reported as
+    damage. Linear: nothing here looks at another shard."""
+    if isinstance(shard, dict):
+        shard = next(s for s in cache.shards if s.name == shard["name"])
+    fs, record = cache.fs, shard.record
     fmt.check_shard_paths(record, cache.url)
-    shard_dir = fmt.join(cache.root, fmt.SHARDS_DIR, record["name"])
-    shard = next(s for s in cache.shards if s.name == record["name"])
+    shard_dir = shard.path
     problems = record_problems(shard, RECORD)
     if not fs.exists(shard_dir):
         return problems + ["shard folder missing"]
@@ -94,6 +115,10 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
     problems += record_problems(shard, fmt.SEQUENCES) + record_problems(shard, fmt.TOKENS)
     if problems:
         return problems
+    if cache.version != 1:
+        problems += _index_rows_problems(shard)
+        if problems:
+            return problems
     try:
         tokens = open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
         logprobs = tokens.column("topk_logprobs").combine_chunks().values.to_numpy()
@@ -109,15 +134,77 @@ def check_shard(cache: Cache, record: dict) -> list[str]:
             problems.append(f"hidden dtype {array.dtype} differs from {expected_dtype}, the storage of the manifest's "
                             f"{cache.hidden_dtype} ({cache.hidden_format})")
         else:
-            stored = array[:]
-            if fmt.checksum(stored) != record["checksums"]["hidden"]:
+            digest, bad = _read_all_hidden(shard, array)
+            if digest != record["checksums"]["hidden"]:
                 problems.append("hidden states checksum mismatch")
-            bad = _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
             if bad:
                 problems.append(f"hidden states contain {bad} NaN/Inf values")
+    except ShardIntegrityError as err:
+        problems += err.problems
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
         problems.append(f"unreadable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     return problems
+
+
+def _index_rows_problems(shard) -> list[str]:
+    """Format 2: the shard's sequences.arrow against its rows of the index's sequence table."""
+    table = open_ipc(shard.cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
+    if table.column("id").to_pylist() != shard.ids:
+        return ["sequence ids differ from the index"]
+    if not (np.array_equal(table.column("length").to_numpy(), shard.lengths)
+            and np.array_equal(table.column("offset").to_numpy(), shard.offsets)):
+        return ["sequence lengths or offsets differ from the index"]
+    return []
+
+
+def _read_all_hidden(shard, array) -> tuple[str, int]:
+    """xxh64 of the whole stored array and its NaN/Inf count, read a window at a time; format 2
+    checks every inner chunk's crc32c on the way (ShardIntegrityError names a bad one)."""
+    import xxhash
+
+    from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
+
+    cache = shard.cache
+    digest, bad = xxhash.xxh64(), 0
+    files = shard._chunk_files
+    if isinstance(files, ShardedHidden):
+        try:
+            for rows in files.check_all():
+                digest.update(rows)
+                bad += _nonfinite_stored(rows.view(files.dtype), cache.hidden_dtype, cache.hidden_format)
+        except HiddenChecksumError as err:
+            raise ShardIntegrityError(cache.url, shard.name, [f"hidden states: {err.problem}"]) from None
+        return digest.hexdigest(), bad
+    n = array.shape[0]
+    step = max(1, HASH_WINDOW // max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize))
+    for lo in range(0, n, step):
+        stored = np.ascontiguousarray(shard.read_stored(lo, min(n, lo + step)))
+        digest.update(stored.view(np.uint8).reshape(-1))
+        bad += _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
+    return digest.hexdigest(), bad
+
+
+def health_report(cache: Cache) -> tuple[list[dict], list[str]]:
+    """Per tapped layer over the cache (RMS, share of zeros, NaN/Inf) and the flags of
+    dflash_cache.health, from the capture health the writer recorded (shards written before it
+    was recorded are left out; none: nothing to report)."""
+    n_layers = len(cache.layer_ids)
+    if cache.version != 1:
+        table = cache._table
+        rms, zeros, nonfinite = (table.matrix(k, n_layers) for k in ("rms", "zero_fraction", "nonfinite"))
+        tokens, names = table.numpy("tokens") if len(table) else np.zeros(0), table.column("name")
+    else:
+        got = [(s.record.get("health") or {}, s.record["tokens"], s.name) for s in cache.shards]
+        rows = [(h, t, n) for h, t, n in got if len(h.get("rms", [])) == n_layers]
+        rms = np.array([h["rms"] for h, _, _ in rows]).reshape(-1, n_layers)
+        zeros = np.array([h["zero_fraction"] for h, _, _ in rows]).reshape(-1, n_layers)
+        nonfinite = np.array([h["nonfinite"] for h, _, _ in rows]).reshape(-1, n_layers)
+        tokens, names = np.array([t for _, t, _ in rows]), [n for _, _, n in rows]
+    known = ~np.isnan(rms).any(axis=1)
+    if not known.any():
+        return [], []
+    return health.summary(rms[known], zeros[known], nonfinite[known], np.asarray(tokens)[known], cache.layer_ids,
+                          [n for n, k in zip(names, known) if k])
 
 
 def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport:
@@ -125,9 +212,9 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
     report = VerifyReport()
     progress.start(len(cache.shards), "verifying", "shard")
     for shard in cache.shards:
-        problems = check_shard(cache, shard.record)
+        problems = check_shard(cache, shard)
         if problems:
-            report.bad_shards[shard.name] = problems
+            report.bad_shards[shard.name] = short(problems)
         report.shards_checked += 1
         progress.advance(1)
     progress.close()
@@ -143,13 +230,18 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):
             report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
                                 "built before dflash recorded one (its dtypes and values were checked)")
-    listed = {s.name for s in cache.shards}
+    report.layers, report.health_flags = health_report(cache)
+    listed = set(cache.shard_names())
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
-    if cache.fs.exists(shards_dir):
-        for path in cache.fs.ls(shards_dir, detail=False):
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            if not name.endswith(".json") and name not in listed:
-                report.uncommitted.append(name)
+    folders = [shards_dir]
+    if cache.version != 1 and cache.fs.exists(shards_dir):  # one listing per rank folder: linear
+        folders = [p for p in cache.fs.ls(shards_dir, detail=False) if re.fullmatch(r"r\d{5}", p.rstrip("/").rsplit("/", 1)[-1])]
+    for folder in folders:
+        if cache.fs.exists(folder):
+            for path in cache.fs.ls(folder, detail=False):
+                name = path.rstrip("/").rsplit("/", 1)[-1]
+                if not name.endswith(".json") and name not in listed and (cache.version == 1 or name != ".tmp"):
+                    report.uncommitted.append(name)
     return report
 
 

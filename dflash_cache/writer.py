@@ -26,8 +26,9 @@ import zarr
 import zarr.codecs
 
 from dflash_cache import format as fmt
-from dflash_cache import fp8
+from dflash_cache import fp8, health, hidden_files
 from dflash_cache.settings.storage import StorageConfig, parse_size  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_cache.store import zarr_store  # noqa: F401 (re-exported: its import path before store.py)
 from dflash_common.errors import CacheError
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_tree
@@ -82,18 +83,6 @@ def _fixed_list(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(flat, k)
 
 
-def zarr_store(fs, path: str, read_only: bool):
-    if fmt.is_local(fs):
-        return zarr.storage.LocalStore(path, read_only=read_only)
-    # Zarr needs an async file system: this makes (or reuses) an asynchronous twin of ``fs`` with
-    # the same options. It keeps its own listing cache, blind to what ``fs`` and other clients
-    # did since; start it fresh so a size or listing it cached earlier is not trusted.
-    store = zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), storage_options=fs.storage_options,
-                                              read_only=read_only)
-    store.fs.invalidate_cache()
-    return store
-
-
 def _encode_hidden(shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> tuple[np.ndarray, dict, list]:
     """The hidden states as stored (fp8 with per-token exponents, or the build dtype's bits), the
     Zarr array's attributes, and the extra tokens.arrow columns the format adds."""
@@ -131,9 +120,23 @@ def _write_hidden(fs, path: str, hidden: np.ndarray, attributes: dict, storage: 
     return checksum.result(), chunk_tokens
 
 
+def sequences_table(shard: ShardData) -> pa.Table:
+    """The shard's sequences.arrow table."""
+    offsets = np.concatenate([[0], np.cumsum(shard.lengths, dtype=np.int64)[:-1]]) if len(shard.ids) else np.zeros(0, np.int64)
+    return pa.table(
+        [
+            pa.array(shard.ids, pa.string()),
+            pa.array(offsets, pa.int64()),
+            pa.array(shard.lengths, pa.int32()),
+            pa.array(shard.rows, pa.int64()),
+            pa.array(shard.truncated, pa.bool_()),
+        ],
+        schema=fmt.sequences_schema(),
+    )
+
+
 def _arrow_files(shard: ShardData, extra_columns: list, n_layers: int) -> tuple[bytes, bytes]:
     """tokens.arrow and sequences.arrow of a shard, as file bytes."""
-    offsets = np.concatenate([[0], np.cumsum(shard.lengths, dtype=np.int64)[:-1]]) if len(shard.ids) else np.zeros(0, np.int64)
     tokens_table = pa.table(
         [
             pa.array(shard.input_ids, pa.int32()),
@@ -144,17 +147,7 @@ def _arrow_files(shard: ShardData, extra_columns: list, n_layers: int) -> tuple[
         ],
         schema=fmt.tokens_schema(shard.topk_ids.shape[1], n_layers if extra_columns else 0),
     )
-    sequences_table = pa.table(
-        [
-            pa.array(shard.ids, pa.string()),
-            pa.array(offsets, pa.int64()),
-            pa.array(shard.lengths, pa.int32()),
-            pa.array(shard.rows, pa.int64()),
-            pa.array(shard.truncated, pa.bool_()),
-        ],
-        schema=fmt.sequences_schema(),
-    )
-    return _ipc_bytes(tokens_table), _ipc_bytes(sequences_table)
+    return _ipc_bytes(tokens_table), _ipc_bytes(sequences_table(shard))
 
 
 def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
@@ -170,7 +163,8 @@ def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
         fs.invalidate_cache(final_dir)  # the Zarr objects went through the async twin, unseen by fs
 
 
-def _commit_record(fs, final_dir: str, shard: ShardData, chunk_tokens: int, checksums: dict) -> dict:
+def _commit_record(fs, final_dir: str, shard: ShardData, chunk_tokens: int, checksums: dict,
+                   capture: dict | None = None) -> dict:
     n_tokens, n_layers, hidden_size = _hidden_shape(shard)
     files = {
         path[len(final_dir) + 1:]: int(info["size"])
@@ -190,28 +184,59 @@ def _commit_record(fs, final_dir: str, shard: ShardData, chunk_tokens: int, chec
         "checksums": checksums,
         "files": dict(sorted(files.items())),
         "skipped": dict(shard.skipped),
+        **({"health": capture} if capture is not None else {}),
     }
 
 
-def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> dict:
-    """Write one shard whole and commit it; returns its commit record."""
+def work_folder(root: str, rank: int) -> str:
+    """Where a format-2 rank writes shards before renaming them into place (local storage): one
+    folder per rank, so a resume deletes its leftovers without listing the shards."""
+    return fmt.join(root, fmt.SHARDS_DIR, fmt.rank_folder(rank), ".tmp")
+
+
+def capture_health(shard: ShardData, hidden_dtype: str, layer_ids: list[int] | None) -> dict:
+    """Per tapped layer: RMS, share of exact zeros, non-finite count of what the shard writes;
+    refuses a layer all zeros or constant over the shard (health.CaptureError)."""
+    stats = health.layer_stats(fmt.from_storage(shard.hidden, hidden_dtype))
+    layers = list(layer_ids) if layer_ids is not None else list(range(shard.hidden.shape[1]))
+    health.check_capture(stats, layers, shard.name, int(shard.hidden.shape[0]))
+    return health.stored_health(stats)
+
+
+def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str,
+                version: int = fmt.FORMAT_VERSION, layer_ids: list[int] | None = None) -> dict:
+    """Write one shard whole and commit it (the layout of format ``version``); returns its commit
+    record. The capture's health is checked first: a broken one commits nothing."""
     name = shard.name
-    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
-    final_dir = fmt.join(shards_dir, name)
-    work_dir = fmt.join(shards_dir, f".tmp-{name}-{uuid.uuid4().hex[:8]}") if fmt.is_local(fs) else final_dir
+    capture = capture_health(shard, hidden_dtype, layer_ids) if shard.hidden.ndim == 3 else None
+    final_dir = fmt.shard_path(root, name, version)
+    shards_dir = final_dir.rsplit("/", 1)[0]
+    if not fmt.is_local(fs):
+        work_dir = final_dir
+    elif version == 1:
+        work_dir = fmt.join(shards_dir, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+    else:
+        work_dir = fmt.join(work_folder(root, shard.rank), f"{name}-{uuid.uuid4().hex[:8]}")
     fs.makedirs(work_dir, exist_ok=True)
 
     hidden, attributes, extra_columns = _encode_hidden(shard, storage, hidden_dtype)
-    hidden_checksum, chunk_tokens = _write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), hidden, attributes, storage)
+    if version == 1:
+        hidden_checksum, chunk_tokens = _write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), hidden, attributes, storage)
+    else:
+        if hidden.ndim != 3:
+            hidden = hidden.reshape(0, len(layer_ids or ()), 0)
+        hidden_checksum, chunk_tokens = hidden_files.write_hidden(
+            zarr_store(fs, fmt.join(work_dir, fmt.HIDDEN), read_only=False), hidden, attributes, storage.chunk_bytes,
+            storage.compression)
     tokens_bytes, sequences_bytes = _arrow_files(shard, extra_columns, _hidden_shape(shard)[1])
     fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
     fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
     _move_into_place(fs, work_dir, final_dir)
 
     checksums = {"hidden": hidden_checksum, fmt.TOKENS: fmt.checksum(tokens_bytes), fmt.SEQUENCES: fmt.checksum(sequences_bytes)}
-    record = _commit_record(fs, final_dir, shard, chunk_tokens, checksums)
+    record = _commit_record(fs, final_dir, shard, chunk_tokens, checksums, capture)
     maybe_fault("after_shard_files")
-    fmt.write_json_atomic(fs, fmt.join(shards_dir, f"{name}.json"), record)
+    fmt.write_json_atomic(fs, f"{final_dir}.json", record)
     maybe_fault("after_commit_record")
     return record
 
@@ -236,6 +261,14 @@ def write_teacher_files(fs, root: str, model, tokenizer) -> dict:
     data = safetensors.torch.save(head)
     fmt.write_bytes_atomic(fs, fmt.join(teacher_dir, fmt.TEACHER_HEAD), data)
     return fmt.teacher_head_record(data)
+
+
+@dataclass
+class Committed:
+    """A shard just committed: its commit record and its sequences.arrow table (for the index)."""
+
+    record: dict
+    sequences: pa.Table
 
 
 class BackgroundWriter:
@@ -314,11 +347,16 @@ class ShardWriter:
     """
 
     def __init__(self, fs, root: str, storage: StorageConfig, hidden_dtype: str, hidden_bytes_per_token: int,
-                 run_teacher: Callable[[PendingShard], ShardData], on_commit: Callable[[dict], None],
-                 rank: int, first_index: int, start_row: int):
+                 run_teacher: Callable[[PendingShard], ShardData], on_commit: Callable[["Committed"], None],
+                 rank: int, first_index: int, start_row: int, version: int = fmt.FORMAT_VERSION,
+                 layer_ids: list[int] | None = None):
         self._run_teacher = run_teacher
         self._shard_tokens = shard_tokens(storage.shard_bytes, hidden_bytes_per_token)
-        self._background = BackgroundWriter(lambda shard: write_shard(fs, root, shard, storage, hidden_dtype), on_commit)
+
+        def write(shard: ShardData) -> Committed:
+            return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids), sequences_table(shard))
+
+        self._background = BackgroundWriter(write, on_commit)
         self._rank, self._index, self._row_start = rank, first_index, start_row
         self._start_shard()
 

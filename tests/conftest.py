@@ -45,8 +45,11 @@ def teacher_dir(tmp_path_factory, tokenizer_dir):
 def tiny_cache(tmp_path_factory, teacher_dir):
     """Factory `tiny_cache(**overrides) -> cache URL`: a cache written by the real build, once per
     session for each set of overrides. Defaults: 60 question/answer rows (helpers.qa_rows, seed 3),
-    the float32 qwen3 teacher, tapped layers (0, 2), top-k 6, 20 kB shards. Overrides: `rows` (the
-    corpus rows), `arch`, `dtype`, `layers`, `top_k`, `shard_bytes`, `chunk_bytes`, `compression`.
+    the float32 qwen3 teacher, tapped layers (0, 2), top-k 6, 20 kB shards, cache format 1 (the
+    tests that read a cache's files by hand were written for it, and the trainer's tests so prove
+    that a format-1 cache still trains; builds default to format 2, which the build, data and CLI
+    tests cover). Overrides: `rows` (the corpus rows), `arch`, `dtype`, `layers`, `top_k`,
+    `shard_bytes`, `chunk_bytes`, `compression`, `format_version`.
     Tests only read it; a test that damages or extends a cache copies it first."""
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
@@ -56,16 +59,18 @@ def tiny_cache(tmp_path_factory, teacher_dir):
     built: dict[str, str] = {}
 
     def get(rows: list[dict] | None = None, arch: str = "qwen3", dtype: str = "float32", layers=(0, 2), top_k: int = 6,
-            shard_bytes: int = 20_000, chunk_bytes: int | None = None, compression: str = "none") -> str:
+            shard_bytes: int = 20_000, chunk_bytes: int | None = None, compression: str = "none",
+            format_version: int = 1) -> str:
         rows = qa_rows(60, seed=3, prefix="s3-") if rows is None else rows
-        key = json.dumps([rows, arch, dtype, list(layers), top_k, shard_bytes, chunk_bytes, compression], sort_keys=True)
+        key = json.dumps([rows, arch, dtype, list(layers), top_k, shard_bytes, chunk_bytes, compression, format_version],
+                         sort_keys=True)
         if key not in built:
             root = tmp_path_factory.mktemp("tiny_cache")
             sizes = {"shard_bytes": shard_bytes, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {})}
             build_cache(BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=write_jsonl(root / "chat.jsonl", rows)),
                                     teacher=TeacherConfig(name_or_path=teacher_dir(arch), dtype=dtype, layers=tuple(layers),
                                                           top_k=top_k),
-                                    storage=StorageConfig(compression=compression, **sizes)))
+                                    storage=StorageConfig(compression=compression, format_version=format_version, **sizes)))
             built[key] = str(root / "cache")
         return built[key]
 

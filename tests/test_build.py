@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 import torch
 from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
@@ -209,7 +211,7 @@ def test_nonfinite_teacher_outputs_are_not_written(tmp_path, teacher_dir):
 
 
 def _records(out: Path) -> list[Path]:
-    return sorted((out / "shards").glob("shard-*.json"))
+    return sorted((out / "shards").glob("r*/shard-*.json"))
 
 
 def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_dir):
@@ -242,7 +244,7 @@ def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_di
     assert result.exit_code == 0, result.output
     assert open_cache(str(killed)).complete
     assert_same_content(cache_content(clean), cache_content(killed))
-    assert not [p for p in (killed / "shards").iterdir() if ".tmp-" in p.name]
+    assert not list((killed / "shards" / "r00000").glob(".tmp/*"))  # the rank's work folder holds no leftover
 
 
 def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
@@ -261,7 +263,7 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     assert f"tokens {tokens:,}" in dry.output
     assert runner.invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
 
-    shards = sorted(p for p in (out / "shards").iterdir() if p.is_dir())
+    shards = sorted(p for p in (out / "shards" / "r00000").iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(shards) >= 3
     with open(shards[0] / "tokens.arrow", "r+b") as f:  # truncate
         f.truncate(100)
@@ -274,7 +276,7 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     shutil.rmtree(shards[2])  # delete a shard folder
     result = runner.invoke(app, ["verify", str(out), "--quiet"])
     assert result.exit_code == 1
-    for shard, problem in [(shards[0], "tokens.arrow is 100 bytes"), (shards[1], "checksum mismatch"),
+    for shard, problem in [(shards[0], "tokens.arrow is 100 bytes"), (shards[1], "crc32c mismatch"),
                            (shards[2], "shard folder missing")]:
         assert f"BAD {shard.name}: " in result.output and problem in result.output
 
@@ -332,7 +334,7 @@ def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypat
 
     monkeypatch.setattr(commit, "LIVE_MANIFEST_SHARDS", 3)
     fs, root = fmt.url_to_fs(str(tmp_path))
-    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME}, [], live=True)
+    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
 
     def shard(i: int) -> dict:
         return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
@@ -386,6 +388,59 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     fs = OtherRankWritesFirst(skip_instance_cache=True)
     commit.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()
+
+
+def test_v2_manifest_is_small_and_index_holds_every_sequence(tmp_path, teacher_dir):
+    """Format 2 with tiny chunks: manifest.json names no shard or chunk file; the index tables
+    give every sequence's length without opening a shard; a shard has a constant number of files."""
+    from dflash_cache import format as fmt
+
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(20))
+    out = tmp_path / "cache"
+    build_cache(dataclasses.replace(make_config(data, out, teacher), storage=StorageConfig(shard_bytes=30_000, chunk_bytes=256)))
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    assert manifest["format_version"] == 2 and "shards" not in manifest and "hidden.zarr" not in json.dumps(manifest)
+    assert (out / fmt.MANIFEST).stat().st_size < 8000
+    cache = open_cache(str(out))
+    table = cache.sequence_table()
+    assert table.num_rows == len(cache) == 20 and int(table.column("length").to_numpy().sum()) == cache.num_tokens
+    for j, shard in enumerate(cache.shards):
+        files = [p for p in (out / "shards" / "r00000" / shard.name).rglob("*") if p.is_file()]
+        assert len(files) <= 4 and shard.record["chunk_tokens"] < shard.record["tokens"] or shard.record["tokens"] <= 1
+        assert list(shard.lengths) == list(table.filter(pc.equal(table.column("shard"), j)).column("length").to_numpy())
+
+
+def test_zeroed_embeddings_stop_the_build_with_one_line(tmp_path, teacher_dir):
+    """A real teacher whose input embeddings are zero writes all-zero hidden states: the build stops
+    before committing the shard, with the typed one-line error naming the layer."""
+    from dflash_cache.health import CaptureError
+
+    src = teacher_dir("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+    zeroed = tmp_path / "zeroed"
+    model.save_pretrained(zeroed)
+    AutoTokenizer.from_pretrained(src).save_pretrained(zeroed)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    with pytest.raises(CaptureError, match="tapped layer 0 is all zeros") as err:
+        build_cache(make_config(data, tmp_path / "cache", str(zeroed)))
+    assert "\n" not in str(err.value)
+    assert not list((tmp_path / "cache" / "shards").glob("r*/shard-*.json"))
+
+
+def test_info_on_an_edited_manifest_is_not_a_traceback(tmp_path, teacher_dir):
+    """#36: totals.bytes as a string, a teacher without a name: info still prints, no traceback."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    out = tmp_path / "cache"
+    build_cache(make_config(data, out, teacher_dir("qwen3")))
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    manifest["totals"]["bytes"] = "lots"
+    del manifest["teacher"]["name"]
+    (out / fmt.MANIFEST).write_text(json.dumps(manifest))
+    result = CliRunner().invoke(app, ["info", str(out)])
+    assert result.exit_code == 0 and "Traceback" not in result.output and "teacher      ?" in result.output
 
 
 def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teacher_dir):

@@ -124,15 +124,16 @@ def test_both_engines_build_the_same_cache(arch, built):
     assert a["build"]["engine"] == "transformers" and b["build"]["engine"] == "vllm"
     assert "vllm_python" not in b["build"]
     # the same shards, sequences and sizes: the cut depends on tokens only, never on the engine
-    assert [(s["name"], s["rows"], s["sequences"], s["tokens"]) for s in a["shards"]] == \
-        [(s["name"], s["rows"], s["sequences"], s["tokens"]) for s in b["shards"]]
+    records = [[(s.record["name"], list(s.record["rows"]), s.record["sequences"], s.record["tokens"])
+                for s in open_cache(str(path)).shards] for path in (reference, other)]
+    assert records[0] == records[1] and records[0]
     assert b["last_run"]["padding_fraction"] == 0.0  # vLLM packs sequences
 
 
 @pytest.mark.serving
 def test_a_killed_vllm_build_resumes_to_the_uninterrupted_cache(built, corpus, teacher_dir, vllm_python, tmp_path):
     clean = built("qwen3", "vllm")
-    assert len(json.loads((clean / "manifest.json").read_text())["shards"]) >= 4
+    assert len(open_cache(str(clean)).shards) >= 4
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
                "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS, *dtype_args("qwen3")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def small_cache(tiny_cache):
     rows = [{"id": f"s{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
                                               {"role": "assistant", "content": sentences[2 * i + 1] * (1 + i % 3)}]}
             for i in range(120)]
-    return tiny_cache(rows=rows, dtype="bfloat16", top_k=4, shard_bytes=12_000)
+    return tiny_cache(rows=rows, dtype="bfloat16", top_k=4, shard_bytes=12_000, format_version=2)
 
 
 def test_epoch_order_is_a_seeded_permutation_grouped_by_shard():
@@ -337,3 +338,28 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, l
     assert not torch.equal(batch.hidden[:, :, 0], clean[:, :, 0])
     assert torch.equal(batch.hidden[:, :, -1], clean[:, :, -1])  # the last tapped layer is never noised
     assert loaded.hidden.dtype == torch.bfloat16  # the loader's batch is not modified
+
+
+def test_opening_and_planning_a_format_2_cache_touch_no_shard_file(small_cache):
+    """Start-up costs the index, not the shard count: open_cache, the epoch plan and a rank's
+    first plan read only the manifest and the index tables (every file opened is recorded)."""
+    import sys
+
+    opened: list[str] = []
+    hook_on = [True]
+
+    def audit(event, args):
+        if hook_on[0] and event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes)):
+            opened.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(audit)
+    try:
+        cache = open_cache(small_cache)
+        assert cache.version == 2 and len(cache.shards) > 3
+        plan = EpochPlan(cache, DataConfig(batch_tokens=300, heldout_fraction=0.1))
+        assert plan.steps(0, 2) > 0 and plan.num_sequences > 0
+    finally:
+        hook_on[0] = False
+    inside = [p for p in opened if os.path.realpath(p).startswith(os.path.realpath(small_cache))]
+    assert inside, "the audit hook saw no file of the cache"
+    assert not [p for p in inside if "/shards/" in p or p.rstrip("/").endswith("/shards")], inside

@@ -65,7 +65,15 @@ class StorageConfig:
     (dflash_cache.fp8); the reader decodes it back to the build dtype. Its effect on a drafter is
     in benchmarks/RESULTS.md."""
 
+    format_version: int = 2
+    """Cache format a new build writes: 2 (a small manifest, index tables and a fixed number of
+    files per shard; docs/cache-format.md) or 1 (a commit record with every chunk file listed per
+    shard, what dflash wrote before format 2; for tools that read only that). A resumed build
+    keeps its cache's version; every dflash since format 2 reads both."""
+
     def __post_init__(self):
+        if self.format_version not in (1, 2):
+            raise ConfigError(f"unknown cache format version {self.format_version!r}; use 2 (or 1 for readers older than format 2)")
         if self.shard_bytes < 1:
             raise ConfigError(f"shard size must be positive, got {self.shard_bytes} bytes; pass e.g. --shard-size 512MB")
         if self.chunk_bytes < 1:

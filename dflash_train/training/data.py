@@ -386,8 +386,10 @@ class EpochPlan:
         self.cache, self.cfg = cache, cfg
         self.lengths, self.index = [], []
         skip = set(cfg.skip_shards)
-        # v1 keeps each shard's ids and lengths in its sequences.arrow: checked before they are trusted
-        cache.ensure_intact((fmt.SEQUENCES,), skip=cfg.skip_shards)
+        # v1 keeps each shard's ids and lengths in its sequences.arrow: checked before they are
+        # trusted. Format 2 plans from its index alone; a shard's files are checked when it is read.
+        if cache.version == 1:
+            cache.ensure_intact((fmt.SEQUENCES,), skip=cfg.skip_shards)
         for shard in cache.shards:
             # a skipped shard keeps its place (shard indices stay those of the cache) but is never
             # read: its files may be missing or damaged

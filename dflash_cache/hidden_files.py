@@ -1,0 +1,196 @@
+"""The hidden-state array of a format-2 shard, written and read side by side.
+
+One Zarr v3 array per shard whose single Zarr *shard* object (``hidden.zarr/c/0/0/0``) holds every
+inner chunk (zarr 3's ``sharding_indexed`` codec), so a shard has the same few files whatever the
+chunk size. Each inner chunk is ``bytes`` (little endian) [+ ``zstd``] + ``crc32c`` (4 bytes
+appended), and the shard index (offset and length of each inner chunk, uint64, at the end of the
+object) carries its own crc32c: a reader checks exactly the bytes it reads, as it reads them.
+
+``ShardedHidden`` is the fast local path (the format-2 twin of shard_files.ChunkFiles): it reads the
+shard index once, memory-maps the shard object and copies inner-chunk byte ranges into the
+caller's buffer, verifying each inner chunk's crc32c the first time this process reads it (while
+the file keeps its identity: inode, size, mtime). Anything else (compressed, remote, another
+layout) goes through Zarr, whose crc32c codec checks each chunk it decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import google_crc32c
+import numpy as np
+import zarr
+import zarr.codecs
+
+from dflash_cache import format as fmt
+from dflash_common.errors import CacheError
+
+EMPTY = 2**64 - 1  # an inner chunk never written (zarr's marker); a build writes every one
+
+
+class HiddenChecksumError(CacheError):
+    """Stored hidden-state bytes differ from their crc32c (``problem`` says which); the reader turns
+    it into the shard's integrity refusal."""
+
+    def __init__(self, path: str, problem: str):
+        self.path, self.problem = path, problem
+        super().__init__(f"{path}: {problem}")
+
+
+def chunk_tokens_for(n_tokens: int, per_token: int, chunk_bytes: int) -> int:
+    """Token rows per inner chunk: ``chunk_bytes`` worth, at least 1, at most the shard's tokens."""
+    return max(1, min(max(n_tokens, 1), chunk_bytes // max(1, per_token)))
+
+
+def write_hidden(store, hidden: np.ndarray, attributes: dict, chunk_bytes: int, compression: str) -> tuple[str, int]:
+    """Write ``hidden`` [N, L, H] (its stored dtype) as one sharded Zarr array into the Zarr
+    ``store``; returns the xxh64 of its logical bytes (``format.checksum``) and the inner chunk's
+    token rows."""
+    n_tokens, n_layers, hidden_size = hidden.shape
+    chunk_tokens = chunk_tokens_for(n_tokens, n_layers * hidden_size * hidden.dtype.itemsize, chunk_bytes)
+    shard_rows = max(1, -(-n_tokens // chunk_tokens)) * chunk_tokens  # a whole number of inner chunks
+    compressors = ([zarr.codecs.ZstdCodec(level=1)] if compression == "zstd" else []) + [zarr.codecs.Crc32cCodec()]
+    with ThreadPoolExecutor(1) as hashing:  # xxh64 releases the GIL: hash while Zarr writes
+        checksum = hashing.submit(fmt.checksum, hidden)
+        zarr.create_array(store, data=hidden, chunks=(chunk_tokens, n_layers, hidden_size),
+                          shards=(shard_rows, n_layers, hidden_size), compressors=compressors,
+                          attributes=attributes, config={"write_empty_chunks": True}, overwrite=True)
+    return checksum.result(), chunk_tokens
+
+
+def _plain_sharded(meta: dict) -> dict | None:
+    """The parameters of the layout ``write_hidden`` makes without compression, or None."""
+    codecs = meta.get("codecs") or []
+    grid = meta.get("chunk_grid") or {}
+    keys = meta.get("chunk_key_encoding") or {}
+    shape = meta.get("shape")
+    if not (meta.get("zarr_format") == 3 and len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed"
+            and grid.get("name") == "regular" and keys.get("name") == "default"
+            and keys.get("configuration", {}).get("separator", "/") == "/" and not meta.get("storage_transformers")
+            and sys.byteorder == "little" and meta.get("data_type") in ("uint8", "uint16", "float32")
+            and isinstance(shape, list) and len(shape) == 3):
+        return None
+    config = codecs[0].get("configuration") or {}
+    shard_shape = grid.get("configuration", {}).get("chunk_shape")
+    inner = config.get("chunk_shape")
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    if (config.get("codecs") != [little, {"name": "crc32c"}] or config.get("index_codecs") != [little, {"name": "crc32c"}]
+            or config.get("index_location", "end") != "end" or not isinstance(shard_shape, list)
+            or not isinstance(inner, list) or len(inner) != 3 or shard_shape[1:] != shape[1:] or inner[1:] != shape[1:]
+            or shard_shape[0] < shape[0] or inner[0] < 1 or shard_shape[0] % inner[0]):
+        return None
+    return {"shape": tuple(shape), "shard_rows": int(shard_shape[0]), "chunk_rows": int(inner[0]),
+            "dtype": np.dtype(meta["data_type"])}
+
+
+_VERIFIED: set[tuple] = set()  # (path, inode, size, mtime_ns, inner chunk) whose crc32c matched
+_VERIFIED_LOCK = threading.Lock()
+
+
+class ShardedHidden:
+    """Rows of an uncompressed format-2 hidden-state array on local disk, read straight from its
+    memory-mapped shard object (see the module's docstring)."""
+
+    def __init__(self, path: str, shape: tuple[int, ...], shard_rows: int, chunk_rows: int, dtype: np.dtype):
+        self.path, self.shape, self.chunk_rows, self.dtype = path, shape, chunk_rows, dtype
+        self.data_path = os.path.join(path, "c", "0", "0", "0")
+        self.n_chunks = shard_rows // chunk_rows
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self._lock = threading.Lock()
+        self._mapped: tuple | None = None  # (identity, data, index)
+
+    @classmethod
+    def open(cls, path: str) -> "ShardedHidden | None":
+        try:
+            with open(os.path.join(path, "zarr.json"), "rb") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):
+            return None  # Zarr gives the precise error on the slow path
+        layout = _plain_sharded(meta) if isinstance(meta, dict) else None
+        if layout is None:
+            return None
+        return cls(path, layout["shape"], layout["shard_rows"], layout["chunk_rows"], layout["dtype"])
+
+    def _damaged(self, problem: str) -> HiddenChecksumError:
+        return HiddenChecksumError(self.data_path, problem)
+
+    def _map(self) -> tuple:
+        """(identity, bytes, index [n_chunks, 2]) of the shard object, the index's crc32c checked;
+        mapped again when the file changed."""
+        try:
+            info = os.stat(self.data_path)
+        except FileNotFoundError:
+            raise CacheError(f"{self.data_path}: the hidden-state file of a committed shard is missing; the shard is "
+                             "damaged (run `dflash-cache verify`, then rebuild or skip the shard)") from None
+        identity = (self.data_path, info.st_ino, info.st_size, info.st_mtime_ns)
+        with self._lock:
+            if self._mapped is not None and self._mapped[0] == identity:
+                return self._mapped
+            index_bytes = self.n_chunks * 16 + 4
+            if info.st_size < index_bytes:
+                raise self._damaged(f"is {info.st_size} bytes, shorter than its shard index ({index_bytes})")
+            with open(self.data_path, "rb") as f:
+                data = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+            raw = data[info.st_size - index_bytes:]
+            if google_crc32c.value(raw[:-4]) != int(raw[-4:].view("<u4")[0]):
+                raise self._damaged("shard index crc32c mismatch")
+            index = raw[:-4].view("<u8").reshape(self.n_chunks, 2).astype(np.int64, copy=False)
+            want = self.chunk_rows * self.row_bytes + 4
+            bad = np.flatnonzero((index[:, 1] != want) | (index[:, 0] < 0) | (index[:, 0] + want > info.st_size - index_bytes))
+            if len(bad):
+                raise self._damaged(f"shard index entry {int(bad[0])} is not an inner chunk of {want} bytes inside the file")
+            self._mapped = (identity, data, index)
+            return self._mapped
+
+    def _chunk(self, number: int, mapped: tuple, force: bool = False) -> np.ndarray:
+        """Inner chunk ``number``'s payload, its crc32c checked (once per file identity unless ``force``)."""
+        identity, data, index = mapped
+        offset, length = int(index[number, 0]), int(index[number, 1])
+        key = (*identity, number)
+        payload = data[offset:offset + length - 4]
+        if force or key not in _VERIFIED:
+            if google_crc32c.value(payload) != int(data[offset + length - 4:offset + length].view("<u4")[0]):
+                raise self._damaged(f"inner chunk {number} (token rows {number * self.chunk_rows}..) crc32c mismatch")
+            with _VERIFIED_LOCK:
+                _VERIFIED.add(key)
+        return payload
+
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
+        C-contiguous array of those rows' shape and this array's item size)."""
+        start, stop = max(0, start), min(stop, self.shape[0])
+        shape = (max(0, stop - start), *self.shape[1:])
+        if out is None:
+            out = np.empty(shape, dtype=self.dtype)
+        elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
+                             f"got {out.dtype} {out.shape}")
+        if stop <= start:
+            return out
+        dest = out.reshape(-1).view(np.uint8)
+        mapped = self._map()
+        row = start
+        while row < stop:
+            number, lo = divmod(row, self.chunk_rows)
+            hi = min(self.chunk_rows, lo + stop - row)
+            payload = self._chunk(number, mapped)
+            dest[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes] = \
+                payload[lo * self.row_bytes:hi * self.row_bytes]
+            row += hi - lo
+        return out
+
+    def check_all(self):
+        """Every inner chunk's crc32c, checked now (``verify``); yields each chunk's logical rows as
+        uint8, in order."""
+        if self.shape[0] == 0:
+            return
+        mapped = self._map()
+        for number in range(-(-self.shape[0] // self.chunk_rows)):
+            payload = self._chunk(number, mapped, force=True)
+            rows = min(self.chunk_rows, self.shape[0] - number * self.chunk_rows)
+            yield payload[:rows * self.row_bytes]
