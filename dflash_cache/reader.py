@@ -298,6 +298,18 @@ class Cache:
         if fmt.is_local(self.fs):
             self._refuse_outside_links()
 
+    def _refuse_outside_links(self) -> None:
+        """Format 1 on local storage: refuse a shards folder, shard folder or commit record that
+        is a symlink resolving outside the cache (one lstat a shard; the files inside a shard are
+        checked where they are read: ``refuse_outside_links``)."""
+        root = os.path.realpath(self.root)
+        shards_dir = os.path.join(self.root, fmt.SHARDS_DIR)
+        inside_cache(root, shards_dir, self.url)
+        for shard in self.shards:
+            for path in (os.path.join(shards_dir, shard.name), os.path.join(shards_dir, f"{shard.name}.json")):
+                if os.path.islink(path):
+                    inside_cache(root, path, self.url)
+
     @property
     def complete(self) -> bool:
         return bool(self.manifest.get("complete"))

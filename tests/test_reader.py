@@ -122,3 +122,40 @@ def test_reading_into_a_padded_batch_equals_a_plain_read(caches, kind):
     if files is not None:
         with pytest.raises(ValueError, match="out must be C-contiguous"):
             files.read(0, 4, out=np.zeros((4, 2), dtype=files.dtype))
+
+
+def _format1_cache(root: Path) -> Path:
+    """A format-1 cache of two one-sequence shards, written by the writer's format-1 path."""
+    from dflash_cache import format as fmt
+    from dflash_cache.writer import ShardData, StorageConfig, write_shard
+
+    fs, path = fmt.url_to_fs(str(root))
+    fs.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(0)
+    records = []
+    for index in range(2):
+        bits = (rng.standard_normal((3, 2, 8)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        shard = ShardData(rank=0, index=index, row_start=index, row_end=index + 1, ids=[f"s{index}"],
+                          rows=np.array([index]), lengths=np.array([3], np.int32), truncated=np.zeros(1, bool),
+                          input_ids=np.arange(3, dtype=np.int32), loss_mask=np.ones(3, np.uint8), hidden=bits,
+                          topk_ids=np.zeros((3, 2), np.int32), topk_logprobs=np.full((3, 2), -1.0, np.float32))
+        records.append(write_shard(fs, path, shard, StorageConfig(), "bfloat16", version=1))
+    fmt.write_manifest(fs, path, fmt.manifest_header([0, 1], 8, "bfloat16", 2, format_version=1), records, complete=True)
+    return root
+
+
+def test_format1_cache_opens_and_reads_locally(tmp_path):
+    """The reader still opens a format-1 cache on local storage (its per-shard symlink check
+    runs at open) and reads its sequences back."""
+    cache = open_cache(str(_format1_cache(tmp_path / "v1")))
+    assert cache.version == 1 and [s.name for s in cache.shards] == ["shard-r00000-000000", "shard-r00000-000001"]
+    assert cache["s1"].hidden.shape == (3, 2, 8)
+
+
+def test_format1_shard_folder_linked_outside_is_refused(tmp_path):
+    root = _format1_cache(tmp_path / "v1")
+    outside = tmp_path / "elsewhere"
+    (root / "shards" / "shard-r00000-000001").rename(outside)
+    os.symlink(outside, root / "shards" / "shard-r00000-000001")
+    with pytest.raises(CacheError, match="outside the cache"):
+        open_cache(str(root))
