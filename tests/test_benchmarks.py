@@ -1,5 +1,5 @@
 """The issue #6 benchmark scripts run end to end in their tiny modes and print their tables, so they
-cannot silently rot. The four run at once (each is mostly process start-up and imports)."""
+cannot silently rot. They run at once (each is mostly process start-up and imports)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "online": [sys.executable, "benchmarks/bench_online.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
         "read": [sys.executable, "benchmarks/bench_read.py", "--quick", "--workers", "0", "--tmp", str(tmp / "read")],
         "packed": [sys.executable, "benchmarks/bench_packed.py", "--tiny"],
+        "scale": [sys.executable, "benchmarks/bench_scale.py", "--shards", "10,20", "--tmp", str(tmp)],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
@@ -104,3 +105,19 @@ def test_packed_script_compares_the_layouts_on_the_same_batches(outputs):
     assert _value(padded, 2) == _value(packed, 2)  # the same real tokens
     assert _value(packed, 3) == _value(packed, 2) < _value(padded, 3)  # packed: no padded positions
     assert padded.split()[-1] == packed.split()[-1]  # the same first loss
+
+
+def test_scale_script_compares_both_formats_at_each_size(outputs):
+    text = outputs["scale"]
+    rows = {(cells[0], cells[1]): cells for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines())
+            if len(cells) == 11 and cells[1] in ("v1", "v2")}
+    assert set(rows) == {(n, v) for n in ("10", "20") for v in ("v1", "v2")}, text
+    for (shards, version), cells in rows.items():
+        assert float(cells[4]) == 5.0, cells  # 3 files, the hidden object (one at any chunk count), the record
+        assert int(cells[2].replace(",", "")) > 0 and float(cells[10]) >= 0, cells
+        if version == "v2" and cells[7] != "None / None":
+            assert cells[7] == "3 / 0" and cells[9] == "0 / 0", cells  # manifest + 2 tables; nothing listed
+        if version == "v1" and cells[9] != "None / None":
+            assert int(cells[9].split(" / ")[1]) > int(shards), cells  # the start-up check lists every shard folder
+    assert re.search(r"^Growth 20 / 10 shards", text, re.M), text
