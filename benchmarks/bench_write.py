@@ -133,7 +133,7 @@ def write_cache(shards, out: Path, sync: bool, compression: str) -> None:
     for shard in shards:
         write_shard(fs, root, shard, storage, "bfloat16")  # includes its fsynced commit record
         if sync:  # the writer fsyncs only its record; syncing the data is what a durable commit costs
-            fsync_tree(out / fmt.SHARDS_DIR / shard.name)
+            fsync_tree(Path(fmt.shard_path(str(out), shard.name, storage.format_version)))
 
 
 def write_raw(shards, out: Path, sync: bool) -> None:
@@ -173,7 +173,10 @@ def write_torch(items, out: Path, sync: bool) -> None:
 def write_manifest(shards_dir_root: Path) -> None:
     """The minimal manifest open_cache needs (build.py writes the full one; not timed)."""
     fs, root = fmt.url_to_fs(str(shards_dir_root))
-    records = [fmt.read_json(fs, str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).glob("*.json"))]
+    # a commit record sits next to its shard folder: shards/<name>.json (format 1) or
+    # shards/r<rank>/<name>.json (format 2)
+    records = [fmt.read_json(fs, str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).rglob("shard-*.json"),
+                                                         key=lambda p: p.name)]
     fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), records, complete=True)
 
 
@@ -301,7 +304,7 @@ def profile_fsync(shard: ShardData, tmp: Path) -> None:
     for index, threads in ((20_000, 1), (20_001, 8)):
         os.sync()
         record = write_shard(fs, root, ShardData(**{**shard.__dict__, "index": index}), StorageConfig(), "bfloat16")
-        files = [p for p in (tmp / "profile-fsync" / fmt.SHARDS_DIR / record["name"]).rglob("*") if p.is_file()]
+        files = [p for p in Path(fmt.shard_path(root, record["name"], fmt.FORMAT_VERSION)).rglob("*") if p.is_file()]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(fsync_path, files))

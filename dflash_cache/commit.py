@@ -38,6 +38,7 @@ _LOCK = re.compile(r"^\.dflash-r\d{5}\.lock$")
 
 # Names a build writes under shards/: shard folders, their commit records and temporaries (format
 # 1), and the rank folders holding them (format 2).
+_RANK_FOLDER = re.compile(r"^r\d{5}$")
 _SHARD_ENTRY = re.compile(r"^(\.?(tmp-)?shard-r\d{5}-\d{6}(\.json)?(-[0-9a-f]{8})?(\.tmp-[0-9a-f]+)?|r\d{5})$")
 
 # A format-2 rank checkpoints its part of the index (and a one-process build its manifest) after
@@ -181,6 +182,22 @@ def writing(what: str, url: str):
         raise CacheError(f"writing {what} to {url} failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
 
 
+def _foreign_entry(fs, folder: str, ours, prefix: str = "") -> str | None:
+    """The first entry under ``folder`` a build did not write (its path below the folder), or None.
+    Format 2's rank folders under shards/ are looked into: they hold shards and the rank's .tmp."""
+    for entry in fs.ls(folder, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if prefix and name == ".tmp" and entry.get("type") == "directory":
+            continue  # the rank's work folder (writer.work_folder): half-written shards
+        if not ours(name, entry.get("type")) or (prefix and _RANK_FOLDER.match(name)):
+            return prefix + name
+        if not prefix and _RANK_FOLDER.match(name) and entry.get("type") == "directory":
+            inner = _foreign_entry(fs, entry["name"], ours, prefix=f"{name}/")
+            if inner is not None:
+                return inner
+    return None
+
+
 def _delete_cache(fs, root: str, url: str) -> None:
     """--overwrite on a dflash cache: delete what a build wrote (manifest, shards/, index/, teacher/,
     ranks/); anything else in those folders stops it before a file is deleted."""
@@ -193,11 +210,10 @@ def _delete_cache(fs, root: str, url: str) -> None:
         folder = fmt.join(root, sub)
         if not fs.exists(folder):
             continue
-        for entry in fs.ls(folder, detail=True):
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if not ours(name, entry.get("type")):
-                raise CacheError(f"{url}: {sub}/{name} is not a file dflash writes; --overwrite deletes only what a build "
-                                 "made, so nothing was deleted: move it out of the cache and rerun")
+        foreign = _foreign_entry(fs, folder, ours)
+        if foreign is not None:
+            raise CacheError(f"{url}: {sub}/{foreign} is not a file dflash writes; --overwrite deletes only what a "
+                             "build made, so nothing was deleted: move it out of the cache and rerun")
         doomed.append(folder)
     for folder in doomed:
         fs.rm(folder, recursive=True)
@@ -241,7 +257,7 @@ def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool, new_v
         problem = _mismatch(existing, header) if readable else "format version differs"
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
-        if problem:  # and --overwrite
+        if overwrite:
             _delete_cache(fs, root, url)
         else:
             version = int(existing["format_version"])

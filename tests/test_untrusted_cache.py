@@ -38,7 +38,9 @@ def built(tmp_path_factory, teacher_dir) -> Path:
     data = write_jsonl(root / "chat.jsonl", qa_rows(60, seed=5, prefix="u-"))
     cfg = BuildConfig(out=str(root / "cache"), corpus=CorpusConfig(data=data),
                       teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 2), top_k=4),
-                      storage=StorageConfig(shard_bytes=60_000, chunk_bytes=8_192))  # a few chunk files a shard
+                      # format 1: the attacks below edit its manifest's shard records and commit records
+                      # (format 2's index tables are attacked in test_untrusted_index.py)
+                      storage=StorageConfig(shard_bytes=60_000, chunk_bytes=8_192, format_version=1))  # a few chunk files a shard
     build_cache(cfg)
     shards = open_cache(str(root / "cache")).shards
     assert len(shards) >= 5 and all(len(s) > 1 and s.record["hidden_shape"][0] > s.record["chunk_tokens"] for s in shards)

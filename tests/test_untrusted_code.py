@@ -105,8 +105,14 @@ def test_overwrite_deletes_only_a_dflash_cache(tmp_path, teacher_dir):
     result = CliRunner().invoke(app, _build_args(teacher, data, cache, "--overwrite"))
     assert result.exit_code == 1 and "shards/README.txt is not a file dflash writes" in result.output, result.output
     assert sorted(p.name for p in (cache / "shards").iterdir()) == before
-    # without it, --overwrite rebuilds the cache
+    # nor a user's file inside a rank's folder of shards (format 2)
     (cache / "shards" / "README.txt").unlink()
+    (cache / "shards" / "r00000" / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(app, _build_args(teacher, data, cache, "--overwrite"))
+    assert result.exit_code == 1 and "shards/r00000/notes.txt is not a file dflash writes" in result.output, result.output
+    assert (cache / "shards" / "r00000" / "notes.txt").read_text() == "mine"
+    # without it, --overwrite rebuilds the cache
+    (cache / "shards" / "r00000" / "notes.txt").unlink()
     assert CliRunner().invoke(app, _build_args(teacher, data, cache, "--overwrite")).exit_code == 0
 
 
