@@ -109,6 +109,15 @@ class ShardTable:
             out[full] = pc.list_flatten(column.filter(pa.array(full))).to_numpy(zero_copy_only=False).reshape(-1, width)
         return out
 
+    def totals(self) -> dict:
+        """The per-shard counters summed (as format.totals sums commit records)."""
+        out = {k: int(self.numpy(k).sum()) if len(self) else 0 for k in ("sequences", "tokens", "loss_tokens", "bytes")}
+        skipped: dict[str, int] = {}
+        for text in self.column("skipped"):
+            for reason, n in json.loads(text).items():
+                skipped[reason] = skipped.get(reason, 0) + int(n)
+        return dict(out, skipped=skipped, shards=len(self))
+
     def record(self, i: int) -> dict:
         c = self.column
         files = {name: size for name, size in zip(fmt.V2_FILES, c("file_bytes")[i]) if size >= 0}
@@ -233,6 +242,8 @@ def open_index(store, manifest: dict) -> tuple[ShardTable, pa.Table]:
     """The shard table and the sequence table a format-2 manifest points at (empty while a
     multi-rank build has not finalized)."""
     entry = manifest.get("index")
+    if entry is None and manifest.get("complete"):
+        raise _damaged(store.url, "entry of manifest.json is missing (a complete cache always has one)")
     if entry is None:
         return ShardTable(shard_schema().empty_table()), sequence_schema().empty_table()
     if not isinstance(entry, dict):

@@ -352,6 +352,14 @@ class Cache:
         return sum(len(s) for s in self.shards)
 
     @property
+    def totals(self) -> dict:
+        """Sequences, tokens, loss tokens, bytes, shards and skipped rows, summed from the index (not
+        the manifest's ``totals``, which an edited or hand-made manifest may lack)."""
+        if self.version != 1:
+            return self._table.totals()
+        return fmt.totals([s.record for s in self.shards])
+
+    @property
     def num_tokens(self) -> int:
         if self.version != 1:
             return int(self._table.numpy("tokens").sum()) if len(self._table) else 0

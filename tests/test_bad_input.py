@@ -445,8 +445,8 @@ def test_a_damaged_newest_checkpoint_names_resume_from_and_it_works(setup, tmp_p
     assert (out / "checkpoints" / "step-000004" / "COMPLETE").exists()
 
 
-@pytest.mark.parametrize("damage", ["a list", "no teacher", "record without files", "top_k a string", "top_k a float",
-                                    "top_k 10**9", "hidden_size 10**9", "hidden_size other than the arrays'"])
+@pytest.mark.parametrize("damage", ["a list", "no teacher", "no index", "index without its shard table", "top_k a string",
+                                    "top_k a float", "top_k 10**9", "hidden_size 10**9", "hidden_size other than the arrays'"])
 def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
     import shutil
 
@@ -457,8 +457,10 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         manifest = [manifest]
     elif damage == "no teacher":
         del manifest["teacher"]
-    elif damage == "record without files":
-        del manifest["shards"][0]["files"]
+    elif damage == "no index":  # format 2 (format 1's shard records: test_untrusted_cache.py)
+        del manifest["index"]
+    elif damage == "index without its shard table":
+        del manifest["index"]["shards"]
     elif damage in ("top_k 10**9", "hidden_size 10**9"):  # an allocation of gigabytes per token before (issue 25)
         manifest[damage.split()[0]] = 10**9
     elif damage == "hidden_size other than the arrays'":
@@ -476,28 +478,38 @@ def test_a_damaged_manifest_is_one_line_everywhere(setup, tmp_path, damage):
         assert len(lines) == 1 and "manifest.json" in lines[0] and "rebuild" in lines[0], (damage, args, result.output)
 
 
-# A manifest edited where no checksum reaches: its records' counts, or a top_k the token tables
-# disagree with. verify refused these while `run` trained on them (issue 25); both now apply the
-# reader's one check (integrity.record_problems) and name the shard.
+@pytest.fixture(scope="module")
+def setup_v1(setup, tmp_path_factory) -> Path:
+    """The setup's corpus built in format 1, whose manifest holds the shard records."""
+    out = tmp_path_factory.mktemp("bad_input_v1") / "cache"
+    build = ["build", "--teacher", setup["teacher"], "--data", setup["data"], "--out", str(out), "--dtype", "float32",
+             "--layers", "0,2", "--top-k", "4", "--format-version", "1", "--quiet"]
+    assert CliRunner().invoke(cache_app, build).exit_code == 0
+    return out
+
+
+# A manifest edited where no checksum reaches: a format-1 manifest's records' counts, or a top_k the
+# token tables disagree with (either format). verify refused these while `run` trained on them
+# (issue 25); both now apply the reader's one check (integrity.record_problems) and name the shard.
+_TOP_K = "tokens.arrow column topk_ids is fixed_size_list<item: int32>[4], not 5 values per token (the manifest's top_k = 5)"
 _EDITED_RECORDS = {
-    "a shard's sequence count": (lambda m: m["shards"][0].update(sequences=0),
+    "a shard's sequence count": (1, lambda m: m["shards"][0].update(sequences=0),
                                  "commit record differs from the manifest (sequences)"),
-    "a shard's chunk size": (lambda m: m["shards"][0].update(chunk_tokens=1),
+    "a shard's chunk size": (1, lambda m: m["shards"][0].update(chunk_tokens=1),
                              "commit record differs from the manifest (chunk_tokens)"),
-    "a top_k the token tables disagree with": (lambda m: m.update(top_k=5),
-                                               "tokens.arrow column topk_ids is fixed_size_list<item: int32>[4], not 5 "
-                                               "values per token (the manifest's top_k = 5)"),
+    "a top_k the token tables disagree with (format 1)": (1, lambda m: m.update(top_k=5), _TOP_K),
+    "a top_k the token tables disagree with (format 2)": (2, lambda m: m.update(top_k=5), _TOP_K),
 }
 
 
 @pytest.mark.parametrize("edit", list(_EDITED_RECORDS))
-def test_a_manifest_verify_refuses_does_not_train(setup, tmp_path, edit):
+def test_a_manifest_verify_refuses_does_not_train(setup, setup_v1, tmp_path, edit):
     import shutil
 
     cache = tmp_path / "cache"
-    shutil.copytree(setup["cache"], cache)
+    version, change, problem = _EDITED_RECORDS[edit]
+    shutil.copytree(setup_v1 if version == 1 else setup["cache"], cache)
     manifest = json.loads((cache / "manifest.json").read_text())
-    change, problem = _EDITED_RECORDS[edit]
     change(manifest)
     (cache / "manifest.json").write_text(json.dumps(manifest))
     before = _tree(cache)
