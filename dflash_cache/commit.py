@@ -164,6 +164,12 @@ def _is_manifest_leftover(path: str) -> bool:
     return path.rstrip("/").rsplit("/", 1)[-1].startswith(f"{fmt.MANIFEST}.tmp-")
 
 
+def _is_index_leftover(fs, path: str) -> bool:
+    """A format-2 build killed at its first manifest write: its index part was written first."""
+    return path.rstrip("/").rsplit("/", 1)[-1] == fmt.INDEX_DIR and fs.isdir(path) \
+        and _foreign_entry(fs, path, _BUILD_ENTRIES[fmt.INDEX_DIR]) is None
+
+
 def _is_lock(path: str) -> bool:
     """A rank's lock file (lock_name): a build takes it before it writes its manifest."""
     return bool(_LOCK.match(path.rstrip("/").rsplit("/", 1)[-1]))
@@ -180,6 +186,15 @@ def writing(what: str, url: str):
         yield
     except OSError as err:
         raise CacheError(f"writing {what} to {url} failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
+
+
+# What a build writes in each of a cache's folders: is entry ``name`` (of ``kind``) one of ours?
+_BUILD_ENTRIES = {
+    fmt.SHARDS_DIR: lambda name, kind: bool(_SHARD_ENTRY.match(name)),
+    fmt.INDEX_DIR: lambda name, kind: name in (fmt.SHARD_TABLE, fmt.SEQUENCE_TABLE) or bool(_RANK_FOLDER.match(name)),
+    fmt.TEACHER_DIR: lambda name, kind: kind == "file",
+    RANKS_DIR: lambda name, kind: kind == "file" and name.startswith("rank-"),
+}
 
 
 def _foreign_entry(fs, folder: str, ours, prefix: str = "") -> str | None:
@@ -202,11 +217,7 @@ def _delete_cache(fs, root: str, url: str) -> None:
     """--overwrite on a dflash cache: delete what a build wrote (manifest, shards/, index/, teacher/,
     ranks/); anything else in those folders stops it before a file is deleted."""
     doomed = []
-    for sub, ours in ((fmt.SHARDS_DIR, lambda name, kind: bool(_SHARD_ENTRY.match(name))),
-                      (fmt.INDEX_DIR, lambda name, kind: name in (fmt.SHARD_TABLE, fmt.SEQUENCE_TABLE)
-                       or bool(re.fullmatch(r"r\d{5}", name))),
-                      (fmt.TEACHER_DIR, lambda name, kind: kind == "file"),
-                      (RANKS_DIR, lambda name, kind: kind == "file" and name.startswith("rank-"))):
+    for sub, ours in _BUILD_ENTRIES.items():
         folder = fmt.join(root, sub)
         if not fs.exists(folder):
             continue
@@ -228,7 +239,8 @@ def existing_manifest(fs, root: str, url: str) -> dict | None:
     if fs.isfile(root):
         raise CacheError(f"--out {url} is a file, not a folder; choose a new or empty folder for the cache")
     if not fs.exists(manifest_path) and fs.exists(root):
-        others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p) and not _is_lock(p)]
+        others = [p for p in fs.ls(root, detail=False) if not _is_manifest_leftover(p) and not _is_lock(p)
+                  and not _is_index_leftover(fs, p)]
         # checked again after the listing: another rank of this build writes the manifest first,
         # and may have done so since the first check (then the listing shows it, or its shards)
         if others and not fs.exists(manifest_path):
@@ -449,6 +461,11 @@ def complete_rank(fs, root: str, url: str, storage_options: dict | None, resume:
     marks itself done and whichever rank sees all markers merges the manifest (the last to
     finish always does, and a duplicate merge writes the same bytes). Returns the complete
     manifest, or None while other ranks are still at work."""
+    if resume.keeper.version != 1:
+        from dflash_cache.writer import work_folder
+
+        if fs.exists(work_folder(root, rank)):  # empty now: every shard was moved into place
+            fs.rm(work_folder(root, rank), recursive=True)
     if resume.keeper.live:
         with writing("the manifest", url):
             return resume.keeper.write(complete=True, last_run=last_run)

@@ -210,3 +210,27 @@ def assert_same_content(a: dict, b: dict):
     for key in a:
         for x, y in zip(a[key], b[key]):
             np.testing.assert_array_equal(x, y)
+
+
+def replace_shard_records(cache: Path, records: dict[int, dict]) -> None:
+    """Edit a local cache as a careful attacker would: shard ``i``'s record becomes ``records[i]``
+    wherever the cache keeps it (format 1: its commit record and the manifest's list; format 2: its
+    commit record and its row of the index's shard table, with the table's size and checksum in
+    manifest.json rewritten to match)."""
+    from dflash_cache import format as fmt
+    from dflash_cache import index
+    from dflash_cache.store import CacheStore
+
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    opened = open_cache(str(cache))
+    for i, record in records.items():
+        Path(fmt.shard_path(str(cache), record["name"], opened.version) + ".json").write_text(json.dumps(record, indent=1) + "\n")
+    if opened.version == 1:
+        for i, record in records.items():
+            manifest["shards"][i] = record
+    else:
+        rows = [records.get(i, shard.record) for i, shard in enumerate(opened.shards)]
+        sequences = opened.sequence_table().select(index.sequence_schema().names)
+        manifest["index"] = index.write_tables(CacheStore.open(str(cache)), index.MERGED, index.shard_table(rows),
+                                               sequences.cast(index.sequence_schema()), complete=True)
+    (cache / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

@@ -19,11 +19,12 @@ import pytest
 import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from helpers import assert_same_content, build_teacher, cache_content, chat_rows, qa_rows, write_jsonl
+from helpers import assert_same_content, build_teacher, cache_content, chat_rows, qa_rows, replace_shard_records, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_cache import format as fmt
 from dflash_cache import open_cache
 from dflash_cache.integrity import size_problems
 from dflash_cache.verify import deep_sample, topk_mismatches
@@ -34,16 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _records(out: Path) -> list[str]:
-    return sorted(p.name[:-5] for p in (out / "shards").glob("shard-*.json")) if (out / "shards").exists() else []
+    """The shards with a commit record (shards/<name>.json in format 1, shards/r<rank>/<name>.json in 2)."""
+    return sorted(p.name[:-5] for p in (out / "shards").rglob("shard-*.json")) if (out / "shards").exists() else []
 
 
-def _listed(out: Path) -> list[str]:
-    return [s["name"] for s in json.loads((out / "manifest.json").read_text())["shards"]]
+def _listed(out: Path | str) -> list[str]:
+    """The shards a reader sees (format 1: the manifest's records; 2: its index)."""
+    return [s.name for s in open_cache(str(out)).shards]
 
 
 def _shard_records(url: str) -> list[tuple]:
     """What makes two caches equal shard for shard: names, row spans, checksums, file sizes."""
-    return [(s["name"], s["rows"], s["checksums"], s["files"]) for s in open_cache(url).manifest["shards"]]
+    return [(r["name"], r["rows"], r["checksums"], r["files"]) for r in (s.record for s in open_cache(url).shards)]
 
 
 def _one_line_error(output: str) -> str:
@@ -92,25 +95,42 @@ def test_topk_comparison_allows_near_ties_only():
 
 
 @pytest.fixture(scope="module")
-def build_case(tmp_path_factory, teacher_dir):
-    """A tiny corpus, the build arguments, and a clean build of it to compare against."""
-    root = tmp_path_factory.mktemp("fault_build")
-    data = write_jsonl(root / "chat.jsonl", chat_rows(16, seed=5))
-    args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,2",
-            "--top-k", "4", "--batch-tokens", "128", "--shard-size", "40kB", "--quiet"]
-    clean = root / "clean"
-    result = CliRunner().invoke(cache_app, args + ["--out", str(clean)])
-    assert result.exit_code == 0, result.output
-    assert len(_records(clean)) >= 6
-    return {"root": root, "args": args, "clean": clean, "content": cache_content(clean), "shards": _shard_records(str(clean))}
+def build_cases(tmp_path_factory, teacher_dir):
+    """``build_cases(version)``: a tiny corpus, the build arguments, and a clean build of it in
+    cache format ``version`` to compare against (made once per version)."""
+    made = {}
+
+    def get(version: int = 2) -> dict:
+        if version not in made:
+            root = tmp_path_factory.mktemp(f"fault_build_v{version}")
+            data = write_jsonl(root / "chat.jsonl", chat_rows(16, seed=5))
+            args = ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--dtype", "float32", "--layers", "0,2",
+                    "--top-k", "4", "--batch-tokens", "128", "--shard-size", "40kB", "--format-version", str(version),
+                    "--quiet"]
+            clean = root / "clean"
+            result = CliRunner().invoke(cache_app, args + ["--out", str(clean)])
+            assert result.exit_code == 0, result.output
+            assert len(_records(clean)) >= 6
+            made[version] = {"root": root, "args": args, "clean": clean, "content": cache_content(clean),
+                             "shards": _shard_records(str(clean)), "version": version}
+        return made[version]
+
+    return get
 
 
-@pytest.mark.parametrize("point,count", [
-    ("after_shard_files", 1), ("after_shard_files", 3),
-    ("after_commit_record", 2), ("after_commit_record", -1),  # -1: the last shard
-    ("during_manifest_write", 1), ("during_manifest_write", 4),
+@pytest.fixture(scope="module")
+def build_case(build_cases) -> dict:
+    return build_cases(2)
+
+
+@pytest.mark.parametrize("version,point,count", [
+    (2, "after_shard_files", 1), (2, "after_shard_files", 3),
+    (2, "after_commit_record", 2), (2, "after_commit_record", -1),  # -1: the last shard
+    (2, "during_manifest_write", 1), (2, "during_manifest_write", 4),
+    (1, "after_shard_files", 3), (1, "after_commit_record", -1), (1, "during_manifest_write", 4),
 ])
-def test_build_killed_at_fault_point_resumes_to_clean_build(build_case, point, count):
+def test_build_killed_at_fault_point_resumes_to_clean_build(build_cases, version, point, count):
+    build_case = build_cases(version)
     total = len(build_case["shards"])
     count = total if count < 0 else count
     out = build_case["root"] / f"{point}-{count}"
@@ -120,7 +140,7 @@ def test_build_killed_at_fault_point_resumes_to_clean_build(build_case, point, c
 
     records = _records(out)
     if point == "after_shard_files":  # the N-th shard's files are in place, its record is not
-        assert len(records) == count - 1 and (out / "shards" / f"shard-r00000-{count - 1:06d}").is_dir()
+        assert len(records) == count - 1 and Path(fmt.shard_path(str(out), f"shard-r00000-{count - 1:06d}", version)).is_dir()
     elif point == "after_commit_record":  # committed, but the manifest does not list it yet
         assert len(records) == count and _listed(out) == records[:-1]
     else:  # manifest write N follows shard N-1's commit; the temporary manifest was never renamed
@@ -138,7 +158,7 @@ def test_build_killed_at_fault_point_resumes_to_clean_build(build_case, point, c
     assert open_cache(str(out)).complete
     assert _shard_records(str(out)) == build_case["shards"]
     assert_same_content(build_case["content"], cache_content(out))
-    leftovers = [p.name for p in [*out.iterdir(), *(out / "shards").iterdir()] if ".tmp-" in p.name]
+    leftovers = [str(p) for p in out.rglob("*") if ".tmp" in p.name]
     assert not leftovers
 
 
@@ -146,15 +166,15 @@ def test_unknown_format_version_is_refused_everywhere(build_case, tmp_path):
     future = tmp_path / "future"
     shutil.copytree(build_case["clean"], future)
     manifest = json.loads((future / "manifest.json").read_text())
-    (future / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    (future / "manifest.json").write_text(json.dumps({**manifest, "format_version": 3}))
     for command in (["verify", str(future)], ["info", str(future)]):
         result = CliRunner().invoke(cache_app, command)
         assert result.exit_code == 1
-        assert "cache format version 2 is not supported by this dflash (reads version 1)" in _one_line_error(result.output)
+        assert "cache format version 3 is not supported by this dflash (reads versions 1, 2)" in _one_line_error(result.output)
     rebuilt = CliRunner().invoke(cache_app, build_case["args"] + ["--out", str(future)])
     assert rebuilt.exit_code == 1 and "format version differs" in _one_line_error(rebuilt.output)
     trained = CliRunner().invoke(train_app, ["run", "--cache", str(future), "--out", str(tmp_path / "run"), "--quiet"])
-    assert trained.exit_code == 1 and "format version 2" in _one_line_error(trained.output)
+    assert trained.exit_code == 1 and "format version 3" in _one_line_error(trained.output)
 
 
 # --- the disk fills up during a build --------------------------------------------------------
@@ -231,13 +251,13 @@ def _bytes_before(log: list[tuple[str, int]], suffix: str) -> int:
     ("teacher/head.safetensors", 0, "writing the teacher files to fullfs://"),
     ("shard-r00000-000001/hidden.zarr/c/0/0/0", 1, "writing a shard failed: "),  # a Zarr chunk, through zarr's async wrapper
     ("shard-r00000-000002/tokens.arrow", 2, "writing a shard failed: "),  # an Arrow file
-    ("shards/shard-r00000-000003.json", 3, "writing a shard failed: "),  # the commit record itself
+    ("/shard-r00000-000003.json", 3, "writing a shard failed: "),  # the commit record itself
 ])
 def test_disk_full_stops_cleanly_and_the_same_command_resumes(full_case, failing_write, committed, message):
     url = f"fullfs://{full_case['target']}"
     shutil.rmtree(full_case["target"], ignore_errors=True)  # whatever an earlier failing case left
-    names = {path.rsplit("/shards/", 1)[-1] for path, _ in full_case["log"]}
-    assert {"shard-r00000-000000/hidden.zarr/c/0/0/0", "shard-r00000-000000/tokens.arrow"} <= names  # all bytes go through fullfs
+    written = [path for path, _ in full_case["log"]]  # all bytes go through fullfs:
+    assert all(any(p.endswith(f"/shard-r00000-000000/{f}") for p in written) for f in ("hidden.zarr/c/0/0/0", "tokens.arrow"))
 
     _disk(_bytes_before(full_case["log"], failing_write))  # that write is the first that does not fit
     failed = CliRunner().invoke(cache_app, full_case["args"])
@@ -357,15 +377,12 @@ def test_deep_verify_finds_a_shard_holding_another_teachers_outputs(tmp_path, te
     clean = CliRunner().invoke(cache_app, ["verify", str(cache), "--deep", "--sample", "100", "--device", "cpu", "--quiet"])
     assert clean.exit_code == 0 and "deep: 8 sequences re-run" in clean.output, clean.output
 
-    # shard 1 replaced, record and manifest entry too: every checksum matches the new bytes
-    manifest = json.loads((cache / "manifest.json").read_text())
-    victim = manifest["shards"][1]["name"]
-    shutil.rmtree(cache / "shards" / victim)
-    shutil.copytree(tmp_path / "foreign" / "shards" / victim, cache / "shards" / victim)
-    record = json.loads((tmp_path / "foreign" / "shards" / f"{victim}.json").read_text())
-    (cache / "shards" / f"{victim}.json").write_text(json.dumps(record, indent=1) + "\n")
-    manifest["shards"][1] = record
-    (cache / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    # shard 1 replaced, record and index too: every checksum matches the new bytes
+    victim = open_cache(str(cache)).shards[1].name
+    folder = Path(fmt.shard_path(str(cache), victim, 2))
+    shutil.rmtree(folder)
+    shutil.copytree(fmt.shard_path(str(tmp_path / "foreign"), victim, 2), folder)
+    replace_shard_records(cache, {1: open_cache(str(tmp_path / "foreign")).shards[1].record})
     assert CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"]).exit_code == 0  # checksums cannot tell
 
     deep = CliRunner().invoke(cache_app, ["verify", str(cache), "--deep", "--sample", "100", "--device", "cpu", "--quiet"])
@@ -480,7 +497,7 @@ def test_a_second_build_on_the_same_out_is_refused_and_leaves_the_first_ones_sha
     """The second build deleted the first's in-flight shard as a crash's leftover, and both exited 0."""
     out, gate = tmp_path / "cache", tmp_path / "gate"
     command = ["cli.cache", *build_case["args"], "--out", str(out)]
-    in_flight = out / "shards" / "shard-r00000-000000"
+    in_flight = Path(fmt.shard_path(str(out), "shard-r00000-000000", 2))
     first = _paused_at_fault(command, "after_shard_files", gate, in_flight.is_dir)
     before = _settled(out)
     try:
