@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import qa_rows, write_jsonl
+from helpers import qa_rows, replace_shard_records, write_jsonl
 from s3_server import s3_server  # noqa: F401  (module-scoped fixture, used by the object-storage test)
 from typer.testing import CliRunner
 
@@ -153,7 +153,7 @@ def built(tmp_path_factory, teacher_dir):
 
 
 def _hidden_bytes(url: str) -> int:
-    return sum(p.stat().st_size for p in Path(url).glob("shards/*/hidden.zarr/c/**/*") if p.is_file())
+    return sum(p.stat().st_size for p in Path(url).glob("shards/**/hidden.zarr/c/**/*") if p.is_file())
 
 
 def test_fp8_build_reads_back_as_bfloat16_within_fp8_error_at_half_the_bytes(built):
@@ -221,13 +221,15 @@ def test_verify_finds_nan_codes_in_an_fp8_shard(built, tmp_path):
 
     cache = tmp_path / "copy"
     shutil.copytree(built["fp8"], cache)
-    chunk = next(p for p in sorted((cache / "shards").glob("*/hidden.zarr/c/**/*")) if p.is_file())
+    chunk = next(p for p in sorted((cache / "shards").glob("**/hidden.zarr/c/**/*")) if p.is_file())
     data = bytearray(chunk.read_bytes())
     data[10] = 0x7F  # e4m3fn NaN
     chunk.write_bytes(bytes(data))
     bad = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
     assert bad.exit_code == 1
-    assert "hidden states checksum mismatch; hidden states contain 1 NaN/Inf values" in bad.output, bad.output
+    # format 2 checks each inner chunk's crc32c as it decodes it: the damaged chunk is named before
+    # its codes are (format 1 hashed the whole array, then also counted "1 NaN/Inf values")
+    assert "BAD shard-r00000-000000: hidden states: a chunk's crc32c mismatch" in bad.output, bad.output
 
 
 def test_deep_verify_checks_the_scales(built, tmp_path):
@@ -239,9 +241,8 @@ def test_deep_verify_checks_the_scales(built, tmp_path):
 
     cache = tmp_path / "copy"
     shutil.copytree(built["fp8"], cache)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    record = manifest["shards"][2]
-    path = cache / "shards" / record["name"] / "tokens.arrow"
+    record = open_cache(str(cache)).shards[2].record
+    path = Path(fmt.shard_path(str(cache), record["name"], 2)) / "tokens.arrow"
     table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
     column = table.column(fmt.SCALE_COLUMN).combine_chunks()
     doubled = pa.FixedSizeListArray.from_arrays(pa.array(column.values.to_numpy() + 1, pa.int8()), len(LAYERS))
@@ -252,8 +253,7 @@ def test_deep_verify_checks_the_scales(built, tmp_path):
     data = sink.getvalue().to_pybytes()
     path.write_bytes(data)
     record["checksums"]["tokens.arrow"], record["files"]["tokens.arrow"] = fmt.checksum(data), len(data)
-    (cache / "shards" / f"{record['name']}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (cache / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    replace_shard_records(cache, {2: record})
     assert CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"]).exit_code == 0  # checksums cannot tell
     deep = CliRunner().invoke(cache_app, ["verify", str(cache), "--deep", "--device", "cpu", "--quiet"])
     named = [line for line in deep.output.splitlines() if line.startswith("MISMATCH ")]

@@ -22,6 +22,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from cli.cache import app as cache_app  # noqa: E402
 from cli.train import app as train_app  # noqa: E402
+from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 
 BUILD_OPTIONS = ["--dtype", "bfloat16", "--layers", "0,2", "--top-k", "8", "--batch-tokens", "512",
@@ -33,6 +34,24 @@ def _invoke(app, args: list[str], code: int = 0):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == code, (args, result.output, result.exception)
     return result
+
+
+def _records(cache) -> list[dict]:
+    return [shard.record for shard in cache.shards]
+
+
+def _forget_last_shard(client, bucket: str, prefix: str, url: str) -> None:
+    """Format 2: drop the last shard's row from rank 0's part of the index, as if the build had
+    died before checkpointing it (the part is where a resuming rank starts)."""
+    import pyarrow as pa
+
+    from dflash_cache import index
+
+    if open_cache(url).version == 1:
+        return
+    key = f"{prefix}/{index.part_paths(0)[index.SHARDS]}"
+    table = pa.ipc.open_file(pa.py_buffer(client.get_object(Bucket=bucket, Key=key)["Body"].read())).read_all()
+    client.put_object(Bucket=bucket, Key=key, Body=index.ipc_bytes(table.slice(0, table.num_rows - 1)))
 
 
 def _build(teacher: str, data: str, out: str, *extra: str):
@@ -63,11 +82,12 @@ def test_build_info_verify_and_read_equal_local(s3_server, built):  # noqa: F811
     assert s3_cache.complete and len(s3_cache.shards) >= 3
     assert len(s3_cache) == len(local_cache) == 40
     # Same shards cut the same way, with the same files, sizes and checksums.
-    assert s3_cache.manifest["shards"] == local_cache.manifest["shards"]
+    assert _records(s3_cache) == _records(local_cache)
     assert s3_cache.manifest["totals"] == local_cache.manifest["totals"]
     for shard in s3_cache.shards:
-        assert f"cache/shards/{shard.name}.json" in keys
-        assert {f"cache/shards/{shard.name}/{f}" for f in shard.record["files"]} <= keys
+        folder = fmt.shard_path("cache", shard.name, s3_cache.version)
+        assert f"{folder}.json" in keys
+        assert {f"{folder}/{f}" for f in shard.record["files"]} <= keys
     assert_same_content(cache_content(url), cache_content(local))
     # Random access by id, the teacher's frozen pieces and the tokenizer come back too.
     np.testing.assert_array_equal(s3_cache["s3-007"].input_ids, local_cache["s3-007"].input_ids)
@@ -78,7 +98,7 @@ def test_build_info_verify_and_read_equal_local(s3_server, built):  # noqa: F811
 
     info = _invoke(cache_app, ["info", url]).output
     assert f"cache        {url} (complete)" in info and "sequences    40" in info
-    assert json.loads(_invoke(cache_app, ["info", url, "--json"]).output)["shards"] == s3_cache.manifest["shards"]
+    assert json.loads(_invoke(cache_app, ["info", url, "--json"]).output)["index"] == s3_cache.manifest["index"]
     ok = _invoke(cache_app, ["verify", url, "--quiet"]).output
     assert f"ok: {len(s3_cache.shards)} shard(s), 40 sequences verified" in ok
 
@@ -143,11 +163,11 @@ def test_verify_names_a_corrupted_object(s3_server, built):  # noqa: F811
     checksums can tell): verify names each damaged shard and exits 1."""
     cache = open_cache(built["url"])
     damage = {cache.shards[1].name: ("tokens.arrow", "tokens.arrow checksum mismatch"),
-              cache.shards[2].name: ("hidden.zarr/c/0/0/0", "hidden states checksum mismatch")}
+              cache.shards[2].name: ("hidden.zarr/c/0/0/0", "hidden states: a chunk's crc32c mismatch")}
     client, originals = s3_server.client(), {}
     try:
         for shard, (name, _) in damage.items():
-            key = f"cache/shards/{shard}/{name}"
+            key = f"{fmt.shard_path('cache', shard, cache.version)}/{name}"
             originals[key] = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
             damaged = bytearray(originals[key])
             damaged[len(damaged) // 2] ^= 0x5A
@@ -172,20 +192,23 @@ def test_resume_after_losing_the_last_commit_record(s3_server, built):  # noqa: 
     _invoke(cache_app, ["verify", url, "--quiet"])  # this process now holds a listing of shards/
     before = open_cache(url)
     last = before.shards[-1].name
-    # Deleted by another client, so this process's listing caches do not know.
-    client.delete_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}.json")
+    folder = fmt.shard_path("resumed", last, before.version)
+    # Deleted by another client, so this process's listing caches do not know; and the index as a
+    # build killed before it recorded that shard left it (its part without the shard, no merge).
+    client.delete_object(Bucket=s3_server.bucket, Key=f"{folder}.json")
+    _forget_last_shard(client, s3_server.bucket, "resumed", url)
     # What a writer killed mid-shard leaves in place (no rename on S3): a torn file, a stray chunk.
-    client.put_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}/tokens.arrow", Body=b"torn")
-    client.put_object(Bucket=s3_server.bucket, Key=f"resumed/shards/{last}/hidden.zarr/c/9/0/0", Body=b"junk")
+    client.put_object(Bucket=s3_server.bucket, Key=f"{folder}/tokens.arrow", Body=b"torn")
+    client.put_object(Bucket=s3_server.bucket, Key=f"{folder}/hidden.zarr/c/9/0/0", Body=b"junk")
 
     result = _build(built["teacher"], built["data"], url)
     assert f"resuming: {len(before.shards) - 1} committed shard(s) kept" in result.output
     assert "1 uncommitted shard(s) removed" in result.output
     after = open_cache(url)
     assert after.complete
-    assert after.manifest["shards"] == before.manifest["shards"] == open_cache(built["local"]).manifest["shards"]
-    keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"resumed/shards/{last}/")["Contents"]}
-    assert keys == {f"resumed/shards/{last}/{f}" for f in after.shards[-1].record["files"]}
+    assert _records(after) == _records(before) == _records(open_cache(built["local"]))
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{folder}/")["Contents"]}
+    assert keys == {f"{folder}/{f}" for f in after.shards[-1].record["files"]}
     assert_same_content(cache_content(url), cache_content(built["local"]))
     _invoke(cache_app, ["verify", url, "--quiet"])
 
