@@ -117,9 +117,16 @@ def info(
                          f"(lossy; read back as {cache.hidden_dtype})")
         if t.get("skipped"):
             lines.append(f"skipped      {', '.join(f'{k}: {v}' for k, v in sorted(t['skipped'].items()))}")
+        lines += _health_lines(*cache.capture_health())
         typer.echo("\n".join(lines))
 
     run(action, debug)
+
+
+def _health_lines(layers: list[dict], flags: list[str]) -> list[str]:
+    """The capture health of a cache, a line per tapped layer and per flag (info and verify)."""
+    return [f"layer {layer['layer']}: RMS {layer['rms']:.4g}, zeros {layer['zero_fraction']:.2%}, "
+            f"NaN/Inf {layer['nonfinite']:,}" for layer in layers] + [f"FLAG capture health: {flag}" for flag in flags]
 
 
 @app.command()
@@ -149,11 +156,8 @@ def verify(
             typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
         if report.head_problem:
             typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
-        for layer in report.layers:
-            typer.echo(f"layer {layer['layer']}: RMS {layer['rms']:.4g}, zeros {layer['zero_fraction']:.2%}, "
-                       f"NaN/Inf {layer['nonfinite']:,}", err=True)
-        for flag in report.health_flags:
-            typer.echo(f"FLAG capture health: {flag}", err=True)
+        for line in _health_lines(report.layers, report.health_flags):
+            typer.echo(line, err=True)
         if report.head_note:
             typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None

@@ -34,6 +34,7 @@ import xxhash
 import zarr
 
 from dflash_cache import format as fmt
+from dflash_cache import health
 from dflash_cache import index as cache_index
 from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
 from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity check lived here)
@@ -350,6 +351,27 @@ class Cache:
         if self.version != 1:
             return self._sequence_table.num_rows
         return sum(len(s) for s in self.shards)
+
+    def capture_health(self) -> tuple[list[dict], list[str]]:
+        """Per tapped layer over the cache (RMS, share of zeros, NaN/Inf) and the flags of
+        dflash_cache.health, from the capture health the writer recorded (shards written before it
+        was recorded are left out; none: nothing to report)."""
+        n_layers = len(self.layer_ids)
+        if self.version != 1:
+            table = self._table
+            rms, zeros, nonfinite = (table.matrix(k, n_layers) for k in ("rms", "zero_fraction", "nonfinite"))
+            tokens, names = table.numpy("tokens") if len(table) else np.zeros(0), table.column("name")
+        else:
+            got = [(s.record.get("health") or {}, s.record["tokens"], s.name) for s in self.shards]
+            rows = [(h, t, n) for h, t, n in got if len(h.get("rms", [])) == n_layers]
+            rms, zeros, nonfinite = (np.array([h[k] for h, _, _ in rows]).reshape(-1, n_layers)
+                                     for k in ("rms", "zero_fraction", "nonfinite"))
+            tokens, names = np.array([t for _, t, _ in rows]), [n for _, _, n in rows]
+        known = ~np.isnan(rms).any(axis=1)
+        if not known.any():
+            return [], []
+        return health.summary(rms[known], zeros[known], nonfinite[known], np.asarray(tokens)[known], self.layer_ids,
+                              [n for n, k in zip(names, known) if k])
 
     @property
     def totals(self) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_cache import format as fmt
-from dflash_cache import fp8, health
+from dflash_cache import fp8
 from dflash_cache.integrity import (
     HASH_WINDOW,
     RECORD,
@@ -184,29 +184,6 @@ def _read_all_hidden(shard, array) -> tuple[str, int]:
     return digest.hexdigest(), bad
 
 
-def health_report(cache: Cache) -> tuple[list[dict], list[str]]:
-    """Per tapped layer over the cache (RMS, share of zeros, NaN/Inf) and the flags of
-    dflash_cache.health, from the capture health the writer recorded (shards written before it
-    was recorded are left out; none: nothing to report)."""
-    n_layers = len(cache.layer_ids)
-    if cache.version != 1:
-        table = cache._table
-        rms, zeros, nonfinite = (table.matrix(k, n_layers) for k in ("rms", "zero_fraction", "nonfinite"))
-        tokens, names = table.numpy("tokens") if len(table) else np.zeros(0), table.column("name")
-    else:
-        got = [(s.record.get("health") or {}, s.record["tokens"], s.name) for s in cache.shards]
-        rows = [(h, t, n) for h, t, n in got if len(h.get("rms", [])) == n_layers]
-        rms = np.array([h["rms"] for h, _, _ in rows]).reshape(-1, n_layers)
-        zeros = np.array([h["zero_fraction"] for h, _, _ in rows]).reshape(-1, n_layers)
-        nonfinite = np.array([h["nonfinite"] for h, _, _ in rows]).reshape(-1, n_layers)
-        tokens, names = np.array([t for _, t, _ in rows]), [n for _, _, n in rows]
-    known = ~np.isnan(rms).any(axis=1)
-    if not known.any():
-        return [], []
-    return health.summary(rms[known], zeros[known], nonfinite[known], np.asarray(tokens)[known], cache.layer_ids,
-                          [n for n, k in zip(names, known) if k])
-
-
 def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport:
     progress = progress or Progress()
     report = VerifyReport()
@@ -230,7 +207,7 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):
             report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
                                 "built before dflash recorded one (its dtypes and values were checked)")
-    report.layers, report.health_flags = health_report(cache)
+    report.layers, report.health_flags = cache.capture_health()
     listed = set(cache.shard_names())
     shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
     folders = [shards_dir]

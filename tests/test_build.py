@@ -259,6 +259,10 @@ def test_cli_build_info_verify_and_corruption(tmp_path, teacher_dir):
     assert runner.invoke(app, base).exit_code == 0
     info = runner.invoke(app, ["info", str(out)])
     assert info.exit_code == 0 and "sequences    30" in info.output and "layers       0,2" in info.output
+    # the capture health the writer recorded, a line per tapped layer, no flag on a sound teacher
+    health = [line for line in info.output.splitlines() if line.startswith("layer ") and ": RMS " in line]
+    assert [line.split(":")[0] for line in health] == ["layer 0", "layer 2"] and "FLAG" not in info.output, info.output
+    assert all(float(line.split("RMS ")[1].split(",")[0]) > 0 for line in health)
     tokens = open_cache(str(out)).num_tokens
     assert f"tokens {tokens:,}" in dry.output
     assert runner.invoke(app, ["verify", str(out), "--quiet"]).exit_code == 0
