@@ -70,10 +70,10 @@ objectives: $(STAMP)
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
 
-# The README's option tables (train, build, regenerate), made from the config fields' docstrings
+# The option tables of docs/options.md (train, build, regenerate), made from the config fields' docstrings
 # (tests/test_knobs.py fails when one is stale).
 docs: $(STAMP)
-	$(BIN)/python -m cli.docs README.md
+	$(BIN)/python -m cli.docs docs/options.md
 
 # ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
 lint: $(STAMP)

@@ -13,7 +13,7 @@ field's metadata,
 - ``repeat``: a list field the command line gives by repeating the option (``--endpoint A
   --endpoint B``) rather than as comma-separated text.
 From that come the command-line option (``--top-k``), the config built from the options, the
-``--set`` paths and sweep keys of a train run, and the option tables in the README (``make docs``
+``--set`` paths and sweep keys of a train run, and the option tables in docs/options.md (``make docs``
 rewrites them; a test fails when one is stale). Torch-free, so every command line can use it.
 """
 

@@ -17,7 +17,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dflash_common import knobs
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
 from dflash_common.values import parse_json
@@ -25,9 +24,6 @@ from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
 from dflash_train.settings.speculative import SpecConfig
-
-README_BEGIN = "<!-- train options: made by `make docs` from the config fields -->"
-README_END = "<!-- end of train options -->"
 
 
 @functools.cache
@@ -90,13 +86,3 @@ def _run_default(knob: Knob) -> Knob:
     if knob.name != "heldout_fraction":
         return knob
     return dataclasses.replace(knob, default=None, doc="Held-out fraction (default: the training run's, from its config.json).")
-
-
-def readme_table() -> str:
-    """The README's table of train options, one row per knob."""
-    return knobs.readme_table(train_knobs())
-
-
-def readme_with_table(text: str) -> str:
-    """README text with the part between the markers replaced by the current table."""
-    return with_table(text, README_BEGIN, README_END, readme_table())

@@ -1,5 +1,5 @@
 """Each setting is declared once, as a config field with its docstring: the command-line options
-of `run`, `sweep`, `build` and `regenerate`, --set, the sweep's grid keys and the README tables
+of `run`, `sweep`, `build` and `regenerate`, --set, the sweep's grid keys and the option tables of docs/options.md
 come from it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import typer.main
 
 from cli.cache import _build_config
 from cli.cache import app as cache_app
-from cli.docs import readme_with_tables
+from cli.docs import with_tables
 from cli.train import _train_config, app
 from dflash_cache.settings.build import BuildConfig, build_knobs
 from dflash_cache.settings.storage import StorageConfig
@@ -27,7 +27,6 @@ from dflash_train.knobs import (
     find_knob,
     generate_knobs,
     option_overrides,
-    readme_with_table,
     set_overrides,
     train_knobs,
 )
@@ -35,7 +34,7 @@ from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
 from dflash_train.training.loss import LossConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
 
 def _options(command: str) -> dict[str, object]:
@@ -119,14 +118,13 @@ def test_every_knob_is_a_grid_key_by_its_name_or_path():
                                               ("read_threads", ("data", "read_threads"))]
 
 
-def test_the_readme_option_tables_are_the_ones_the_fields_make():
-    text = README.read_text()
-    assert readme_with_tables(text) == text, "a README option table is stale: run `make docs`"
-    assert readme_with_table(text) == text
+def test_the_option_tables_are_the_ones_the_fields_make():
+    text = OPTIONS.read_text()
+    assert with_tables(text) == text, "an option table in docs/options.md is stale: run `make docs`"
     for knob in train_knobs() + build_knobs() + regenerate_knobs():
         assert f"| `{'` / `'.join(knob.flags)}` | `{knob.dotted}` |" in text
     stale = text.replace("| `--top-k` | `teacher.top_k` | 64 |", "| `--top-k` | `teacher.top_k` | 32 |")
-    assert readme_with_tables(stale) == text
+    assert with_tables(stale) == text
 
 
 def _cache_options(command: str) -> dict[str, object]:
