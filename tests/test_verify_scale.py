@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,3 +196,17 @@ def test_info_shows_a_huge_teacher_name_cut(caches, tmp_path):
     assert result.exit_code == 0, result.output[-2000:]
     assert all(len(line.encode()) < LINE_BYTES for line in _lines(result.output))
     assert f"({HUGE:,} characters)" in result.output and "(1,000,000 items)" in result.output
+
+
+def test_redacting_a_long_error_line_ends(tmp_path):
+    """cli.common.run redacts every error line before printing it; its URL-credential pattern
+    scanned from every letter of a long run of letters to the run's end (quadratic: a 10 MB line
+    would take over an hour; 30,000 letters took 8x 10,000's). Bounded, a 10 MB line is redacted
+    at once; the 120 s limit only catches a hang, the time is not measured."""
+    code = ("from dflash_common.redact import redact\n"
+            "text = 'b' * 10**7 + ' http://alice:secret@host/x'\n"
+            "out = redact(text)\n"
+            "assert out.endswith(' http://***@host/x') and 'secret' not in out\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
