@@ -101,7 +101,8 @@ def info(
         from dflash_cache import format as fmt
 
         # totals are a sum the build writes last; an older or hand-made manifest may lack them
-        t, teacher = m.get("totals") or fmt.totals(cache.manifest.get("shards", [])), m["teacher"]
+        # (format 2 lists its shards in the index, not the manifest: summed from their records)
+        t, teacher = m.get("totals") or fmt.totals([shard.record for shard in cache.shards]), m["teacher"]
         # an edited or hand-made manifest: descriptive fields of the wrong type print as "?", not a traceback
         t = {k: (v if k == "skipped" and isinstance(v, dict) else v if isinstance(v, int) and not isinstance(v, bool) else 0)
              for k, v in (t if isinstance(t, dict) else {}).items()}
