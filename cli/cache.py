@@ -9,7 +9,7 @@ import typer
 
 from cli.common import BarProgress, Debug, Quiet, StorageOptions, json_option, knob_options, run
 from dflash_cache.settings.build import build_knobs
-from dflash_common.errors import ConfigError
+from dflash_common.errors import ConfigError, shown
 from dflash_common.knobs import make_config, nested_values
 from dflash_common.redact import server_secrets
 from dflash_regenerate.config import regenerate_knobs
@@ -77,6 +77,10 @@ def finalize(
     run(action, debug)
 
 
+MAX_LISTED = 20
+"""Items of a list `info` prints on one line (layers, skip reasons); a count says the rest."""
+
+
 @app.command()
 def info(
     url: str = typer.Argument(..., help="Cache URL."),
@@ -103,20 +107,26 @@ def info(
                                                     "vocab_size", "weights_hash")}
         if not isinstance(teacher["vocab_size"], int):
             teacher["vocab_size"] = 0
+        # values it did not write are shown cut to a line's share: a 50 MB name is not printed back
+        teacher = {k: v if k == "vocab_size" else shown(v) for k, v in teacher.items()}
+        layers = ",".join(map(str, cache.layer_ids[:MAX_LISTED])) + (
+            f",... ({len(cache.layer_ids):,} layers)" if len(cache.layer_ids) > MAX_LISTED else "")
+        skipped = sorted(t["skipped"].items(), key=lambda kv: str(kv[0])) if t.get("skipped") else []
         tokens = max(t.get("tokens", 0), 1)
         lines = [
             f"cache        {url} ({'complete' if cache.complete else 'INCOMPLETE: rerun the build to finish it'})",
             f"format       {m['format']} v{m['format_version']}",
             f"teacher      {teacher['name']} ({teacher['model_type']}, {teacher['num_hidden_layers']} layers, hidden {teacher['hidden_size']}, vocab {teacher['vocab_size']:,}; weights {teacher['weights_hash']})",
-            f"layers       {','.join(map(str, cache.layer_ids))}   dtype {cache.hidden_dtype}   top-k {cache.top_k}",
+            f"layers       {layers}   dtype {cache.hidden_dtype}   top-k {cache.top_k}",
             f"sequences    {t.get('sequences', 0):,}   tokens {t.get('tokens', 0):,} ({t.get('loss_tokens', 0):,} in the loss mask)",
             f"storage      {t.get('bytes', 0) / 1e6:,.1f} MB in {t.get('shards', 0)} shard(s), {t.get('bytes', 0) / tokens:,.0f} B/token",
         ]
         if cache.hidden_format != "lossless":
             lines.append(f"hidden       {cache.hidden_format} with a power-of-two scale per token and layer "
                          f"(lossy; read back as {cache.hidden_dtype})")
-        if t.get("skipped"):
-            lines.append(f"skipped      {', '.join(f'{k}: {v}' for k, v in sorted(t['skipped'].items()))}")
+        if skipped:
+            lines.append(f"skipped      {', '.join(f'{shown(k, 40)}: {shown(v, 40)}' for k, v in skipped[:MAX_LISTED])}"
+                         + (f", ... ({len(skipped):,} reasons)" if len(skipped) > MAX_LISTED else ""))
         lines += _health_lines(*cache.capture_health())
         typer.echo("\n".join(lines))
 
@@ -144,16 +154,14 @@ def verify(
 
     def action():
         from dflash_cache import open_cache
-        from dflash_cache.verify import verify_cache
+        from dflash_cache.verify import report_lines, verify_cache
 
         if deep and sample < 1:  # -1 re-ran nothing and said ok
             raise ConfigError(f"--sample {sample} must be at least 1: the number of sequences --deep re-runs, e.g. 64")
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         report = verify_cache(cache, BarProgress(enabled=not quiet))
-        for name in report.uncommitted:
-            typer.echo(f"note: {name} is not listed in the manifest (left by an interrupted build; rerun the build to finish it)", err=True)
-        for name, problems in report.bad_shards.items():
-            typer.echo(f"BAD {name}: {'; '.join(problems)}", err=True)
+        for line in report_lines(report):  # bounded: the first shards named, the rest counted
+            typer.echo(line, err=True)
         if report.head_problem:
             typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
         for line in _health_lines(report.layers, report.health_flags):
@@ -162,12 +170,12 @@ def verify(
             typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None
         if deep:
-            from dflash_cache.verify import deep_verify
+            from dflash_cache.verify import deep_verify, mismatch_lines
 
             deep_report = deep_verify(cache, sample, teacher, progress=BarProgress(enabled=not quiet),
                                       skip=set(report.bad_shards), **({"device": device} if device else {}))
-            for seq, problem in deep_report.mismatches.items():
-                typer.echo(f"MISMATCH {seq}: {problem}", err=True)
+            for line in mismatch_lines(deep_report):
+                typer.echo(line, err=True)
         if report.head_problem and not report.bad_shards:
             typer.echo("error: the teacher head is damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
             raise typer.Exit(1)

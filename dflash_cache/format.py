@@ -33,7 +33,7 @@ import xxhash
 
 from dflash_cache import fp8
 from dflash_cache.settings.storage import HIDDEN_FORMATS, LOSSLESS
-from dflash_common.errors import CacheError, ConfigError, DFlashError
+from dflash_common.errors import CacheError, ConfigError, DFlashError, quoted
 from dflash_common.faults import maybe_fault
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
 
@@ -135,6 +135,12 @@ def shard_name(rank: int, index: int) -> str:
     return f"shard-r{rank:05d}-{index:06d}"
 
 
+SHARD_NAME = r"shard-r\d{5,9}-\d{6,12}"
+"""Every name ``shard_name`` makes (ranks under 10^9, indices under 10^12), as the one pattern a
+shard name read from a manifest, a commit record or the index must match in full: plain, and
+short (a name is printed back in messages and parsed as numbers)."""
+
+
 def sequences_schema() -> pa.Schema:
     """One row per sequence; its tokens are rows offset..offset+length of the token table."""
     return pa.schema(
@@ -222,7 +228,7 @@ def teacher_head_problem(data: bytes, record: Any) -> str | None:
     if not isinstance(record, dict):
         return None
     if len(data) != record.get("bytes"):
-        return f"is {len(data):,} bytes, the manifest records {record.get('bytes')!r}"
+        return f"is {len(data):,} bytes, the manifest records {quoted(record.get('bytes'))}"
     if checksum(data) != record.get("checksum"):
         return "does not match the checksum the manifest records (damaged or changed since the build)"
     return None
@@ -316,11 +322,11 @@ def check_manifest(manifest: dict, url: str) -> dict:
         raise CacheError(f"{url}: manifest.json holds a JSON {type(manifest).__name__}, not an object; the cache is "
                          "damaged or not a dflash cache: rebuild it")
     if manifest.get("format") != FORMAT_NAME:
-        raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={manifest.get('format')!r})")
+        raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={quoted(manifest.get('format'))})")
     version = manifest.get("format_version")
     if version not in READ_VERSIONS or isinstance(version, bool):
         raise CacheError(
-            f"{url}: cache format version {version} is not supported by this dflash "
+            f"{url}: cache format version {quoted(version)} is not supported by this dflash "
             f"(reads versions {', '.join(map(str, READ_VERSIONS))}); rebuild the cache or install a matching dflash"
         )
     if version != 1:
@@ -350,18 +356,18 @@ def _check_header(manifest: dict, url: str, required: tuple[str, ...]) -> dict:
             continue
         value = manifest[key]
         if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
-            raise CacheError(f"{url}: manifest.json field {key!r} is {value!r}, not {what}; the cache is damaged, "
+            raise CacheError(f"{url}: manifest.json field {key!r} is {quoted(value)}, not {what}; the cache is damaged, "
                              "rebuild it")
     for key, bound in (("top_k", MAX_TOP_K), ("hidden_size", MAX_HIDDEN_SIZE)):
         if manifest[key] > bound:
             raise CacheError(f"{url}: manifest.json field {key!r} is {manifest[key]:,}, above any model's ({bound:,} at "
                              "most); the manifest is damaged or edited: rebuild the cache (or restore manifest.json)")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in manifest["layer_ids"]):
-        raise CacheError(f"{url}: manifest.json layer_ids {manifest['layer_ids']!r} are not layer numbers; rebuild the cache")
-    if manifest["hidden_dtype"] not in HIDDEN_STORAGE:
-        raise CacheError(f"{url}: unknown hidden dtype {manifest['hidden_dtype']!r} in manifest.json")
+        raise CacheError(f"{url}: manifest.json layer_ids {quoted(manifest['layer_ids'])} are not layer numbers; rebuild the cache")
+    if not isinstance(manifest["hidden_dtype"], str) or manifest["hidden_dtype"] not in HIDDEN_STORAGE:
+        raise CacheError(f"{url}: unknown hidden dtype {quoted(manifest['hidden_dtype'])} in manifest.json")
     if hidden_format_of(manifest) not in HIDDEN_FORMATS:
-        raise CacheError(f"{url}: unknown hidden_format {manifest['hidden_format']!r} in manifest.json "
+        raise CacheError(f"{url}: unknown hidden_format {quoted(manifest['hidden_format'])} in manifest.json "
                          f"(this dflash reads {', '.join(HIDDEN_FORMATS)}); install a dflash that writes it")
     return manifest
 
@@ -373,11 +379,11 @@ def record_shape_problem(record: dict, manifest: dict) -> str | None:
     for key in ("sequences", "tokens"):
         value = record[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"has {key} = {value!r}, not a count"
+            return f"has {key} = {quoted(value)}, not a count"
     shape = record.get("hidden_shape")
     expected = [record["tokens"], len(manifest["layer_ids"]), manifest["hidden_size"]]
     if shape is not None and shape != expected:
-        return (f"has hidden_shape {shape!r}, not [tokens, tapped layers, hidden_size] = {expected} of the manifest's "
+        return (f"has hidden_shape {quoted(shape)}, not [tokens, tapped layers, hidden_size] = {expected} of the manifest's "
                 "top-level fields")
     return None
 
@@ -478,7 +484,7 @@ def check_shard_paths(record: Any, url: str, source: str = MANIFEST) -> dict:
             return "has a path separator"
         if "" in parts or "." in parts:
             return "has an empty or '.' component"
-        if shard and not re.fullmatch(r"shard-r\d{5,}-\d{6,}", path):
+        if shard and not re.fullmatch(SHARD_NAME, path):
             return "is not a shard name (shard-rRRRRR-IIIIII)"
         return None
 
@@ -490,10 +496,10 @@ def check_shard_paths(record: Any, url: str, source: str = MANIFEST) -> dict:
     name = record.get("name")
     bad = problem(name, shard=True)
     if bad:
-        raise CacheError(f"{url}: {source} names a shard {name!r}, which {bad}; {fix}")
+        raise CacheError(f"{url}: {source} names a shard {quoted(name)}, which {bad}; {fix}")
     files = record.get("files", {})
     for path in files if isinstance(files, dict) else [files]:
         bad = problem(path, shard=False) if isinstance(files, dict) else "is not a table of files"
         if bad:
-            raise CacheError(f"{url}: {source} lists a file {path!r} of shard {name}, which {bad}; {fix}")
+            raise CacheError(f"{url}: {source} lists a file {quoted(path)} of shard {name}, which {bad}; {fix}")
     return record

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_cache import format as fmt
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, quoted
 
 SHARDS = "shards"
 SEQUENCES = "sequences"
@@ -182,7 +182,7 @@ def read_table(store, entry: Any, key: str, schema: pa.Schema) -> pa.Table:
     url = store.url
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not _INDEX_PATH.match(entry["path"]) \
             or not isinstance(entry.get("rows"), int) or entry["rows"] < 0:
-        raise _damaged(url, f"entry {key!r} of manifest.json is {entry!r}, not a table of the index")
+        raise _damaged(url, f"entry {key!r} of manifest.json is {quoted(entry)}, not a table of the index")
     path = store.path(entry["path"])
     try:
         if store.local:
@@ -208,10 +208,10 @@ def check_tables(url: str, manifest: dict, shards: pa.Table, sequences: pa.Table
     """The tables agree with each other and the manifest: plain shard names, hidden shapes of the
     manifest's width, each shard's sequences where its count says. Vectorised: O(rows) in numpy."""
     names = shards.column("name")
-    plain = pc.match_substring_regex(names, r"^shard-r\d{5,}-\d{6,}$")
+    plain = pc.match_substring_regex(names, f"^{fmt.SHARD_NAME}$")
     if shards.num_rows and not pc.all(plain).as_py():
         bad = names.filter(pc.invert(plain))[0].as_py()
-        raise _damaged(url, f"names a shard {bad!r}, which is not a shard name (shard-rRRRRR-IIIIII)")
+        raise _damaged(url, f"names a shard {quoted(bad)}, which is not a shard name (shard-rRRRRR-IIIIII)")
     counts = shards.column("sequences").to_numpy()
     tokens = shards.column("tokens").to_numpy()
     if np.any(counts < 0) or np.any(tokens < 0):
@@ -247,7 +247,7 @@ def open_index(store, manifest: dict) -> tuple[ShardTable, pa.Table]:
     if entry is None:
         return ShardTable(shard_schema().empty_table()), sequence_schema().empty_table()
     if not isinstance(entry, dict):
-        raise _damaged(store.url, f"entry of manifest.json is {entry!r}, not an object")
+        raise _damaged(store.url, f"entry of manifest.json is {quoted(entry)}, not an object")
     shards = read_table(store, entry.get(SHARDS), SHARDS, shard_schema())
     sequences = read_table(store, entry.get(SEQUENCES), SEQUENCES, sequence_schema())
     check_tables(store.url, manifest, shards, sequences)

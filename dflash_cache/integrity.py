@@ -15,7 +15,7 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache.shard_files import list_width_problem, mapped_file, open_ipc
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, quoted
 
 if TYPE_CHECKING:
     from dflash_cache.reader import Cache, Shard
@@ -37,12 +37,39 @@ class ShardIntegrityError(CacheError):
         super().__init__(damaged_shards_message(url, {shard: self.problems}))
 
 
+NAMED_SHARDS = 5
+"""Damaged shards a one-line refusal names with their first problem (the count says the rest)."""
+SKIP_LIST_SHARDS = 20
+"""Up to this many damaged shards, the refusal spells out the whole --skip-shards value."""
+
+
 def damaged_shards_message(url: str, problems: dict[str, list[str]]) -> str:
-    """One line naming every damaged shard, its first problem, and both ways out."""
-    named = "; ".join(f"{name} ({bad[0]}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
-                      for name, bad in problems.items())
-    return (f"{url}: {len(problems)} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
-            f"and rebuild the cache, or train without them with --skip-shards {','.join(problems)}")
+    """One line naming the first damaged shards, each with its first problem, the count of the rest,
+    and both ways out (the --skip-shards value whole while it stays short): a line of bounded
+    length however many shards are damaged."""
+    named = "; ".join(f"{name} ({problem_text(bad[0])}" + (f", +{len(bad) - 1} more" if len(bad) > 1 else "") + ")"
+                      for name, bad in list(problems.items())[:NAMED_SHARDS])
+    if len(problems) > NAMED_SHARDS:
+        named += f"; and {len(problems) - NAMED_SHARDS:,} more"
+    skip = (f"--skip-shards {','.join(problems)}" if len(problems) <= SKIP_LIST_SHARDS
+            else f"--skip-shards and the names `dflash-cache verify {url}` prints")
+    return (f"{url}: {len(problems):,} shard(s) fail the integrity check: {named}; run `dflash-cache verify {url}` "
+            f"and rebuild the cache, or train without them with {skip}")
+
+
+PROBLEM_CHARS = 150
+"""The most characters of one problem a message shows (a decoder's error can quote megabytes)."""
+
+
+def problem_text(problem: str) -> str:
+    """A problem as a message shows it: its first line, at most PROBLEM_CHARS characters."""
+    line = problem.splitlines()[0] if problem else ""
+    return line if len(line) <= PROBLEM_CHARS else line[:PROBLEM_CHARS - 3] + "..."
+
+
+def error_problem(err: BaseException, what: str = "unreadable") -> str:
+    """A decoder's exception as one short problem: "unreadable PART: TYPE: first line"."""
+    return problem_text(f"{what}: {type(err).__name__}: {str(err)}")
 
 
 def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> list[str]:
@@ -169,8 +196,10 @@ def record_problems(shard: Shard, part: str) -> list[str]:
                 return ["commit record is not readable JSON"]
             fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{shard.name}.json")
             if on_disk != record:
-                differ = sorted(k for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
-                return [f"commit record differs from the manifest ({', '.join(differ)})"]
+                differ = sorted(str(k) for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
+                shown = ", ".join(quoted(k, 40) if len(k) > 40 else k for k in differ[:5])
+                return [f"commit record differs from the manifest ({shown}"
+                        + (f", +{len(differ) - 5:,} more" if len(differ) > 5 else "") + ")"]
         elif part == fmt.SEQUENCES:
             sequences = open_ipc(cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
             if sequences.num_rows != record["sequences"]:
@@ -193,7 +222,7 @@ def record_problems(shard: Shard, part: str) -> list[str]:
     except FileNotFoundError as err:
         return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
-        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+        return [error_problem(err, f"unreadable {part}")]
     return []
 
 
@@ -224,7 +253,7 @@ def part_problems(shard: Shard, part: str) -> list[str]:
     except FileNotFoundError as err:
         return [f"file {os.path.relpath(err.filename, shard.path) if err.filename else part} missing"]
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
-        return [f"unreadable {part}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"]
+        return [error_problem(err, f"unreadable {part}")]
     if key is not None:
         with _VERIFIED_LOCK:
             _VERIFIED[key] = problems

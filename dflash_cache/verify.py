@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,13 +15,15 @@ from dflash_cache.integrity import (
     HASH_WINDOW,
     RECORD,
     ShardIntegrityError,
+    error_problem,
+    problem_text,
     record_problems,
     refuse_outside_links,
     size_problems,
 )
-from dflash_cache.reader import Cache
+from dflash_cache.reader import Cache, Shard
 from dflash_cache.shard_files import open_ipc
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, shown
 from dflash_common.progress import Progress
 
 
@@ -75,24 +79,43 @@ def scale_problems(tokens, n_layers: int) -> list[str]:
 
 
 MAX_PROBLEMS = 5
-"""Problems listed per bad shard (verify names the count of the rest)."""
-MAX_PROBLEM_CHARS = 200
+"""Problems listed per bad shard (verify names the count of the rest); each at most
+integrity.PROBLEM_CHARS characters, so one BAD line stays under a kilobyte."""
+MAX_NAMED = 20
+"""Bad shards, leftovers and re-run mismatches verify names one line each; one more line counts
+the rest (100,000 damaged shards are 21 lines, not 100,000)."""
 
 
 def short(problems: list[str]) -> list[str]:
-    """At most MAX_PROBLEMS problems of at most MAX_PROBLEM_CHARS characters each: one BAD line stays readable."""
-    shown = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS - 3] + "..." for p in problems[:MAX_PROBLEMS]]
-    return shown + ([f"+{len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else [])
+    """At most MAX_PROBLEMS problems, each cut to one short line: one BAD line stays readable."""
+    kept = [problem_text(p) for p in problems[:MAX_PROBLEMS]]
+    return kept + ([f"+{len(problems) - MAX_PROBLEMS} more"] if len(problems) > MAX_PROBLEMS else [])
+
+
+def report_lines(report: "VerifyReport") -> list[str]:
+    """What verify prints of the shards (to stderr): leftovers as notes, then damaged shards as
+    BAD lines, each kind named for the first MAX_NAMED and counted after that. Every line is
+    under a kilobyte however many shards are damaged or how long a name in the cache is."""
+    lines = [f"note: {shown(name)} is not listed in the manifest (left by an interrupted build; rerun the build to "
+             "finish it)" for name in report.uncommitted[:MAX_NAMED]]
+    if len(report.uncommitted) > MAX_NAMED:
+        lines.append(f"note: and {len(report.uncommitted) - MAX_NAMED:,} more entries of {fmt.SHARDS_DIR}/ are not "
+                     "listed in the manifest")
+    for name, problems in itertools.islice(report.bad_shards.items(), MAX_NAMED):
+        lines.append(f"BAD {shown(name)}: {'; '.join(short(problems))}")
+    if len(report.bad_shards) > MAX_NAMED:
+        lines.append(f"BAD and {len(report.bad_shards) - MAX_NAMED:,} more shard(s) (only the first {MAX_NAMED} are "
+                     "named)")
+    return lines
 
 
 def check_shard(cache: Cache, shard) -> list[str]:
-    """Problems of one shard (empty when it is intact): a ``Shard`` of ``cache`` (or its record).
-    Its record comes from the cache's manifest or index, whose names the reader checked when it
-    opened the cache; the commit record on disk is checked the same way before it is compared,
-    and a symlink in the shard that leaves the cache is refused (CacheError), not reported as
-    damage. Linear: nothing here looks at another shard."""
-    if isinstance(shard, dict):
-        shard = next(s for s in cache.shards if s.name == shard["name"])
+    """Problems of one shard (empty when it is intact): a ``Shard`` of ``cache``. Its record comes
+    from the cache's manifest or index, whose names the reader checked when it opened the cache;
+    the commit record on disk is checked the same way before it is compared, and a symlink in the
+    shard that leaves the cache is refused (CacheError), not reported as damage. Nothing here
+    looks at another shard or lists more than this shard's folder: verify's time is linear in
+    the shard count (a lookup of the shard by name among all of them made it quadratic)."""
     fs, record = cache.fs, shard.record
     fmt.check_shard_paths(record, cache.url)
     shard_dir = shard.path
@@ -142,7 +165,7 @@ def check_shard(cache: Cache, shard) -> list[str]:
     except ShardIntegrityError as err:
         problems += err.problems
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
-        problems.append(f"unreadable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        problems.append(error_problem(err))
     return problems
 
 
@@ -184,11 +207,21 @@ def _read_all_hidden(shard, array) -> tuple[str, int]:
     return digest.hexdigest(), bad
 
 
+def _each_shard_once(cache: Cache) -> Iterator[Shard]:
+    """Every shard of ``cache`` in order, each a Shard of its own that is dropped once checked:
+    ``cache.shards`` keeps the shards it made (and, in them, a map of each hidden-state file and
+    each opened array), and a verify that kept 100,000 shards' maps would pass the kernel's
+    65,530 maps a process and call every shard after that unreadable."""
+    if cache.version != 1:
+        return (Shard(cache, position=j) for j in range(len(cache.shards)))
+    return (Shard(cache, shard.record) for shard in cache.shards)
+
+
 def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport:
     progress = progress or Progress()
     report = VerifyReport()
     progress.start(len(cache.shards), "verifying", "shard")
-    for shard in cache.shards:
+    for shard in _each_shard_once(cache):
         problems = check_shard(cache, shard)
         if problems:
             report.bad_shards[shard.name] = short(problems)
@@ -248,6 +281,15 @@ class DeepReport:
     @property
     def ok(self) -> bool:
         return not self.mismatches
+
+
+def mismatch_lines(report: DeepReport) -> list[str]:
+    """What `verify --deep` prints of the sequences that differ: the first MAX_NAMED, then a count."""
+    lines = [f"MISMATCH {shown(seq)}: {problem_text(problem)}"
+             for seq, problem in itertools.islice(report.mismatches.items(), MAX_NAMED)]
+    if len(report.mismatches) > MAX_NAMED:
+        lines.append(f"MISMATCH and {len(report.mismatches) - MAX_NAMED:,} more sequence(s)")
+    return lines
 
 
 def deep_sample(sizes: list[int], n: int, seed: int = 0) -> list[tuple[int, int]]:

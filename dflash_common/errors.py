@@ -32,3 +32,41 @@ class OutputError(DFlashError):
 
 class TrainingError(DFlashError):
     """Training cannot go on: its loss or weights stopped being finite."""
+
+
+
+QUOTED_CHARS = 80
+"""The most characters of a value a message quotes from a file it did not write."""
+
+_ITEMS = 6
+
+
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """``repr(value)`` for a one-line message, within about ``limit`` characters: a manifest's 50 MB
+    name or a million-item list is quoted by its start and its size, never whole (reprlib cuts
+    long strings and containers before it builds their text)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = limit
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = _ITEMS
+    short.maxlevel = 3
+    try:
+        text = short.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<{type(value).__name__}>"
+    if len(text) > limit:  # items each within bounds can still add up
+        text = text[:limit - 3] + "..."
+    if isinstance(value, (str, bytes)) and len(value) > limit - 2:
+        text += f" ({len(value):,} {'characters' if isinstance(value, str) else 'bytes'})"
+    elif isinstance(value, (list, tuple, dict, set)) and len(value) > _ITEMS:
+        text += f" ({len(value):,} items)"
+    return text
+
+
+def shown(value: object, limit: int = QUOTED_CHARS) -> str:
+    """A value read from a file, as a line shows it: a short printable string as it is, anything
+    else (long, with control characters, of another type) ``quoted``."""
+    if isinstance(value, str) and len(value) <= limit and value.isprintable():
+        return value
+    return quoted(value, limit)

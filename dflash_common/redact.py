@@ -14,7 +14,9 @@ HIDDEN = "***"
 
 # scheme://user:password@host or scheme://token@host anywhere in a text (an echoed URL, an
 # exception quoting one): the userinfo is replaced, the rest is kept so the URL stays recognisable.
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"<>]+@")
+# The scheme's length is bounded: with `*`, every letter of a long run of letters started a scan
+# to the run's end, and a 10 MB error line took hours (quadratic) before it was printed.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^/\s@'\"<>]+@")
 # "Authorization: Bearer sk-..." / "bearer sk-..." echoed by a server or a proxy.
 _BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\",}]+")
 
@@ -54,5 +56,6 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     # longest first, so a secret that contains another is hidden whole
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
         text = text.replace(secret, HIDDEN)
-    text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{HIDDEN}@", text)
+    if "://" in text:
+        text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{HIDDEN}@", text)
     return _BEARER.sub(lambda m: f"{m.group(1)}{HIDDEN}", text)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dflash_common.environment import int_from_env
+from dflash_common.errors import ConfigError
 from dflash_train.config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
@@ -36,13 +37,25 @@ class DistInfo:
         return self.world_size > 1
 
 
+def dist_info_from_env() -> DistInfo:
+    """Where torchrun's RANK, WORLD_SIZE and LOCAL_RANK put this process (unset: rank 0 of 1),
+    checked before anything reads them: a value that is not a whole number, or a rank outside
+    the world, is one ConfigError line naming the variable, its value and the fix."""
+    world = int_from_env("WORLD_SIZE", 1, minimum=1, meaning="the number of training processes, set by torchrun")
+    rank = int_from_env("RANK", 0, meaning="this process's rank, set by torchrun")
+    local_rank = int_from_env("LOCAL_RANK", 0, meaning="this process's index on its node, set by torchrun")
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} is outside a world of WORLD_SIZE={world} processes; set RANK in 0..WORLD_SIZE-1 "
+                          "(torchrun sets both), or unset them to train in one process")
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank)
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """Join the process group torchrun describes in the environment (no-op for one process),
     with this process bound to `device` (its LOCAL_RANK GPU, from resolve_device)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1:
+    info = dist_info_from_env()
+    if not info.active:
         return DistInfo()
-    info = DistInfo(rank=int(os.environ["RANK"]), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(**process_group_options(device))
     return info

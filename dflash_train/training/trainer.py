@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import traceback
 from contextlib import nullcontext
@@ -39,6 +38,7 @@ from dflash_train.training.distributed import (
     barrier,
     clip_gradients,
     data_parallel,
+    dist_info_from_env,
     global_min,
     global_sum,
     global_sum_tensor,
@@ -324,6 +324,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     """Train (or with `resume`, continue from the newest complete checkpoint in cfg.out, or from
     the checkpoint folder `resume_from`) and export the drafter."""
     resume = resume or resume_from is not None
+    place = dist_info_from_env()  # torchrun's variables checked before anything is opened
     check_run_folder(Path(cfg.out))
     # the run ends by replacing drafter/: refuse a user's files there now, not after the training
     check_export_folder(Path(cfg.out) / "drafter")
@@ -337,9 +338,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     # rank 0 does every write of a run (config, metrics, checkpoints, export), so it alone holds
     # the folder's lock; a second run on the same --out stops here, before anything is written.
     # Taken after the read-only checks above, so their refusals leave no folder behind.
-    main = int(os.environ.get("RANK", 0)) == 0
     with (one_writer(Path(cfg.out), "dflash-train run",
-                     f"wait for it to end (or stop it), or choose another --out than {cfg.out}") if main else nullcontext()):
+                     f"wait for it to end (or stop it), or choose another --out than {cfg.out}") if place.is_main
+          else nullcontext()):
         return _train_locked(cfg, cache, device, resume, progress, resume_from, skipped_sequences)
 
 
