@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -566,11 +566,15 @@ class Cache:
 
 class ShardList(SequenceABC):
     """A format-2 cache's shards, made on first use (an index of 100k shards opens without 100k
-    objects); ``cache.shards[j]`` is the same Shard each time."""
+    objects). The ``OPEN_SHARDS`` used last are kept (``cache.shards[j]`` is then the same Shard
+    each time); older ones are dropped with their file maps, since a process holding one map per
+    shard of a 100k-shard epoch would pass the kernel's 65,530 maps and fail every read after."""
+
+    OPEN_SHARDS = 1024
 
     def __init__(self, cache: Cache):
         self._cache = cache
-        self._made: dict[int, Shard] = {}
+        self._made: OrderedDict[int, Shard] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -583,10 +587,14 @@ class ShardList(SequenceABC):
         if not -n <= j < n:
             raise IndexError(f"shard index {j} out of range ({n} shards)")
         j %= n
-        shard = self._made.get(j)
-        if shard is None:
-            with self._lock:
-                shard = self._made.get(j) or self._made.setdefault(j, Shard(self._cache, position=j))
+        with self._lock:
+            shard = self._made.get(j)
+            if shard is None:
+                shard = self._made[j] = Shard(self._cache, position=j)
+                if len(self._made) > self.OPEN_SHARDS:
+                    self._made.popitem(last=False)
+            else:
+                self._made.move_to_end(j)
         return shard
 
 

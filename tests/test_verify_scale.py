@@ -120,6 +120,22 @@ def test_verify_holds_no_map_per_shard(caches, version):
     assert _maps_under(url) <= 64
 
 
+def test_reading_every_shard_holds_a_bounded_number_of_maps(caches, monkeypatch):
+    """Training reads shard after shard through ``cache.shards``: it kept every Shard it made, each
+    with its hidden-state map, so an epoch over ~65,000 format-2 shards would run out of maps. Only
+    the ``OPEN_SHARDS`` used last are kept (8 here, to show it on 80 shards)."""
+    from dflash_cache.reader import ShardList
+
+    monkeypatch.setattr(ShardList, "OPEN_SHARDS", 8)
+    url = caches[2, 80]
+    cache = open_cache(str(url))
+    first = cache.shards[0]
+    assert cache.shards[0] is first  # a shard in use is the same object
+    for shard in cache.shards:
+        assert len(shard[0].hidden) > 0
+    assert _maps_under(url) <= 8 + 4  # the kept shards' maps, and the index tables'
+
+
 def _damage_every_shard(url: Path) -> list[str]:
     cache = open_cache(str(url))
     names = cache.shard_names()
