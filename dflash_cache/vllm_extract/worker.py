@@ -5,16 +5,16 @@ Imports nothing from dflash (vLLM pins its own torch and transformers). Protocol
 capture as vLLM's aux ids, the socket to send states to), this process answers {"ready": ...} on
 stdout once the engine is up, then each frame on stdin is one batch of token-id sequences
 (payload: int32 ids back to back; header: their lengths), run as one `generate` of a single
-token, and is answered with its batch number, the vLLM request id of each sequence in order
-(the connector, dflash_hs_connector, sends each request's states to the socket under that id), the
+token, and is answered with its batch number, the vLLM request id of each sequence in order (the
+connector, dflash_hs_connector, sends each request's states to the socket under that id), the
 engine's seconds and the seconds it waited for the batch. Batches are read on a thread while the
-engine runs, and run one generate each, in order: the build sends the next shard before it takes
+engine runs and run one generate each, in order: the build sends the next shard before it takes
 the previous one's states, so the engine does not wait between shards, and a shard's requests
 never share an engine step with another shard's (its states are the same however fast the build
-is). An end of stdin ends the engine; batches not yet started are dropped. vLLM logs to stdout, so the protocol keeps a private
-copy of the original stdout and everything else printed goes to stderr (the build's log file); the
-first bytes on it are WORKER_MAGIC, so the build knows it talks to this script and not to a
-program that merely prints.
+is). An end of stdin ends the engine; batches not yet started are dropped. vLLM logs to stdout,
+so the protocol keeps a private copy of the original stdout and everything else printed goes to
+stderr (the build's log file); the first bytes on it are WORKER_MAGIC, so the build knows it
+talks to this script and not to a program that merely prints.
 
 No process of the engine outlives its parent: this process and every process vLLM starts from
 it (spawned ones import this file; forked ones run the fork hook) ask the kernel for SIGKILL when
@@ -22,9 +22,9 @@ their parent dies (PR_SET_PDEATHSIG), and forked children let go of the protocol
 this process may hold open. The build also kills the whole process group when this process exits.
 
 With `capture: false` in the setup the engine runs without capturing states (the benchmark's
-bare prefill: the same engine and options, nothing sent). With `prompt_logprobs: k` in the setup, each answer also carries vLLM's own top-k log-probs per
-position (ids then log-probs, [tokens, k] each) for the benchmark that compares them with
-our fp32 LM head.
+bare prefill: the same engine and options, nothing sent). With `prompt_logprobs: k` in the setup,
+each answer also carries vLLM's own top-k log-probs per position (ids then log-probs, [tokens, k]
+each) for the benchmark that compares them with our fp32 LM head.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ class _BatchReader:
         if self._error is not None:
             raise self._error
         return None if self._ended.is_set() else item
+
 
 if __name__ == "__main__":  # vLLM starts its engine in spawned processes that import this file
     main()
