@@ -107,9 +107,9 @@ def bare_prefill(teacher: str, groups: list[list[np.ndarray]], vllm_python: str 
     try:
         everything = [s for group in groups for s in group]
         worker.run(everything[:4])  # warm-up: first-call allocations are not the prefill's cost
-        one = [worker.run(everything)["seconds"] for _ in range(2)]
-        per_shard = []
-        for _ in range(2):
+        one, per_shard = [], []
+        for _ in range(2):  # interleaved: the machine's load drifts
+            one.append(worker.run(everything)["seconds"])
             for group in groups:
                 worker.send(group)  # queued back to back, as the pipelined build sends them
             per_shard.append(sum(worker.receive()["seconds"] for _ in groups))
