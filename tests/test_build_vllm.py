@@ -140,7 +140,7 @@ def test_a_killed_vllm_build_resumes_to_the_uninterrupted_cache(built, corpus, t
     proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "DFLASH_FAULT": "after_commit_record:2"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr  # SIGKILL at the second commit: no cleanup ran
-    assert len(list((out / "shards").glob("*.json"))) == 2
+    assert len(list((out / "shards").rglob("shard-*.json"))) == 2
     rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert "resuming: 2 committed shard(s) kept" in rerun.stderr
@@ -306,7 +306,7 @@ def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir
                               *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 540
-        while not list((out / "shards").glob("*.json")) and build.poll() is None and time.monotonic() < deadline:
+        while not list((out / "shards").rglob("shard-*.json")) and build.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert build.poll() is None, build.communicate()
         worker = _worker_of(build.pid)
