@@ -169,47 +169,59 @@ class BuildStats:
 
 
 def _teacher_outputs(teacher: Teacher, sequences: list, lengths: np.ndarray, on_batch):
-    """Hidden states, top-k ids and log-probs of every token (packed back to back in sequence
+    """Submit the teacher's forwards of one shard; the function returned waits for them and gives
+    the hidden states, top-k ids and log-probs of every token (packed back to back in sequence
     order) and whether each sequence's outputs are finite; ``on_batch(lengths)`` after each batch."""
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    n_tokens, n_layers, k = int(offsets[-1]), len(teacher.layer_ids), teacher.cfg.top_k
-    hidden = np.empty((n_tokens, n_layers, teacher.hidden_size), dtype=fmt.HIDDEN_STORAGE[teacher.cfg.dtype])
-    topk_ids = np.empty((n_tokens, k), dtype=np.int32)
-    topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
-    finite = np.ones(len(sequences), dtype=bool)
     batches = teacher.batches(lengths) if len(sequences) else []
-    for batch in batches:
-        out = teacher.forward([sequences[i].input_ids for i in batch])
-        pos = 0
-        for i in batch:
-            lo, hi, n = offsets[i], offsets[i + 1], lengths[i]
-            hidden[lo:hi] = out.hidden[pos:pos + n]
-            topk_ids[lo:hi] = out.topk_ids[pos:pos + n]
-            topk_logprobs[lo:hi] = out.topk_logprobs[pos:pos + n]
-            pos += n
-        finite[batch] = out.finite
-        on_batch(lengths[batch])
-    return hidden, topk_ids, topk_logprobs, finite
+    results = [teacher.submit([sequences[i].input_ids for i in batch]) for batch in batches]
+
+    def collect():
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        n_tokens, n_layers, k = int(offsets[-1]), len(teacher.layer_ids), teacher.cfg.top_k
+        hidden = np.empty((n_tokens, n_layers, teacher.hidden_size), dtype=fmt.HIDDEN_STORAGE[teacher.cfg.dtype])
+        topk_ids = np.empty((n_tokens, k), dtype=np.int32)
+        topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
+        finite = np.ones(len(sequences), dtype=bool)
+        for batch, result in zip(batches, results):
+            out = result()
+            pos = 0
+            for i in batch:
+                lo, hi, n = offsets[i], offsets[i + 1], lengths[i]
+                hidden[lo:hi] = out.hidden[pos:pos + n]
+                topk_ids[lo:hi] = out.topk_ids[pos:pos + n]
+                topk_logprobs[lo:hi] = out.topk_logprobs[pos:pos + n]
+                pos += n
+            finite[batch] = out.finite
+            on_batch(lengths[batch])
+        return hidden, topk_ids, topk_logprobs, finite
+
+    return collect
 
 
 class TeacherPass:
     """Runs the teacher over one cut shard's sequences (bucketed batches) and packs the results;
-    counts what it computed in ``stats`` and shows each batch on ``progress``."""
+    counts what it computed in ``stats`` and shows each batch on ``progress``. ``start(pending)``
+    submits the shard's forwards and returns the function that waits for them and makes the
+    ShardData (ShardWriter keeps ``in_flight`` shards started at once)."""
 
     def __init__(self, teacher: Teacher, stats: BuildStats, progress: Progress, keeper: ManifestKeeper,
                  cross_check: CrossCheck | None = None):
         self.teacher, self.stats, self.progress, self.keeper = teacher, stats, progress, keeper
         self.cross_check = cross_check
+        self.in_flight = teacher.shards_in_flight
 
     def _batch_done(self, lengths: np.ndarray) -> None:
         self.stats.add_batch(lengths, self.teacher.pads_batches)
         self.progress.advance(len(lengths), **{"tok/s": f"{self.stats.tokens_per_s():,.0f}",
                                                "written": f"{self.keeper.bytes / 1e6:,.1f}MB"})
 
-    def __call__(self, pending: PendingShard) -> ShardData:
+    def start(self, pending: PendingShard):
+        lengths = np.array([len(s.input_ids) for s in pending.sequences], dtype=np.int32)
+        outputs = _teacher_outputs(self.teacher, pending.sequences, lengths, self._batch_done)
+        return lambda: self._finish(pending, lengths, *outputs())
+
+    def _finish(self, pending: PendingShard, lengths: np.ndarray, hidden, topk_ids, topk_logprobs, finite) -> ShardData:
         sequences = pending.sequences
-        lengths = np.array([len(s.input_ids) for s in sequences], dtype=np.int32)
-        hidden, topk_ids, topk_logprobs, finite = _teacher_outputs(self.teacher, sequences, lengths, self._batch_done)
         shard = ShardData(
             rank=pending.rank, index=pending.index, row_start=pending.row_start, row_end=pending.row_end,
             ids=[s.id for s in sequences], rows=np.array(pending.rows, dtype=np.int64), lengths=lengths,

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -283,9 +284,20 @@ class Teacher:
     # (TextHead: the vLLM engine runs the rest elsewhere).
     holds_whole_model = True
 
+    # Shards whose forward may be under way at once in a build (ShardWriter): 1 runs each shard's
+    # forward when its outputs are wanted; an engine in another process (vLLM) takes 2, so it runs
+    # the next shard while the build receives, checks and writes the previous one.
+    shards_in_flight = 1
+
     def batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         """The sequence indices of each forward of one shard."""
         return plan_batches(lengths, self.cfg.batch_tokens)
+
+    def submit(self, sequences: list[np.ndarray]) -> Callable[[], TeacherOutput]:
+        """Start a forward of these sequences; the function returned waits for its outputs. Outputs
+        are taken in the order the forwards were submitted. Here nothing runs until they are asked
+        for (the forward runs in this process)."""
+        return lambda: self.forward(sequences)
 
     def close(self) -> None:
         """Release what the teacher holds outside this process (nothing: transformers runs here)."""

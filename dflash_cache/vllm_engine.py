@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,6 +282,8 @@ class VllmWorker:
     def __init__(self, python: Path, setup: dict, env: dict[str, str], log_path: Path):
         self.python, self.log_path = python, log_path
         self.logprobs = int(setup.get("prompt_logprobs") or 0)
+        self.sent = 0
+        self.in_flight: deque[tuple[int, int, int]] = deque()  # (batch, sequences, tokens) sent, not answered
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, env=env, start_new_session=True)
@@ -354,11 +356,30 @@ class VllmWorker:
         header["payload"] = bytes(payload)
         return header
 
-    def run(self, sequences: list[np.ndarray]) -> dict:
-        """One generate over the sequences; the reply names each sequence's vLLM request."""
+    def send(self, sequences: list[np.ndarray]) -> None:
+        """Queue one generate over the sequences; the worker runs batches one after another, in the
+        order sent, and answers each in that order (receive). It reads batches while it generates,
+        so the next one is waiting there when a generate ends."""
         lengths = [len(s) for s in sequences]
-        self._write({"lengths": lengths}, np.concatenate(sequences).astype(np.int32).tobytes())
-        return self._reply(len(lengths), sum(lengths))
+        self._write({"lengths": lengths, "batch": self.sent}, np.concatenate(sequences).astype(np.int32).tobytes())
+        self.in_flight.append((self.sent, len(lengths), sum(lengths)))
+        self.sent += 1
+
+    def receive(self) -> dict:
+        """The answer to the oldest batch sent and not yet received: each sequence's vLLM request,
+        the generate's seconds and the seconds the engine waited for the batch."""
+        batch, sequences, tokens = self.in_flight.popleft()
+        reply = self._reply(sequences, tokens)
+        if reply.get("batch") != batch or len(reply.get("requests", ())) != sequences:
+            self.kill()
+            raise TeacherError(f"vLLM's worker answered batch {reply.get('batch')!r} with {len(reply.get('requests', ()))} "
+                               f"request(s) where batch {batch} of {sequences} sequence(s) was due; its log is {self.log_path}")
+        return reply
+
+    def run(self, sequences: list[np.ndarray]) -> dict:
+        """One generate over the sequences, waited for; the reply names each sequence's vLLM request."""
+        self.send(sequences)
+        return self.receive()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -432,19 +453,31 @@ class VllmTeacher(Teacher):
     log_path: Path | None = None
     engine_seconds: float = 0.0
     """Seconds inside vLLM's generate so far (the benchmark's engine-only time)."""
+    engine_waited_seconds: float = 0.0
+    """Seconds the engine waited for its next batch after the first (idle between shards)."""
 
     pads_batches = False  # vLLM packs sequences; nothing is padded
     holds_whole_model = False  # model is a TextHead: vLLM holds the rest
+    shards_in_flight = 2  # the engine runs the next shard while the build receives and writes one
 
     def batches(self, lengths: np.ndarray) -> list[np.ndarray]:
         # a whole shard per generate call: vLLM's scheduler batches better than any plan here
         return [np.arange(len(lengths))]
 
-    @torch.inference_mode()
-    def forward(self, sequences: list[np.ndarray]) -> TeacherOutput:
+    def submit(self, sequences: list[np.ndarray]):
+        # the engine may send these states as soon as it has them, before the build asks for them
         self.receiver.expect([len(s) for s in sequences])
-        reply = self.worker.run(sequences)
+        self.worker.send(sequences)
+        return lambda: self._receive(sequences)
+
+    def forward(self, sequences: list[np.ndarray]) -> TeacherOutput:
+        return self.submit(sequences)()
+
+    @torch.inference_mode()
+    def _receive(self, sequences: list[np.ndarray]) -> TeacherOutput:
+        reply = self.worker.receive()
         self.engine_seconds += float(reply["seconds"])
+        self.engine_waited_seconds += float(reply.get("waited", 0.0))
         ids = reply["requests"]
         if any(i is None for i in ids):
             raise TeacherError("vLLM returned a sequence without its hidden states (the connector did not run); "
@@ -514,6 +547,16 @@ def version_note(version: str | None) -> str | None:
             "or its states look wrong")
 
 
+def engine_setup(cfg: TeacherConfig, args: VllmArgs, max_length: int, text_config) -> dict:
+    """The engine part of worker.py's setup frame: the teacher's folder, dtype and LLM(...) options
+    (what the benchmark's bare prefill runs with too)."""
+    folder = Path(cfg.name_or_path).expanduser()
+    return {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
+            "engine_args": {**args.engine_args(max_length, getattr(text_config, "max_position_embeddings", None)),
+                            **({"revision": cfg.revision} if cfg.revision else {}),
+                            "trust_remote_code": cfg.trust_remote_code}}
+
+
 def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, python: str | None = None,
                       prompt_logprobs: int = 0) -> VllmTeacher:
     """The teacher's config, tokenizer, final norm and LM head, read by name from its files (the
@@ -533,11 +576,7 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     receiver = StateReceiver(layers=len(aux_ids), hidden=int(text_config.hidden_size))
     handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
     os.close(handle)
-    folder = Path(cfg.name_or_path).expanduser()
-    setup = {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
-             "aux_layer_ids": aux_ids, "socket": receiver.name,
-             "engine_args": {**args.engine_args(max_length, getattr(text_config, "max_position_embeddings", None)), **({"revision": cfg.revision} if cfg.revision else {}),
-                             "trust_remote_code": cfg.trust_remote_code},
+    setup = {**engine_setup(cfg, args, max_length, text_config), "aux_layer_ids": aux_ids, "socket": receiver.name,
              "prompt_logprobs": prompt_logprobs}
     env[SECRET_ENV] = receiver.secret  # the connector's proof that it is ours (never argv: any user reads that)
     try:

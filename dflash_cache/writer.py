@@ -13,11 +13,11 @@ import queue
 import tempfile
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -336,6 +336,16 @@ class PendingShard:
         return fmt.shard_name(self.rank, self.index)
 
 
+class TeacherRun(Protocol):
+    """What ShardWriter has the teacher do (build.TeacherPass)."""
+
+    in_flight: int
+    """Shards whose teacher work may be under way at once (1: each runs when it is cut)."""
+
+    def start(self, pending: PendingShard) -> Callable[[], ShardData]:
+        """Submit a shard's forwards; the function returned waits for them and gives its data."""
+
+
 class ShardWriter:
     """Cuts one rank's sequences into shards, has the teacher run on each, and writes and commits
     them in order on a background thread.
@@ -344,13 +354,19 @@ class ShardWriter:
     the cut never depends on the teacher), so a build resumed after its committed shards cuts the
     rest exactly as an uninterrupted build would. Shard ``index`` counts on from ``first_index``
     and its row span from ``start_row``; a shard's span also covers the rows it skipped.
+
+    Up to ``teacher.in_flight`` cut shards are with the teacher at once: a shard's outputs are
+    taken (and it goes to the writer) once the next shard is submitted, so an engine in another
+    process never waits while the build receives, checks and writes. Shards still go to the
+    writer, and commit, in order.
     """
 
     def __init__(self, fs, root: str, storage: StorageConfig, hidden_dtype: str, hidden_bytes_per_token: int,
-                 run_teacher: Callable[[PendingShard], ShardData], on_commit: Callable[["Committed"], None],
+                 teacher: TeacherRun, on_commit: Callable[["Committed"], None],
                  rank: int, first_index: int, start_row: int, version: int = fmt.FORMAT_VERSION,
                  layer_ids: list[int] | None = None):
-        self._run_teacher = run_teacher
+        self._teacher = teacher
+        self._in_flight: deque[Callable[[], ShardData]] = deque()
         self._shard_tokens = shard_tokens(storage.shard_bytes, hidden_bytes_per_token)
 
         def write(shard: ShardData) -> Committed:
@@ -381,20 +397,30 @@ class ShardWriter:
     def _cut(self, row_end: int) -> None:
         pending = PendingShard(self._rank, self._index, self._row_start, row_end, self._sequences, self._rows,
                                dict(self._skipped))
-        self._background.submit(self._run_teacher(pending))
+        self._in_flight.append(self._teacher.start(pending))
         self._index, self._row_start = self._index + 1, row_end
         self._start_shard()
+        while len(self._in_flight) >= max(1, self._teacher.in_flight):
+            self._background.submit(self._in_flight.popleft()())
 
     def close(self, end_row: int) -> None:
         """Cut the last shard (ending before corpus row ``end_row``) and wait until every shard is
         committed; raises the first failure."""
-        if self._sequences or self._skipped:
-            self._cut(end_row)
+        try:
+            if self._sequences or self._skipped:
+                self._cut(end_row)
+            while self._in_flight:
+                self._background.submit(self._in_flight.popleft()())
+        except BaseException:
+            self.abort()
+            raise
         self._background.close()
 
     def abort(self) -> None:
-        """After a failure in the build: let the shards already submitted commit (they are valid
-        work), without raising a failure of theirs over the one being handled."""
+        """After a failure in the build: let the shards already written commit (they are valid
+        work), without raising a failure of theirs over the one being handled. Shards still with
+        the teacher are dropped (never committed: a rerun computes them again)."""
+        self._in_flight.clear()
         try:
             self._background.close()
         except Exception:

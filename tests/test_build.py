@@ -141,6 +141,43 @@ def test_bucketing_and_padding_change_nothing(tmp_path, teacher_dir):
     assert manifest["last_run"]["padding_fraction"] > 0
 
 
+@pytest.mark.parametrize("in_flight", [2, 3])
+def test_shards_in_flight_change_nothing_but_the_order_of_work(tmp_path, teacher_dir, monkeypatch, in_flight):
+    """An engine in another process (vLLM: 2) gets the next shards before the build takes a
+    shard's outputs; the shards, their cut and their bytes are those of one shard at a time, and
+    they commit in order."""
+    from dflash_cache.build import TeacherPass
+    from dflash_cache.teacher import Teacher
+
+    teacher = teacher_dir("qwen3")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
+    build_cache(make_config(data, tmp_path / "one", teacher, shard_bytes=20_000))
+    events = []
+    start = TeacherPass.start
+
+    def spied(self, pending):
+        events.append(("submitted", pending.index))
+        finish = start(self, pending)
+
+        def taken():
+            events.append(("taken", pending.index))
+            return finish()
+        return taken
+
+    monkeypatch.setattr(Teacher, "shards_in_flight", in_flight)
+    monkeypatch.setattr(TeacherPass, "start", spied)
+    build_cache(make_config(data, tmp_path / "pipelined", teacher, shard_bytes=20_000))
+    records = [[(s.record["name"], s.record["rows"]) for s in open_cache(str(tmp_path / name)).shards]
+               for name in ("one", "pipelined")]
+    assert records[0] == records[1]
+    shards = len(records[0])
+    assert shards >= 4
+    for k in range(shards - in_flight + 1):  # shard k's outputs are taken once k + in_flight - 1 is submitted
+        assert events.index(("submitted", k + in_flight - 1)) < events.index(("taken", k)), events
+    assert [e for e in events if e[0] == "taken"] == [("taken", k) for k in range(shards)]
+    assert_same_content(cache_content(tmp_path / "one"), cache_content(tmp_path / "pipelined"))
+
+
 def test_plan_batches_respects_budget_and_covers_all():
     lengths = np.array([5, 50, 7, 48, 3, 3, 100, 20])
     batches = plan_batches(lengths, 100)

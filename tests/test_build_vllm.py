@@ -140,12 +140,46 @@ def test_a_killed_vllm_build_resumes_to_the_uninterrupted_cache(built, corpus, t
     proc = subprocess.run(command, cwd=ROOT, env={**os.environ, "DFLASH_FAULT": "after_commit_record:2"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr  # SIGKILL at the second commit: no cleanup ran
-    assert len(list((out / "shards").glob("*.json"))) == 2
+    assert len(list((out / "shards").rglob("shard-*.json"))) == 2
     rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert "resuming: 2 committed shard(s) kept" in rerun.stderr
     assert open_cache(str(out)).complete
     assert_same_content(cache_content(clean), cache_content(out))
+
+
+@pytest.mark.serving
+def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus, teacher_dir, vllm_python, tmp_path,
+                                                                         monkeypatch):
+    """The build sends shard k + 1 to the engine before it takes shard k's states (the engine runs
+    it while the build receives, checks and writes shard k); each shard is still one generate of
+    its own, so the cache is byte for byte the one built a shard at a time."""
+    from dflash_cache.vllm_engine import VllmTeacher, VllmWorker
+
+    receive = VllmWorker.receive
+    seen = []  # (batch received, batches sent by then)
+
+    def spied(worker):
+        seen.append((worker.in_flight[0][0], worker.sent))
+        return receive(worker)
+
+    def build(out: Path) -> Path:
+        result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", corpus, "--out",
+                                                str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
+                                                *dtype_args("qwen3")])
+        assert result.exit_code == 0, result.output
+        return out
+
+    monkeypatch.setattr(VllmWorker, "receive", spied)
+    pipelined = build(tmp_path / "pipelined")
+    shards = len(open_cache(str(pipelined)).shards)
+    assert shards >= 4 and [b for b, _ in seen] == list(range(shards))
+    assert all(sent == batch + 2 for batch, sent in seen[:-1]) and seen[-1][1] == shards, seen
+    monkeypatch.setattr(VllmTeacher, "shards_in_flight", 1)
+    seen.clear()
+    one_at_a_time = build(tmp_path / "one")
+    assert all(sent == batch + 1 for batch, sent in seen), seen
+    assert_same_content(cache_content(one_at_a_time), cache_content(pipelined))
 
 
 def test_data_parallel_is_refused_in_one_line_naming_torchrun(corpus, teacher_dir):
@@ -272,7 +306,7 @@ def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir
                               *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 540
-        while not list((out / "shards").glob("*.json")) and build.poll() is None and time.monotonic() < deadline:
+        while not list((out / "shards").rglob("shard-*.json")) and build.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert build.poll() is None, build.communicate()
         worker = _worker_of(build.pid)

@@ -165,6 +165,32 @@ def test_a_second_frame_of_an_id_or_a_length_not_sent_is_refused(receiver):
     assert "the length of no sequence the build sent" in receiver.error
 
 
+def test_two_shards_in_flight_arrive_in_any_order_and_nothing_else_is_taken(receiver):
+    """The build sends the next shard to the engine before it takes the previous shard's states
+    (ShardWriter keeps 2 in flight): the frames of both shards come interleaved, each shard is
+    taken whole while the other's wait, and a frame beyond the two shards' sequences is still
+    refused."""
+    shard_a, shard_b = {"a1": 5, "a2": 3}, {"b1": 5, "b2": 4}
+    receiver.expect(list(shard_a.values()))
+    receiver.expect(list(shard_b.values()))
+    frames = {key: _frame(key, rows, float(i)) for i, (key, rows) in enumerate({**shard_a, **shard_b}.items())}
+    with _connect(receiver) as conn:
+        conn.sendall(frame_header({"secret": receiver.secret}))
+        for key in ("b1", "a2", "b2", "a1"):  # shard b's first sequence before all of shard a's
+            conn.sendall(frames[key][0])
+        got = receiver.take(list(shard_a), alive=lambda: True, timeout_s=30)
+        for key, states in zip(shard_a, got):
+            np.testing.assert_array_equal(states, frames[key][1])
+        assert set(receiver.states) == set(shard_b)  # shard b's states wait for their turn
+        conn.sendall(_frame("c", 5)[0])  # a third sequence of 5 rows: the build sent two
+        assert _dropped(conn)
+    assert "the length of no sequence the build sent" in receiver.error
+    got = receiver.take(list(shard_b), alive=lambda: True, timeout_s=30)  # already here: taken
+    for key, states in zip(shard_b, got):
+        np.testing.assert_array_equal(states, frames[key][1])
+    assert receiver.states == {}
+
+
 def test_connections_beyond_the_cap_or_from_other_processes_get_no_thread(receiver):
     """Every connection got a thread, unbounded."""
     def readers() -> int:

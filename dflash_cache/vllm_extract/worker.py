@@ -5,21 +5,26 @@ Imports nothing from dflash (vLLM pins its own torch and transformers). Protocol
 capture as vLLM's aux ids, the socket to send states to), this process answers {"ready": ...} on
 stdout once the engine is up, then each frame on stdin is one batch of token-id sequences
 (payload: int32 ids back to back; header: their lengths), run as one `generate` of a single
-token, and is answered with the vLLM request id of each sequence in order (the connector,
-dflash_hs_connector, sends each request's states to the socket under that id) and the engine's
-seconds. An end of stdin ends the engine. vLLM logs to stdout, so the protocol keeps a private
-copy of the original stdout and everything else printed goes to stderr (the build's log file); the
-first bytes on it are WORKER_MAGIC, so the build knows it talks to this script and not to a
-program that merely prints.
+token, and is answered with its batch number, the vLLM request id of each sequence in order (the
+connector, dflash_hs_connector, sends each request's states to the socket under that id), the
+engine's seconds and the seconds it waited for the batch. Batches are read on a thread while the
+engine runs and run one generate each, in order: the build sends the next shard before it takes
+the previous one's states, so the engine does not wait between shards, and a shard's requests
+never share an engine step with another shard's (its states are the same however fast the build
+is). An end of stdin ends the engine; batches not yet started are dropped. vLLM logs to stdout,
+so the protocol keeps a private copy of the original stdout and everything else printed goes to
+stderr (the build's log file); the first bytes on it are WORKER_MAGIC, so the build knows it
+talks to this script and not to a program that merely prints.
 
 No process of the engine outlives its parent: this process and every process vLLM starts from
 it (spawned ones import this file; forked ones run the fork hook) ask the kernel for SIGKILL when
 their parent dies (PR_SET_PDEATHSIG), and forked children let go of the protocol's pipe, which only
 this process may hold open. The build also kills the whole process group when this process exits.
 
-With `prompt_logprobs: k` in the setup, each answer also carries vLLM's own top-k log-probs per
-position (ids then log-probs, [tokens, k] each) for the benchmark that compares them with
-our fp32 LM head.
+With `capture: false` in the setup the engine runs without capturing states (the benchmark's
+bare prefill: the same engine and options, nothing sent). With `prompt_logprobs: k` in the setup,
+each answer also carries vLLM's own top-k log-probs per position (ids then log-probs, [tokens, k]
+each) for the benchmark that compares them with our fp32 LM head.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from __future__ import annotations
 import array
 import ctypes
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,12 +93,15 @@ def _engine(setup: dict):
     args.update(
         model=setup["model"], tokenizer=setup["model"], dtype=setup["dtype"], seed=0,
         skip_tokenizer_init=True,  # token ids in, states out: no text either way
-        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": setup["aux_layer_ids"]}}},
-        kv_transfer_config={"kv_connector": "DFlashHiddenStatesConnector", "kv_role": "kv_producer",
-                            "kv_connector_module_path": "dflash_hs_connector",
-                            "kv_connector_extra_config": {"dflash_socket": setup["socket"]}},
     )
+    if setup.get("capture", True):  # off only for the benchmark's bare prefill
+        args.update(
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": setup["aux_layer_ids"]}}},
+            kv_transfer_config={"kv_connector": "DFlashHiddenStatesConnector", "kv_role": "kv_producer",
+                                "kv_connector_module_path": "dflash_hs_connector",
+                                "kv_connector_extra_config": {"dflash_socket": setup["socket"]}},
+        )
     if setup.get("prompt_logprobs"):
         args["max_logprobs"] = setup["prompt_logprobs"]
     return LLM(**args)
@@ -132,11 +142,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                             **({"prompt_logprobs": k, "logprobs": k} if k else {}))
     _send(protocol, {"ready": True, "vllm_version": vllm.__version__})
+    batches = _BatchReader(stdin)
     try:
-        while True:
-            batch, payload = _read(stdin)
-            if batch is None:
-                break
+        idle_since = None
+        while (item := batches.next()) is not None:
+            batch, payload = item
             flat = array.array("i")
             flat.frombytes(payload)
             prompts, start = [], 0
@@ -146,8 +156,9 @@ def main() -> None:
             began = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - began
-            reply = {"requests": [(out.kv_transfer_params or {}).get("dflash_request") for out in outputs],
-                     "seconds": seconds}
+            reply = {"batch": batch.get("batch"), "seconds": seconds,
+                     "waited": began - idle_since if idle_since is not None else 0.0,
+                     "requests": [(out.kv_transfer_params or {}).get("dflash_request") for out in outputs]}
             extra = b""
             if k:
                 ids, logprobs = array.array("i"), array.array("f")
@@ -155,9 +166,39 @@ def main() -> None:
                     _topk_rows(list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]], k, ids, logprobs)
                 reply["logprobs_seconds"] = time.perf_counter() - began - seconds
                 extra = ids.tobytes() + logprobs.tobytes()
+            idle_since = time.perf_counter()
             _send(protocol, reply, extra)
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+class _BatchReader:
+    """Reads the build's batches from stdin on a thread of its own, so the next batch is here when
+    a generate ends (the build sends it while that generate runs). At the end of stdin the
+    batches not yet started are dropped: the build has stopped waiting for them."""
+
+    def __init__(self, stdin):
+        self._stdin = stdin
+        self._batches: queue.Queue = queue.Queue()
+        self._ended = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._read_all, daemon=True, name="dflash-batches").start()
+
+    def _read_all(self) -> None:
+        try:
+            while (item := _read(self._stdin))[0] is not None:
+                self._batches.put(item)
+        except BaseException as err:  # raised in the engine's thread
+            self._error = err
+        self._ended.set()
+        self._batches.put(None)
+
+    def next(self) -> tuple[dict, bytes] | None:
+        """The next batch, waiting for it; None once stdin ended."""
+        item = self._batches.get()
+        if self._error is not None:
+            raise self._error
+        return None if self._ended.is_set() else item
 
 
 if __name__ == "__main__":  # vLLM starts its engine in spawned processes that import this file
