@@ -139,10 +139,13 @@ def _remove_uncommitted(fs, root: str, rank: int, committed: set[str], version: 
         from dflash_cache.writer import work_folder
 
         removed = 0
-        for path in (work_folder(root, rank), fmt.shard_path(root, fmt.shard_name(rank, len(committed)), 2)):
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-                removed += 1
+        work, next_shard = work_folder(root, rank), fmt.shard_path(root, fmt.shard_name(rank, len(committed)), 2)
+        if fs.exists(work):
+            removed += len(fs.ls(work, detail=False))  # half-written shards (the folder itself is kept empty)
+            fs.rm(work, recursive=True)
+        if fs.exists(next_shard):  # in place, its commit record not yet written
+            fs.rm(next_shard, recursive=True)
+            removed += 1
         return removed
     shards_dir = fmt.join(root, fmt.SHARDS_DIR)
     if not fs.exists(shards_dir):

@@ -86,12 +86,17 @@ def test_fault_can_target_one_rank():
             parse_faults(bad)
 
 
+def _folder(shards: Path, name: str) -> Path:
+    """A shard's folder (format 2: under its rank's folder, shards/rRRRRR/)."""
+    return shards / fmt.rank_folder(fmt.rank_of(name)) / name
+
+
 def _rank_state(shards: Path, rank: int) -> tuple[list[dict], list[str]]:
-    """A rank's commit records (by index) and its entries in shards/ that no record commits."""
-    prefix = fmt.shard_name(rank, 0)[:-6]
-    records = sorted((json.loads(p.read_text()) for p in shards.glob(f"{prefix}*.json")), key=lambda r: r["index"])
+    """A rank's commit records (by index) and its shard entries that no record commits."""
+    folder = shards / fmt.rank_folder(rank)
+    records = sorted((json.loads(p.read_text()) for p in folder.glob("shard-*.json")), key=lambda r: r["index"])
     committed = {r["name"] for r in records} | {f"{r['name']}.json" for r in records}
-    loose = sorted(p.name for p in shards.iterdir() if prefix in p.name and p.name not in committed)
+    loose = sorted(p.name for p in folder.iterdir() if p.name.startswith("shard-") and p.name not in committed)
     return records, loose
 
 
@@ -99,7 +104,8 @@ def _stamps(shards: Path, records: list[dict]) -> dict[str, int]:
     """mtime (ns) of each record and each data file of these committed shards."""
     stamps = {}
     for r in records:
-        for path in [shards / f"{r['name']}.json", *(shards / r["name"] / f for f in r["files"])]:
+        folder = _folder(shards, r["name"])
+        for path in [folder.with_name(f"{r['name']}.json"), *(folder / f for f in r["files"])]:
             stamps[str(path.relative_to(shards))] = path.stat().st_mtime_ns
     return stamps
 
@@ -119,7 +125,7 @@ def test_torchrun_rank_sigkilled_mid_shard_then_rerun_equals_clean_build(tmp_pat
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 240
-            while proc.poll() is None and time.monotonic() < deadline and not (shards / "shard-r00000-000002").is_dir():
+            while proc.poll() is None and time.monotonic() < deadline and not _folder(shards, "shard-r00000-000002").is_dir():
                 time.sleep(0.05)
             (tmp_path / "gate-1").touch()
             returncode = proc.wait(timeout=240)
@@ -136,7 +142,7 @@ def test_torchrun_rank_sigkilled_mid_shard_then_rerun_equals_clean_build(tmp_pat
     assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*exitcode\s*:\s*-15\b", killed_log), killed_log[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and not (out / "ranks").exists()  # neither rank finished
-    assert open_cache(str(out)).shards == []  # readers see no shard before the merge
+    assert len(open_cache(str(out)).shards) == 0  # readers see no shard before the merge
     early = CliRunner().invoke(app, ["finalize", str(out)])
     assert early.exit_code == 1 and "rank(s) [0, 1] of 2 have not finished" in early.output
 
@@ -146,7 +152,8 @@ def test_torchrun_rank_sigkilled_mid_shard_then_rerun_equals_clean_build(tmp_pat
     assert [r["index"] for r in records0] == [0, 1] and loose0 == ["shard-r00000-000002"]
     assert [r["index"] for r in records1] == [0] and loose1 == ["shard-r00001-000001"]
     for r in records0 + records1:  # what was committed is whole
-        found = {str(p.relative_to(shards / r["name"])): p.stat().st_size for p in (shards / r["name"]).rglob("*") if p.is_file()}
+        folder = _folder(shards, r["name"])
+        found = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
         assert size_problems(r["files"], found) == [], r["name"]
     stamps = _stamps(shards, records0 + records1)
 
@@ -165,5 +172,5 @@ def test_torchrun_rank_sigkilled_mid_shard_then_rerun_equals_clean_build(tmp_pat
     report = verify_cache(cache)
     assert report.ok and report.uncommitted == []
     listed = {s.name for s in cache.shards}
-    assert sorted(p.name for p in shards.iterdir()) == sorted(listed | {f"{n}.json" for n in listed})
+    assert sorted(p.name for p in shards.glob("r*/*")) == sorted(listed | {f"{n}.json" for n in listed})
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
