@@ -37,8 +37,9 @@ from dflash_train.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E
 from dflash_train.measuring.decoding import read_prompts  # noqa: E402
 from dflash_train.measuring.evaluate import load_trained_drafter  # noqa: E402
 from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
-from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
-from dflash_train.training.data import DataConfig  # noqa: E402
+from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
+from dflash_train.settings.data import DataConfig  # noqa: E402
+from dflash_train.settings.speculative import SpecConfig  # noqa: E402
 from dflash_train.training.export import read_export_config  # noqa: E402
 from dflash_train.training.trainer import train  # noqa: E402
 

@@ -14,7 +14,8 @@ from cli.common import (
     knob_options,
     run,
 )
-from dflash_train.knobs import eval_knobs, generate_knobs, nested_values, train_knobs
+from dflash_common.knobs import nested_values
+from dflash_train.knobs import eval_knobs, generate_knobs, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -8,12 +8,8 @@ import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from dflash_cache.chat_sandbox import (  # noqa: F401 - TemplateTooCostly and the budgets are this module's API too
-    TEMPLATE_STEPS,
-    TEMPLATE_TEXT_BASE,
-    TEMPLATE_TEXT_PER_INPUT,
+from dflash_cache.chat_sandbox import (
     Budget,
-    TemplateTooCostly,
     render_guarded,
     template_text_budget,
 )

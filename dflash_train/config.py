@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
-from dflash_common.knobs import set_path  # noqa: F401 (callers import it from here)
 from dflash_common.settings_files import load_settings_file
 from dflash_common.values import check_choice
 from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL

@@ -13,10 +13,11 @@ from helpers import english_like_sentences
 
 from dflash_cache import open_cache
 from dflash_common.errors import ConfigError
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.noise import NoiseConfig
 from dflash_train.training.data import (
     LANES,
     Batch,
-    DataConfig,
     EpochPlan,
     LoaderState,
     TrainStream,
@@ -32,7 +33,6 @@ from dflash_train.training.data import (
     sample_anchors,
     train_loader,
 )
-from dflash_train.training.noise import NoiseConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import typer.main
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
-from dflash_common.knobs import make_config
-from dflash_train.knobs import decoding_knobs, eval_knobs, generate_knobs, nested_values
+from dflash_common.knobs import make_config, nested_values
+from dflash_train.knobs import decoding_knobs, eval_knobs, generate_knobs
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DecodingConfig, EvalConfig, GenerateConfig
 from dflash_train.settings.speculative import SpecConfig

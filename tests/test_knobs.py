@@ -31,9 +31,9 @@ from dflash_train.knobs import (
     set_overrides,
     train_knobs,
 )
+from dflash_train.settings.loss import LossConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
-from dflash_train.training.loss import LossConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -28,17 +28,14 @@ from dflash_train.sweep import (
     plan_runs,
     planned_combinations,
 )
-from dflash_train.sweep.recipe import (
-    MeasureConfig,
-    RunOutcome,
+from dflash_train.sweep.measure import MeasureConfig
+from dflash_train.sweep.recipe import RunOutcome, summarize, summary_markdown, tau_at_budget
+from dflash_train.sweep.statistics import (
     interpolate,
     paired_difference,
     spearman,
-    summarize,
-    summary_markdown,
     t_interval,
     t_quantile,
-    tau_at_budget,
     tokens_by_step,
     tokens_to_reach,
 )

@@ -25,8 +25,9 @@ from dflash_train.config import ModelConfig, OptimConfig, TrainConfig
 from dflash_train.measuring.decoding import read_prompts
 from dflash_train.measuring.evaluate import load_trained_drafter
 from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary
-from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
-from dflash_train.training.data import DataConfig
+from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.speculative import SpecConfig
 from dflash_train.training.export import export_drafter
 from dflash_train.training.trainer import build_drafter, train
 

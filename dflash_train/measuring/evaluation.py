@@ -130,8 +130,8 @@ def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
     from dflash_train.measuring.evaluate import greedy_replay, load_drafter_for
+    from dflash_train.settings.loss import LossConfig
     from dflash_train.training.heldout import evaluate
-    from dflash_train.training.loss import LossConfig
 
     cache = open_cache(cfg.cache, cfg.storage_options)
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
@@ -153,7 +153,7 @@ def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: 
 
     decoding = cfg.decoding
     if cfg.engine != "dflash":
-        from dflash_train.measuring.serving import find_vllm_python
+        from dflash_common.vllm_env import find_vllm_python
 
         find_vllm_python(cfg.vllm_python)  # fail before loading anything
     dtype = decoding.dtype(dev.type)

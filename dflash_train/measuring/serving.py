@@ -23,8 +23,8 @@ from typing import Sequence
 from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
-from dflash_common.vllm_env import INSTALL_HINT, VLLM_PYTHON_ENV, VLLM_VENV, find_vllm_python  # noqa: F401 (re-exported)
-from dflash_train.training.model import DrafterConfig
+from dflash_common.vllm_env import find_vllm_python
+from dflash_train.settings.drafter import DrafterConfig
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 

@@ -86,7 +86,7 @@ class MeasureConfig:
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
     from dflash_cache.chat import stop_token_ids
-    from dflash_train.measuring.speculative import SpecConfig
+    from dflash_train.settings.speculative import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
                       seed=seed, confidence_threshold=confidence_threshold)

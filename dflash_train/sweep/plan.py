@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig, config_from_dict, merge, set_path
-from dflash_train.knobs import Knob, config_knobs
+from dflash_common.knobs import Knob, config_knobs, set_path
+from dflash_train.config import TrainConfig, config_from_dict, merge
 from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
 from dflash_train.sweep.measure import (
     MeasureConfig,

@@ -35,8 +35,8 @@ import xxhash
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
 from dflash_common.errors import CacheError, ConfigError, DFlashError
-from dflash_train.settings.data import OPERATIONAL_FIELDS, DataConfig  # noqa: F401 (re-exported: the import path before the settings moved)
-from dflash_train.training.layout import PACKED, PADDED, sequence_starts, slots
+from dflash_train.settings.data import PACKED, PADDED, DataConfig
+from dflash_train.training.layout import sequence_starts, slots
 
 
 def _unit_hash(text: str, salt: int) -> float:

@@ -6,18 +6,13 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.training.data import DataConfig, heldout_batches
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.loss import LossConfig
+from dflash_train.training.data import heldout_batches
 from dflash_train.training.dflash2 import unary_scores
-from dflash_train.training.loss import (
-    CONFIDENCE_SUMS,
-    SELECTOR_SUMS,
-    LossConfig,
-    LossOutput,
-    block_loss,
-    block_states,
-    tau_from_alpha,
-)
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.model import DFlashDrafter
 
 SUMS = ("alpha", "greedy", "count", "loss")
 """The per-position sums every LossOutput carries, in the order ranks all-reduce them."""

@@ -27,24 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import path before the settings moved)
-    HEAD_MATMULS,
-    LOSS_KINDS,
-    OPERATIONAL_FIELDS,
-    TERMS,
-    WEIGHTINGS,
+from dflash_train.settings.dflash2 import DFlash2Config
+from dflash_train.settings.loss import (
     LossConfig,
-    check_terms,
 )
 from dflash_train.training.data import block_targets
-from dflash_train.training.dflash2 import DFlash2Config, training_candidates, unary_scores
-from dflash_train.training.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
-    decay_weights,
-    default_gamma,
-    dpace_weights,
+from dflash_train.training.dflash2 import training_candidates, unary_scores
+from dflash_train.training.weighting import (
     position_weights,
-    resolve_gamma,
-    streak_weights,
 )
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.format import check_servable_layers
-from dflash_cache.reader import SIZES
+from dflash_cache.integrity import SIZES
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
@@ -24,6 +24,7 @@ from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
 from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
+from dflash_train.settings.drafter import DrafterConfig
 from dflash_train.training.checkpoint import (
     COMPLETE,
     CheckpointError,
@@ -51,7 +52,7 @@ from dflash_train.training.distributed import (
 from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
 from dflash_train.training.loss import LossOutput, batch_loss, head_dtype, set_head_matmul
-from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
+from dflash_train.training.model import DFlashDrafter, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
 
 DEFAULT_STEPS = 1000
