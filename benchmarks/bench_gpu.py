@@ -64,10 +64,10 @@ from dflash_cache.settings.storage import StorageConfig  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, write_shard  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
-from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.settings.data import DataConfig  # noqa: E402
 from dflash_train.settings.drafter import DrafterConfig  # noqa: E402
 from dflash_train.settings.noise import NoiseConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, LoaderState, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402

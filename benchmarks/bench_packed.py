@@ -39,8 +39,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_sequences  # noqa: E402
 
 from dflash_cache import open_cache  # noqa: E402
-from dflash_train.config import ModelConfig, TrainConfig  # noqa: E402
 from dflash_train.settings.data import LAYOUTS, DataConfig  # noqa: E402
+from dflash_train.settings.model import ModelConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.layout import padding_fraction  # noqa: E402

@@ -29,9 +29,9 @@ from bench_gpu import PRODUCTION, TINY, drafter_config, peak_memory, sync  # noq
 from bench_packed import plan_lengths, sharegpt_lengths  # noqa: E402
 from bench_trainer import synthetic_batch, synthetic_sequences  # noqa: E402
 
-from dflash_train.config import TrainConfig  # noqa: E402
 from dflash_train.settings.loss import LossConfig  # noqa: E402
 from dflash_train.settings.noise import NoiseConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.loss import set_head_matmul  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402

@@ -21,10 +21,11 @@ from dflash_common import knobs
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, set_path, with_table
 from dflash_common.values import parse_json
-from dflash_train.config import SECTIONS, TrainConfig, with_run_length
+from dflash_train.config import with_run_length
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
 from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.train import SECTIONS, TrainConfig
 
 README_BEGIN = "<!-- train options: made by `make docs` from the config fields -->"
 README_END = "<!-- end of train options -->"

@@ -21,7 +21,6 @@ from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_regenerate.config import regenerate_knobs
-from dflash_train.config import TrainConfig
 from dflash_train.knobs import (
     eval_knobs,
     find_knob,
@@ -32,6 +31,7 @@ from dflash_train.knobs import (
     train_knobs,
 )
 from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
 

@@ -15,7 +15,6 @@ from cli.train import app
 from dflash_cache import open_cache
 from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig
 from dflash_train.measuring.evaluate import greedy_replay
 from dflash_train.settings.data import PACKED, PADDED, DataConfig
 from dflash_train.settings.dflash2 import DFlash2Config
@@ -23,6 +22,7 @@ from dflash_train.settings.drafter import FULL_ATTENTION, SLIDING_ATTENTION, Dra
 from dflash_train.settings.dspark import DSparkConfig
 from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
 from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.training.data import EpochPlan, LoaderState, block_targets, collate, hidden_buffer, load_batch, train_loader
 from dflash_train.training.distributed import DistInfo
 from dflash_train.training.heldout import evaluate

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import (
     FULL_RECIPE,
     PAPER_RECIPE,

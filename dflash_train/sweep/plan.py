@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs, set_path
-from dflash_train.config import TrainConfig, config_from_dict, merge
+from dflash_train.config import config_from_dict, merge
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
 from dflash_train.sweep.measure import (
     MeasureConfig,

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_train.config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
+from dflash_train.settings.train import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
 @dataclass(frozen=True)

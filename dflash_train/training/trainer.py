@@ -23,8 +23,9 @@ from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, 
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
-from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
+from dflash_train.config import RESUME_MAY_CHANGE, config_differences
 from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.training.checkpoint import (
     COMPLETE,
     CheckpointError,
