@@ -202,7 +202,7 @@ def regenerate(
     def action():
         from dflash_regenerate import merge_parts, ranks_from_env
         from dflash_regenerate import regenerate as regenerate_corpus
-        from dflash_regenerate.config import RegenerateConfig
+        from dflash_regenerate.settings.regenerate import RegenerateConfig
 
         out = knob_values["out"]
         if merge_only:

@@ -153,9 +153,9 @@ def sweep(
 
     def action():
         from dflash_common.errors import ConfigError
+        from dflash_train.settings.measure import MeasureConfig
         from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
         from dflash_train.sweep import preset as find_preset
-        from dflash_train.sweep.measure import MeasureConfig
 
         given = nested_values(sweep_knobs(), {k.name: knob_values.pop(k.name) for k in sweep_knobs()})
         base = _train_config(config, False, {**knob_values, "cache": cache, "out": out}, set_)

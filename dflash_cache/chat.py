@@ -4,7 +4,6 @@ them."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -13,7 +12,7 @@ from dflash_cache.chat_sandbox import (
     render_guarded,
     template_text_budget,
 )
-from dflash_common.errors import ConfigError, TeacherError
+from dflash_common.errors import TeacherError
 
 if TYPE_CHECKING:  # torch loads where sampling runs, not with the corpus settings
     import torch
@@ -64,20 +63,6 @@ def template_fault(render: Render, err: BaseException, template: str) -> str | N
     return None
 
 
-def check_template_kwargs(kwargs) -> None:
-    """Refuse chat-template variables that are not a JSON object of plain values."""
-    if kwargs is None:
-        return
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
-    try:
-        # allow_nan=False: NaN and Infinity are not JSON, and they are written into manifests and settings
-        json.dumps(kwargs, allow_nan=False)
-    except ValueError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} hold a number that is not finite (NaN or Infinity), "
-                          "which JSON cannot hold; pass finite numbers") from None
-    except TypeError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
 
 
 def _check_cost(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None) -> None:

@@ -22,10 +22,11 @@ from dflash_cache.corpus import CorpusRow
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.redact import display_url
-from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
-from dflash_regenerate.config import RegenerateConfig
+from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
 from dflash_regenerate.conversations import Conversation, conversation_or_problem
 from dflash_regenerate.plan import sample_seed
+from dflash_regenerate.settings.regenerate import RegenerateConfig
+from dflash_regenerate.settings.server import ServerConfig
 
 
 class RowSampler:

@@ -154,8 +154,8 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
           grid=None, reference=None):
     """The preset's sweep on one cache (or `grid` compared with `reference`); returns run_sweep's result."""
     from dflash_train.config import config_from_dict
+    from dflash_train.settings.measure import MeasureConfig
     from dflash_train.sweep import SweepConfig, preset, run_sweep
-    from dflash_train.sweep.measure import MeasureConfig
 
     chosen = preset("recipe")
     base = config_from_dict({

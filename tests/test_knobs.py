@@ -176,7 +176,7 @@ def test_regenerate_options_nest_into_its_teacher_and_server_sections():
     values = nested_values(knobs, given)
     assert values == {"data": "d", "out": "o.jsonl", "top_p": 0.5,
                       "server": {"endpoints": ["http://a", "http://b"], "served_model": "m", "concurrency": 3}}
-    from dflash_regenerate.config import RegenerateConfig
+    from dflash_regenerate.settings.regenerate import RegenerateConfig
 
     cfg = make_config(RegenerateConfig, {**values, "teacher": None}, rank=0, world_size=1)
     assert (cfg.server.endpoints, cfg.server.concurrency, cfg.top_p, cfg.max_new_tokens) == (("http://a", "http://b"), 3, 0.5, 2048)

@@ -66,7 +66,7 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 # reverse, and they load none of the heavy libraries, so the command lines read and check settings
 # (and print --help) without loading torch.
 # A settings folder, and the config modules outside it that its settings may import.
-SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": ("dflash_cache.corpus.config",)}
+SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": ()}
 HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
 
 

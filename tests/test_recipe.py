@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
+from dflash_train.settings.measure import MeasureConfig
 from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import (
     FULL_RECIPE,
@@ -28,7 +29,6 @@ from dflash_train.sweep import (
     plan_runs,
     planned_combinations,
 )
-from dflash_train.sweep.measure import MeasureConfig
 from dflash_train.sweep.recipe import RunOutcome, summarize, summary_markdown, tau_at_budget
 from dflash_train.sweep.statistics import (
     interpolate,

@@ -222,7 +222,8 @@ def vllm_lines(v: dict, alone: bool) -> Lines:
 
 def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
     """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
-    from dflash_train.measuring.serving import VllmConfig, vllm_report
+    from dflash_train.measuring.serving import vllm_report
+    from dflash_train.settings.vllm import VllmConfig
     from dflash_train.training.checkpoint import COMPLETE
     from dflash_train.training.trainer import export_checkpoint
 

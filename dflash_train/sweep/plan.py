@@ -10,11 +10,9 @@ from typing import Any, Sequence
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs, set_path
 from dflash_train.config import config_from_dict, merge
+from dflash_train.settings.measure import MeasureConfig
 from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
-from dflash_train.sweep.measure import (
-    MeasureConfig,
-)
 
 SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
 """What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
