@@ -15,7 +15,7 @@ from cli.common import (
     run,
 )
 from dflash_common.knobs import nested_values
-from dflash_train.knobs import eval_knobs, generate_knobs, train_knobs
+from dflash_train.options import eval_knobs, generate_knobs, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,7 +27,7 @@ def _train_config(config, resume, knob_values, sets):
     options given, then --set."""
     from dflash_common.settings_files import load_settings_file
     from dflash_train.config import config_from_dict, merge, read_config_file
-    from dflash_train.knobs import option_overrides, set_overrides
+    from dflash_train.options import option_overrides, set_overrides
 
     saved = Path(knob_values["out"]) / "config.json"
     base = read_config_file(config) if config else (
@@ -102,7 +102,7 @@ def eval_(
     speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_train.measuring.evaluation import eval_config, eval_text, run_eval
+        from dflash_train.measuring.commands import eval_config, eval_text, run_eval
 
         result = run_eval(eval_config(nested_values(eval_knobs(), knob_values)), BarProgress(enabled=not quiet))
         typer.echo(eval_text(result))
@@ -122,7 +122,7 @@ def generate(
 
     def action():
         from dflash_common.knobs import make_config
-        from dflash_train.measuring.evaluation import run_generate
+        from dflash_train.measuring.commands import run_generate
         from dflash_train.settings.evaluation import GenerateConfig
 
         for answer in run_generate(make_config(GenerateConfig, nested_values(generate_knobs(), knob_values))):

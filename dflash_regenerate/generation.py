@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.chat import (
+from dflash_cache.chat_template import (
     cut_at_stop,
     end_of_turn_text,
     error_text,
@@ -16,9 +16,9 @@ from dflash_cache.chat import (
     strip_end_of_turn,
     template_fault,
     tokenizer_render,
-    top_p_filter,
 )
 from dflash_cache.corpus import CorpusRow
+from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.redact import display_url

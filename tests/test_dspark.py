@@ -318,7 +318,7 @@ def test_offline_replay_counts_a_whole_accepted_dspark_block():
     import numpy as np
 
     from dflash_cache.reader import SequenceRecord
-    from dflash_train.measuring.decoding import replay_record
+    from dflash_train.measuring.decode_report import replay_record
     from dflash_train.training.heldout import argmax_chunks
 
     teacher = run_teacher("qwen3", 0.1)

@@ -21,7 +21,7 @@ from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_regenerate.config import regenerate_knobs
-from dflash_train.knobs import (
+from dflash_train.options import (
     eval_knobs,
     find_knob,
     generate_knobs,

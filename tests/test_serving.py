@@ -21,8 +21,8 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig, load_teacher
-from dflash_train.measuring.decoding import read_prompts
-from dflash_train.measuring.evaluate import load_trained_drafter
+from dflash_train.measuring.decode_report import read_prompts
+from dflash_train.measuring.replay import load_trained_drafter
 from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary
 from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate
 from dflash_train.settings.data import DataConfig

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_differences
-from dflash_train.knobs import train_knobs
+from dflash_train.options import train_knobs
 from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import (
     GridAxis,

@@ -54,7 +54,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from dflash_cache.chat import top_p_filter
+from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
 from dflash_train.settings.drafter import DrafterConfig

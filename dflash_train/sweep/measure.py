@@ -32,7 +32,7 @@ REFERENCE_FILE = "teacher_outputs.json"
 
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
-    from dflash_cache.chat import stop_token_ids
+    from dflash_cache.chat_template import stop_token_ids
     from dflash_train.settings.speculative import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
@@ -43,7 +43,7 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
     REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
     from dflash_cache.teacher import TeacherConfig, load_teacher
-    from dflash_train.measuring.decoding import read_prompts
+    from dflash_train.measuring.decode_report import read_prompts
     from dflash_train.measuring.speculative import teacher_generate
 
     path = Path(sweep_dir) / REFERENCE_FILE
@@ -86,7 +86,7 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
     block cut by its confidence head when `confidence_threshold` > 0: the accepted length, the
     drafts verified per forward, DFlash2's selector_changes and, greedy, whether every output
     equals the teacher's own."""
-    from dflash_train.measuring.evaluate import load_trained_drafter
+    from dflash_train.measuring.replay import load_trained_drafter
     from dflash_train.measuring.speculative import (
         drafts_per_forward,
         mean_accepted_length,
@@ -138,9 +138,9 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
 
     from dflash_cache import open_cache
     from dflash_cache.teacher import resolve_device
-    from dflash_train.measuring.evaluate import load_drafter_for
+    from dflash_train.measuring.replay import load_drafter_for
     from dflash_train.training.checkpoint import CheckpointManager
-    from dflash_train.training.heldout import evaluate
+    from dflash_train.training.heldout import evaluate_heldout
 
     device = resolve_device(config.device)
     steps = metrics.last_step
@@ -160,7 +160,7 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
         else:
             model = load_drafter_for(str(path), cache, device, config.data.skip_shards)
             with torch.no_grad():
-                record = evaluate(model, cache, config.data, config.loss, config.eval_sequences, device)
+                record = evaluate_heldout(model, cache, config.data, config.loss, config.eval_sequences, device)
         curve.append(_point(step, tokens[step - 1], record))
     if metrics.final_eval and all(p["step"] != steps for p in curve):
         curve.append(_point(steps, tokens[steps - 1], metrics.final_eval))

@@ -81,7 +81,7 @@ class AcceptanceMeter:
 
 
 @torch.no_grad()
-def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
+def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
              max_sequences: int, device: torch.device) -> dict:
     """Acceptance on held-out sequences (fixed anchors, no noise): the sampling estimate alpha_k
     and tau, the greedy acceptance per position and the greedy streak per block."""

@@ -51,7 +51,7 @@ from dflash_train.training.distributed import (
     shutdown,
 )
 from dflash_train.training.export import check_export_folder, export_weights, read_export
-from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
+from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, meter_rows
 from dflash_train.training.loss import LossOutput, batch_loss, head_dtype, set_head_matmul
 from dflash_train.training.model import DFlashDrafter, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
@@ -412,7 +412,7 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
 def held_out(s: Session, kind: str) -> dict:
     """The held-out evaluation, logged; under FSDP every rank evaluates (a sharded forward
     gathers parameters from all of them)."""
-    result = (evaluate(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
+    result = (evaluate_heldout(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
               if s.info.is_main or s.sharded else {})
     if s.sharded:
         release_gathered(s.model)

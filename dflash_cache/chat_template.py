@@ -1,11 +1,10 @@
-"""How a chat is rendered, where its answer ends, and the nucleus filter: one definition for
-stage 0's regeneration, the build's assistant spans and stage 2's decoding, which must agree on
-them."""
+"""How a chat is rendered and where its answer ends: one definition for stage 0's regeneration, the
+build's assistant spans and stage 2's decoding, which must agree on them. The template's cost
+sandbox is dflash_cache.chat_sandbox, nucleus filtering dflash_cache.sampling."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from dflash_cache.chat_sandbox import (
     Budget,
@@ -13,9 +12,6 @@ from dflash_cache.chat_sandbox import (
     template_text_budget,
 )
 from dflash_common.errors import TeacherError
-
-if TYPE_CHECKING:  # torch loads where sampling runs, not with the corpus settings
-    import torch
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -134,15 +130,3 @@ def strip_end_of_turn(text: str, end_of_turn: str) -> str:
     return text
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set (most likely first) holding `top_p` of the
-    probability: a token stays when the mass strictly before it is below top_p, so the most
-    likely token always stays. probs [..., V], rows summing to 1; not renormalised."""
-    import torch
-
-    if top_p >= 1:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
