@@ -152,20 +152,11 @@ def sweep(
     """Train one drafter per grid combination on one cache and compare them; rerun to resume."""
 
     def action():
-        from dflash_common.errors import ConfigError
-        from dflash_train.settings.measure import MeasureConfig
-        from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
-        from dflash_train.sweep import preset as find_preset
+        from dflash_train.sweep import run_sweep, sweep_config
 
         given = nested_values(sweep_knobs(), {k.name: knob_values.pop(k.name) for k in sweep_knobs()})
         base = _train_config(config, False, {**knob_values, "cache": cache, "out": out}, set_)
-        chosen = find_preset(preset) if preset else None
-        if chosen and grid:
-            raise ConfigError(f"--preset {preset} sets the grid; drop --grid {grid[0]} (or drop --preset)")
-        measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0, **given.pop("measure", {})})
-        choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
-                   "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
-        sweep_cfg = SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
+        sweep_cfg = sweep_config(out, base, grid, preset, given)
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.summary or result.report.markdown, nl=False)
 
