@@ -21,7 +21,6 @@ from dflash_train.training.data import (
     EpochPlan,
     LoaderState,
     TrainStream,
-    block_targets,
     cut_batches,
     epoch_order,
     idle_ranks_warning,
@@ -33,6 +32,7 @@ from dflash_train.training.data import (
     sample_anchors,
     train_loader,
 )
+from dflash_train.training.loss import block_targets
 
 
 @pytest.fixture(scope="module")

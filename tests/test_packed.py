@@ -23,10 +23,11 @@ from dflash_train.settings.dspark import DSparkConfig
 from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
 from dflash_train.settings.noise import NoiseConfig
 from dflash_train.settings.train import TrainConfig
-from dflash_train.training.data import EpochPlan, LoaderState, block_targets, collate, hidden_buffer, load_batch, train_loader
+from dflash_train.training.data import EpochPlan, LoaderState, collate, hidden_buffer, load_batch, train_loader
 from dflash_train.training.distributed import DistInfo
 from dflash_train.training.heldout import evaluate_heldout
 from dflash_train.training.layout import padding_fraction, sequence_starts, slots, token_positions
+from dflash_train.training.loss import block_targets
 from dflash_train.training.model import DFlashDrafter
 from dflash_train.training.trainer import micro_step, on_device
 
