@@ -1,4 +1,5 @@
-"""The train config: one small dataclass per component, composed, saved next to every output."""
+"""A train run's TrainConfig (dflash_train.settings.train) built from config files and overrides,
+merged, and compared with a saved one on resume."""
 
 from __future__ import annotations
 
