@@ -60,14 +60,18 @@ from bench_trainer import synthetic_batch  # noqa: E402
 
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
+from dflash_cache.settings.storage import StorageConfig  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
-from dflash_cache.writer import ShardData, StorageConfig, write_shard  # noqa: E402
+from dflash_cache.writer import ShardData, write_shard  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
-from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.training.data import DataConfig, EpochPlan, LoaderState, train_loader  # noqa: E402
+from dflash_train.settings.data import DataConfig  # noqa: E402
+from dflash_train.settings.drafter import DrafterConfig  # noqa: E402
+from dflash_train.settings.noise import NoiseConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.training.data import EpochPlan, LoaderState, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_train.training.noise import NoiseConfig, add_noise_, noise_for  # noqa: E402
+from dflash_train.training.model import DFlashDrafter  # noqa: E402
+from dflash_train.training.noise import add_noise_, noise_for  # noqa: E402
 from dflash_train.training.trainer import micro_step, on_device  # noqa: E402
 
 

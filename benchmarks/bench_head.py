@@ -30,8 +30,8 @@ def main(argv=None) -> None:
 
     from dflash_cache import open_cache
     from dflash_train.config import config_from_dict
-    from dflash_train.measuring.evaluate import load_drafter_for
-    from dflash_train.training.heldout import evaluate
+    from dflash_train.measuring.replay import load_drafter_for
+    from dflash_train.training.heldout import evaluate_heldout
 
     torch.set_num_threads(1)
     cfg = config_from_dict(json.loads((args.run / "config.json").read_text()))
@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     model = load_drafter_for(str(args.run / "drafter"), cache, torch.device("cpu"))
     rows = {}
     for mode in ("fp32", "bf16"):
-        rows[mode] = evaluate(model, cache, cfg.data, replace(cfg.loss, head_matmul=mode), args.sequences,
+        rows[mode] = evaluate_heldout(model, cache, cfg.data, replace(cfg.loss, head_matmul=mode), args.sequences,
                               torch.device("cpu"))
     elements = PRODUCTION["vocab_size"] * PRODUCTION["hidden_size"]
     print("| head | held-out loss | tau | Δ loss vs fp32 | Δ tau vs fp32 | head memory at production size |")

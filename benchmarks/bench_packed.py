@@ -39,10 +39,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_sequences  # noqa: E402
 
 from dflash_cache import open_cache  # noqa: E402
-from dflash_train.config import ModelConfig, TrainConfig  # noqa: E402
-from dflash_train.training.data import DataConfig, EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
+from dflash_train.settings.data import LAYOUTS, DataConfig  # noqa: E402
+from dflash_train.settings.model import ModelConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.training.data import EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.layout import LAYOUTS, padding_fraction  # noqa: E402
+from dflash_train.training.layout import padding_fraction  # noqa: E402
 from dflash_train.training.loss import batch_loss  # noqa: E402
 from dflash_train.training.trainer import build_drafter, micro_step  # noqa: E402
 

@@ -41,9 +41,11 @@ from dflash_cache import (
     integrity,  # noqa: E402
     open_cache,  # noqa: E402
 )
-from dflash_train.config import TrainConfig  # noqa: E402
-from dflash_train.training.data import DataConfig, EpochPlan, LoaderState, load_batch, train_loader  # noqa: E402
-from dflash_train.training.noise import NoiseConfig, add_noise_  # noqa: E402
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.training.data import EpochPlan, LoaderState, load_batch, train_loader
+from dflash_train.training.noise import add_noise_
 from dflash_train.training.trainer import on_device  # noqa: E402
 
 BATCH_TOKENS = 8192  # DataConfig's default

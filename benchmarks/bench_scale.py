@@ -40,8 +40,9 @@ from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import integrity  # noqa: E402
 from dflash_cache.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402
+from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.verify import verify_cache  # noqa: E402
-from dflash_cache.writer import Committed, ShardData, StorageConfig, sequences_table, write_shard  # noqa: E402
+from dflash_cache.writer import Committed, ShardData, sequences_table, write_shard
 
 HIDDEN, LAYERS, TOP_K, SEQ_LEN, WORLD = 8, 2, 2, 2, 2
 

@@ -30,15 +30,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.chat import stop_token_ids  # noqa: E402
+from dflash_cache.chat_template import stop_token_ids  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
-from dflash_train.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
-from dflash_train.measuring.decoding import read_prompts  # noqa: E402
-from dflash_train.measuring.evaluate import load_trained_drafter  # noqa: E402
-from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary  # noqa: E402
-from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
-from dflash_train.training.data import DataConfig  # noqa: E402
+from dflash_train.measuring.decode_report import read_prompts  # noqa: E402
+from dflash_train.measuring.replay import load_trained_drafter  # noqa: E402
+from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary  # noqa: E402
+from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
+from dflash_train.settings.data import DataConfig  # noqa: E402
+from dflash_train.settings.model import ModelConfig  # noqa: E402
+from dflash_train.settings.optim import OptimConfig  # noqa: E402
+from dflash_train.settings.speculative import SpecConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.vllm import VllmConfig  # noqa: E402
 from dflash_train.training.export import read_export_config  # noqa: E402
 from dflash_train.training.trainer import train  # noqa: E402
 

@@ -41,18 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.reader import SequenceRecord  # noqa: E402
-from dflash_train.config import TrainConfig  # noqa: E402
+from dflash_train.settings.drafter import DrafterConfig  # noqa: E402
+from dflash_train.settings.loss import LossConfig  # noqa: E402
+from dflash_train.settings.train import TrainConfig  # noqa: E402
 from dflash_train.training.data import collate, sample_anchors  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.loss import (  # noqa: E402
-    LossConfig,
-    LossOutput,
-    block_states,
-    bucket_kl,
-    position_weights,
-)
-from dflash_train.training.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_train.training.loss import LossOutput, block_states, bucket_kl  # noqa: E402
+from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.trainer import micro_step  # noqa: E402
+from dflash_train.training.weighting import position_weights  # noqa: E402
 
 PROMPT_TOKENS = 16  # leading tokens outside the loss mask, like a chat prompt
 NAIVE = "naive"

@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from cli.common import BarProgress, Debug, Quiet, StorageOptions, json_option, knob_options, run
+from cli.common import BarProgress, Debug, Quiet, StorageOptions, knob_options, run
 from dflash_cache.settings.build import build_knobs
 from dflash_common.errors import ConfigError, shown
 from dflash_common.knobs import make_config, nested_values
 from dflash_common.redact import server_secrets
+from dflash_common.values import json_object as json_option
 from dflash_regenerate.config import regenerate_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -69,7 +70,7 @@ def finalize(
     """Merge the ranks' shard records into the final manifest (for ranks run as independent jobs)."""
 
     def action():
-        from dflash_cache.build import finalize_cache
+        from dflash_cache.commit import finalize_cache
 
         m = finalize_cache(url, json_option(storage_options, "--storage-options"))
         typer.echo(f"finalized {url}: {m['totals']['shards']} shard(s), {m['totals']['sequences']:,} sequences")
@@ -213,7 +214,7 @@ def regenerate(
     def action():
         from dflash_regenerate import merge_parts, ranks_from_env
         from dflash_regenerate import regenerate as regenerate_corpus
-        from dflash_regenerate.config import RegenerateConfig
+        from dflash_regenerate.settings.regenerate import RegenerateConfig
 
         out = knob_values["out"]
         if merge_only:

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from dflash_common.errors import DFlashError
 from dflash_common.progress import Progress
 from dflash_common.redact import redact
-from dflash_common.values import json_object as json_option  # noqa: F401 (the commands' name for it)
 
 # The options that are no config's field, shared by the commands: `debug: Debug = False`.
 Debug = Annotated[bool, typer.Option(help="Show tracebacks.")]

@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash_cache.settings.build import build_knobs
 from dflash_common.knobs import readme_table, with_table
 from dflash_regenerate.config import regenerate_knobs
-from dflash_train.knobs import train_knobs
+from dflash_train.options import train_knobs
 
 # {command: its knobs}: each has a table between the markers below in docs/options.md
 TABLES = {"train": train_knobs, "build": build_knobs, "regenerate": regenerate_knobs}

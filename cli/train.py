@@ -14,7 +14,8 @@ from cli.common import (
     knob_options,
     run,
 )
-from dflash_train.knobs import eval_knobs, generate_knobs, nested_values, train_knobs
+from dflash_common.knobs import nested_values
+from dflash_train.options import eval_knobs, generate_knobs, train_knobs
 from dflash_train.sweep.plan import sweep_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -26,7 +27,7 @@ def _train_config(config, resume, knob_values, sets):
     options given, then --set."""
     from dflash_common.settings_files import load_settings_file
     from dflash_train.config import config_from_dict, merge, read_config_file
-    from dflash_train.knobs import option_overrides, set_overrides
+    from dflash_train.options import option_overrides, set_overrides
 
     saved = Path(knob_values["out"]) / "config.json"
     base = read_config_file(config) if config else (
@@ -101,7 +102,7 @@ def eval_(
     speculative decoding with the teacher (--teacher --prompts), side by side."""
 
     def action():
-        from dflash_train.measuring.evaluation import eval_config, eval_text, run_eval
+        from dflash_train.measuring.commands import eval_config, eval_text, run_eval
 
         result = run_eval(eval_config(nested_values(eval_knobs(), knob_values)), BarProgress(enabled=not quiet))
         typer.echo(eval_text(result))
@@ -121,7 +122,7 @@ def generate(
 
     def action():
         from dflash_common.knobs import make_config
-        from dflash_train.measuring.evaluation import run_generate
+        from dflash_train.measuring.commands import run_generate
         from dflash_train.settings.evaluation import GenerateConfig
 
         for answer in run_generate(make_config(GenerateConfig, nested_values(generate_knobs(), knob_values))):
@@ -151,20 +152,11 @@ def sweep(
     """Train one drafter per grid combination on one cache and compare them; rerun to resume."""
 
     def action():
-        from dflash_common.errors import ConfigError
-        from dflash_train.sweep import SweepConfig, parse_grid, run_sweep
-        from dflash_train.sweep import preset as find_preset
-        from dflash_train.sweep.measure import MeasureConfig
+        from dflash_train.sweep import run_sweep, sweep_config
 
         given = nested_values(sweep_knobs(), {k.name: knob_values.pop(k.name) for k in sweep_knobs()})
         base = _train_config(config, False, {**knob_values, "cache": cache, "out": out}, set_)
-        chosen = find_preset(preset) if preset else None
-        if chosen and grid:
-            raise ConfigError(f"--preset {preset} sets the grid; drop --grid {grid[0]} (or drop --preset)")
-        measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0, **given.pop("measure", {})})
-        choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
-                   "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
-        sweep_cfg = SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
+        sweep_cfg = sweep_config(out, base, grid, preset, given)
         result = run_sweep(sweep_cfg, progress=BarProgress(enabled=not quiet))
         typer.echo(result.report.summary or result.report.markdown, nl=False)
 

@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_cache import format as fmt
-from dflash_cache.commit import (  # noqa: F401 (finalize_cache: re-exported, its import path before commit.py)
+from dflash_cache.commit import (
     ManifestKeeper,
     Resume,
-    committed_ids,
     complete_rank,
     existing_manifest,
-    finalize_cache,
     lock_name,
     open_output,
     prepare_output,

@@ -37,7 +37,7 @@ from dflash_cache import format as fmt
 from dflash_cache import health
 from dflash_cache import index as cache_index
 from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
-from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity check lived here)
+from dflash_cache.integrity import (
     CHECKSUMMED,
     RECORD,
     SIZES,
@@ -47,10 +47,8 @@ from dflash_cache.integrity import (  # noqa: F401 (re-exported: the integrity c
     part_problems,
     quick_check,
     record_problems,
-    refuse_outside_links,
-    size_problems,
 )
-from dflash_cache.shard_files import ChunkFiles, fixed_list_values, list_width_problem, open_ipc  # noqa: F401 (re-exported)
+from dflash_cache.shard_files import ChunkFiles, fixed_list_values, open_ipc
 from dflash_cache.store import CacheStore
 from dflash_common.errors import CacheError, ConfigError
 from dflash_common.settings_files import load_settings_file

@@ -27,8 +27,8 @@ import zarr.codecs
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8, health, hidden_files
-from dflash_cache.settings.storage import StorageConfig, parse_size  # noqa: F401 (re-exported: the import path before the settings moved)
-from dflash_cache.store import zarr_store  # noqa: F401 (re-exported: its import path before store.py)
+from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.store import zarr_store
 from dflash_common.errors import CacheError
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_tree

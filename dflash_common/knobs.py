@@ -20,6 +20,7 @@ rewrites them; a test fails when one is stale). Torch-free, so every command lin
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -223,17 +224,70 @@ def nested_values(knobs: Sequence[Knob], options: Mapping[str, Any]) -> dict:
     return out
 
 
-def make_config(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
-    """A config from nested values (nested_values'), its sections built from their own tables; a
-    field left out keeps its default; `fixed` fields (not options: a rank from the environment)
-    are added as given."""
-    hints, given = typing.get_type_hints(cls), dict(values)
-    for name, value in given.items():
+def type_problem(value: Any, hint: Any) -> str | None:
+    """What is wrong with a plain config value for a field annotation, or None when it fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        problems = [type_problem(value, arg) for arg in args]
+        return None if any(p is None for p in problems) else next(p for p in problems if p)
+    if hint is type(None):
+        return None if value is None else "must be empty (null)"
+    if hint is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "must be a whole number"
+        # torch (seeds, sizes, steps) holds 64-bit integers; a larger one was an OverflowError deep in a run
+        return None if -2**63 <= value < 2**63 else "must be a whole number below 2**63"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "must be a string"
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return "must be a list"
+        element_hints = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(element_hints) != len(value):
+            return f"must be a list of {len(element_hints)}"
+        for element, element_hint in zip(value, element_hints):
+            problem = type_problem(element, element_hint)
+            if problem:
+                return f"must be a list whose entries {problem.removeprefix('must be ')}"
+        return None
+    if origin is dict or hint is dict:
+        return None if isinstance(value, dict) else "must be a table (a JSON object)"
+    return None  # Any and other annotations are the dataclass's own business
+
+
+def make_config(cls: type, values: Mapping[str, Any], *, where: str = "", fix: str = "fix {path}", **fixed: Any) -> Any:
+    """A config from nested plain values (a config file's, nested_values'), checked: no unknown
+    field, every value of its field's type (lists become tuples); a section (a field whose type is
+    a config dataclass) is built from its own table, an empty one (null) from its defaults; a field
+    left out keeps its default. `where` is the section's dotted path in the messages, `fix` how a
+    user corrects a value ({path}: the field's dotted path). `fixed` fields (not options: a rank
+    from the environment) are added as given."""
+    if not isinstance(values, Mapping):
+        example = f"{where}.{dataclasses.fields(cls)[0].name}=..."
+        raise ConfigError(f"the {where} section is {values!r}, not a table of fields; write them as [{where}] in "
+                          f"TOML or an object in JSON, e.g. {example}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {where or cls.__name__.removesuffix('Config').lower()} field(s) {unknown}; known: {sorted(known)}")
+    hints, given = typing.get_type_hints(cls), {}
+    for name, value in values.items():
+        path = f"{where}.{name}" if where else name
         section = section_class(hints[name])
-        if section is not None and isinstance(value, Mapping):
-            given[name] = make_config(section, value)
-        elif isinstance(value, list):
-            given[name] = tuple(value)
+        if section is not None and not isinstance(value, section) and not (value is None and _allows_none(hints[name])):
+            given[name] = make_config(section, value or {}, where=path, fix=fix)
+            continue
+        problem = type_problem(value, hints[name])
+        if problem:
+            shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:40]}...({len(repr(value))} characters)"
+            raise ConfigError(f"{path} = {shown} {problem}; {fix.format(path=path)}")
+        given[name] = tuple(value) if isinstance(value, list) else value
     return cls(**given, **fixed)
 
 

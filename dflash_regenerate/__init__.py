@@ -32,12 +32,12 @@ output is complete and with which settings it was made.
 import importlib
 
 # Which module holds each public name. They load when asked for, so the settings
-# (dflash_regenerate.config) import without torch, transformers or pyarrow: the command line
+# (dflash_regenerate.settings) import without torch, transformers or pyarrow: the command line
 # reads its options from them.
 _HOMES = {
     "command": ("regenerate",),
-    "config": ("KEEP_TURNS", "REASONING_POLICIES", "RESUME_KEYS", "SETTINGS", "TRUNCATED_POLICIES", "RegenerateConfig",
-               "RegenerateResult", "parts_dir"),
+    "config": ("RESUME_KEYS", "SETTINGS", "RegenerateResult"),
+    "settings.regenerate": ("KEEP_TURNS", "REASONING_POLICIES", "TRUNCATED_POLICIES", "RegenerateConfig", "parts_dir"),
     "conversations": ("chat_of_row",),
     "generation": ("RowSampler", "ServerGenerator", "TeacherGenerator", "load_generator", "load_server_generator",
                    "regenerate_rows"),

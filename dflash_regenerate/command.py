@@ -28,11 +28,8 @@ from dflash_regenerate.config import (
     SETTINGS,
     SETTINGS_FORMAT,
     SETTINGS_VERSION,
-    RegenerateConfig,
     RegenerateResult,
     lock_name,
-    output_root,
-    parts_dir,
 )
 from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
 from dflash_regenerate.parts import (
@@ -45,6 +42,7 @@ from dflash_regenerate.parts import (
     sum_records,
 )
 from dflash_regenerate.plan import part_rows, rank_parts, settings_mismatch
+from dflash_regenerate.settings.regenerate import RegenerateConfig, output_root, parts_dir
 
 
 def _check_paths(cfg: RegenerateConfig, files: list[str]) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.chat import (
+from dflash_cache.chat_template import (
     cut_at_stop,
     end_of_turn_text,
     error_text,
@@ -16,16 +16,17 @@ from dflash_cache.chat import (
     strip_end_of_turn,
     template_fault,
     tokenizer_render,
-    top_p_filter,
 )
 from dflash_cache.corpus import CorpusRow
+from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import TeacherConfig, load_teacher
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.redact import display_url
-from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused, ServerConfig
-from dflash_regenerate.config import RegenerateConfig
+from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
 from dflash_regenerate.conversations import Conversation, conversation_or_problem
 from dflash_regenerate.plan import sample_seed
+from dflash_regenerate.settings.regenerate import RegenerateConfig
+from dflash_regenerate.settings.server import ServerConfig
 
 
 class RowSampler:

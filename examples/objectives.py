@@ -144,7 +144,7 @@ def position_table(sweep_dir: Path, key: str) -> str:
     the block that DSpark's Markov head is meant to slow."""
     import json
 
-    from dflash_train.sweep.recipe import read_measure
+    from dflash_train.sweep.measure import read_measure
     from dflash_train.sweep.status import read_metrics
 
     groups: dict[str, list[Path]] = {}
@@ -175,7 +175,7 @@ def selector_table(sweep_dir: Path, key: str) -> str:
     """Markdown: per DFlash2 configuration and decoding (mean over seeds) the share of real drafts
     where the selector left the drafter's top-1, the share of those accepted and of the others;
     empty without DFlash2 runs."""
-    from dflash_train.sweep.recipe import read_measure
+    from dflash_train.sweep.measure import read_measure
 
     rows = {}
     for run in sorted((sweep_dir / "runs").iterdir()):

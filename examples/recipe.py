@@ -135,8 +135,8 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     from dflash_cache import open_cache
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
+    from dflash_cache.settings.storage import StorageConfig
     from dflash_cache.teacher import TeacherConfig
-    from dflash_cache.writer import StorageConfig
 
     out = settings.out / "caches" / spec.name
     if (out / "manifest.json").exists() and open_cache(str(out)).complete:
@@ -154,8 +154,8 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
           grid=None, reference=None):
     """The preset's sweep on one cache (or `grid` compared with `reference`); returns run_sweep's result."""
     from dflash_train.config import config_from_dict
+    from dflash_train.settings.measure import MeasureConfig
     from dflash_train.sweep import SweepConfig, preset, run_sweep
-    from dflash_train.sweep.recipe import MeasureConfig
 
     chosen = preset("recipe")
     base = config_from_dict({

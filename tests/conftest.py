@@ -53,8 +53,8 @@ def tiny_cache(tmp_path_factory, teacher_dir):
     Tests only read it; a test that damages or extends a cache copies it first."""
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
+    from dflash_cache.settings.storage import StorageConfig
     from dflash_cache.teacher import TeacherConfig
-    from dflash_cache.writer import StorageConfig
 
     built: dict[str, str] = {}
 
@@ -86,7 +86,7 @@ def cache_url(tiny_cache) -> str:
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The python of the vLLM environment the serving tests run (DFLASH_VLLM_PYTHON or .venv-vllm)."""
-    from dflash_train.measuring.serving import find_vllm_python
+    from dflash_common.vllm_env import find_vllm_python
 
     try:
         return str(find_vllm_python())

@@ -13,14 +13,14 @@ from helpers import english_like_sentences
 
 from dflash_cache import open_cache
 from dflash_common.errors import ConfigError
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.noise import NoiseConfig
 from dflash_train.training.data import (
     LANES,
     Batch,
-    DataConfig,
     EpochPlan,
     LoaderState,
     TrainStream,
-    block_targets,
     cut_batches,
     epoch_order,
     idle_ranks_warning,
@@ -32,7 +32,7 @@ from dflash_train.training.data import (
     sample_anchors,
     train_loader,
 )
-from dflash_train.training.noise import NoiseConfig
+from dflash_train.training.loss import block_targets
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +318,7 @@ def test_a_ranks_epoch_reads_only_its_share_of_the_shards(small_cache):
 def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, layout):
     """The trainer noises the batch on its device, padded or packed; the values are each
     sequence's own draws at that step, padding and the last tapped layer untouched."""
-    from dflash_train.config import TrainConfig
+    from dflash_train.settings.train import TrainConfig
     from dflash_train.training.data import collate, load_batch, sample_anchors
     from dflash_train.training.noise import apply_noise
     from dflash_train.training.trainer import on_device

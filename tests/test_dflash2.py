@@ -28,14 +28,17 @@ from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_from_dict
 from dflash_train.measuring.serving import serve_commands
-from dflash_train.measuring.speculative import SpecConfig, speculative_generate, teacher_generate
+from dflash_train.measuring.speculative import speculative_generate, teacher_generate
 from dflash_train.settings.dflash2 import DFlash2Config
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.dspark import DSparkConfig
+from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.speculative import SpecConfig
 from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
 from dflash_train.training.dflash2 import grouped_conv, training_candidates, unary_scores
-from dflash_train.training.dspark import DSparkConfig
 from dflash_train.training.export import export_drafter, load_drafter, read_export_config
-from dflash_train.training.loss import DraftHeads, LossConfig, block_loss
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.loss import DraftHeads, block_loss
+from dflash_train.training.model import DFlashDrafter
 
 SMALL = dict(conv_group_size=8, selector_rank=8, selector_top_k=4)
 

@@ -14,12 +14,15 @@ from typer.testing import CliRunner
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_from_dict
-from dflash_train.measuring.speculative import SpecConfig, speculative_generate, teacher_generate
+from dflash_train.measuring.speculative import speculative_generate, teacher_generate
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.dspark import DSparkConfig
+from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.speculative import SpecConfig
 from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
-from dflash_train.training.dspark import DSparkConfig
 from dflash_train.training.export import load_drafter, read_export_config
-from dflash_train.training.loss import DraftHeads, LossConfig, block_loss, bucket_alpha
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.loss import DraftHeads, block_loss, bucket_alpha
+from dflash_train.training.model import DFlashDrafter
 
 
 @pytest.mark.parametrize("overrides", [
@@ -315,7 +318,7 @@ def test_offline_replay_counts_a_whole_accepted_dspark_block():
     import numpy as np
 
     from dflash_cache.reader import SequenceRecord
-    from dflash_train.measuring.decoding import replay_record
+    from dflash_train.measuring.decode_report import replay_record
     from dflash_train.training.heldout import argmax_chunks
 
     teacher = run_teacher("qwen3", 0.1)

@@ -31,9 +31,10 @@ import torch
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 
 import dflash_train.training.model
-from dflash_train.training.dspark import DSparkConfig
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.dspark import DSparkConfig
 from dflash_train.training.export import export_drafter
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.model import DFlashDrafter
 
 pytestmark = pytest.mark.serving
 

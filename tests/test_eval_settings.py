@@ -11,8 +11,8 @@ import typer.main
 from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
-from dflash_common.knobs import make_config
-from dflash_train.knobs import decoding_knobs, eval_knobs, generate_knobs, nested_values
+from dflash_common.knobs import make_config, nested_values
+from dflash_train.options import decoding_knobs, eval_knobs, generate_knobs
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DecodingConfig, EvalConfig, GenerateConfig
 from dflash_train.settings.speculative import SpecConfig
@@ -74,7 +74,7 @@ def test_options_reach_the_nested_config():
 
 
 def test_the_run_held_out_fraction_is_the_default(tmp_path):
-    from dflash_train.measuring.evaluation import eval_config
+    from dflash_train.measuring.commands import eval_config
 
     (tmp_path / "run" / "drafter").mkdir(parents=True)
     (tmp_path / "run" / "config.json").write_text(json.dumps({"optim": {}, "data": {"heldout_fraction": 0.25}}))

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli.train import app
-from dflash_train.measuring.evaluate import assistant_spans
+from dflash_train.measuring.replay import assistant_spans
 from dflash_train.training.heldout import streak_lengths
 
 

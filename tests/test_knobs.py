@@ -21,8 +21,7 @@ from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_regenerate.config import regenerate_knobs
-from dflash_train.config import TrainConfig
-from dflash_train.knobs import (
+from dflash_train.options import (
     eval_knobs,
     find_knob,
     generate_knobs,
@@ -30,9 +29,10 @@ from dflash_train.knobs import (
     set_overrides,
     train_knobs,
 )
+from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
-from dflash_train.training.loss import LossConfig
 
 OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
@@ -174,7 +174,7 @@ def test_regenerate_options_nest_into_its_teacher_and_server_sections():
     values = nested_values(knobs, given)
     assert values == {"data": "d", "out": "o.jsonl", "top_p": 0.5,
                       "server": {"endpoints": ["http://a", "http://b"], "served_model": "m", "concurrency": 3}}
-    from dflash_regenerate.config import RegenerateConfig
+    from dflash_regenerate.settings.regenerate import RegenerateConfig
 
     cfg = make_config(RegenerateConfig, {**values, "teacher": None}, rank=0, world_size=1)
     assert (cfg.server.endpoints, cfg.server.concurrency, cfg.top_p, cfg.max_new_tokens) == (("http://a", "http://b"), 3, 0.5, 2048)

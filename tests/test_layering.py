@@ -66,7 +66,7 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 # reverse, and they load none of the heavy libraries, so the command lines read and check settings
 # (and print --help) without loading torch.
 # A settings folder, and the config modules outside it that its settings may import.
-SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": ("dflash_cache.corpus.config",)}
+SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": ()}
 HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
 
 
@@ -117,10 +117,10 @@ def test_the_command_lines_load_no_heavy_library():
 
 
 # Inside dflash_train, one way too, bottom to top: the settings sections, the config that composes
-# them, the field tables of the command lines (knobs), what trains a drafter (training/), what
+# them, the field tables of the command lines (options), what trains a drafter (training/), what
 # measures one (measuring/: it loads and evaluates what training made), and the sweep, which does
 # both. A part imports itself and the parts below it, never one above.
-PARTS = ("settings", "config", "knobs", "training", "measuring", "sweep")
+PARTS = ("settings", "config", "options", "training", "measuring", "sweep")
 
 
 def part_of(module: str) -> str | None:
@@ -159,11 +159,11 @@ def test_the_parts_check_sees_an_upward_import(tmp_path, monkeypatch):
         (tmp_path / "dflash_train" / part).mkdir(parents=True)
     (tmp_path / "dflash_train" / "training" / "bad.py").write_text(
         "from dflash_train.training.model import DFlashDrafter\n"
-        "def f():\n    from dflash_train.measuring.evaluate import greedy_replay\n"
+        "def f():\n    from dflash_train.measuring.replay import greedy_replay\n"
         "    from dflash_train.sweep import run_sweep\n")
     (tmp_path / "dflash_train" / "measuring" / "fine.py").write_text("from dflash_train.training.data import Batch\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert parts_problems() == [
-        "dflash_train/training/bad.py:3 imports dflash_train.measuring.evaluate: "
+        "dflash_train/training/bad.py:3 imports dflash_train.measuring.replay: "
         "dflash_train.training may not import dflash_train.measuring",
         "dflash_train/training/bad.py:4 imports dflash_train.sweep: dflash_train.training may not import dflash_train.sweep"]

@@ -7,19 +7,9 @@ import pytest
 import torch
 
 from dflash_common.errors import ConfigError
-from dflash_train.training.loss import (
-    LOSS_KINDS,
-    WEIGHTINGS,
-    LossConfig,
-    LossOutput,
-    block_loss,
-    decay_weights,
-    default_gamma,
-    dpace_weights,
-    position_weights,
-    streak_weights,
-    tau_from_alpha,
-)
+from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
+from dflash_train.training.loss import LossOutput, block_loss, tau_from_alpha
+from dflash_train.training.weighting import decay_weights, default_gamma, dpace_weights, position_weights, streak_weights
 
 # ---------------------------------------------------------------------------------------------
 # Hand case: vocab 6, identity LM head (logits == states), teacher top-2 = ids (2, 4) with

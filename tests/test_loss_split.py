@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.loss import WEIGHTINGS, LossConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.training.data import Batch
 from dflash_train.training.distributed import DistInfo, data_parallel, gradient_sync, init_distributed, shutdown
-from dflash_train.training.loss import WEIGHTINGS, LossConfig
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.model import DFlashDrafter
 from dflash_train.training.trainer import micro_step
 
 # real torchrun processes: `make test-slow`

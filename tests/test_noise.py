@@ -11,8 +11,9 @@ import torch
 import xxhash
 
 from dflash_common.errors import ConfigError
+from dflash_train.settings.noise import NoiseConfig
 from dflash_train.training import noise as noise_module
-from dflash_train.training.noise import NoiseConfig, add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
+from dflash_train.training.noise import add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 
 S = 100
 # The schedule these tests were written for (the default until the recipe study): explicit, so

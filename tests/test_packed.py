@@ -15,33 +15,20 @@ from cli.train import app
 from dflash_cache import open_cache
 from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig
-from dflash_train.measuring.evaluate import greedy_replay
+from dflash_train.measuring.replay import greedy_replay
+from dflash_train.settings.data import PACKED, PADDED, DataConfig
 from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.training.data import (
-    DataConfig,
-    EpochPlan,
-    LoaderState,
-    block_targets,
-    collate,
-    hidden_buffer,
-    load_batch,
-    train_loader,
-)
+from dflash_train.settings.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
+from dflash_train.settings.dspark import DSparkConfig
+from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
+from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.train import TrainConfig
+from dflash_train.training.data import EpochPlan, LoaderState, collate, hidden_buffer, load_batch, train_loader
 from dflash_train.training.distributed import DistInfo
-from dflash_train.training.dspark import DSparkConfig
-from dflash_train.training.heldout import evaluate
-from dflash_train.training.layout import (
-    PACKED,
-    PADDED,
-    padding_fraction,
-    sequence_starts,
-    slots,
-    token_positions,
-)
-from dflash_train.training.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
-from dflash_train.training.model import FULL_ATTENTION, SLIDING_ATTENTION, DFlashDrafter, DrafterConfig
-from dflash_train.training.noise import NoiseConfig
+from dflash_train.training.heldout import evaluate_heldout
+from dflash_train.training.layout import padding_fraction, sequence_starts, slots, token_positions
+from dflash_train.training.loss import block_targets
+from dflash_train.training.model import DFlashDrafter
 from dflash_train.training.trainer import micro_step, on_device
 
 VOCAB, HIDDEN, K, LAYERS = 61, 32, 5, 2
@@ -231,7 +218,7 @@ def test_offline_evaluation_is_the_same_in_both_layouts(cache_url):
     results = {}
     for layout in (PADDED, PACKED):
         data = DataConfig(batch_tokens=500, num_anchors=4, heldout_fraction=0.2, layout=layout)
-        results[layout] = (evaluate(model, cache, data, LossConfig(), 20, torch.device("cpu")),
+        results[layout] = (evaluate_heldout(model, cache, data, LossConfig(), 20, torch.device("cpu")),
                            greedy_replay(model, cache, data, 20, torch.device("cpu")))
     (summary_a, replay_a), (summary_b, replay_b) = results[PADDED], results[PACKED]
     assert summary_a["positions"] == summary_b["positions"] > 0

@@ -10,7 +10,7 @@ import pytest
 from helpers import english_like_sentences
 
 from dflash_cache import open_cache
-from dflash_cache.reader import ChunkFiles
+from dflash_cache.shard_files import ChunkFiles
 from dflash_common.errors import CacheError
 
 
@@ -127,7 +127,8 @@ def test_reading_into_a_padded_batch_equals_a_plain_read(caches, kind):
 def _format1_cache(root: Path) -> Path:
     """A format-1 cache of two one-sequence shards, written by the writer's format-1 path."""
     from dflash_cache import format as fmt
-    from dflash_cache.writer import ShardData, StorageConfig, write_shard
+    from dflash_cache.settings.storage import StorageConfig
+    from dflash_cache.writer import ShardData, write_shard
 
     fs, path = fmt.url_to_fs(str(root))
     fs.makedirs(path, exist_ok=True)

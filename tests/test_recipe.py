@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig
+from dflash_train.settings.measure import MeasureConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import (
     FULL_RECIPE,
     PAPER_RECIPE,
@@ -28,17 +29,13 @@ from dflash_train.sweep import (
     plan_runs,
     planned_combinations,
 )
-from dflash_train.sweep.recipe import (
-    MeasureConfig,
-    RunOutcome,
+from dflash_train.sweep.recipe import RunOutcome, summarize, summary_markdown, tau_at_budget
+from dflash_train.sweep.statistics import (
     interpolate,
     paired_difference,
     spearman,
-    summarize,
-    summary_markdown,
     t_interval,
     t_quantile,
-    tau_at_budget,
     tokens_by_step,
     tokens_to_reach,
 )

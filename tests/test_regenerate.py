@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from cli.cache import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.chat import top_p_filter
 from dflash_cache.corpus import CorpusConfig
+from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_regenerate import (

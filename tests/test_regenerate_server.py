@@ -17,7 +17,8 @@ from helpers import write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app
-from dflash_regenerate.chat_server import ChatServers, ServerConfig, ServerUnavailable, retry_delay
+from dflash_regenerate.chat_server import ChatServers, ServerUnavailable, retry_delay
+from dflash_regenerate.settings.server import ServerConfig
 
 
 class ScriptedServer:

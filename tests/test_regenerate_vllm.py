@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from dflash_train.measuring.serving import VllmConfig, VllmServer, find_vllm_python
+from dflash_common.vllm_env import find_vllm_python
+from dflash_train.measuring.serving import VllmServer
+from dflash_train.settings.vllm import VllmConfig
 
 pytestmark = pytest.mark.serving
 

@@ -21,12 +21,16 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig, load_teacher
-from dflash_train.config import ModelConfig, OptimConfig, TrainConfig
-from dflash_train.measuring.decoding import read_prompts
-from dflash_train.measuring.evaluate import load_trained_drafter
-from dflash_train.measuring.serving import EngineRun, VllmConfig, run_vllm, spec_summary
-from dflash_train.measuring.speculative import SpecConfig, mean_accepted_length, speculative_generate, teacher_generate
-from dflash_train.training.data import DataConfig
+from dflash_train.measuring.decode_report import read_prompts
+from dflash_train.measuring.replay import load_trained_drafter
+from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary
+from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.model import ModelConfig
+from dflash_train.settings.optim import OptimConfig
+from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.vllm import VllmConfig
 from dflash_train.training.export import export_drafter
 from dflash_train.training.trainer import build_drafter, train
 

@@ -18,7 +18,6 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from dflash_common.errors import ConfigError
 from dflash_train.measuring.speculative import (
-    SpecConfig,
     SpecResult,
     extend_until_stop,
     greedy_accept_length,
@@ -28,7 +27,9 @@ from dflash_train.measuring.speculative import (
     speculative_generate,
     teacher_generate,
 )
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.speculative import SpecConfig
+from dflash_train.training.model import DFlashDrafter
 
 PROMPTS = ([5, 17, 33, 2, 90, 41], [260, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])
 LAYER_IDS = (1, 3)

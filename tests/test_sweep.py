@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig, config_differences
-from dflash_train.knobs import train_knobs
+from dflash_train.config import config_differences
+from dflash_train.options import train_knobs
+from dflash_train.settings.train import TrainConfig
 from dflash_train.sweep import (
     GridAxis,
     Slot,
@@ -422,3 +423,18 @@ def test_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cac
     expected = {r["run"]: r for r in _without_rate(_csv(original / "results.csv"))}
     assert all(rows[name] == expected[name] for name in expected if name != broken)
     assert rows[broken]["steps"] == "5" and rows[broken]["heldout_loss"] == ""
+
+
+def test_sweep_config_takes_a_presets_design_and_the_given_fields_over_it(tmp_path):
+    from dflash_train.sweep import PRESETS, sweep_config
+
+    base = TrainConfig(cache=str(tmp_path / "cache"), out=str(tmp_path / "unused"), steps=12)
+    cfg = sweep_config(str(tmp_path / "s"), base, preset_name="recipe", given={"seeds": 1, "measure": {"max_prompts": 3}})
+    assert cfg.grid == PRESETS["recipe"].grid and cfg.reference == PRESETS["recipe"].reference
+    assert cfg.seeds == 1 and cfg.measure.curve_points == PRESETS["recipe"].curve_points and cfg.measure.max_prompts == 3
+    plain = sweep_config(str(tmp_path / "s"), base, grid=["loss=ce,kl"])
+    assert [a.key for a in plain.grid] == ["loss"] and plain.seeds is None and plain.measure.curve_points == 0
+    with pytest.raises(ConfigError, match="--preset recipe sets the grid; drop --grid loss=ce,kl"):
+        sweep_config(str(tmp_path / "s"), base, grid=["loss=ce,kl"], preset_name="recipe")
+    with pytest.raises(ConfigError, match="--preset 'nope' is unknown"):
+        sweep_config(str(tmp_path / "s"), base, preset_name="nope")

@@ -22,9 +22,12 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_train.config import ModelConfig, TrainConfig
-from dflash_train.training.data import Batch, DataConfig, EpochPlan, load_batch
-from dflash_train.training.loss import LossConfig, batch_loss
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.model import ModelConfig
+from dflash_train.settings.train import TrainConfig
+from dflash_train.training.data import Batch, EpochPlan, load_batch
+from dflash_train.training.loss import batch_loss
 from dflash_train.training.trainer import build_drafter, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]

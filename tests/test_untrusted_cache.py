@@ -21,10 +21,11 @@ from dflash_cache import format as fmt
 from dflash_cache import integrity, open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
+from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_cache.writer import StorageConfig
 from dflash_common.errors import CacheError
-from dflash_train.training.data import DataConfig, EpochPlan, is_heldout, load_batch
+from dflash_train.settings.data import DataConfig
+from dflash_train.training.data import EpochPlan, is_heldout, load_batch
 
 RUN = ["--steps", "2", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300", "--eval-sequences", "0",
        "--heldout-fraction", "0.05", "--quiet"]

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_cache.chat import Render, end_of_turn_text, error_text, template_fault, tokenizer_render
-from dflash_cache.corpus.config import CorpusConfig
+from dflash_cache.chat_template import Render, end_of_turn_text, error_text, template_fault, tokenizer_render
 from dflash_cache.corpus.messages import parse_messages, row_id
 from dflash_cache.corpus.rows import CorpusRow
+from dflash_cache.settings.corpus import CorpusConfig
 from dflash_common.errors import BadRowError, ConfigError
 
 
@@ -146,7 +146,7 @@ _end_of_turn_cache: dict[tuple[str, str], str] = {}
 
 
 def _end_of_turn_text(render: Render, key: tuple[str, str]) -> str:
-    """The template's end-of-turn text (chat.end_of_turn_text), once per template and kwargs."""
+    """The template's end-of-turn text (chat_template.end_of_turn_text), once per template and kwargs."""
     if key not in _end_of_turn_cache:
         _end_of_turn_cache[key] = end_of_turn_text(render)
     return _end_of_turn_cache[key]

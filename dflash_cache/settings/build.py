@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_cache.corpus.config import CorpusConfig
+from dflash_cache.settings.corpus import CorpusConfig
 from dflash_cache.settings.engines import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 from dflash_cache.settings.storage import StorageConfig
 from dflash_cache.settings.teacher import TeacherConfig

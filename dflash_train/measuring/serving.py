@@ -23,8 +23,9 @@ from typing import Sequence
 from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
-from dflash_common.vllm_env import INSTALL_HINT, VLLM_PYTHON_ENV, VLLM_VENV, find_vllm_python  # noqa: F401 (re-exported)
-from dflash_train.training.model import DrafterConfig
+from dflash_common.vllm_env import find_vllm_python
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.vllm import VllmConfig
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -33,28 +34,6 @@ class ServingError(DFlashError):
     """vLLM is missing, failed, or served the drafter differently from the teacher."""
 
 
-@dataclass(frozen=True)
-class VllmConfig:
-    """How to run vLLM for a measurement."""
-
-    python: str | None = None
-    """Python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else .venv-vllm/bin/python."""
-    dtype: str = "float32"
-    """Teacher compute dtype in vLLM (the drafter runs in the same); float32 makes greedy exact on CPU."""
-    kv_cache_gib: int = 1
-    """KV cache memory in GiB of vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE, whole GiB); GPU builds size it themselves."""
-    timeout_s: float = 3600.0
-    """Longest the worker may run before it is stopped."""
-    log: str | None = None
-    """File for the worker's output (vLLM logs a lot); default: a temporary file, kept on failure."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ServingError(f"vLLM dtype {self.dtype!r} is not supported here; use float32, bfloat16 or float16")
-        if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, int) or self.kv_cache_gib < 1 \
-                or not self.timeout_s > 0:
-            raise ServingError(f"kv_cache_gib={self.kv_cache_gib!r} must be a whole number >= 1 and "
-                               f"timeout_s={self.timeout_s!r} > 0")
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,13 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from dflash_cache.chat import top_p_filter
+from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
-from dflash_train.settings.speculative import SpecConfig  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.speculative import SpecConfig
 from dflash_train.training.dflash2 import unary_scores
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.model import DFlashDrafter
 
 
 @dataclass

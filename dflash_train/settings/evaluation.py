@@ -1,7 +1,7 @@
 """The settings of measuring a drafter: `dflash-train eval` (EvalConfig) and `generate`
 (GenerateConfig), and the decoding settings both share (DecodingConfig), declared once here.
 Their command-line options come from these fields (``eval_knobs``, ``generate_knobs``);
-dflash_train.measuring.evaluation carries them out."""
+dflash_train.measuring.commands carries them out."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ holds), ``train_run`` (train or resume one run; replace its config's ``device`` 
 ``write_report`` once every run is done.
 
 Modules, in the order a sweep uses them: ``grid`` (keys, values, combinations, run names),
-``plan`` (the sweep's config, seeds, designs, presets, every run's TrainConfig), ``status``
+``plan`` (the sweep's config built from a command line's parts, seeds, designs, presets, every run's TrainConfig), ``status``
 (what a run folder holds; train one run), ``processes`` (runs in processes of their own, and
 ``worker``, the process), ``report`` and ``plots`` (the comparison), ``recipe`` (what a sweep
 with seeds measures after each run, and the statistics of its summary), ``driver`` (run_sweep).
@@ -44,6 +44,7 @@ from dflash_train.sweep.plan import (
     plan_runs,
     planned_combinations,
     preset,
+    sweep_config,
 )
 from dflash_train.sweep.processes import Slot, SweepError, assign_runs, device_slots, failure_reason
 from dflash_train.sweep.report import SweepReport, alpha_columns, write_report
@@ -51,6 +52,6 @@ from dflash_train.sweep.status import is_finished, parse_metrics, run_status, tr
 
 __all__ = ["SweepResult", "run_sweep", "GridAxis", "expand_grid", "parse_grid", "run_name", "run_overrides", "FULL_RECIPE",
            "PAPER_RECIPE", "PRESETS", "SweepConfig", "SweepRun", "one_factor_neighbours", "plan_runs",
-           "planned_combinations", "preset", "Slot", "SweepError", "assign_runs", "device_slots", "failure_reason",
+           "planned_combinations", "preset", "sweep_config", "Slot", "SweepError", "assign_runs", "device_slots", "failure_reason",
            "SweepReport", "alpha_columns", "write_report", "is_finished", "parse_metrics", "run_status", "train_run"]
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import set_path
 from dflash_common.values import parse_json
-from dflash_train.config import set_path, with_run_length
-from dflash_train.knobs import find_knob, train_knobs
+from dflash_train.config import with_run_length
+from dflash_train.options import find_knob, train_knobs
 
 # Fields every run of a sweep must share: the cache and folders are the sweep's own, and the
 # held-out sequences must be the same for the results to be comparable.

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
-from dflash_common.values import is_real
+from dflash_train.settings.measure import MeasureConfig
 from dflash_train.sweep.statistics import tokens_by_step
 
 MEASURE_FILE = "measure.json"
@@ -30,63 +29,11 @@ REFERENCE_FILE = "teacher_outputs.json"
 """The teacher's own greedy outputs for the sweep's prompts, in the sweep folder."""
 
 
-@dataclass(frozen=True)
-class MeasureConfig:
-    """What a sweep measures of every run besides its final held-out evaluation."""
-
-    curve_points: int = 0
-    """Held-out evaluations during each run, at evenly spaced steps (a checkpoint is kept at
-    each and evaluated after the run), for held-out tau against training tokens; 0: none."""
-
-    teacher: str | None = None
-    """Teacher folder for real greedy decoding of held-out prompts with each run's drafter
-    (None: no decoding)."""
-
-    prompts: str | None = None
-    """JSONL prompts for the decoding (the rows `dflash-train eval --prompts` reads)."""
-
-    max_prompts: int = 24
-    """Prompts decoded per run (the first ones of the file)."""
-
-    max_new_tokens: int = 64
-    """Tokens generated per prompt."""
-
-    sample_temperature: float = 0.0
-    """Also decode the prompts by speculative sampling at this temperature (e.g. 1, seeded by the
-    run's seed) and report its accepted length beside greedy's; 0: greedy only."""
-
-    def __post_init__(self):
-        if isinstance(self.curve_points, bool) or not isinstance(self.curve_points, int) or self.curve_points < 0:
-            raise ConfigError(f"--curve-points must be 0 or more, got {self.curve_points!r}; e.g. --curve-points 3")
-        if (self.teacher is None) != (self.prompts is None):
-            raise ConfigError("real decoding in a sweep needs both --teacher and --prompts (got only "
-                              f"{'--teacher' if self.teacher else '--prompts'}); give both or neither")
-        if not is_real(self.sample_temperature, finite=True) or self.sample_temperature < 0:
-            raise ConfigError(f"--sample-temperature must be a number >= 0 (0: greedy only), got {self.sample_temperature!r}")
-        if self.max_prompts < 1 or self.max_new_tokens < 2:
-            raise ConfigError(f"--max-prompts must be >= 1 and --max-new-tokens >= 2, got {self.max_prompts} and "
-                              f"{self.max_new_tokens}")
-
-    @property
-    def active(self) -> bool:
-        return self.curve_points > 0 or self.teacher is not None
-
-    def covers(self, record: dict | None) -> bool:
-        """Whether a run's measure.json holds what these settings measure (a sampled decoding
-        asked for later is measured then)."""
-        if record is None:
-            return False
-        sampled = (record.get("sampling") or {}).get("temperature")
-        return self.sample_temperature == 0 or self.teacher is None or sampled == self.sample_temperature
-
-    def save_every(self, steps: int) -> int:
-        """Checkpoint spacing that puts one checkpoint at each curve point (and the last step)."""
-        return max(1, steps // (self.curve_points + 1))
 
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
-    from dflash_cache.chat import stop_token_ids
-    from dflash_train.measuring.speculative import SpecConfig
+    from dflash_cache.chat_template import stop_token_ids
+    from dflash_train.settings.speculative import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
                       seed=seed, confidence_threshold=confidence_threshold)
@@ -96,7 +43,7 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
     REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
     from dflash_cache.teacher import TeacherConfig, load_teacher
-    from dflash_train.measuring.decoding import read_prompts
+    from dflash_train.measuring.decode_report import read_prompts
     from dflash_train.measuring.speculative import teacher_generate
 
     path = Path(sweep_dir) / REFERENCE_FILE
@@ -139,7 +86,7 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
     block cut by its confidence head when `confidence_threshold` > 0: the accepted length, the
     drafts verified per forward, DFlash2's selector_changes and, greedy, whether every output
     equals the teacher's own."""
-    from dflash_train.measuring.evaluate import load_trained_drafter
+    from dflash_train.measuring.replay import load_trained_drafter
     from dflash_train.measuring.speculative import (
         drafts_per_forward,
         mean_accepted_length,
@@ -191,9 +138,9 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
 
     from dflash_cache import open_cache
     from dflash_cache.teacher import resolve_device
-    from dflash_train.measuring.evaluate import load_drafter_for
+    from dflash_train.measuring.replay import load_drafter_for
     from dflash_train.training.checkpoint import CheckpointManager
-    from dflash_train.training.heldout import evaluate
+    from dflash_train.training.heldout import evaluate_heldout
 
     device = resolve_device(config.device)
     steps = metrics.last_step
@@ -213,7 +160,7 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
         else:
             model = load_drafter_for(str(path), cache, device, config.data.skip_shards)
             with torch.no_grad():
-                record = evaluate(model, cache, config.data, config.loss, config.eval_sequences, device)
+                record = evaluate_heldout(model, cache, config.data, config.loss, config.eval_sequences, device)
         curve.append(_point(step, tokens[step - 1], record))
     if metrics.final_eval and all(p["step"] != steps for p in curve):
         curve.append(_point(steps, tokens[steps - 1], metrics.final_eval))

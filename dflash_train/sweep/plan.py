@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_common.errors import ConfigError
-from dflash_train.config import TrainConfig, config_from_dict, merge, set_path
-from dflash_train.knobs import Knob, config_knobs
-from dflash_train.sweep.grid import GridAxis, expand_grid, run_name, run_overrides
-from dflash_train.sweep.measure import (
-    MeasureConfig,
-)
+from dflash_common.knobs import Knob, config_knobs, set_path
+from dflash_train.config import config_from_dict, merge
+from dflash_train.settings.measure import MeasureConfig
+from dflash_train.settings.train import TrainConfig
+from dflash_train.sweep.grid import GridAxis, expand_grid, parse_grid, run_name, run_overrides
 
 SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
 """What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
@@ -227,6 +226,21 @@ def preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ConfigError(f"--preset {name!r} is unknown; known: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def sweep_config(out: str, base: TrainConfig, grid: Sequence[str] = (), preset_name: str | None = None,
+                 given: dict | None = None) -> SweepConfig:
+    """The SweepConfig of `dflash-train sweep`: the shared train config, the swept values (--grid
+    texts, or a --preset's design) and the sweep's own fields as nested values (sweep_knobs'); a
+    preset's seeds and curve points are defaults that given fields override."""
+    given = dict(given or {})
+    chosen = preset(preset_name) if preset_name else None
+    if chosen and grid:
+        raise ConfigError(f"--preset {preset_name} sets the grid; drop --grid {grid[0]} (or drop --preset)")
+    measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0, **given.pop("measure", {})})
+    choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
+               "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
+    return SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
 
 
 def check_device(text: str) -> str:

@@ -13,26 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_train.sweep.measure import (  # noqa: F401 (re-exported: the import path before the split)
-    MEASURE_FILE,
-    REFERENCE_FILE,
-    MeasureConfig,
-    decode_heldout,
-    measure_run,
-    read_measure,
-    reference_outputs,
-    run_tokens,
-    write_measure,
-)
-from dflash_train.sweep.statistics import (  # noqa: F401 (re-exported: the import path before the split)
+from dflash_train.sweep.statistics import (
     Interval,
     interpolate,
     paired_difference,
-    ranks,
     spearman,
     t_interval,
-    t_quantile,
-    tokens_by_step,
     tokens_to_reach,
 )
 

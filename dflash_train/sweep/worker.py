@@ -50,8 +50,8 @@ def main() -> int:
     import torch
 
     from dflash_train.config import config_from_dict
+    from dflash_train.settings.measure import MeasureConfig
     from dflash_train.sweep import SweepRun, train_run
-    from dflash_train.sweep.measure import MeasureConfig
 
     job = json.loads(sys.stdin.read())
     if job.get("threads"):

@@ -35,8 +35,8 @@ import xxhash
 from dflash_cache import Cache, open_cache
 from dflash_cache import format as fmt
 from dflash_common.errors import CacheError, ConfigError, DFlashError
-from dflash_train.settings.data import OPERATIONAL_FIELDS, DataConfig  # noqa: F401 (re-exported: the import path before the settings moved)
-from dflash_train.training.layout import PACKED, PADDED, sequence_starts, slots
+from dflash_train.settings.data import PACKED, PADDED, DataConfig
+from dflash_train.training.layout import sequence_starts, slots
 
 
 def _unit_hash(text: str, salt: int) -> float:
@@ -208,33 +208,6 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)
-
-
-def block_targets(batch: Batch, block_size: int, num_positions: int | None = None) -> dict[str, torch.Tensor]:
-    """Per draft position j = 1..P of every anchor a (P = num_positions, default block_size - 1;
-    block_size when the anchor slot predicts too): the token to predict (x_{a+j}), the teacher's
-    distribution of it (top-k at t = a+j-1) and whether the position counts (a+j < T, loss mask
-    set, anchor slot used). Shapes [N*A, P] (+ [k])."""
-    num_positions = block_size - 1 if num_positions is None else num_positions
-    n, a = batch.anchors.shape
-    k_offsets = torch.arange(1, num_positions + 1, device=batch.anchors.device)
-    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
-    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
-    pos = torch.where(in_range, pos, torch.zeros_like(pos))
-    # both layouts: sequence i's position t is element starts[i] + t of the flattened tensors
-    starts = batch.starts.view(n, 1, 1)
-    flat, prev = starts + pos, starts + (pos - 1).clamp(min=0)
-    targets = batch.input_ids.flatten()[flat]
-    valid = in_range & batch.loss_mask.flatten()[flat]
-    k = batch.topk_ids.shape[-1]
-    topk_ids = batch.topk_ids.reshape(-1, k)[prev]
-    topk_logprobs = batch.topk_logprobs.reshape(-1, k)[prev]
-    return {
-        "targets": targets.view(n * a, -1),
-        "valid": valid.view(n * a, -1),
-        "topk_ids": topk_ids.view(n * a, num_positions, k),
-        "topk_logprobs": topk_logprobs.view(n * a, num_positions, k),
-    }
 
 
 LANES = 8

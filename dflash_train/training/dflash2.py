@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash_train.settings.dflash2 import ARCHITECTURE, DFlash2Config  # noqa: F401 (re-exported)
+from dflash_train.settings.dflash2 import DFlash2Config
 
 # speculators' initialisation of the selector (its initializer_range).
 SELECTOR_INIT_STD = 0.02

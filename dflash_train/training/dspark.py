@@ -17,14 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash_train.settings.dspark import (  # noqa: F401 (re-exported: the import path before the settings moved)
-    ARCHITECTURE,
-    CONFIDENCE_TARGETS,
-    DRAFTER_KINDS,
-    MARKOV_HEAD_TYPES,
-    DSparkConfig,
-)
-
 # The reference initialisation of W1: small, so the bias starts near zero and a fresh DSpark
 # drafter drafts like its backbone.
 MARKOV_EMBED_STD = 0.01

@@ -6,18 +6,13 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.training.data import DataConfig, heldout_batches
+from dflash_train.settings.data import DataConfig
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.loss import LossConfig
+from dflash_train.training.data import heldout_batches
 from dflash_train.training.dflash2 import unary_scores
-from dflash_train.training.loss import (
-    CONFIDENCE_SUMS,
-    SELECTOR_SUMS,
-    LossConfig,
-    LossOutput,
-    block_loss,
-    block_states,
-    tau_from_alpha,
-)
-from dflash_train.training.model import DFlashDrafter, DrafterConfig
+from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.model import DFlashDrafter
 
 SUMS = ("alpha", "greedy", "count", "loss")
 """The per-position sums every LossOutput carries, in the order ranks all-reduce them."""
@@ -86,7 +81,7 @@ class AcceptanceMeter:
 
 
 @torch.no_grad()
-def evaluate(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
+def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
              max_sequences: int, device: torch.device) -> dict:
     """Acceptance on held-out sequences (fixed anchors, no noise): the sampling estimate alpha_k
     and tau, the greedy acceptance per position and the greedy streak per block."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dflash_train.settings.data import LAYOUTS, PACKED, PADDED  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.settings.data import PACKED, PADDED
 
 
 def sequence_starts(lengths: Tensor, layout: str, width: int) -> Tensor:

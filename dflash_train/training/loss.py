@@ -8,7 +8,8 @@ slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a +
 whether the position is valid; for DSpark also the Markov features and confidence logits
 (`DraftHeads`). This module turns that into the loss, the acceptance estimates and the
 confidence head's BCE term (the position weights it applies are dflash_train.training.weighting's).
-`batch_loss`, at the end, is the training objective of one batch: the drafter's forward
+`batch_loss`, at the end, is the training objective of one batch: the batch's targets
+(`block_targets`, read from the loader's Batch here, so data flows loader -> model -> loss), the drafter's forward
 (`block_states`) gathered into those inputs, then the loss.
 
 Full-vocabulary logits are the memory hazard (production: vocab 248,320), so they only ever
@@ -27,24 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_train.settings.loss import (  # noqa: F401 (re-exported: the import path before the settings moved)
-    HEAD_MATMULS,
-    LOSS_KINDS,
-    OPERATIONAL_FIELDS,
-    TERMS,
-    WEIGHTINGS,
+from dflash_train.settings.dflash2 import DFlash2Config
+from dflash_train.settings.loss import (
     LossConfig,
-    check_terms,
 )
-from dflash_train.training.data import block_targets
-from dflash_train.training.dflash2 import DFlash2Config, training_candidates, unary_scores
-from dflash_train.training.weighting import (  # noqa: F401 (re-exported: the import path before the weightings moved)
-    decay_weights,
-    default_gamma,
-    dpace_weights,
+from dflash_train.training.dflash2 import training_candidates, unary_scores
+from dflash_train.training.weighting import (
     position_weights,
-    resolve_gamma,
-    streak_weights,
 )
 
 if TYPE_CHECKING:
@@ -521,6 +511,33 @@ def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: 
 
 
 # --- the objective of one batch: the drafter's forward, then the loss above ---------------------------
+
+
+def block_targets(batch: Batch, block_size: int, num_positions: int | None = None) -> dict[str, torch.Tensor]:
+    """Per draft position j = 1..P of every anchor a (P = num_positions, default block_size - 1;
+    block_size when the anchor slot predicts too): the token to predict (x_{a+j}), the teacher's
+    distribution of it (top-k at t = a+j-1) and whether the position counts (a+j < T, loss mask
+    set, anchor slot used). Shapes [N*A, P] (+ [k])."""
+    num_positions = block_size - 1 if num_positions is None else num_positions
+    n, a = batch.anchors.shape
+    k_offsets = torch.arange(1, num_positions + 1, device=batch.anchors.device)
+    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
+    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
+    pos = torch.where(in_range, pos, torch.zeros_like(pos))
+    # both layouts: sequence i's position t is element starts[i] + t of the flattened tensors
+    starts = batch.starts.view(n, 1, 1)
+    flat, prev = starts + pos, starts + (pos - 1).clamp(min=0)
+    targets = batch.input_ids.flatten()[flat]
+    valid = in_range & batch.loss_mask.flatten()[flat]
+    k = batch.topk_ids.shape[-1]
+    topk_ids = batch.topk_ids.reshape(-1, k)[prev]
+    topk_logprobs = batch.topk_logprobs.reshape(-1, k)[prev]
+    return {
+        "targets": targets.view(n * a, -1),
+        "valid": valid.view(n * a, -1),
+        "topk_ids": topk_ids.view(n * a, num_positions, k),
+        "topk_logprobs": topk_logprobs.view(n * a, num_positions, k),
+    }
 
 
 def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], DraftHeads]:

@@ -21,19 +21,17 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
-from dflash_train.settings.drafter import (  # noqa: F401 (re-exported: the import path before the settings moved)
+from dflash_train.settings.data import PACKED
+from dflash_train.settings.drafter import (
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
-    FULL_ATTENTION,
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
     DrafterConfig,
     _require_int,
 )
 from dflash_train.training.dflash2 import CandidateSelector, GroupedConv
 from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
-from dflash_train.training.layout import PACKED, sequence_starts, token_positions
+from dflash_train.training.layout import sequence_starts, token_positions
 
 MASK_TOKEN = "<|MASK|>"
 

@@ -15,14 +15,16 @@ import torch
 
 from dflash_cache import open_cache
 from dflash_cache.format import check_servable_layers
-from dflash_cache.reader import SIZES
+from dflash_cache.integrity import SIZES
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
-from dflash_train.config import RESUME_MAY_CHANGE, TrainConfig, config_differences
+from dflash_train.config import RESUME_MAY_CHANGE, config_differences
+from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.train import TrainConfig
 from dflash_train.training.checkpoint import (
     COMPLETE,
     CheckpointError,
@@ -49,9 +51,9 @@ from dflash_train.training.distributed import (
     shutdown,
 )
 from dflash_train.training.export import check_export_folder, export_weights, read_export
-from dflash_train.training.heldout import AcceptanceMeter, evaluate, meter_rows
+from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, meter_rows
 from dflash_train.training.loss import LossOutput, batch_loss, head_dtype, set_head_matmul
-from dflash_train.training.model import DFlashDrafter, DrafterConfig, attention_backend, mask_token_text, resolve_mask_token_id
+from dflash_train.training.model import DFlashDrafter, attention_backend, mask_token_text, resolve_mask_token_id
 from dflash_train.training.noise import add_noise_
 
 DEFAULT_STEPS = 1000
@@ -411,7 +413,7 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
 def held_out(s: Session, kind: str) -> dict:
     """The held-out evaluation, logged; under FSDP every rank evaluates (a sharded forward
     gathers parameters from all of them)."""
-    result = (evaluate(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
+    result = (evaluate_heldout(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
               if s.info.is_main or s.sharded else {})
     if s.sharded:
         release_gathered(s.model)

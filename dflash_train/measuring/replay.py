@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.training.data import Batch, DataConfig, heldout_batches
+from dflash_train.settings.data import DataConfig
+from dflash_train.training.data import Batch, heldout_batches
 from dflash_train.training.heldout import argmax_chunks, streak_lengths
 from dflash_train.training.model import DFlashDrafter
 
@@ -83,9 +84,9 @@ def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, 
     """A drafter from a checkpoint folder (step-*) or an export folder, with the given frozen head."""
     from pathlib import Path
 
+    from dflash_train.settings.drafter import DrafterConfig
     from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
     from dflash_train.training.export import load_drafter
-    from dflash_train.training.model import DrafterConfig
 
     embed, lm_head = embed.float(), lm_head.float()
     if (Path(path) / COMPLETE).exists():
@@ -101,7 +102,7 @@ def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards:
     """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers and,
     as `dflash-train run` does before training, a cache with damaged shards not in ``skip_shards``
     (the shards' checksums are checked as evaluation first reads them: data.load_batch)."""
-    from dflash_cache.reader import SIZES
+    from dflash_cache.integrity import SIZES
     from dflash_common.errors import CacheError
 
     cache.ensure_intact((SIZES,), skip=skip_shards)  # run's own check, so eval refuses what run refuses

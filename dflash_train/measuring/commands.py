@@ -40,7 +40,7 @@ class EvalResult:
 def eval_config(values: dict) -> EvalConfig:
     """An EvalConfig from nested option values; the held-out fraction, when not given, is the
     training run's (another fraction would score sequences the drafter trained on)."""
-    from dflash_train.measuring.decoding import run_heldout_fraction
+    from dflash_train.measuring.decode_report import run_heldout_fraction
 
     data = values.get("data", {})
     if data.get("heldout_fraction") is None:
@@ -96,7 +96,7 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
         report.update(offline(cfg, dev))
         lines += offline_lines(report)
     if cfg.real:
-        from dflash_train.measuring.decoding import resolve_template_kwargs
+        from dflash_train.measuring.decode_report import resolve_template_kwargs
 
         report["chat_template_kwargs"] = kwargs = resolve_template_kwargs(
             cfg.decoding.checkpoint, cfg.cache, cfg.decoding.chat_template_kwargs, cfg.decoding.allow_template_mismatch,
@@ -107,7 +107,7 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
     if cfg.cache:
-        from dflash_train.measuring.evaluate import plot_acceptance
+        from dflash_train.measuring.replay import plot_acceptance
 
         o = report["offline"]
         plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
@@ -129,13 +129,13 @@ def eval_text(result: EvalResult) -> str:
 def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
-    from dflash_train.measuring.evaluate import greedy_replay, load_drafter_for
-    from dflash_train.training.heldout import evaluate
-    from dflash_train.training.loss import LossConfig
+    from dflash_train.measuring.replay import greedy_replay, load_drafter_for
+    from dflash_train.settings.loss import LossConfig
+    from dflash_train.training.heldout import evaluate_heldout
 
     cache = open_cache(cfg.cache, cfg.storage_options)
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
-    return {"cache": cfg.cache, "offline": evaluate(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
+    return {"cache": cfg.cache, "offline": evaluate_heldout(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
             "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev)}
 
 
@@ -149,11 +149,11 @@ def offline_lines(report: dict) -> Lines:
 def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: Path, progress=None) -> tuple[dict, Lines]:
     """Real decoding with the built-in decoder (at each temperature) and/or vLLM (greedy): the
     report parts and their table lines."""
-    from dflash_train.measuring.decoding import decode_report, load_pair, offline_accepted_length, read_prompts
+    from dflash_train.measuring.decode_report import decode_report, load_pair, offline_accepted_length, read_prompts
 
     decoding = cfg.decoding
     if cfg.engine != "dflash":
-        from dflash_train.measuring.serving import find_vllm_python
+        from dflash_common.vllm_env import find_vllm_python
 
         find_vllm_python(cfg.vllm_python)  # fail before loading anything
     dtype = decoding.dtype(dev.type)
@@ -222,7 +222,8 @@ def vllm_lines(v: dict, alone: bool) -> Lines:
 
 def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
     """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
-    from dflash_train.measuring.serving import VllmConfig, vllm_report
+    from dflash_train.measuring.serving import vllm_report
+    from dflash_train.settings.vllm import VllmConfig
     from dflash_train.training.checkpoint import COMPLETE
     from dflash_train.training.trainer import export_checkpoint
 
@@ -247,7 +248,7 @@ class Answer:
 def run_generate(cfg: GenerateConfig) -> list[Answer]:
     """An answer to cfg.prompt per temperature, with speculative decoding."""
     from dflash_common.devices import resolve_device
-    from dflash_train.measuring.decoding import load_pair, prompt_ids, resolve_template_kwargs
+    from dflash_train.measuring.decode_report import load_pair, prompt_ids, resolve_template_kwargs
     from dflash_train.measuring.speculative import drafts_per_forward, speculative_generate
 
     decoding = cfg.decoding

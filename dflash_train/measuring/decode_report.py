@@ -15,15 +15,14 @@ import numpy as np
 import torch
 
 from dflash_cache import format as fmt
-from dflash_cache.chat import render_chat
+from dflash_cache.chat_template import render_chat
 from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file, read_bounded
 from dflash_common.values import text_problem
-from dflash_train.measuring.evaluate import load_trained_drafter, replay_batch, replay_histogram
+from dflash_train.measuring.replay import load_trained_drafter, replay_batch, replay_histogram
 from dflash_train.measuring.speculative import (
-    SpecConfig,
     SpecResult,
     drafts_per_forward,
     mean_accepted_length,
@@ -31,6 +30,7 @@ from dflash_train.measuring.speculative import (
     speculative_generate,
     teacher_generate,
 )
+from dflash_train.settings.speculative import SpecConfig
 from dflash_train.training.data import collate
 from dflash_train.training.model import DFlashDrafter
 
@@ -101,7 +101,7 @@ def run_config_of(checkpoint: str) -> dict | None:
 def run_heldout_fraction(checkpoint: str, given: float | None) -> float:
     """The held-out fraction to evaluate with: the one given, else the run's, else the default.
     Evaluating with another fraction than training used would score sequences it trained on."""
-    from dflash_train.training.data import DataConfig
+    from dflash_train.settings.data import DataConfig
 
     if given is not None:
         return given

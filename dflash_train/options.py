@@ -18,12 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dflash_common.errors import ConfigError
-from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, with_table  # noqa: F401 (their home before dflash_common)
+from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, set_path
 from dflash_common.values import parse_json
-from dflash_train.config import SECTIONS, TrainConfig, set_path, with_run_length
+from dflash_train.config import with_run_length
 from dflash_train.settings.data import DataConfig
 from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
 from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.train import SECTIONS, TrainConfig
 
 
 @functools.cache

@@ -1,26 +1,17 @@
-"""How a chat is rendered, where its answer ends, and the nucleus filter: one definition for
-stage 0's regeneration, the build's assistant spans and stage 2's decoding, which must agree on
-them."""
+"""How a chat is rendered and where its answer ends: one definition for stage 0's regeneration, the
+build's assistant spans and stage 2's decoding, which must agree on them. The template's cost
+sandbox is dflash_cache.chat_sandbox, nucleus filtering dflash_cache.sampling."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
-from dflash_cache.chat_sandbox import (  # noqa: F401 - TemplateTooCostly and the budgets are this module's API too
-    TEMPLATE_STEPS,
-    TEMPLATE_TEXT_BASE,
-    TEMPLATE_TEXT_PER_INPUT,
+from dflash_cache.chat_sandbox import (
     Budget,
-    TemplateTooCostly,
     render_guarded,
     template_text_budget,
 )
-from dflash_common.errors import ConfigError, TeacherError
-
-if TYPE_CHECKING:  # torch loads where sampling runs, not with the corpus settings
-    import torch
+from dflash_common.errors import TeacherError
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -68,20 +59,6 @@ def template_fault(render: Render, err: BaseException, template: str) -> str | N
     return None
 
 
-def check_template_kwargs(kwargs) -> None:
-    """Refuse chat-template variables that are not a JSON object of plain values."""
-    if kwargs is None:
-        return
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
-    try:
-        # allow_nan=False: NaN and Infinity are not JSON, and they are written into manifests and settings
-        json.dumps(kwargs, allow_nan=False)
-    except ValueError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} hold a number that is not finite (NaN or Infinity), "
-                          "which JSON cannot hold; pass finite numbers") from None
-    except TypeError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None
 
 
 def _check_cost(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None) -> None:
@@ -153,15 +130,3 @@ def strip_end_of_turn(text: str, end_of_turn: str) -> str:
     return text
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set (most likely first) holding `top_p` of the
-    probability: a token stays when the mass strictly before it is below top_p, so the most
-    likely token always stays. probs [..., V], rows summing to 1; not renormalised."""
-    import torch
-
-    if top_p >= 1:
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
