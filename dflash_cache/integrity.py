@@ -271,12 +271,9 @@ def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
     return [] if digest == expected else [f"{name} checksum mismatch"]
 
 
-def _hidden_layout(shard: Shard) -> list[str]:
-    """A format-2 hidden-state array's shape and dtype against the record, and its shard index
-    against its crc32c (local): what a reader must trust before it reads inner chunks, each
-    checked as it is read."""
-    from dflash_cache.hidden_files import HiddenChecksumError
-
+def _shape_problems(shard: Shard) -> tuple[list[str], object, tuple]:
+    """The stored hidden-state array's shape and dtype against the record and the manifest; also
+    the fast local reader of it (None: Zarr reads it) and its shape."""
     cache, record = shard.cache, shard.record
     want_shape = tuple(record.get("hidden_shape") or ())
     want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
@@ -287,10 +284,22 @@ def _hidden_layout(shard: Shard) -> list[str]:
         array = shard.hidden_array
         shape, dtype = tuple(array.shape), array.dtype
     if shape != want_shape:
-        return [f"hidden shape {shape} differs from {want_shape}"]
+        return [f"hidden shape {shape} differs from {want_shape}"], files, shape
     if dtype != want_dtype:
         return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
-                f"{cache.hidden_dtype} ({cache.hidden_format})"]
+                f"{cache.hidden_dtype} ({cache.hidden_format})"], files, shape
+    return [], files, shape
+
+
+def _hidden_layout(shard: Shard) -> list[str]:
+    """A format-2 hidden-state array's shape and dtype against the record, and its shard index
+    against its crc32c (local): what a reader must trust before it reads inner chunks, each
+    checked as it is read."""
+    from dflash_cache.hidden_files import HiddenChecksumError
+
+    problems, files, shape = _shape_problems(shard)
+    if problems:
+        return problems
     if files is not None and shape[0]:
         try:
             files._map()
@@ -303,21 +312,10 @@ def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
     """The stored hidden-state array against the record: shape, dtype, then xxh64 of its bytes in
     C order (what the writer hashed), streamed from the chunk files or, through Zarr, a window at
     a time."""
-    cache, record = shard.cache, shard.record
-    want_shape = tuple(record.get("hidden_shape") or ())
-    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
+    problems, files, shape = _shape_problems(shard)
+    if problems:
+        return problems
     digest = xxhash.xxh64()
-    files = shard._chunk_files
-    if files is not None:
-        shape, dtype = files.shape, files.dtype
-    else:
-        array = shard.hidden_array
-        shape, dtype = tuple(array.shape), array.dtype
-    if shape != want_shape:
-        return [f"hidden shape {shape} differs from {want_shape}"]
-    if dtype != want_dtype:
-        return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
-                f"{cache.hidden_dtype} ({cache.hidden_format})"]
     rows = shape[0]
     if files is not None:
         for index in range(-(-rows // files.chunk_rows) if rows else 0):
@@ -328,7 +326,8 @@ def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
                 return [f"file {os.path.relpath(path, shard.path)} is short ({len(data)} of {needed} bytes)"]
             digest.update(data[:needed])
     else:
-        step = max(1, HASH_WINDOW // max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize))
+        array = shard.hidden_array
+        step = max(1, HASH_WINDOW // max(1, int(np.prod(shape[1:], dtype=np.int64)) * array.dtype.itemsize))
         for lo in range(0, rows, step):
             digest.update(np.ascontiguousarray(array[lo:lo + step]).view(np.uint8).reshape(-1))
     return [] if digest.hexdigest() == expected else ["hidden states checksum mismatch"]
