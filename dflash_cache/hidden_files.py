@@ -28,6 +28,7 @@ import zarr
 import zarr.codecs
 
 from dflash_cache import format as fmt
+from dflash_cache.shard_files import rows_out
 from dflash_common.errors import CacheError
 
 EMPTY = 2**64 - 1  # an inner chunk never written (zarr's marker); a build writes every one
@@ -164,12 +165,7 @@ class ShardedHidden:
         """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
         C-contiguous array of those rows' shape and this array's item size)."""
         start, stop = max(0, start), min(stop, self.shape[0])
-        shape = (max(0, stop - start), *self.shape[1:])
-        if out is None:
-            out = np.empty(shape, dtype=self.dtype)
-        elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
-                             f"got {out.dtype} {out.shape}")
+        out = rows_out(self.shape, self.dtype, start, stop, out)
         if stop <= start:
             return out
         dest = out.reshape(-1).view(np.uint8)

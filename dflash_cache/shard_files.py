@@ -16,6 +16,18 @@ from dflash_cache import format as fmt
 from dflash_common.errors import CacheError
 
 
+def rows_out(shape: tuple, dtype: np.dtype, start: int, stop: int, out: np.ndarray | None) -> np.ndarray:
+    """Where rows start..stop of an array of ``shape`` and ``dtype`` are read into: ``out`` when
+    given (checked: C-contiguous, those rows' shape, the same item size), else a new array."""
+    rows = (max(0, stop - start), *shape[1:])
+    if out is None:
+        return np.empty(rows, dtype=dtype)
+    if out.shape != rows or out.dtype.itemsize != dtype.itemsize or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous, of shape {rows} and {dtype.itemsize}-byte items, "
+                         f"got {out.dtype} {out.shape}")
+    return out
+
+
 class ChunkFiles:
     """Rows of an uncompressed Zarr v3 array on local disk, read straight from its chunk files.
 
@@ -67,12 +79,7 @@ class ChunkFiles:
         """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
         C-contiguous array of those rows' shape and this array's item size)."""
         start, stop = max(0, start), min(stop, self.shape[0])
-        shape = (max(0, stop - start), *self.shape[1:])
-        if out is None:
-            out = np.empty(shape, dtype=self.dtype)
-        elif out.shape != shape or out.dtype.itemsize != self.dtype.itemsize or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous, of shape {shape} and {self.dtype.itemsize}-byte items, "
-                             f"got {out.dtype} {out.shape}")
+        out = rows_out(self.shape, self.dtype, start, stop, out)
         dest = out.reshape(-1).view(np.uint8)
         row = start
         while row < stop:
