@@ -123,11 +123,16 @@ def build_case(build_cases) -> dict:
     return build_cases(2)
 
 
+_SLOW = pytest.mark.slow  # the same points later in the build, and format 1: make test-slow
+
+
 @pytest.mark.parametrize("version,point,count", [
-    (2, "after_shard_files", 1), (2, "after_shard_files", 3),
-    (2, "after_commit_record", 2), (2, "after_commit_record", -1),  # -1: the last shard
-    (2, "during_manifest_write", 1), (2, "during_manifest_write", 4),
-    (1, "after_shard_files", 3), (1, "after_commit_record", -1), (1, "during_manifest_write", 4),
+    (2, "after_shard_files", 1), (2, "after_commit_record", -1),  # -1: the last shard
+    (2, "during_manifest_write", 1),
+    pytest.param(2, "after_shard_files", 3, marks=_SLOW), pytest.param(2, "after_commit_record", 2, marks=_SLOW),
+    pytest.param(2, "during_manifest_write", 4, marks=_SLOW),
+    pytest.param(1, "after_shard_files", 3, marks=_SLOW), pytest.param(1, "after_commit_record", -1, marks=_SLOW),
+    pytest.param(1, "during_manifest_write", 4, marks=_SLOW),
 ])
 def test_build_killed_at_fault_point_resumes_to_clean_build(build_cases, version, point, count):
     build_case = build_cases(version)

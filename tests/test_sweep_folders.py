@@ -182,6 +182,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # two real training processes: make test-slow
 def test_sigterm_of_a_parallel_sweep_stops_and_waits_for_its_runs(tiny_cache, tmp_path):
     out = tmp_path / "sw"
     args = [str(BIN / "dflash-train"), "sweep", "--cache", tiny_cache(), "--out", str(out), "--grid", "loss=ce,kl",
