@@ -5,6 +5,10 @@ one-sequence shards take a few minutes to write on two cores."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import qa_rows, write_jsonl
@@ -14,9 +18,10 @@ from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import open_cache
 
+ROOT = Path(__file__).resolve().parents[1]
 SHARDS = 2_000
 RUN = ["--num-layers", "1", "--block-size", "4", "--batch-tokens", "400", "--eval-sequences", "0",
-       "--heldout-fraction", "0.01", "--save-every", "2", "--quiet"]
+       "--heldout-fraction", "0.01", "--save-every", "2", "--log-every", "1", "--quiet"]
 
 
 @pytest.mark.slow
@@ -33,16 +38,16 @@ def test_thousands_of_shards_open_train_and_resume(tmp_path, teacher_dir):
     manifest = (out / "manifest.json").stat().st_size
     assert manifest < 16_000, manifest  # the manifest does not grow with the shards: the index does
 
-    run = tmp_path / "run"
-    first = CliRunner().invoke(train_app, ["run", "--cache", str(out), "--out", str(run), "--steps", "2", *RUN])
-    assert first.exit_code == 0, first.output
-    resumed = CliRunner().invoke(train_app, ["run", "--cache", str(out), "--out", str(run), "--steps", "4", "--resume", *RUN])
-    assert resumed.exit_code == 0, resumed.output
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line).get("kind") == "train"]
-    assert steps == [1, 2, 3, 4], steps
-    straight = tmp_path / "straight"
-    assert CliRunner().invoke(train_app, ["run", "--cache", str(out), "--out", str(straight), "--steps", "4", *RUN]).exit_code == 0
-    losses = [[json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
-               if json.loads(line).get("kind") == "train"] for folder in (run, straight)]
-    assert losses[0] == losses[1]  # the resumed run continued the same batches, bit for bit
+    # killed while saving its second checkpoint (step 4), resumed from step 2: the same curve as a
+    # run never stopped, loss and learning rate, bit for bit
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    args = ["run", "--cache", str(out), "--steps", "6", *RUN]
+    killed = subprocess.run([sys.executable, "-m", "cli.train", *args, "--out", str(run)], cwd=ROOT, capture_output=True,
+                            text=True, env={**os.environ, "DFLASH_FAULT": "checkpoint_after_files:2"}, timeout=900)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = CliRunner().invoke(train_app, [*args, "--out", str(run), "--resume"])
+    assert resumed.exit_code == 0 and "(step 2)" in resumed.output, resumed.output
+    assert CliRunner().invoke(train_app, [*args, "--out", str(straight)]).exit_code == 0
+    curves = [{r["step"]: (r["loss"], r["lr"]) for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+               if r.get("kind") == "train"} for folder in (run, straight)]
+    assert sorted(curves[1]) == [1, 2, 3, 4, 5, 6] and curves[0] == curves[1]
