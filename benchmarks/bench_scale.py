@@ -527,7 +527,7 @@ def print_tables(rows: list[dict], s3_rows: list[dict], sizes: list[int], worlds
         print("| format | shards | index bytes | finalize | open_cache | files opened at open | start-up check "
               f"| first batch W = {max(worlds)} | shard files opened to it | verify |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for version in (1, 2):
+        for version in sorted({r["version"] for r in rows if r["shards"] == small and "first" in r}):
             a = next(r for r in rows if r["shards"] == small and r["version"] == version)
             b = max((r for r in rows if r["version"] == version and "first" in r), key=lambda r: r["shards"])
 
