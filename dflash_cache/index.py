@@ -163,7 +163,10 @@ def write_tables(store, paths: dict[str, str], shards: pa.Table, sequences: pa.T
     names)."""
     entry = {}
     for key, table in ((SEQUENCES, sequences), (SHARDS, shards)):
-        data = ipc_bytes(table)
+        # one record batch: a table concatenated from one piece per shard would otherwise be written
+        # (and read back) as one batch per shard, ~500 bytes of batch metadata each, and every slice
+        # of a column read back walks all the batches (planning over 100k shards: quadratic)
+        data = ipc_bytes(table.combine_chunks())
         store.fs.makedirs(store.path(paths[key].rsplit("/", 1)[0]), exist_ok=True)
         fmt.write_bytes_atomic(store.fs, store.path(paths[key]), data)
         entry[key] = {"path": paths[key], "rows": table.num_rows,
@@ -201,7 +204,8 @@ def read_table(store, entry: Any, key: str, schema: pa.Schema) -> pa.Table:
         raise _damaged(url, f"file {entry['path']} does not have the {key} table's columns")
     if table.num_rows < entry["rows"]:
         raise _damaged(url, f"file {entry['path']} holds {table.num_rows} rows, manifest.json names {entry['rows']}")
-    return table.slice(0, entry["rows"])
+    # one chunk a column (an index written before write_tables combined its batches has one per shard)
+    return table.slice(0, entry["rows"]).combine_chunks()
 
 
 def check_tables(url: str, manifest: dict, shards: pa.Table, sequences: pa.Table) -> None:

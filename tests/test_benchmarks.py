@@ -25,7 +25,8 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "online": [sys.executable, "benchmarks/bench_online.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
         "read": [sys.executable, "benchmarks/bench_read.py", "--quick", "--workers", "0", "--tmp", str(tmp / "read")],
         "packed": [sys.executable, "benchmarks/bench_packed.py", "--tiny"],
-        "scale": [sys.executable, "benchmarks/bench_scale.py", "--shards", "10,20", "--tmp", str(tmp)],
+        "scale": [sys.executable, "benchmarks/bench_scale.py", "--shards", "10,20", "--written", "3", "--first-worlds", "2",
+                  "--epoch-worlds", "2", "--epoch-max", "10", "--epoch-max-v1", "0", "--tmp", str(tmp)],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
@@ -107,11 +108,15 @@ def test_packed_script_compares_the_layouts_on_the_same_batches(outputs):
     assert padded.split()[-1] == packed.split()[-1]  # the same first loss
 
 
+def _table(text: str, cells: int) -> dict[tuple[str, str], list[str]]:
+    """Rows of the markdown tables with ``cells`` cells whose second cell is a format, by (shards, format)."""
+    return {(c[0], c[1]): c for c in ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+                                       if line.startswith("|")) if len(c) == cells and c[1] in ("v1", "v2")}
+
+
 def test_scale_script_compares_both_formats_at_each_size(outputs):
     text = outputs["scale"]
-    rows = {(cells[0], cells[1]): cells for cells in
-            ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines())
-            if len(cells) == 11 and cells[1] in ("v1", "v2")}
+    rows = _table(text, 11)
     assert set(rows) == {(n, v) for n in ("10", "20") for v in ("v1", "v2")}, text
     for (shards, version), cells in rows.items():
         assert float(cells[4]) == 5.0, cells  # 3 files, the hidden object (one at any chunk count), the record
@@ -120,4 +125,19 @@ def test_scale_script_compares_both_formats_at_each_size(outputs):
             assert cells[7] == "3 / 0" and cells[9] == "0 / 0", cells  # manifest + 2 tables; nothing listed
         if version == "v1" and cells[9] != "None / None":
             assert int(cells[9].split(" / ")[1]) > int(shards), cells  # the start-up check lists every shard folder
+    # a simulated rank's start-up to its first batch, at W = 2, through the trainer's loader
+    first = _table(text, 7)
+    assert set(first) == set(rows), text
+    for (shards, version), cells in first.items():
+        assert float(cells[3]) > 0, cells
+        if cells[4] != "-":  # strace present: format 1 plans from every shard's sequences.arrow, format 2 from its index
+            assert cells[6].startswith("3 (" if version == "v2" else "1 ("), cells
+            if version == "v1":
+                assert int(cells[4]) >= int(shards), cells
+    # every rank's epoch at W = 2 (10 shards, format 2): the ranks' sequences add up to the training split
+    epoch = _table(text, 10)
+    if "One epoch a rank" in text:
+        assert set(epoch) == {("10", "v2")}, text
+        for cells in epoch.values():
+            assert cells[2] == "2" and cells[6] == "yes" and float(cells[3]) > 0, cells
     assert re.search(r"^Growth 20 / 10 shards", text, re.M), text
