@@ -73,8 +73,8 @@ import json, os, sys, time
 from dataclasses import replace
 from dflash_cache import open_cache
 from dflash_cache.integrity import SIZES
-from dflash_train.training.data import (DataConfig, EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions,
-                                        train_loader)
+from dflash_train.settings.data import DataConfig
+from dflash_train.training.data import EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions, train_loader
 
 
 def rank_run(url, rank, world, mode, batch_tokens):
