@@ -46,12 +46,12 @@ QUICKSTART = str(ROOT / "examples" / "teacher")
 TOP_K = 32
 
 
-def wide_teacher(folder: Path) -> str:
+def wide_teacher(folder: Path, vocab_size: int = 32768, layers: int = 6) -> str:
     """A random qwen3 wider than the quickstart's, with the quickstart's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     tokenizer = AutoTokenizer.from_pretrained(QUICKSTART)
-    config = Qwen3Config(vocab_size=32768, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=512, num_hidden_layers=layers, num_attention_heads=8,
                          num_key_value_heads=4, head_dim=64, intermediate_size=1536, max_position_embeddings=4096,
                          tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)

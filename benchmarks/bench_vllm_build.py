@@ -35,10 +35,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from bench_build import wide_teacher  # noqa: E402  (same folder)
 
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
@@ -50,23 +51,13 @@ from dflash_cache.vllm_engine import VllmTeacher, VllmWorker, engine_setup, work
 from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.vllm_env import find_vllm_python  # noqa: E402
 
-QUICKSTART = str(ROOT / "examples" / "teacher")
 MAX_LENGTH = 2048
 TAPS = 3
 TOP_K = 32
 
 
 def make_teacher(folder: Path) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART)
-    config = Qwen3Config(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=64, intermediate_size=1536, max_position_embeddings=4096,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return wide_teacher(folder, vocab_size=4096, layers=8)
 
 
 def teacher_config(teacher: str) -> TeacherConfig:
