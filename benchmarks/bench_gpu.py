@@ -60,14 +60,14 @@ from bench_trainer import synthetic_batch  # noqa: E402
 
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache.settings.storage import StorageConfig  # noqa: E402
+from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, write_shard  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
-from dflash_train.settings.data import DataConfig  # noqa: E402
-from dflash_train.settings.drafter import DrafterConfig  # noqa: E402
-from dflash_train.settings.noise import NoiseConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.data_config import DataConfig  # noqa: E402
+from dflash_train.settings.drafter_config import DrafterConfig  # noqa: E402
+from dflash_train.settings.noise_config import NoiseConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, LoaderState, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402

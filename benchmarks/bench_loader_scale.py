@@ -53,7 +53,7 @@ def old_rank_batches(lengths: list[np.ndarray], seed: int, epoch: int, rank: int
 
 def new_rank_batches(lengths: list[np.ndarray], seed: int, epoch: int, rank: int, world: int) -> list[list[tuple[int, int]]]:
     """Per-rank plans: W partitions (the default), this rank's own."""
-    plans = plan_partitions(lengths, seed, epoch, world, BATCH_TOKENS)
+    plans = plan_partitions([len(x) for x in lengths], np.concatenate(lengths), seed, epoch, world, BATCH_TOKENS)
     owned = [plans[p] for p in owned_partitions(world, rank, world)]
     return [[ref for part in owned if b < len(part) for ref in part.batch(b)] for b in range(max(len(p) for p in plans))]
 

@@ -45,12 +45,12 @@ from dflash_cache import open_cache  # noqa: E402
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.reader import SequenceRecord  # noqa: E402
-from dflash_cache.settings.storage import StorageConfig  # noqa: E402
+from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
-from dflash_train.settings.data import DataConfig  # noqa: E402
-from dflash_train.settings.model import ModelConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.data_config import DataConfig  # noqa: E402
+from dflash_train.settings.model_config import ModelConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, LoaderState, make_batch, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.trainer import build_drafter, micro_step, on_device  # noqa: E402

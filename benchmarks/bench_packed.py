@@ -39,9 +39,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from bench_trainer import _reset_peak_rss, _status_bytes, drafter, synthetic_sequences  # noqa: E402
 
 from dflash_cache import open_cache  # noqa: E402
-from dflash_train.settings.data import LAYOUTS, DataConfig  # noqa: E402
-from dflash_train.settings.model import ModelConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.data_config import LAYOUTS, DataConfig  # noqa: E402
+from dflash_train.settings.model_config import ModelConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.layout import padding_fraction  # noqa: E402
@@ -69,7 +69,7 @@ def cache_batches(url: str, batch_tokens: int, heldout_fraction: float = 0.05) -
     """A cache's training-split lengths and epoch 0's batches of lengths, as the trainer plans them."""
     cache = open_cache(url)
     plan = EpochPlan(cache, DataConfig(batch_tokens=batch_tokens, heldout_fraction=heldout_fraction))
-    return np.concatenate(plan.lengths), [[int(cache.shards[s].lengths[i]) for s, i in b] for b in plan.batches(0)]
+    return plan.lengths[plan.rows], [[plan.length(s, i) for s, i in b] for b in plan.batches(0)]
 
 
 def corpus_lengths(data: str, tokenizer_dir: str) -> np.ndarray:

@@ -41,9 +41,9 @@ from dflash_cache import (
     integrity,  # noqa: E402
     open_cache,  # noqa: E402
 )
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.noise import NoiseConfig
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.noise_config import NoiseConfig
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.data import EpochPlan, LoaderState, load_batch, train_loader
 from dflash_train.training.noise import add_noise_
 from dflash_train.training.trainer import on_device  # noqa: E402

@@ -51,7 +51,7 @@ from dflash_cache import index as cache_index  # noqa: E402
 from dflash_cache import integrity  # noqa: E402
 from dflash_cache.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402
-from dflash_cache.settings.storage import StorageConfig  # noqa: E402
+from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_cache.verify import verify_cache  # noqa: E402
 from dflash_cache.writer import Committed, ShardData, _ipc_bytes, sequences_table, write_shard  # noqa: E402
 
@@ -73,8 +73,21 @@ import json, os, sys, time
 from dataclasses import replace
 from dflash_cache import open_cache
 from dflash_cache.integrity import SIZES
-from dflash_train.settings.data import DataConfig
-from dflash_train.training.data import EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions, train_loader
+from dflash_train.settings.data_config import DataConfig
+import numpy as np
+from dflash_train.training.data import (EpochPlan, LoaderState, idle_ranks_warning, is_heldout, plan_partitions,
+                                        resolve_partitions, train_loader)
+
+
+# The baseline: the plan as EpochPlan made it before it read the index's columns at once (a
+# Shard object, its ids hashed and its lengths sliced, shard by shard), then the same plan.
+def per_shard_plan(cache, cfg, partitions):
+    sizes, tokens = [], []
+    for shard in cache.shards:
+        keep = np.array([not is_heldout(i, cfg.heldout_fraction) for i in shard.ids], dtype=bool)
+        sizes.append(int(keep.sum()))
+        tokens.append(shard.lengths[keep])
+    return plan_partitions(sizes, np.concatenate(tokens), cfg.seed, 0, partitions, cfg.batch_tokens)
 
 
 def rank_run(url, rank, world, mode, batch_tokens):
@@ -102,6 +115,12 @@ def rank_run(url, rank, world, mode, batch_tokens):
     assert batch.hidden.numel() and batch.input_ids.numel()
     out = {"open_s": opened - start, "check_s": checked - opened, "plan_s": planned - checked,
            "first_s": first - planned, "total_s": first - start, "clock": clock}
+    if mode == "first":  # after the phases, so they are timed as the trainer runs them
+        again = time.perf_counter()
+        EpochPlan(cache, cfg).steps(0, state.partitions)
+        between = time.perf_counter()
+        per_shard_plan(cache, cfg, state.partitions)
+        out.update(plan_again_s=between - again, plan_per_shard_s=time.perf_counter() - between)
     if mode == "epoch":
         sequences, tokens = 0, 0
         while True:
@@ -508,6 +527,17 @@ def print_tables(rows: list[dict], s3_rows: list[dict], sizes: list[int], worlds
         print(f"| {r['shards']:,} | v{r['version']} | " + " | ".join(cells) + f" | {totals} | "
               f"{t.get('shard_files', '-')} | {t.get('listed', '-')} | {t.get('index_files', '-')} "
               f"({t.get('index_bytes', 0):,}) |")
+    planned = [r for r in rows if "first" in r and "plan_per_shard_s" in r["first"][worlds[0]]]
+    if planned:
+        print(f"\nThe epoch plan (rank 0, W = {worlds[0]}, in the same process after its first batch): EpochPlan "
+              "from the index's columns against the baseline that walks the shards (a Shard, its ids and lengths "
+              "each), the same plan\n")
+        print("| shards | format | EpochPlan s | per-shard baseline s | baseline / EpochPlan |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in planned:
+            f = r["first"][worlds[0]]
+            print(f"| {r['shards']:,} | v{r['version']} | {f['plan_again_s']:.3f} | {f['plan_per_shard_s']:.3f} | "
+                  f"{f['plan_per_shard_s'] / max(f['plan_again_s'], 1e-9):.1f} |")
     epoch = [r for r in rows if r.get("epoch")]
     if epoch:
         print("\nOne epoch a rank (every rank of W, strace): worst rank, as multiples of 1/W\n")

@@ -37,12 +37,12 @@ from dflash_train.measuring.decode_report import read_prompts  # noqa: E402
 from dflash_train.measuring.replay import load_trained_drafter  # noqa: E402
 from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary  # noqa: E402
 from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate  # noqa: E402
-from dflash_train.settings.data import DataConfig  # noqa: E402
-from dflash_train.settings.model import ModelConfig  # noqa: E402
-from dflash_train.settings.optim import OptimConfig  # noqa: E402
-from dflash_train.settings.speculative import SpecConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
-from dflash_train.settings.vllm import VllmConfig  # noqa: E402
+from dflash_train.settings.data_config import DataConfig  # noqa: E402
+from dflash_train.settings.model_config import ModelConfig  # noqa: E402
+from dflash_train.settings.optim_config import OptimConfig  # noqa: E402
+from dflash_train.settings.spec_config import SpecConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
+from dflash_train.settings.vllm_config import VllmConfig  # noqa: E402
 from dflash_train.training.export import read_export_config  # noqa: E402
 from dflash_train.training.trainer import train  # noqa: E402
 

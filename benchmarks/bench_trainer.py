@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.reader import SequenceRecord  # noqa: E402
-from dflash_train.settings.drafter import DrafterConfig  # noqa: E402
-from dflash_train.settings.loss import LossConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.drafter_config import DrafterConfig  # noqa: E402
+from dflash_train.settings.loss_config import LossConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.data import collate, sample_anchors  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.loss import LossOutput, block_states, bucket_kl  # noqa: E402

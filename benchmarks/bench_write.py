@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache import writer as writer_mod  # noqa: E402
-from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, write_shard
 from dflash_common.files import fsync_path, fsync_tree  # noqa: E402
 

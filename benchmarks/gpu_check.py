@@ -29,9 +29,9 @@ from bench_gpu import PRODUCTION, TINY, drafter_config, peak_memory, sync  # noq
 from bench_packed import plan_lengths, sharegpt_lengths  # noqa: E402
 from bench_trainer import synthetic_batch, synthetic_sequences  # noqa: E402
 
-from dflash_train.settings.loss import LossConfig  # noqa: E402
-from dflash_train.settings.noise import NoiseConfig  # noqa: E402
-from dflash_train.settings.train import TrainConfig  # noqa: E402
+from dflash_train.settings.loss_config import LossConfig  # noqa: E402
+from dflash_train.settings.noise_config import NoiseConfig  # noqa: E402
+from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
 from dflash_train.training.loss import set_head_matmul  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402
@@ -272,7 +272,7 @@ def part_build(out: Path):
 def part_loader(out: Path):
     """The pinned loader on the built cache: batches straight into page-locked memory, GB/s."""
     from dflash_cache import open_cache
-    from dflash_train.settings.data import DataConfig
+    from dflash_train.settings.data_config import DataConfig
     from dflash_train.training.data import LoaderState, train_loader
 
     url = str(out / "cache-dev-bf16")
@@ -503,7 +503,7 @@ def part_loader_width(out: Path):
     from bench_gpu import write_synthetic_cache
 
     from dflash_cache import open_cache
-    from dflash_train.settings.data import DataConfig
+    from dflash_train.settings.data_config import DataConfig
     from dflash_train.training.data import LoaderState, train_loader
 
     s, dev = sizes(), device()

@@ -8,12 +8,12 @@ from typing import Optional
 import typer
 
 from cli.common import BarProgress, Debug, Quiet, StorageOptions, knob_options, run
-from dflash_cache.settings.build import build_knobs
+from dflash_cache.settings.build_config import build_knobs
 from dflash_common.errors import ConfigError, shown
 from dflash_common.knobs import make_config, nested_values
 from dflash_common.redact import server_secrets
 from dflash_common.values import json_object as json_option
-from dflash_regenerate.config import regenerate_knobs
+from dflash_regenerate.settings.regenerate_config import regenerate_knobs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 1: run a teacher over a corpus once and cache what drafter training needs.")
@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _build_config(knob_values: dict):
     """The BuildConfig of the options given (the fields' defaults for the rest); the rank from torchrun's environment."""
-    from dflash_cache.settings.build import BuildConfig
+    from dflash_cache.settings.build_config import BuildConfig
     from dflash_common.environment import int_from_env
 
     return make_config(BuildConfig, nested_values(build_knobs(), knob_values),
@@ -214,7 +214,7 @@ def regenerate(
     def action():
         from dflash_regenerate import merge_parts, ranks_from_env
         from dflash_regenerate import regenerate as regenerate_corpus
-        from dflash_regenerate.settings.regenerate import RegenerateConfig
+        from dflash_regenerate.settings.regenerate_config import RegenerateConfig
 
         out = knob_values["out"]
         if merge_only:

@@ -123,7 +123,7 @@ def generate(
     def action():
         from dflash_common.knobs import make_config
         from dflash_train.measuring.commands import run_generate
-        from dflash_train.settings.evaluation import GenerateConfig
+        from dflash_train.settings.eval_config import GenerateConfig
 
         for answer in run_generate(make_config(GenerateConfig, nested_values(generate_knobs(), knob_values))):
             typer.echo(answer.text)

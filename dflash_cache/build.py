@@ -38,7 +38,7 @@ from dflash_cache.corpus import (
     tokenize_row,
 )
 from dflash_cache.cross_check import CrossCheck
-from dflash_cache.settings.build import BuildConfig
+from dflash_cache.settings.build_config import BuildConfig
 from dflash_cache.teacher import (
     Teacher,
     identity_like,

@@ -32,7 +32,7 @@ import pyarrow as pa
 import xxhash
 
 from dflash_cache import fp8
-from dflash_cache.settings.storage import HIDDEN_FORMATS, LOSSLESS
+from dflash_cache.settings.storage_config import HIDDEN_FORMATS, LOSSLESS
 from dflash_common.errors import CacheError, ConfigError, DFlashError, quoted
 from dflash_common.faults import maybe_fault
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
@@ -91,7 +91,7 @@ HIDDEN_NUMPY = {
 # lossless: the true dtype's bits, as above. fp8_e4m3: uint8 e4m3 codes in hidden.zarr and one
 # power-of-two scale exponent per token per layer in the SCALE_COLUMN of tokens.arrow (see
 # dflash_cache.fp8); the reader decodes them to the true dtype. The names (LOSSLESS, HIDDEN_FORMATS)
-# are settings of a build: dflash_cache.settings.storage.
+# are settings of a build: dflash_cache.settings.storage_config.
 SCALE_COLUMN = "hidden_scale_exp"
 
 

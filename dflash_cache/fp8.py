@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from dflash_cache.settings.storage import FP8_E4M3
+from dflash_cache.settings.storage_config import FP8_E4M3
 from dflash_common.errors import CacheError
 
 FORMAT = FP8_E4M3

@@ -385,21 +385,28 @@ class Cache:
             return int(self._table.numpy("tokens").sum()) if len(self._table) else 0
         return sum(int(s.record["tokens"]) for s in self.shards)
 
-    def sequence_table(self) -> pa.Table:
+    def sequence_table(self, skip: Collection[str] = ()) -> pa.Table:
         """Every sequence of the cache at once, in shard order, as Arrow columns: ``shard`` (int32,
         its shard's index in ``shards``), ``offset`` (int64, first token row in the shard),
-        ``length`` (int32), ``id`` (string), ``row`` (int64, corpus row). The cheap way to plan
-        over a whole cache: format 2 holds it in the index (read at open, no shard file opened);
-        format 1 reads every shard's sequences.arrow. ``.column("length").to_numpy()`` etc. give
-        numpy arrays without a copy."""
+        ``length`` (int32), ``id`` (string), ``row`` (int64, corpus row); the rows of the shards
+        named in ``skip`` left out (their files are not read). The cheap way to plan over a whole
+        cache: format 2 holds it in the index (read at open, no shard file opened); format 1 reads
+        every other shard's sequences.arrow, each checked against its checksum first (CacheError
+        naming the damaged ones). ``.column("length").to_numpy()`` etc. give numpy arrays without
+        a copy."""
+        columns, skip = ["shard", "offset", "length", "id", "row"], set(skip)
         if self.version != 1:
-            return self._sequence_table.select(["shard", "offset", "length", "id", "row"])
-        tables = []
-        for position, shard in enumerate(self.shards):
-            rows = cache_index.sequence_rows(shard._sequences, position)
-            tables.append(rows.select(["shard", "offset", "length", "id", "row"]))
+            table = self._sequence_table.select(columns)
+            if not skip:
+                return table
+            names = self.shard_names()
+            skipped = np.array([j for j, name in enumerate(names) if name in skip], dtype=np.int32)
+            return table.filter(pa.array(~np.isin(table.column("shard").to_numpy(), skipped)))
+        self.ensure_intact((fmt.SEQUENCES,), skip=skip)
+        tables = [cache_index.sequence_rows(shard._sequences, position).select(columns)
+                  for position, shard in enumerate(self.shards) if shard.name not in skip]
         if not tables:
-            return cache_index.sequence_schema().empty_table().select(["shard", "offset", "length", "id", "row"])
+            return cache_index.sequence_schema().empty_table().select(columns)
         return pa.concat_tables(tables)
 
     def sequences(self) -> Iterator[SequenceRecord]:

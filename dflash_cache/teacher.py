@@ -20,7 +20,7 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache.chat_template import stop_token_ids
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_cache.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError

@@ -3,7 +3,7 @@
 Everything but the forward stays the build's: the tokenizer, the ids and masks, the teacher's
 identity and frozen files, exactly as with the transformers engine. The build process never holds
 the whole teacher: it reads the config, the tokenizer and, by name from the safetensors files, the
-final norm and LM head (and once the input embedding) (teacher.load_text_head). vLLM runs the teacher (dflash_cache/vllm_extract/worker.py, started with
+final norm and LM head (and once the input embedding) (teacher.load_text_head). vLLM runs the teacher (dflash_cache/vllm_extract/extract_worker.py, started with
 the python of vLLM's environment) and captures, with its `extract_hidden_states` method, the
 tapped layers plus the last decoder layer's output; our connector sends each finished sequence's
 states to a socket of this process. The final norm and the LM head then run here in fp32 by the
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.settings.engines import VllmArgs
+from dflash_cache.settings.vllm_args import VllmArgs
 from dflash_cache.teacher import (
     Teacher,
     TeacherConfig,
@@ -60,7 +60,7 @@ from dflash_common.devices import resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
 
-WORKER = Path(__file__).with_name("vllm_extract") / "worker.py"
+WORKER = Path(__file__).with_name("vllm_extract") / "extract_worker.py"
 STALL_TIMEOUT_S = 600.0
 """Longest wait for a finished sequence's states once vLLM reported the batch done."""
 
@@ -142,7 +142,8 @@ class StateReceiver:
         self.states: dict[str, np.ndarray] = {}
         self.error: str | None = None
         self.arrived = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True, name="dflash-hs-accept").start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True, name="dflash-hs-accept")
+        self._acceptor.start()
 
     def expect(self, lengths: list[int]) -> None:
         """Sequences of these lengths were sent to the engine: their states may now arrive."""
@@ -257,13 +258,20 @@ class StateReceiver:
             return [self.states.pop(i) for i in request_ids]
 
     def close(self) -> None:
+        # on Linux, closing a listening socket does not wake a thread blocked in accept(): shut it
+        # down first, or every build leaves its accept thread behind
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
         self.server.close()
+        self._acceptor.join(5.0)
         if self.refusals > _LOGGED_REFUSALS:
             log.warning("the build's state socket refused %d connections in all", self.refusals)
 
 
 HANDSHAKE_TIMEOUT_S = 120.0
-"""How long the worker has to write its first bytes (worker.py does so before importing vLLM)."""
+"""How long the worker has to write its first bytes (extract_worker.py does so before importing vLLM)."""
 GROUP_GRACE_S = 10.0
 """After a worker that exited cleanly, how long its engine's last processes get to end on their own."""
 
@@ -272,7 +280,7 @@ class VllmWorker:
     """The vLLM process of a build: started once, fed batches of token ids until closed.
 
     It runs in a session (and process group) of its own that holds every process of the engine,
-    and worker.py makes each of them die with its parent (PR_SET_PDEATHSIG). A watcher thread here
+    and extract_worker.py makes each of them die with its parent (PR_SET_PDEATHSIG). A watcher thread here
     ends the whole group as soon as the worker exits, so a worker killed mid-build takes its
     engine with it (the engine's processes would otherwise stay, holding memory and GPUs, and keep
     its output pipe open so the build would wait for a reply forever). Start it from a thread that
@@ -308,7 +316,7 @@ class VllmWorker:
             pass
 
     def _handshake(self) -> None:
-        """worker.py's first bytes; anything else (a --vllm-python that is not a python, or that
+        """extract_worker.py's first bytes; anything else (a --vllm-python that is not a python, or that
         prints) is refused before a byte of it is read as a frame."""
         got = bytearray(len(WORKER_MAGIC))
         if not select.select([self.proc.stdout], [], [], HANDSHAKE_TIMEOUT_S)[0]:
@@ -548,7 +556,7 @@ def version_note(version: str | None) -> str | None:
 
 
 def engine_setup(cfg: TeacherConfig, args: VllmArgs, max_length: int, text_config) -> dict:
-    """The engine part of worker.py's setup frame: the teacher's folder, dtype and LLM(...) options
+    """The engine part of extract_worker.py's setup frame: the teacher's folder, dtype and LLM(...) options
     (what the benchmark's bare prefill runs with too)."""
     folder = Path(cfg.name_or_path).expanduser()
     return {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,

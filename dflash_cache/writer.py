@@ -27,7 +27,7 @@ import zarr.codecs
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8, health, hidden_files
-from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.store import zarr_store
 from dflash_common.errors import CacheError
 from dflash_common.faults import maybe_fault

@@ -36,13 +36,13 @@ import importlib
 # reads its options from them.
 _HOMES = {
     "command": ("regenerate",),
-    "config": ("RESUME_KEYS", "SETTINGS", "RegenerateResult"),
-    "settings.regenerate": ("KEEP_TURNS", "REASONING_POLICIES", "TRUNCATED_POLICIES", "RegenerateConfig", "parts_dir"),
+    "outputs": ("RESUME_KEYS", "SETTINGS", "RegenerateResult"),
+    "settings.regenerate_config": ("KEEP_TURNS", "REASONING_POLICIES", "TRUNCATED_POLICIES", "RegenerateConfig", "parts_dir"),
     "conversations": ("chat_of_row",),
     "generation": ("RowSampler", "ServerGenerator", "TeacherGenerator", "load_generator", "load_server_generator",
                    "regenerate_rows"),
     "parts": ("commit_part", "committed_parts", "merge_parts"),
-    "plan": ("part_name", "part_rows", "plan_turns", "rank_parts", "ranks_from_env", "record_name", "sample_seed",
+    "part_plan": ("part_name", "part_rows", "plan_turns", "rank_parts", "ranks_from_env", "record_name", "sample_seed",
              "settings_mismatch"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from dflash_common.errors import DFlashError
 from dflash_common.redact import display_url, redact
 from dflash_common.values import text_problem
-from dflash_regenerate.settings.server import ServerConfig
+from dflash_regenerate.settings.server_config import ServerConfig
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # Statuses that say every request will fail the same way (the key, the URL or the model is

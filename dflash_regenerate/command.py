@@ -20,7 +20,8 @@ from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
 from dflash_common.files import foreign_entries, holds, one_writer, refuse_links, remove_file, write_file_atomic
 from dflash_common.progress import Progress
-from dflash_regenerate.config import (
+from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
+from dflash_regenerate.outputs import (
     LOCK_ENTRY,
     PART_TEMPORARY,
     PARTS_ENTRY,
@@ -31,7 +32,7 @@ from dflash_regenerate.config import (
     RegenerateResult,
     lock_name,
 )
-from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
+from dflash_regenerate.part_plan import part_rows, rank_parts, settings_mismatch
 from dflash_regenerate.parts import (
     commit_part,
     committed_parts,
@@ -41,8 +42,7 @@ from dflash_regenerate.parts import (
     read_json,
     sum_records,
 )
-from dflash_regenerate.plan import part_rows, rank_parts, settings_mismatch
-from dflash_regenerate.settings.regenerate import RegenerateConfig, output_root, parts_dir
+from dflash_regenerate.settings.regenerate_config import RegenerateConfig, output_root, parts_dir
 
 
 def _check_paths(cfg: RegenerateConfig, files: list[str]) -> None:

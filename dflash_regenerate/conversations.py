@@ -10,7 +10,7 @@ from dflash_cache.corpus import (
     row_id,
 )
 from dflash_common.errors import BadRowError
-from dflash_regenerate.plan import plan_turns
+from dflash_regenerate.part_plan import plan_turns
 
 
 def chat_of_row(row: CorpusRow) -> list[dict]:

@@ -24,9 +24,9 @@ from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.redact import display_url
 from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
 from dflash_regenerate.conversations import Conversation, conversation_or_problem
-from dflash_regenerate.plan import sample_seed
-from dflash_regenerate.settings.regenerate import RegenerateConfig
-from dflash_regenerate.settings.server import ServerConfig
+from dflash_regenerate.part_plan import sample_seed
+from dflash_regenerate.settings.regenerate_config import RegenerateConfig
+from dflash_regenerate.settings.server_config import ServerConfig
 
 
 class RowSampler:

@@ -14,10 +14,10 @@ from dflash_common.errors import ConfigError
 from dflash_common.files import remove_file, write_atomic, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.settings_files import load_settings_file
-from dflash_regenerate.config import SETTINGS, RegenerateResult
 from dflash_regenerate.generation import PartOutcome
-from dflash_regenerate.plan import part_name, part_rows, record_name
-from dflash_regenerate.settings.regenerate import output_root, parts_dir
+from dflash_regenerate.outputs import SETTINGS, RegenerateResult
+from dflash_regenerate.part_plan import part_name, part_rows, record_name
+from dflash_regenerate.settings.regenerate_config import output_root, parts_dir
 
 
 def read_json(path: str) -> dict | None:

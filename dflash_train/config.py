@@ -1,4 +1,4 @@
-"""A train run's TrainConfig (dflash_train.settings.train) built from config files and overrides,
+"""A train run's TrainConfig (dflash_train.settings.train_config) built from config files and overrides,
 merged, and compared with a saved one on resume."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import make_config
 from dflash_common.settings_files import load_settings_file
-from dflash_train.settings.data import OPERATIONAL_FIELDS as DATA_OPERATIONAL
-from dflash_train.settings.loss import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
-from dflash_train.settings.model import MODEL_OPERATIONAL
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.data_config import OPERATIONAL_FIELDS as DATA_OPERATIONAL
+from dflash_train.settings.loss_config import OPERATIONAL_FIELDS as LOSS_OPERATIONAL
+from dflash_train.settings.model_config import MODEL_OPERATIONAL
+from dflash_train.settings.train_config import TrainConfig
 
 
 def config_from_dict(values: dict) -> TrainConfig:

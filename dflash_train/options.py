@@ -21,10 +21,10 @@ from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, check_names, config_knobs, nested_values, set_path
 from dflash_common.values import parse_json
 from dflash_train.config import with_run_length
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.evaluation import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
-from dflash_train.settings.speculative import SpecConfig
-from dflash_train.settings.train import SECTIONS, TrainConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.eval_config import DATA_OPTIONS, SPEC_OPTIONS, DecodingConfig, EvalConfig, GenerateConfig
+from dflash_train.settings.spec_config import SpecConfig
+from dflash_train.settings.train_config import SECTIONS, TrainConfig
 
 
 @functools.cache

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     thresholds = tuple(float(t) for t in args.thresholds.split(","))
     settings = objectives.study_settings(args)
     from cli.common import BarProgress
-    from dflash_train.settings.measure import MeasureConfig
+    from dflash_train.settings.measure_config import MeasureConfig
 
     caches = tuple(c.strip() for c in args.caches.split(","))
     results = objectives.run_study(settings, caches, BarProgress(enabled=not args.quiet), "confidence")

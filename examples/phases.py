@@ -86,7 +86,7 @@ def train_and_measure(settings: PhaseSettings, values: dict, teacher: Path, prom
                       seed: int, progress) -> dict:
     """Train one run (unless its result.json exists) and decode its drafter greedy and at T."""
     from dflash_train.config import config_from_dict
-    from dflash_train.settings.measure import MeasureConfig
+    from dflash_train.settings.measure_config import MeasureConfig
     from dflash_train.sweep.measure import decode_heldout
     from dflash_train.training.trainer import train
 
@@ -150,7 +150,7 @@ def run_phases(settings: PhaseSettings, progress=None) -> str:
     spec = recipe.QUICKSTART
     recipe_settings = recipe.RecipeSettings(out=settings.out, rows=settings.rows)
     cache = recipe.build(spec, spec.teacher, recipe_settings)
-    from dflash_train.settings.measure import MeasureConfig
+    from dflash_train.settings.measure_config import MeasureConfig
 
     settings.out.mkdir(parents=True, exist_ok=True)
     measure = MeasureConfig(teacher=str(spec.teacher), prompts=str(spec.prompts), max_prompts=settings.max_prompts,

@@ -135,7 +135,7 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     from dflash_cache import open_cache
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
-    from dflash_cache.settings.storage import StorageConfig
+    from dflash_cache.settings.storage_config import StorageConfig
     from dflash_cache.teacher import TeacherConfig
 
     out = settings.out / "caches" / spec.name
@@ -154,7 +154,7 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
           grid=None, reference=None):
     """The preset's sweep on one cache (or `grid` compared with `reference`); returns run_sweep's result."""
     from dflash_train.config import config_from_dict
-    from dflash_train.settings.measure import MeasureConfig
+    from dflash_train.settings.measure_config import MeasureConfig
     from dflash_train.sweep import SweepConfig, preset, run_sweep
 
     chosen = preset("recipe")

@@ -14,6 +14,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import build_teacher, build_tokenizer, qa_rows, write_jsonl  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before the -m selection, which then sees the slow marks
+def pytest_collection_modifyitems(items):
+    """``@pytest.mark.fast_cases(n)``: the first n cases of a parametrized test run in `make test`,
+    the others are marked slow (`make test-slow`). For families whose every case costs a process
+    of its own: the fast suite keeps one of each kind, CI runs them all."""
+    seen: dict[str, int] = {}
+    for item in items:
+        marker = item.get_closest_marker("fast_cases")
+        if marker is None or not hasattr(item, "callspec"):
+            continue
+        name = item.nodeid.split("[", 1)[0]
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > marker.args[0]:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """Folder holding the tiny ChatML byte-level BPE tokenizer (see helpers.build_tokenizer)."""
@@ -53,7 +69,7 @@ def tiny_cache(tmp_path_factory, teacher_dir):
     Tests only read it; a test that damages or extends a cache copies it first."""
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
-    from dflash_cache.settings.storage import StorageConfig
+    from dflash_cache.settings.storage_config import StorageConfig
     from dflash_cache.teacher import TeacherConfig
 
     built: dict[str, str] = {}

@@ -24,7 +24,7 @@ from dflash_cache import format as fmt
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.settings.storage import StorageConfig
+from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.teacher import TeacherConfig, padding_fraction, plan_batches
 from dflash_common.errors import CacheError, ConfigError
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from dflash_cache import open_cache
-from dflash_cache.settings.engines import VllmArgs
+from dflash_cache.settings.vllm_args import VllmArgs
 from dflash_cache.vllm_engine import StateReceiver, aux_layer_ids, worker_gpus
 from dflash_cache.vllm_extract.dflash_frames import frame_header
 
@@ -183,7 +183,7 @@ def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus,
 
 
 def test_data_parallel_is_refused_in_one_line_naming_torchrun(corpus, teacher_dir):
-    from dflash_cache.settings.engines import parse_vllm_args
+    from dflash_cache.settings.vllm_args import parse_vllm_args
     from dflash_common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 4"):
@@ -281,7 +281,7 @@ def _session(sid: int) -> dict[int, str]:
 def _worker_of(build_pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"worker.py" in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and b"extract_worker.py" in (entry / "cmdline").read_bytes():
                 stat = (entry / "stat").read_bytes()
                 if int(stat[stat.rindex(b")") + 2:].split()[1]) == build_pid:
                     return int(entry.name)
@@ -293,7 +293,7 @@ def _worker_of(build_pid: int) -> int | None:
 @pytest.mark.serving
 @pytest.mark.parametrize("victim", ["worker", "build"])
 def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir, vllm_python, tmp_path, victim):
-    """SIGKILL of worker.py mid-build left VLLM::EngineCore, VLLM::Worker and the resource tracker
+    """SIGKILL of extract_worker.py mid-build left VLLM::EngineCore, VLLM::Worker and the resource tracker
     running (re-parented to PID 1), and the error blamed a start-up warning. The same must hold
     when the build itself is killed (nothing of it runs to clean up)."""
     import signal

@@ -13,8 +13,8 @@ from helpers import english_like_sentences
 
 from dflash_cache import open_cache
 from dflash_common.errors import ConfigError
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.training.data import (
     LANES,
     Batch,
@@ -177,6 +177,11 @@ def _synthetic(num_shards: int, seed: int = 0, most: int = 12) -> list[np.ndarra
     return [rng.integers(20, 3000, size=rng.integers(0, most + 1)) for _ in range(num_shards)]
 
 
+def _flat(lengths: list[np.ndarray]) -> tuple[list[int], np.ndarray]:
+    """plan_partitions' view of per-shard length arrays: each shard's count, then all lengths."""
+    return [len(x) for x in lengths], np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+
+
 def _rank_refs(plans, partitions: int, rank: int, world: int) -> list[tuple[int, int]]:
     return [ref for p in owned_partitions(partitions, rank, world) for b in range(len(plans[p])) for ref in plans[p].batch(b)]
 
@@ -186,7 +191,7 @@ def test_ranks_read_disjoint_sequences_and_together_all(world):
     lengths = _synthetic(300)
     everything = {(s, i) for s, x in enumerate(lengths) for i in range(len(x))}
     total = sum(int(x.sum()) for x in lengths)
-    plans = plan_partitions(lengths, seed=3, epoch=1, partitions=world, batch_tokens=4000)
+    plans = plan_partitions(*_flat(lengths), seed=3, epoch=1, partitions=world, batch_tokens=4000)
     shares = [_rank_refs(plans, world, r, world) for r in range(world)]
     assert sorted(ref for share in shares for ref in share) == sorted(everything)  # all, each once
     for share in shares:
@@ -196,13 +201,13 @@ def test_ranks_read_disjoint_sequences_and_together_all(world):
     touched = [{s for s, _ in share} for share in shares]
     shared = {s for a, b in itertools.combinations(touched, 2) for s in a & b}
     assert len(shared) <= world - 1
-    assert plan_partitions(lengths, 3, 1, world, 4000)[0].batch(0) == plans[0].batch(0)  # a pure function
-    assert plan_partitions(lengths, 3, 2, world, 4000)[0].batch(0) != plans[0].batch(0)  # each epoch its own order
+    assert plan_partitions(*_flat(lengths), 3, 1, world, 4000)[0].batch(0) == plans[0].batch(0)  # a pure function
+    assert plan_partitions(*_flat(lengths), 3, 2, world, 4000)[0].batch(0) != plans[0].batch(0)  # each epoch its own order
 
 
 def test_each_rank_batch_holds_its_partitions_budget_and_one_process_reproduces_two():
     lengths = _synthetic(200, seed=1)
-    plans = plan_partitions(lengths, seed=0, epoch=0, partitions=2, batch_tokens=5000)
+    plans = plan_partitions(*_flat(lengths), seed=0, epoch=0, partitions=2, batch_tokens=5000)
     steps = max(len(p) for p in plans)
     for rank in (0, 1):
         (p,) = owned_partitions(2, rank, 2)
@@ -223,7 +228,7 @@ def test_thousands_of_tiny_shards_plan_from_lengths_alone():
     num, total = sum(len(x) for x in lengths), sum(int(x.sum()) for x in lengths)
     largest = max(int(x.sum()) for x in lengths)
     for world in (1, 8, 32):
-        plans = plan_partitions(lengths, seed=0, epoch=0, partitions=world, batch_tokens=8192)
+        plans = plan_partitions(*_flat(lengths), seed=0, epoch=0, partitions=world, batch_tokens=8192)
         refs = [_rank_refs(plans, world, r, world) for r in range(world)]
         assert sum(map(len, refs)) == num and len({x for share in refs for x in share}) == num
         for share in refs:  # the shards a rank opens hold its 1/W of the tokens, plus one shard at each end
@@ -236,7 +241,7 @@ def test_loader_workers_read_disjoint_lanes():
     lengths = _synthetic(3000, seed=4, most=8)
     batch_tokens = 1000
     assert lanes_per_partition(sum(int(x.sum()) for x in lengths), batch_tokens) == LANES
-    (plan,) = plan_partitions(lengths, seed=0, epoch=0, partitions=1, batch_tokens=batch_tokens)
+    (plan,) = plan_partitions(*_flat(lengths), seed=0, epoch=0, partitions=1, batch_tokens=batch_tokens)
     for workers in (2, 4, 8):
         touched = [{s for b in range(w, len(plan), workers) for s, _ in plan.batch(b)} for w in range(workers)]
         shared = {s for a, b in itertools.combinations(touched, 2) for s in a & b}
@@ -318,7 +323,7 @@ def test_a_ranks_epoch_reads_only_its_share_of_the_shards(small_cache):
 def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, layout):
     """The trainer noises the batch on its device, padded or packed; the values are each
     sequence's own draws at that step, padding and the last tapped layer untouched."""
-    from dflash_train.settings.train import TrainConfig
+    from dflash_train.settings.train_config import TrainConfig
     from dflash_train.training.data import collate, load_batch, sample_anchors
     from dflash_train.training.noise import apply_noise
     from dflash_train.training.trainer import on_device
@@ -358,6 +363,10 @@ def test_opening_and_planning_a_format_2_cache_touch_no_shard_file(small_cache):
         assert cache.version == 2 and len(cache.shards) > 3
         plan = EpochPlan(cache, DataConfig(batch_tokens=300, heldout_fraction=0.1))
         assert plan.steps(0, 2) > 0 and plan.num_sequences > 0
+        first = plan.rank_batches(0, 2, 1, 2)
+        # planned from the index's columns at once: not one Shard object made (a 100k-shard cache
+        # made 100k of them, a Python step each, before its first batch)
+        assert first and len(cache.shards._made) == 0
     finally:
         hook_on[0] = False
     inside = [p for p in opened if os.path.realpath(p).startswith(os.path.realpath(small_cache))]

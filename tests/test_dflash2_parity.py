@@ -26,9 +26,9 @@ import torch
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 
 from dflash_train.measuring.speculative import _select
-from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.dflash2 import training_candidates, unary_scores
 from dflash_train.training.export import export_drafter
 from dflash_train.training.model import DFlashDrafter

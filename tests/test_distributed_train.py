@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_cache import open_cache
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.model import ModelConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.model_config import ModelConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.data import EpochPlan
 from dflash_train.training.distributed import shard_drafter
 from dflash_train.training.trainer import build_drafter

@@ -15,10 +15,10 @@ from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_from_dict
 from dflash_train.measuring.speculative import speculative_generate, teacher_generate
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.dspark import DSparkConfig
-from dflash_train.settings.loss import LossConfig
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.loss_config import LossConfig
+from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
 from dflash_train.training.export import load_drafter, read_export_config
 from dflash_train.training.loss import DraftHeads, block_loss, bucket_alpha

@@ -31,8 +31,8 @@ import torch
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 
 import dflash_train.training.model
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.dspark import DSparkConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.dspark_config import DSparkConfig
 from dflash_train.training.export import export_drafter
 from dflash_train.training.model import DFlashDrafter
 

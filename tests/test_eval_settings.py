@@ -13,9 +13,9 @@ from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_train.options import decoding_knobs, eval_knobs, generate_knobs
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.evaluation import DecodingConfig, EvalConfig, GenerateConfig
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.eval_config import DecodingConfig, EvalConfig, GenerateConfig
+from dflash_train.settings.spec_config import SpecConfig
 
 
 def _command(name: str):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.training.export import ExportError, export_drafter, load_drafter
 from dflash_train.training.model import DFlashDrafter
 
@@ -231,7 +231,7 @@ def test_bad_export_folders_raise_export_error(tmp_path):
 def test_an_earlier_export_of_either_kind_is_replaced(tmp_path, dspark):
     """A DSpark export names DSparkDraftModel: exporting again (a resumed run, `export` twice) must
     see it as ours, as a DFlash export is."""
-    from dflash_train.settings.dspark import DSparkConfig
+    from dflash_train.settings.dspark_config import DSparkConfig
 
     model = make_model(dspark=DSparkConfig(markov_rank=8) if dspark else None)
     out = export_drafter(model, tmp_path / "drafter")

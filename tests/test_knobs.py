@@ -14,13 +14,13 @@ from cli.cache import _build_config
 from cli.cache import app as cache_app
 from cli.docs import with_tables
 from cli.train import _train_config, app
-from dflash_cache.settings.build import BuildConfig, build_knobs
-from dflash_cache.settings.storage import StorageConfig
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.build_config import BuildConfig, build_knobs
+from dflash_cache.settings.storage_config import StorageConfig
+from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
-from dflash_regenerate.config import regenerate_knobs
+from dflash_regenerate.settings.regenerate_config import regenerate_knobs
 from dflash_train.options import (
     eval_knobs,
     find_knob,
@@ -29,8 +29,8 @@ from dflash_train.options import (
     set_overrides,
     train_knobs,
 )
-from dflash_train.settings.loss import LossConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.loss_config import LossConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.sweep import parse_grid
 from dflash_train.sweep.plan import sweep_knobs
 
@@ -174,7 +174,7 @@ def test_regenerate_options_nest_into_its_teacher_and_server_sections():
     values = nested_values(knobs, given)
     assert values == {"data": "d", "out": "o.jsonl", "top_p": 0.5,
                       "server": {"endpoints": ["http://a", "http://b"], "served_model": "m", "concurrency": 3}}
-    from dflash_regenerate.settings.regenerate import RegenerateConfig
+    from dflash_regenerate.settings.regenerate_config import RegenerateConfig
 
     cfg = make_config(RegenerateConfig, {**values, "teacher": None}, rank=0, world_size=1)
     assert (cfg.server.endpoints, cfg.server.concurrency, cfg.top_p, cfg.max_new_tokens) == (("http://a", "http://b"), 3, 0.5, 2048)

@@ -100,7 +100,7 @@ def test_settings_import_only_settings_and_nothing_heavy():
 def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch):
     fake = tmp_path / "dflash_train" / "settings"
     fake.mkdir(parents=True)
-    (fake / "bad.py").write_text("import torch\nfrom dflash_train.settings.loss import LossConfig\n"
+    (fake / "bad.py").write_text("import torch\nfrom dflash_train.settings.loss_config import LossConfig\n"
                                  "def f():\n    from dflash_train.training.model import DFlashDrafter\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert settings_problems() == [
@@ -111,7 +111,7 @@ def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch)
 def test_the_command_lines_load_no_heavy_library():
     assert heavy_modules_loaded("cli.train") == []
     assert heavy_modules_loaded("cli.cache") == []
-    assert heavy_modules_loaded("dflash_cache.settings.build") == []
+    assert heavy_modules_loaded("dflash_cache.settings.build_config") == []
     # the same check sees torch where a module does load it
     assert "torch" in heavy_modules_loaded("dflash_train.training.model")
 
@@ -167,3 +167,42 @@ def test_the_parts_check_sees_an_upward_import(tmp_path, monkeypatch):
         "dflash_train/training/bad.py:3 imports dflash_train.measuring.replay: "
         "dflash_train.training may not import dflash_train.measuring",
         "dflash_train/training/bad.py:4 imports dflash_train.sweep: dflash_train.training may not import dflash_train.sweep"]
+
+
+# One home per name: a file name says what one module holds, so no two product modules share one
+# (a newcomer looking for loss.py finds one), and every config section (a *Config class) is in a
+# settings/ folder, where sections are looked for.
+def module_name_problems() -> list[str]:
+    homes: dict[str, list[str]] = {}
+    for package in ALLOWED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name != "__init__.py":
+                homes.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return [f"{name} names {len(paths)} modules: {', '.join(paths)}" for name, paths in sorted(homes.items()) if len(paths) > 1]
+
+
+def config_home_problems() -> list[str]:
+    found = []
+    for package in ALLOWED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and "settings" not in path.parts:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} defines {node.name} outside a settings/ folder")
+    return found
+
+
+def test_module_names_are_distinct_and_configs_live_in_settings():
+    assert module_name_problems() == []
+    assert config_home_problems() == []
+
+
+def test_the_name_checks_see_a_shared_name_and_a_stray_config(tmp_path, monkeypatch):
+    for folder in ("dflash_cache/settings", "dflash_train/training", "dflash_train/settings", "cli"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "dflash_train/training/loss.py").write_text("class LossConfig:\n    pass\n")
+    (tmp_path / "dflash_train/settings/loss.py").write_text("class NoiseConfig:\n    pass\n")
+    (tmp_path / "dflash_cache/settings/__init__.py").write_text("")
+    (tmp_path / "cli/__init__.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert module_name_problems() == ["loss.py names 2 modules: dflash_train/settings/loss.py, dflash_train/training/loss.py"]
+    assert config_home_problems() == ["dflash_train/training/loss.py:1 defines LossConfig outside a settings/ folder"]

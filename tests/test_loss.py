@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
+from dflash_train.settings.loss_config import LOSS_KINDS, WEIGHTINGS, LossConfig
 from dflash_train.training.loss import LossOutput, block_loss, tau_from_alpha
 from dflash_train.training.weighting import decay_weights, default_gamma, dpace_weights, position_weights, streak_weights
 

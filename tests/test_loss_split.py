@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.loss import WEIGHTINGS, LossConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.loss_config import WEIGHTINGS, LossConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.data import Batch
 from dflash_train.training.distributed import DistInfo, data_parallel, gradient_sync, init_distributed, shutdown
 from dflash_train.training.model import DFlashDrafter

@@ -9,7 +9,7 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.training.model import DFlashDrafter, block_attention_mask, mask_token_text, resolve_mask_token_id
 
 HIDDEN = 64

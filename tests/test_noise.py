@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.training import noise as noise_module
 from dflash_train.training.noise import add_noise_, apply_noise, mix32, noise_for, noise_scale, noised_layers
 

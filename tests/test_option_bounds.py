@@ -55,7 +55,7 @@ _WORKER = r"""
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from dflash_common.errors import ConfigError
-from dflash_train.settings.drafter import DrafterConfig, drafter_config_from_export, export_config
+from dflash_train.settings.drafter_config import DrafterConfig, drafter_config_from_export, export_config
 good = export_config(DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                    intermediate_size=64, vocab_size=100, rms_norm_eps=1e-6, rope_theta=10000.0,
                                    max_position_embeddings=128, mask_token_id=5, target_layer_ids=(0, 2),

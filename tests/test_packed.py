@@ -16,13 +16,13 @@ from dflash_cache import open_cache
 from dflash_cache.reader import SequenceRecord
 from dflash_common.errors import ConfigError
 from dflash_train.measuring.replay import greedy_replay
-from dflash_train.settings.data import PACKED, PADDED, DataConfig
-from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.settings.drafter import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
-from dflash_train.settings.dspark import DSparkConfig
-from dflash_train.settings.loss import LOSS_KINDS, WEIGHTINGS, LossConfig
-from dflash_train.settings.noise import NoiseConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.data_config import PACKED, PADDED, DataConfig
+from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.drafter_config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
+from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.loss_config import LOSS_KINDS, WEIGHTINGS, LossConfig
+from dflash_train.settings.noise_config import NoiseConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.data import EpochPlan, LoaderState, collate, hidden_buffer, load_batch, train_loader
 from dflash_train.training.distributed import DistInfo
 from dflash_train.training.heldout import evaluate_heldout

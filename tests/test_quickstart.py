@@ -12,11 +12,11 @@ from helpers import write_jsonl
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.model import ModelConfig
-from dflash_train.settings.noise import NoiseConfig
-from dflash_train.settings.optim import OptimConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.model_config import ModelConfig
+from dflash_train.settings.noise_config import NoiseConfig
+from dflash_train.settings.optim_config import OptimConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -127,7 +127,7 @@ def test_reading_into_a_padded_batch_equals_a_plain_read(caches, kind):
 def _format1_cache(root: Path) -> Path:
     """A format-1 cache of two one-sequence shards, written by the writer's format-1 path."""
     from dflash_cache import format as fmt
-    from dflash_cache.settings.storage import StorageConfig
+    from dflash_cache.settings.storage_config import StorageConfig
     from dflash_cache.writer import ShardData, write_shard
 
     fs, path = fmt.url_to_fs(str(root))

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
-from dflash_train.settings.measure import MeasureConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.measure_config import MeasureConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.sweep import (
     FULL_RECIPE,
     PAPER_RECIPE,

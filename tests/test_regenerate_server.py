@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cli.cache import app
 from dflash_regenerate.chat_server import ChatServers, ServerUnavailable, retry_delay
-from dflash_regenerate.settings.server import ServerConfig
+from dflash_regenerate.settings.server_config import ServerConfig
 
 
 class ScriptedServer:

@@ -20,7 +20,7 @@ from helpers import write_jsonl
 
 from dflash_common.vllm_env import find_vllm_python
 from dflash_train.measuring.serving import VllmServer
-from dflash_train.settings.vllm import VllmConfig
+from dflash_train.settings.vllm_config import VllmConfig
 
 pytestmark = pytest.mark.serving
 

@@ -25,12 +25,12 @@ from dflash_train.measuring.decode_report import read_prompts
 from dflash_train.measuring.replay import load_trained_drafter
 from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary
 from dflash_train.measuring.speculative import mean_accepted_length, speculative_generate, teacher_generate
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.model import ModelConfig
-from dflash_train.settings.optim import OptimConfig
-from dflash_train.settings.speculative import SpecConfig
-from dflash_train.settings.train import TrainConfig
-from dflash_train.settings.vllm import VllmConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.model_config import ModelConfig
+from dflash_train.settings.optim_config import OptimConfig
+from dflash_train.settings.spec_config import SpecConfig
+from dflash_train.settings.train_config import TrainConfig
+from dflash_train.settings.vllm_config import VllmConfig
 from dflash_train.training.export import export_drafter
 from dflash_train.training.trainer import build_drafter, train
 

@@ -27,8 +27,8 @@ from dflash_train.measuring.speculative import (
     speculative_generate,
     teacher_generate,
 )
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.model import DFlashDrafter
 
 PROMPTS = ([5, 17, 33, 2, 90, 41], [260, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])

@@ -224,6 +224,21 @@ def test_connections_beyond_the_cap_or_from_other_processes_get_no_thread(receiv
     _engine_delivers(receiver)
 
 
+
+def test_closing_the_receiver_ends_its_accept_thread():
+    """Each build left its accept thread blocked in accept() for good (closing a listening socket
+    does not wake it on Linux): a long-lived process running builds gathered them."""
+    def acceptors() -> int:
+        return sum(t.name == "dflash-hs-accept" for t in threading.enumerate())
+
+    before = acceptors()
+    made = [StateReceiver(layers=LAYERS, hidden=HIDDEN) for _ in range(3)]
+    assert acceptors() == before + 3
+    for receiver in made:
+        receiver.close()
+    assert acceptors() == before
+
+
 NOBODY = r"""
 import socket, sys
 name, secret, frame = sys.argv[1], sys.argv[2], bytes.fromhex(sys.stdin.read())

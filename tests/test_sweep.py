@@ -18,7 +18,7 @@ from cli.train import app
 from dflash_common.errors import ConfigError
 from dflash_train.config import config_differences
 from dflash_train.options import train_knobs
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.sweep import (
     GridAxis,
     Slot,
@@ -34,6 +34,8 @@ from dflash_train.sweep import (
     plan_runs,
     run_name,
     run_overrides,
+    run_sweep,
+    sweep_config,
 )
 
 # ----------------------------------------------------------------------------- pure functions
@@ -119,12 +121,16 @@ def test_objective_grid_values_are_json_tables_or_named_bundles_of_settings():
         GridAxis("objective", (), ("a", "b"))
 
 
-def test_sweep_config_refuses_bad_combinations_before_training():
+def test_sweep_config_refuses_bad_combinations_before_training(tmp_path):
     base = TrainConfig(cache="c", out="o")
     with pytest.raises(ConfigError, match=r"sweep run loss-bogus: loss kind 'bogus' is unknown"):
-        SweepConfig(out="sw", base=base, grid=parse_grid(["loss=kl,bogus"]))
+        sweep_config(str(tmp_path / "s"), base, grid=["loss=kl,bogus"])
+    built = SweepConfig(out=str(tmp_path / "s"), base=base, grid=parse_grid(["weighting=streak,decay", "streak_decay=true"]))
     with pytest.raises(ConfigError, match="streak_decay=True needs weighting 'streak'"):
-        SweepConfig(out="sw", base=base, grid=parse_grid(["weighting=streak,decay", "streak_decay=true"]))
+        plan_runs(built)  # a config built directly is checked when planned, before anything trains
+    with pytest.raises(ConfigError, match="streak_decay=True needs weighting 'streak'"):
+        run_sweep(built)
+    assert not (tmp_path / "s").exists()
     with pytest.raises(ConfigError, match="at least one --grid"):
         SweepConfig(out="sw", base=base, grid=())
 
@@ -196,8 +202,8 @@ def test_sweep_config_parallel_and_devices():
                             ({"devices": ("auto",)}, "--devices lists concrete devices, got 'auto'"),
                             ({"devices": ("gpu0",)}, "--devices entry 'gpu0' is not a device; use cpu, cuda or cuda:N"),
                             ({"devices": ("cuda:0", "")}, "--devices entry '' is not a device")]:
-        with pytest.raises(ConfigError) as err:
-            SweepConfig(out="sw", base=base, grid=grid, **kwargs)
+        with pytest.raises(ConfigError) as err:  # torch reads the devices when the runs are planned
+            plan_runs(SweepConfig(out="sw", base=base, grid=grid, **kwargs))
         assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -426,7 +432,7 @@ def test_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cac
 
 
 def test_sweep_config_takes_a_presets_design_and_the_given_fields_over_it(tmp_path):
-    from dflash_train.sweep import PRESETS, sweep_config
+    from dflash_train.sweep import PRESETS
 
     base = TrainConfig(cache=str(tmp_path / "cache"), out=str(tmp_path / "unused"), steps=12)
     cfg = sweep_config(str(tmp_path / "s"), base, preset_name="recipe", given={"seeds": 1, "measure": {"max_prompts": 3}})

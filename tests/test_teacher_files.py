@@ -16,7 +16,7 @@ from helpers import build_teacher, qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_cache.teacher import (
     IDENTITY_SOURCE,
     final_norm,
@@ -123,7 +123,7 @@ def test_a_cache_hashed_the_old_way_resumes_with_the_transformers_engine_and_the
 
 PEAK = """
 import json, sys, torch
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_cache.teacher import load_teacher, load_text_head
 
 def peak():

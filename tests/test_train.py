@@ -22,10 +22,10 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.teacher import TeacherConfig
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.loss import LossConfig
-from dflash_train.settings.model import ModelConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.loss_config import LossConfig
+from dflash_train.settings.model_config import ModelConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.data import Batch, EpochPlan, load_batch
 from dflash_train.training.loss import batch_loss
 from dflash_train.training.trainer import build_drafter, lr_factor

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_cache.corpus import limits
-from dflash_cache.corpus.files import list_corpus_files, saved_dataset_files
 from dflash_cache.corpus.limits import depth_problem, row_byte_limit, size_problem
-from dflash_cache.settings.corpus import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
+from dflash_cache.corpus.listing import list_corpus_files, saved_dataset_files
+from dflash_cache.settings.corpus_config import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
 

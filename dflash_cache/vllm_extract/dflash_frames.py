@@ -16,7 +16,7 @@ LENGTH = struct.Struct("<I")
 HEADER_LIMIT = 4096
 """Longest header a reader accepts unless it says otherwise (the state frames' are ~100 bytes)."""
 WORKER_MAGIC = b"DFLASH-VLLM-WORKER/1\n"
-"""First bytes worker.py writes on its protocol stream: what the build reads before any frame."""
+"""First bytes extract_worker.py writes on its protocol stream: what the build reads before any frame."""
 SECRET_ENV = "DFLASH_HS_SECRET"
 """Environment variable carrying the build's random secret to the connector (never argv: argv is
 readable by every user in /proc; a process's environment only by its own user)."""

@@ -1,6 +1,6 @@
 """`dflash-train eval` and `generate` carried out: a drafter measured offline on a cache's held-out
 split and/or decoding with its teacher (the built-in decoder, vLLM or both), and answers
-generated with it. The commands only parse their options (dflash_train.settings.evaluation) and
+generated with it. The commands only parse their options (dflash_train.settings.eval_config) and
 print what these return."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from dflash_common.errors import ConfigError
 from dflash_common.files import refuse_links, write_file_atomic
 from dflash_common.knobs import make_config
-from dflash_train.settings.evaluation import DecodingConfig, EvalConfig, GenerateConfig
+from dflash_train.settings.eval_config import DecodingConfig, EvalConfig, GenerateConfig
 
 Lines = list[tuple[str, str]]
 
@@ -73,7 +73,7 @@ def check_drafter(decoding: DecodingConfig) -> None:
 
 def drafter_config_of(checkpoint: str):
     """The DrafterConfig of a checkpoint folder or an export folder, without a teacher."""
-    from dflash_train.settings.drafter import DrafterConfig
+    from dflash_train.settings.drafter_config import DrafterConfig
     from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
     from dflash_train.training.export import read_export_config
 
@@ -130,7 +130,7 @@ def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
     from dflash_train.measuring.replay import greedy_replay, load_drafter_for
-    from dflash_train.settings.loss import LossConfig
+    from dflash_train.settings.loss_config import LossConfig
     from dflash_train.training.heldout import evaluate_heldout
 
     cache = open_cache(cfg.cache, cfg.storage_options)
@@ -223,7 +223,7 @@ def vllm_lines(v: dict, alone: bool) -> Lines:
 def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
     """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
     from dflash_train.measuring.serving import vllm_report
-    from dflash_train.settings.vllm import VllmConfig
+    from dflash_train.settings.vllm_config import VllmConfig
     from dflash_train.training.checkpoint import COMPLETE
     from dflash_train.training.trainer import export_checkpoint
 

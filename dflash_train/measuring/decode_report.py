@@ -30,7 +30,7 @@ from dflash_train.measuring.speculative import (
     speculative_generate,
     teacher_generate,
 )
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.data import collate
 from dflash_train.training.model import DFlashDrafter
 
@@ -101,7 +101,7 @@ def run_config_of(checkpoint: str) -> dict | None:
 def run_heldout_fraction(checkpoint: str, given: float | None) -> float:
     """The held-out fraction to evaluate with: the one given, else the run's, else the default.
     Evaluating with another fraction than training used would score sequences it trained on."""
-    from dflash_train.settings.data import DataConfig
+    from dflash_train.settings.data_config import DataConfig
 
     if given is not None:
         return given

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.settings.data import DataConfig
+from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.data import Batch, heldout_batches
 from dflash_train.training.heldout import argmax_chunks, streak_lengths
 from dflash_train.training.model import DFlashDrafter
@@ -84,7 +84,7 @@ def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, 
     """A drafter from a checkpoint folder (step-*) or an export folder, with the given frozen head."""
     from pathlib import Path
 
-    from dflash_train.settings.drafter import DrafterConfig
+    from dflash_train.settings.drafter_config import DrafterConfig
     from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
     from dflash_train.training.export import load_drafter
 

@@ -24,8 +24,8 @@ from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
 from dflash_common.vllm_env import find_vllm_python
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.vllm import VllmConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.vllm_config import VllmConfig
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 

@@ -25,20 +25,22 @@ The pieces are separate so other launchers (a cluster scheduler) can reuse them:
 holds), ``train_run`` (train or resume one run; replace its config's ``device`` first), and
 ``write_report`` once every run is done.
 
-Modules, in the order a sweep uses them: ``grid`` (keys, values, combinations, run names),
+Its config (``SweepConfig``, and ``GridAxis``, one swept setting) is in
+``dflash_train.settings.sweep_config`` with the other sections; planning the runs checks what the
+fields alone cannot (every run's TrainConfig, each device). Modules, in the order a sweep uses them: ``grid`` (keys, values, combinations, run names),
 ``plan`` (the sweep's config built from a command line's parts, seeds, designs, presets, every run's TrainConfig), ``status``
 (what a run folder holds; train one run), ``processes`` (runs in processes of their own, and
 ``worker``, the process), ``report`` and ``plots`` (the comparison), ``recipe`` (what a sweep
 with seeds measures after each run, and the statistics of its summary), ``driver`` (run_sweep).
 """
 
+from dflash_train.settings.sweep_config import GridAxis, SweepConfig
 from dflash_train.sweep.driver import SweepResult, run_sweep
-from dflash_train.sweep.grid import GridAxis, expand_grid, parse_grid, run_name, run_overrides
+from dflash_train.sweep.grid import expand_grid, parse_grid, run_name, run_overrides
 from dflash_train.sweep.plan import (
     FULL_RECIPE,
     PAPER_RECIPE,
     PRESETS,
-    SweepConfig,
     SweepRun,
     one_factor_neighbours,
     plan_runs,

@@ -10,8 +10,9 @@ from dflash_common.errors import CacheError, ConfigError
 from dflash_common.files import LOCK_FILE, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.settings_files import load_settings_file
+from dflash_train.settings.sweep_config import SweepConfig
 from dflash_train.sweep.measure import REFERENCE_FILE, reference_outputs
-from dflash_train.sweep.plan import SweepConfig, SweepRun, plan_runs
+from dflash_train.sweep.plan import SweepRun, plan_runs
 from dflash_train.sweep.processes import (
     RunFailure,
     SweepError,

@@ -7,8 +7,6 @@ import hashlib
 import itertools
 import json
 import re
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from dflash_common.errors import ConfigError
@@ -16,6 +14,7 @@ from dflash_common.knobs import set_path
 from dflash_common.values import parse_json
 from dflash_train.config import with_run_length
 from dflash_train.options import find_knob, train_knobs
+from dflash_train.settings.sweep_config import GridAxis, value_label
 
 # Fields every run of a sweep must share: the cache and folders are the sweep's own, and the
 # held-out sequences must be the same for the results to be comparable.
@@ -84,48 +83,6 @@ def _tuples(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     return value
-
-
-def value_label(value: Any) -> str:
-    """How a value reads in run names, tables and legends: strings bare, the rest as JSON."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, separators=(",", ":"))
-
-
-@dataclass(frozen=True)
-class GridAxis:
-    """One swept setting and the values it takes."""
-
-    key: str
-    """Canonical key shown in run names and table headers: the short name, else the dotted path."""
-
-    path: tuple[str, ...]
-    """The config field it sets, e.g. ("loss", "kind") or ("steps",); () for an axis whose values
-    only name bundles of settings, which its extras carry (e.g. "objective=ce+decay")."""
-
-    values: tuple[Any, ...]
-    """The values, in the order runs are made."""
-
-    extras: tuple[tuple[tuple[str, Any], ...], ...] = ()
-    """Further settings each value brings along, as ((dotted config path, value), ...) per value
-    in the order of ``values`` (empty: none), e.g. the preset's noise=constant also sets
-    noise.start=0.05. They are part of the run's config, not of its name."""
-
-    def __post_init__(self):
-        if not self.values:
-            raise ConfigError(f"grid key {self.key!r} has no values; pass e.g. --grid {self.key}=a,b")
-        if not self.path and len(self.extras) != len(self.values):
-            raise ConfigError(f"grid key {self.key!r} sets no config field, so each of its values needs its field values "
-                              "as extras; give one set per value")
-        if self.extras and len(self.extras) != len(self.values):
-            raise ConfigError(f"grid key {self.key!r} has {len(self.values)} values but {len(self.extras)} sets of "
-                              "extra settings; give one (possibly empty) set per value")
-        counts = Counter(value_label(v) for v in self.values)  # not list.count: a long axis would be quadratic
-        repeated = sorted(x for x, n in counts.items() if n > 1)
-        if repeated:
-            shown = repeated[:5] + ([f"... {len(repeated) - 5:,} more"] if len(repeated) > 5 else [])
-            raise ConfigError(f"grid key {self.key!r} repeats value(s) {shown}; list each value once")
 
 
 def parse_grid_item(text: str) -> GridAxis:

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
-from dflash_train.settings.measure import MeasureConfig
+from dflash_train.settings.measure_config import MeasureConfig
 from dflash_train.sweep.statistics import tokens_by_step
 
 MEASURE_FILE = "measure.json"
@@ -33,7 +33,7 @@ REFERENCE_FILE = "teacher_outputs.json"
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
     from dflash_cache.chat_template import stop_token_ids
-    from dflash_train.settings.speculative import SpecConfig
+    from dflash_train.settings.spec_config import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
                       seed=seed, confidence_threshold=confidence_threshold)
@@ -126,7 +126,7 @@ def run_tokens(config, steps: int) -> list[int]:
     per_batch: list[int] = []
     epoch = 0
     while len(per_batch) < steps * config.optim.grad_accum:
-        per_batch += [sum(int(cache.shards[s].lengths[i]) for s, i in batch) for batch in plan.batches(epoch)]
+        per_batch += [sum(plan.length(s, i) for s, i in batch) for batch in plan.batches(epoch)]
         epoch += 1
     return tokens_by_step(per_batch, config.optim.grad_accum, steps)
 

@@ -1,5 +1,5 @@
-"""What a sweep trains: its config, the seeds and designs (full grid, one at a time), the presets,
-and every run's name and TrainConfig."""
+"""What a sweep trains: the seeds and designs (full grid, one at a time), the presets, the sweep's
+config from a command line's parts, and every run's name and TrainConfig."""
 
 from __future__ import annotations
 
@@ -10,40 +10,13 @@ from typing import Any, Sequence
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs, set_path
 from dflash_train.config import config_from_dict, merge
-from dflash_train.settings.measure import MeasureConfig
-from dflash_train.settings.train import TrainConfig
-from dflash_train.sweep.grid import GridAxis, expand_grid, parse_grid, run_name, run_overrides
-
-SEED_PATHS = (("seed",), ("data", "seed"), ("noise", "seed"))
-"""What a sweep's seed sets: the drafter's initial weights, the epoch order and anchors, the noise."""
+from dflash_train.settings.measure_config import MeasureConfig
+from dflash_train.settings.sweep_config import SEED_PATHS, GridAxis, SweepConfig
+from dflash_train.settings.train_config import TrainConfig
+from dflash_train.sweep.grid import expand_grid, parse_grid, run_name, run_overrides
 
 SEED_KEY = "seed"
 """The column and run-name part of a sweep's seed."""
-
-DESIGNS = ("full", "one-at-a-time")
-
-MAX_SWEEP_RUNS = 1000
-"""Most runs one sweep plans (grid combinations times seeds; the full grid for one-at-a-time,
-which is chosen from it): each is a training run, and planning checks every one's config."""
-
-MAX_PARALLEL = 256
-"""Most runs one sweep trains at once (each a process of its own)."""
-
-
-def check_sweep_size(grid: Sequence[GridAxis], seeds: int | None, parallel: int) -> None:
-    """Refuse a sweep larger than MAX_SWEEP_RUNS or MAX_PARALLEL, from the counts alone (before a
-    combination is made), naming the counts and the fix."""
-    combinations = 1
-    for axis in grid:
-        combinations *= len(axis.values)
-    runs = combinations * (seeds or 1)
-    if combinations > MAX_SWEEP_RUNS or runs > MAX_SWEEP_RUNS:
-        counted = " x ".join(f"{len(a.values):,} {a.key}" for a in grid) + (f" x {seeds:,} seeds" if seeds else "")
-        raise ConfigError(f"the sweep would plan {runs:,} runs ({counted}), more than the {MAX_SWEEP_RUNS:,} one sweep "
-                          "plans; give fewer --grid values or --seeds (or split it into several sweeps)")
-    if parallel > MAX_PARALLEL:
-        raise ConfigError(f"--parallel {parallel:,} is more than the {MAX_PARALLEL} runs one sweep trains at once; pass "
-                          f"--parallel {min(MAX_PARALLEL, runs)} or less")
 
 
 def seed_overrides(seed: int) -> dict:
@@ -81,97 +54,6 @@ class SweepRun:
 
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     """What is measured of the run after training (see dflash_train.sweep.measure)."""
-
-
-@dataclass(frozen=True)
-class SweepConfig:
-    """What `dflash-train sweep` needs: a base train config and the values to sweep."""
-
-    out: str
-    """Sweep folder: runs/<name>/ per combination, results.csv, results.md, plots, sweep.json."""
-
-    base: TrainConfig
-    """Settings shared by every run (cache, steps, model, ...); its ``out`` is replaced per run."""
-
-    grid: tuple[GridAxis, ...]
-    """Swept settings (see parse_grid); every combination of their values is one run."""
-
-    parallel: int | None = None
-    """Runs trained at once, each in a process of its own with its log in runs/<name>/train.log; 1
-    with no devices trains them one after the other in this process. Unset: one per entry of
-    devices, or 1 when none are listed."""
-
-    devices: tuple[str, ...] = ()
-    """Devices of the parallel runs, e.g. cuda:0,cuda:1; slot i uses device i modulo their count, so a
-    device listed twice (or parallel above the count) holds two runs at once. Empty: one slot per
-    visible GPU when the base device is auto or cuda and CUDA is present, else the base device
-    (on CPU the cores are shared out)."""
-
-    seeds: int | None = None
-    """Runs per combination with seeds 0..N-1: run i sets the drafter init, the anchor sampling and
-    the noise all to i (SEED_PATHS), and summary.md gives each configuration's mean and 95%
-    interval over them. Unset: one run per combination with the base config's seeds (no seed in
-    the run names)."""
-
-    design: str = "full"
-    """"full": every combination of the grid; "one-at-a-time": only those that differ from a center
-    (the reference, or a preset's) in at most one grid key, with --preset recipe plus the full
-    recipe."""
-
-    centers: tuple[tuple[tuple[str, Any], ...], ...] = ()
-    """Combinations ((key, value), ...) around which "one-at-a-time" varies one key at a time
-    (default: the reference alone)."""
-
-    include: tuple[tuple[tuple[str, Any], ...], ...] = ()
-    """Combinations "one-at-a-time" trains besides the centers' neighbours (e.g. the full recipe
-    beside the paper recipe's one-part changes)."""
-
-    reference: tuple[tuple[str, Any], ...] | None = None
-    """The combination every other is compared with in summary.md (paired by seed); None: the
-    first combination of the grid."""
-
-    measure: MeasureConfig = field(default_factory=MeasureConfig)
-    """Held-out tau during training and real decoding per run (dflash_train.sweep.measure)."""
-
-    def __post_init__(self):
-        if not str(self.out).strip():
-            raise ConfigError("--out is empty; pass the sweep folder, e.g. --out sweeps/loss")
-        if not self.grid:
-            raise ConfigError("a sweep needs at least one --grid key=v1,v2 (e.g. --grid loss=ce,kl)")
-        object.__setattr__(self, "grid", tuple(self.grid))
-        if self.seeds is not None:
-            if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-                raise ConfigError(f"--seeds must be a whole number of at least 1, got {self.seeds!r}; e.g. --seeds 3")
-            swept = [a.key for a in self.grid if a.path in SEED_PATHS]
-            if swept:
-                raise ConfigError(f"--seeds sets {', '.join('.'.join(p) for p in SEED_PATHS)} itself; drop --grid "
-                                  f"{swept[0]}=... or --seeds")
-        parallel = self.parallel if self.parallel is not None else (len(self.devices) or 1)
-        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
-            raise ConfigError(f"--parallel must be a whole number of at least 1, got {self.parallel!r}; e.g. --parallel 2")
-        check_sweep_size(self.grid, self.seeds, parallel)
-        if self.design not in DESIGNS:
-            raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
-        keys = [a.key for a in self.grid]
-        for what, combo in ([("reference", self.reference)] + [("center", c) for c in self.centers]
-                            + [("included combination", c) for c in self.include]):
-            if combo is None:
-                continue
-            combo = tuple((k, v) for k, v in combo)
-            known = {a.key: a.values for a in self.grid}
-            if [k for k, _ in combo] != keys or any(v not in known[k] for k, v in combo):
-                raise ConfigError(f"the {what} {dict(combo)} is not a combination of the grid ({keys}); "
-                                  "give one value of every grid key")
-        if self.measure.curve_points and self.base.steps is None and self.base.epochs is not None:
-            raise ConfigError("held-out curve points need the run length in steps; pass --steps instead of --epochs")
-        object.__setattr__(self, "devices", tuple(check_device(str(d)) for d in self.devices))
-        object.__setattr__(self, "parallel", parallel)
-        plan_runs(self)  # every combination must be a valid train config before anything trains
-
-    @property
-    def in_processes(self) -> bool:
-        """Whether runs train in processes of their own (any parallel sweep, or devices chosen)."""
-        return self.parallel > 1 or bool(self.devices)
 
 
 @dataclass(frozen=True)
@@ -240,7 +122,9 @@ def sweep_config(out: str, base: TrainConfig, grid: Sequence[str] = (), preset_n
     measure = MeasureConfig(**{"curve_points": chosen.curve_points if chosen else 0, **given.pop("measure", {})})
     choices = {"grid": chosen.grid, "seeds": chosen.seeds, "reference": chosen.reference, "centers": chosen.centers,
                "include": chosen.include} if chosen else {"grid": parse_grid(grid)}
-    return SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
+    cfg = SweepConfig(out=out, base=base, measure=measure, **{**choices, **given})
+    plan_runs(cfg)  # every combination must be a valid train config before anything trains
+    return cfg
 
 
 def check_device(text: str) -> str:
@@ -275,6 +159,8 @@ def reference_combination(cfg: SweepConfig) -> tuple[tuple[str, Any], ...]:
 
 def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
     """Every run's name and train config, in grid order, seeds innermost (reads and writes nothing)."""
+    for device in cfg.devices:
+        check_device(device)
     base = cfg.base.to_dict()
     if cfg.measure.curve_points:
         from dflash_train.training.trainer import DEFAULT_STEPS

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_common.files import write_file_atomic
+from dflash_train.settings.sweep_config import SweepConfig
 from dflash_train.sweep.grid import value_label
 from dflash_train.sweep.measure import read_measure
-from dflash_train.sweep.plan import SEED_KEY, SweepConfig, SweepRun, plan_runs, planned_combinations, reference_combination
+from dflash_train.sweep.plan import SEED_KEY, SweepRun, plan_runs, planned_combinations, reference_combination
 from dflash_train.sweep.plots import plot_acceptance_by_position, plot_loss_curves
 from dflash_train.sweep.recipe import (
     RunOutcome,

@@ -50,7 +50,7 @@ def main() -> int:
     import torch
 
     from dflash_train.config import config_from_dict
-    from dflash_train.settings.measure import MeasureConfig
+    from dflash_train.settings.measure_config import MeasureConfig
     from dflash_train.sweep import SweepRun, train_run
 
     job = json.loads(sys.stdin.read())

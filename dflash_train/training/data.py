@@ -33,9 +33,8 @@ import torch
 import xxhash
 
 from dflash_cache import Cache, open_cache
-from dflash_cache import format as fmt
 from dflash_common.errors import CacheError, ConfigError, DFlashError
-from dflash_train.settings.data import PACKED, PADDED, DataConfig
+from dflash_train.settings.data_config import PACKED, PADDED, DataConfig
 from dflash_train.training.layout import sequence_starts, slots
 
 
@@ -46,6 +45,13 @@ def _unit_hash(text: str, salt: int) -> float:
 def is_heldout(seq_id: str, fraction: float) -> bool:
     """The held-out split depends on the id alone, so it is stable across rebuilds and seeds."""
     return _unit_hash(seq_id, 0x5EED) < fraction
+
+
+def heldout_mask(ids: list[str], fraction: float) -> np.ndarray:
+    """is_heldout of each id (no hash at all when nothing is held out)."""
+    if fraction <= 0:
+        return np.zeros(len(ids), dtype=bool)
+    return np.fromiter((is_heldout(i, fraction) for i in ids), dtype=bool, count=len(ids))
 
 
 def _generator(key0: int, key1: int, counter0: int = 0, counter1: int = 0) -> np.random.Generator:
@@ -287,19 +293,21 @@ def _block_order(pieces: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.argsort(key)
 
 
-def plan_partitions(lengths: list[np.ndarray], seed: int, epoch: int, partitions: int,
+def plan_partitions(sizes: np.ndarray, tokens: np.ndarray, seed: int, epoch: int, partitions: int,
                     batch_tokens: int) -> list[PartitionPlan]:
-    """The epoch's batches of every partition, a pure function of the split's lengths (``lengths[s]``:
-    shard s's planned sequences), seed, epoch, partition count and token budget.
+    """The epoch's batches of every partition, a pure function of the split's shape (``sizes[s]``:
+    shard s's planned sequences; ``tokens``: their lengths, shard after shard), seed, epoch,
+    partition count and token budget.
 
     Shards in a seeded order form one line of sequences; the line is cut into ``partitions`` x
     lanes contiguous spans of equal tokens (by each sequence's token midpoint: balanced to a
     sequence; a shard is split only where a span ends). Each span (a lane) is shuffled within
     blocks of a few shard pieces, then cut into batches of at most ``batch_tokens`` tokens. A
     partition's batches take its lanes in turn (lane b mod lanes while none has run out), so
-    loader worker w of a count dividing the lanes reads only its own lanes' shards."""
-    sizes = np.array([len(x) for x in lengths], dtype=np.int64)
-    order = _generator(seed, epoch, 1).permutation(len(lengths))
+    loader worker w of a count dividing the lanes reads only its own lanes' shards. Array work
+    throughout: a 100k-shard split plans without a Python step per shard."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = _generator(seed, epoch, 1).permutation(len(sizes))
     order = order[sizes[order] > 0]
     counts = sizes[order]
     total_seqs = int(counts.sum())
@@ -308,7 +316,8 @@ def plan_partitions(lengths: list[np.ndarray], seed: int, epoch: int, partitions
     shard = np.repeat(order, counts)
     starts = np.cumsum(counts) - counts
     position = np.arange(total_seqs) - np.repeat(starts, counts)
-    tokens = np.concatenate([lengths[s] for s in order]).astype(np.int64)
+    first = np.cumsum(sizes) - sizes  # each shard's first sequence in ``tokens``
+    tokens = np.asarray(tokens, dtype=np.int64)[first[shard] + position]
     total = int(tokens.sum())
     lanes = lanes_per_partition(total / partitions, batch_tokens)
     spans = partitions * lanes
@@ -353,34 +362,43 @@ def resolve_partitions(configured: int, world_size: int, saved: int = 0) -> int:
 
 class EpochPlan:
     """The training split of a cache and its batches per epoch (pure functions of the split's
-    lengths). The sequence tables it reads are checked against their checksums first."""
+    lengths), planned from the cache's sequence table at once: no object or file per shard."""
 
     def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
         self.cache, self.cfg = cache, cfg
-        self.lengths, self.index = [], []
-        skip = set(cfg.skip_shards)
-        # v1 keeps each shard's ids and lengths in its sequences.arrow: checked before they are
-        # trusted. Format 2 plans from its index alone; a shard's files are checked when it is read.
-        if cache.version == 1:
-            cache.ensure_intact((fmt.SEQUENCES,), skip=cfg.skip_shards)
-        for shard in cache.shards:
-            # a skipped shard keeps its place (shard indices stay those of the cache) but is never
-            # read: its files may be missing or damaged
-            keep = (np.zeros(len(shard), dtype=bool) if shard.name in skip else
-                    np.array([is_heldout(i, cfg.heldout_fraction) == heldout for i in shard.ids], dtype=bool))
-            self.index.append(np.flatnonzero(keep))
-            self.lengths.append(shard.lengths[keep] if keep.any() else np.zeros(0, np.int32))
-        self.num_sequences = int(sum(len(i) for i in self.index))
+        # a skipped shard keeps its place (shard indices stay those of the cache) but is never
+        # read: its files may be missing or damaged
+        table = cache.sequence_table(skip=cfg.skip_shards)
+        shard = table.column("shard").to_numpy().astype(np.int64)
+        lengths = table.column("length").to_numpy().astype(np.int64)
+        # rows come shard after shard, each shard's in its own order: row first[s] + i is
+        # sequence i of shard s
+        self.first = np.searchsorted(shard, np.arange(len(cache.shards)))
+        keep = heldout_mask(table.column("id").to_pylist(), cfg.heldout_fraction) == heldout
+        self.rows = np.flatnonzero(keep)  # the split's rows, shard after shard
+        self.lengths = lengths  # of every row read, for the loader's buffers
+        self.sizes = np.bincount(shard[self.rows], minlength=len(cache.shards))
+        self.num_sequences = len(self.rows)
         if self.num_sequences == 0:
             split = "held-out" if heldout else "training"
             raise CacheError(f"the {split} split of {cache.url} is empty ({len(cache)} sequences, held-out fraction {cfg.heldout_fraction}); use a larger cache or change --heldout-fraction")
+        self._shard, self._within = shard[self.rows], self.rows - self.first[shard[self.rows]]
+        self._start = np.cumsum(self.sizes) - self.sizes  # each shard's first position in the split
         self._planned: tuple[tuple[int, int], list[PartitionPlan]] | None = None
+
+    def refs(self, planned: np.ndarray) -> list[tuple[int, int]]:
+        """(shard, sequence-in-shard) of the split's sequences at these positions (0 = its first)."""
+        return list(zip(self._shard[planned].tolist(), self._within[planned].tolist()))
+
+    def length(self, shard: int, i: int) -> int:
+        """Tokens of sequence ``i`` of shard ``shard`` (one of the split's)."""
+        return int(self.lengths[self.first[shard] + i])
 
     def partitions(self, epoch: int, partitions: int = 1) -> list[PartitionPlan]:
         """Each partition's batches of the epoch (positions among the planned sequences)."""
         if self._planned is None or self._planned[0] != (epoch, partitions):
-            self._planned = (epoch, partitions), plan_partitions(self.lengths, self.cfg.seed, epoch, partitions,
-                                                                 self.cfg.batch_tokens)
+            self._planned = (epoch, partitions), plan_partitions(self.sizes, self.lengths[self.rows], self.cfg.seed,
+                                                                 epoch, partitions, self.cfg.batch_tokens)
         return self._planned[1]
 
     def steps(self, epoch: int, partitions: int = 1) -> int:
@@ -391,7 +409,10 @@ class EpochPlan:
         """This rank's batch of (shard, sequence-in-shard) at every step of the epoch: batch s of
         each partition it owns, together (empty once they ran out)."""
         owned = [self.partitions(epoch, partitions)[p] for p in owned_partitions(partitions, rank, world_size)]
-        return [[(s, int(self.index[s][i])) for part in owned if b < len(part) for s, i in part.batch(b)]
+        # a partition's positions among the planned sequences, as split positions at once
+        planned = [self._start[part.shard] + part.position for part in owned]
+        return [[ref for part, at in zip(owned, planned) if b < len(part)
+                 for ref in self.refs(at[part.bounds[b]:part.bounds[b + 1]])]
                 for b in range(self.steps(epoch, partitions))]
 
     def batches(self, epoch: int, partitions: int = 1) -> list[list[tuple[int, int]]]:
@@ -508,7 +529,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         def rows():
             for share, *_ in ahead:
                 if share:
-                    lengths = [int(cache.shards[s].lengths[i]) for s, i in share]
+                    lengths = [plan.length(s, i) for s, i in share]
                     hidden, views = hidden_buffer(cache, lengths, self.cfg.layout, pinned=self.pinned)
                     filling.append(hidden)
                     yield from ((s, i, view) for (s, i), view in zip(share, views))
@@ -564,7 +585,7 @@ def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state:
 def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = None):
     """Batches of the held-out split in a fixed order, with fixed anchors and no noise."""
     plan = EpochPlan(cache, cfg, heldout=True)
-    refs = [(s, int(i)) for s, idx in enumerate(plan.index) for i in idx][:max_sequences]
-    lengths = [np.array([cache.shards[s].lengths[i] for s, i in refs])]
+    refs = plan.refs(np.arange(plan.num_sequences)[:max_sequences])
+    lengths = [np.array([plan.length(s, i) for s, i in refs])]
     for batch in cut_batches([(0, j) for j in range(len(refs))], lengths, cfg.batch_tokens):
         yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dflash_train.settings.dflash2 import DFlash2Config
+from dflash_train.settings.dflash2_config import DFlash2Config
 
 # speculators' initialisation of the selector (its initializer_range).
 SELECTOR_INIT_STD = 0.02

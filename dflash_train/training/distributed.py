@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.environment import int_from_env
 from dflash_common.errors import ConfigError
-from dflash_train.settings.train import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
+from dflash_train.settings.train_config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
 @dataclass(frozen=True)

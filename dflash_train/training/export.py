@@ -22,7 +22,7 @@ from torch import Tensor
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.files import foreign_entries, give_plain_mode, holds, refuse_links, remove_tree
 from dflash_common.settings_files import load_settings_file
-from dflash_train.settings.drafter import EXPORT_ARCHITECTURES, DrafterConfig
+from dflash_train.settings.drafter_config import EXPORT_ARCHITECTURES, DrafterConfig
 from dflash_train.training.model import DFlashDrafter
 
 CONFIG_FILE = "config.json"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from dflash_cache import Cache
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.loss_config import LossConfig
 from dflash_train.training.data import heldout_batches
 from dflash_train.training.dflash2 import unary_scores
 from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, block_states, tau_from_alpha

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_train.settings.drafter import DrafterConfig
+from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.training.dflash2 import GroupedConv
 
 

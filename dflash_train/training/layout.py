@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dflash_train.settings.data import PACKED, PADDED
+from dflash_train.settings.data_config import PACKED, PADDED
 
 
 def sequence_starts(lengths: Tensor, layout: str, width: int) -> Tensor:

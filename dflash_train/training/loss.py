@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.settings.loss import (
+from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.loss_config import (
     LossConfig,
 )
 from dflash_train.training.dflash2 import training_candidates, unary_scores

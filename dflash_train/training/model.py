@@ -21,8 +21,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
-from dflash_train.settings.data import PACKED
-from dflash_train.settings.drafter import (
+from dflash_train.settings.data_config import PACKED
+from dflash_train.settings.drafter_config import (
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
     DrafterConfig,

@@ -25,7 +25,7 @@ import xxhash
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
-from dflash_train.settings.noise import NoiseConfig
+from dflash_train.settings.noise_config import NoiseConfig
 
 # a stream's element counter is an int32 bit pattern: 2**32 draws per (sequence, layer)
 MAX_DRAWS_PER_STREAM = 2**32

@@ -23,8 +23,8 @@ from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
 from dflash_train.config import RESUME_MAY_CHANGE, config_differences
-from dflash_train.settings.drafter import DrafterConfig
-from dflash_train.settings.train import TrainConfig
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.checkpoint import (
     COMPLETE,
     CheckpointError,

@@ -11,7 +11,7 @@ import torch
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
-from dflash_train.settings.loss import LossConfig
+from dflash_train.settings.loss_config import LossConfig
 
 # docs/design.md's (block size, gamma) pairs; other block sizes interpolate between them.
 _GAMMA_ANCHORS = ((8, 4.0), (10, 5.0), (16, 7.0))

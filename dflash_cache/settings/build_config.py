@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_cache.settings.corpus import CorpusConfig
-from dflash_cache.settings.engines import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
-from dflash_cache.settings.storage import StorageConfig
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.corpus_config import CorpusConfig
+from dflash_cache.settings.storage_config import StorageConfig
+from dflash_cache.settings.teacher_config import TeacherConfig
+from dflash_cache.settings.vllm_args import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs
 

@@ -10,8 +10,8 @@ import xxhash
 
 from dflash_common.errors import ConfigError
 from dflash_common.resume_check import first_difference
-from dflash_regenerate.config import RESUME_KEYS, SETTINGS_DEFAULTS
-from dflash_regenerate.settings.regenerate import KEEP_TURNS
+from dflash_regenerate.outputs import RESUME_KEYS, SETTINGS_DEFAULTS
+from dflash_regenerate.settings.regenerate_config import KEEP_TURNS
 
 
 def part_name(index: int) -> str:

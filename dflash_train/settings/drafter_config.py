@@ -10,10 +10,10 @@ from typing import Any, Mapping, Sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
-from dflash_train.settings.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
-from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.settings.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
-from dflash_train.settings.dspark import DSparkConfig
+from dflash_train.settings.dflash2_config import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_train.settings.dspark_config import DSparkConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from dflash_cache.settings.corpus import SUPPORTED_SUFFIXES
+from dflash_cache.settings.corpus_config import SUPPORTED_SUFFIXES
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file
 

@@ -9,11 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_cache.settings.teacher import TEACHER_DTYPES
+from dflash_cache.settings.teacher_config import TEACHER_DTYPES
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice, text_problem
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.speculative import SpecConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.spec_config import SpecConfig
 
 ENGINES = ("dflash", "vllm", "both")
 SPEC_OPTIONS = ("max_new_tokens", "top_p", "confidence_threshold")

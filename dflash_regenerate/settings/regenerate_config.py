@@ -6,11 +6,12 @@ import math
 import os
 from dataclasses import dataclass
 
-from dflash_cache.settings.corpus import BAD_ROW_POLICIES, check_template_kwargs
-from dflash_cache.settings.teacher import TeacherConfig
+from dflash_cache.settings.corpus_config import BAD_ROW_POLICIES, check_template_kwargs
+from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_common.errors import ConfigError
+from dflash_common.knobs import Knob, config_knobs
 from dflash_common.values import is_int
-from dflash_regenerate.settings.server import ServerConfig
+from dflash_regenerate.settings.server_config import ServerConfig
 
 KEEP_TURNS = ("first", "all")
 
@@ -144,3 +145,14 @@ class RegenerateConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# Not options: rank and world size come from torchrun's environment (ranks_from_env); the
+# retry backoff and the teacher fields below matter to a build only, not to answering prompts.
+NOT_OPTIONS = ("rank", "world_size", "server.backoff_s", "teacher.device_map", "teacher.layers",
+               "teacher.num_tapped_layers", "teacher.top_k", "teacher.batch_tokens", "teacher.logits_chunk")
+
+
+def regenerate_knobs() -> tuple[Knob, ...]:
+    """The options of `dflash-cache regenerate`: RegenerateConfig's fields, its teacher's and its server's."""
+    return config_knobs(RegenerateConfig, exclude=NOT_OPTIONS)

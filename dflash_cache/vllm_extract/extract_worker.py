@@ -1,4 +1,4 @@
-"""The build's vLLM engine, run by the python of a vLLM environment: `python worker.py`.
+"""The build's vLLM engine, run by the python of a vLLM environment: `python extract_worker.py`.
 
 Imports nothing from dflash (vLLM pins its own torch and transformers). Protocol, in frames
 (dflash_frames): the build writes the setup frame on stdin (engine arguments, the layers to

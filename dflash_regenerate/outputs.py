@@ -1,18 +1,16 @@
-"""What `dflash-cache regenerate` is asked to do (RegenerateConfig) and what it reports (RegenerateResult)."""
+"""What `dflash-cache regenerate` writes next to its output (the parts folder's names, the settings a
+resume must match) and what it reports (RegenerateResult)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-from dflash_common.knobs import Knob, config_knobs
-from dflash_regenerate.settings.regenerate import RegenerateConfig
-
 SETTINGS = ".settings.json"
 # A part's or record's temporary name (see _write_atomic): ".part-000003.jsonl.tmp-1a2b3c4d".
 PART_TEMPORARY = re.compile(r"^\.+part-(\d+)\.jsonl?\.tmp-")
-# Every name regenerate writes in OUT.parts: parts (plan.part_name), their commit records
-# (plan.record_name), the settings, and the temporaries of all three (".NAME.tmp-XXXXXXXX").
+# Every name regenerate writes in OUT.parts: parts (part_plan.part_name), their commit records
+# (part_plan.record_name), the settings, and the temporaries of all three (".NAME.tmp-XXXXXXXX").
 # --overwrite deletes only these.
 _WRITTEN = rf"(?:part-\d{{6,}}\.jsonl|\.part-\d{{6,}}\.json|{re.escape(SETTINGS)})"
 PARTS_ENTRY = re.compile(rf"^(?:{_WRITTEN}|\.{_WRITTEN}\.tmp-[0-9a-f]+)$")
@@ -34,12 +32,6 @@ RESUME_KEYS = ("backend", "teacher", "tokenizer", "dtype", "corpus", "rows_per_p
                "keep_turns", "sampling", "on_truncated", "reasoning", "chat_template_kwargs")
 # What settings files written before a key existed meant by its absence.
 SETTINGS_DEFAULTS = {"backend": "transformers", "on_truncated": "keep", "reasoning": "drop", "chat_template_kwargs": None}
-
-
-
-
-
-
 
 
 @dataclass
@@ -64,14 +56,3 @@ class RegenerateResult:
     """Parts this call generated."""
     parts_missing: int = 0
     """Parts not committed yet (other ranks still at work), when not complete."""
-
-
-# Not options: rank and world size come from torchrun's environment (ranks_from_env); the
-# retry backoff and the teacher fields below matter to a build only, not to answering prompts.
-NOT_OPTIONS = ("rank", "world_size", "server.backoff_s", "teacher.device_map", "teacher.layers",
-               "teacher.num_tapped_layers", "teacher.top_k", "teacher.batch_tokens", "teacher.logits_chunk")
-
-
-def regenerate_knobs() -> tuple[Knob, ...]:
-    """The options of `dflash-cache regenerate`: RegenerateConfig's fields, its teacher's and its server's."""
-    return config_knobs(RegenerateConfig, exclude=NOT_OPTIONS)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
-from dflash_train.settings.drafter import ATTENTION_CHOICES, MAX_BLOCK_SIZE
-from dflash_train.settings.dspark import DRAFTER_KINDS
+from dflash_train.settings.drafter_config import ATTENTION_CHOICES, MAX_BLOCK_SIZE
+from dflash_train.settings.dspark_config import DRAFTER_KINDS
 
 
 @dataclass(frozen=True)

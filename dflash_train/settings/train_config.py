@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.data import DataConfig
-from dflash_train.settings.dflash2 import DFlash2Config
-from dflash_train.settings.dspark import DSparkConfig
-from dflash_train.settings.loss import LossConfig
-from dflash_train.settings.model import ModelConfig
-from dflash_train.settings.noise import NoiseConfig
-from dflash_train.settings.optim import OptimConfig
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.loss_config import LossConfig
+from dflash_train.settings.model_config import ModelConfig
+from dflash_train.settings.noise_config import NoiseConfig
+from dflash_train.settings.optim_config import OptimConfig
 
 STRATEGIES = ("ddp", "fsdp")
 """Data parallelism under torchrun (dflash_train.training.distributed carries them out)."""
