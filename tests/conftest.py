@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(items):
     seen: dict[str, int] = {}
     for item in items:
         marker = item.get_closest_marker("fast_cases")
-        if marker is None or not hasattr(item, "callspec"):
+        if marker is None or not hasattr(item, "callspec") or item.get_closest_marker("slow"):
             continue
         name = item.nodeid.split("[", 1)[0]
         seen[name] = seen.get(name, 0) + 1

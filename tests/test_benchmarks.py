@@ -1,5 +1,6 @@
 """The issue #6 benchmark scripts run end to end in their tiny modes and print their tables, so they
-cannot silently rot. They run at once (each is mostly process start-up and imports)."""
+cannot silently rot. They run at once (each is mostly process start-up and imports), in `make
+test-slow`: together they take about two minutes of the two cores."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"[\d,]+(?:\.\d+)?"
@@ -134,6 +137,11 @@ def test_scale_script_compares_both_formats_at_each_size(outputs):
             assert cells[6].startswith("3 (" if version == "v2" else "1 ("), cells
             if version == "v1":
                 assert int(cells[4]) >= int(shards), cells
+    # the epoch plan against the per-shard baseline, in the same process: both plans made
+    plans = _table(text, 5)
+    assert set(plans) == set(rows), text
+    for cells in plans.values():
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0, cells
     # every rank's epoch at W = 2 (10 shards, format 2): the ranks' sequences add up to the training split
     epoch = _table(text, 10)
     if "One epoch a rank" in text:

@@ -251,6 +251,7 @@ def _records(out: Path) -> list[Path]:
     return sorted((out / "shards").glob("r*/shard-*.json"))
 
 
+@pytest.mark.slow
 def test_sigkill_during_build_then_rerun_equals_clean_build(tmp_path, teacher_dir):
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(120, seed=3))

@@ -88,6 +88,7 @@ def test_regenerate_renders_with_the_kwargs_and_records_them(tmp_path, thinking_
     assert refused.exit_code == 1 and "chat_template_kwargs differs" in refused.output
 
 
+@pytest.mark.slow
 def test_eval_and_generate_use_the_caches_kwargs_and_refuse_others(tmp_path, thinking_teacher):
     data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(10, seed=9, prefix="ev-"))
     cache = tmp_path / "cache"

@@ -83,6 +83,7 @@ _MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(_MALFORMED))
+@pytest.mark.fast_cases(2)
 def test_a_malformed_state_json_is_one_line_naming_folder_entry_and_fix(saved, tmp_path, teacher_dir, case):
     edit, message = _MALFORMED[case]
     folder = _edit(saved, tmp_path, edit)
@@ -102,6 +103,7 @@ def test_an_intact_saved_folder_still_builds(saved, tmp_path, teacher_dir):
 
 
 @pytest.mark.parametrize("target", ["/proc/self/pagemap", "/sys/kernel/mm/transparent_hugepage/enabled", "/dev/zero"])
+@pytest.mark.fast_cases(1)
 def test_a_jsonl_leading_into_a_kernel_folder_is_refused_unread(tmp_path, teacher_dir, target):
     folder = tmp_path / "data"
     folder.mkdir()

@@ -392,6 +392,7 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_a_50_mb_row_builds_in_bounded_memory(tmp_path, teacher_dir, tokenizer):
     """Tokenizing a 50 MB row whole took 7-8 GB; now memory follows --max-length."""
     teacher = teacher_dir("qwen3")

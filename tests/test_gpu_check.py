@@ -27,6 +27,7 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_one_table(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_failing_part_is_its_own_row_and_the_check_fails(tmp_path):
     """A part that raises records FAIL and its error; the table still lists every part."""
     out = tmp_path / "out"

@@ -31,6 +31,7 @@ def _one_line(args: list[str]) -> str:
     ("--storage-options", '{"a": ' + DIGITS + "}", "--storage-options cannot be read (Exceeds the limit (4300 digits)"),
     ("--storage-options", '{"a": 1e999}', "--storage-options cannot be read (1e999 is beyond a float's range)"),
 ])
+@pytest.mark.fast_cases(2)
 def test_a_json_option_holding_what_python_cannot_is_one_line(tmp_path, option, value, message):
     (tmp_path / "chat.jsonl").write_text("")
     line = _one_line([str(BIN / "dflash-cache"), "build", "--teacher", str(tmp_path), "--data", str(tmp_path / "chat.jsonl"),

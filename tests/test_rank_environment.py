@@ -33,6 +33,7 @@ def _env(**values: str) -> dict:
     ({"WORLD_SIZE": "1" * 5000}, "WORLD_SIZE='1111"),
     ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is outside a world of WORLD_SIZE=2 processes"),
 ])
+@pytest.mark.fast_cases(1)
 def test_a_bad_torchrun_variable_is_one_line_before_training(cache_url, tmp_path, variables, named):
     """`dflash-train run` on a real cache: each bad value stops the run in one line naming the
     variable, its value and the fix (int() of it was a traceback), and writes nothing."""

@@ -26,6 +26,7 @@ def caches(tiny_cache):
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "float32"])
+@pytest.mark.fast_cases(1)
 def test_chunk_files_equal_zarr_for_any_row_range(caches, kind):
     cache = open_cache(caches[kind])
     rng = np.random.default_rng(0)

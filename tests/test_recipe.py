@@ -278,6 +278,7 @@ def _png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_tiny_recipe_yields_every_configuration_plots_and_differences(tmp_path, one_thread):
     sys.path.insert(0, str(ROOT / "examples"))
     import recipe

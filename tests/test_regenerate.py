@@ -203,6 +203,7 @@ def _committed(out: Path) -> list[Path]:
     return sorted(Path(parts_dir(str(out))).glob(".part-*.json"))
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, teacher_dir):
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(60, seed=4))

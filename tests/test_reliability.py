@@ -134,6 +134,7 @@ _SLOW = pytest.mark.slow  # the same points later in the build, and format 1: ma
     pytest.param(1, "after_shard_files", 3, marks=_SLOW), pytest.param(1, "after_commit_record", -1, marks=_SLOW),
     pytest.param(1, "during_manifest_write", 4, marks=_SLOW),
 ])
+@pytest.mark.fast_cases(1)
 def test_build_killed_at_fault_point_resumes_to_clean_build(build_cases, version, point, count):
     build_case = build_cases(version)
     total = len(build_case["shards"])
@@ -311,6 +312,7 @@ def _curve(run: Path, after: int) -> dict:
 
 
 @pytest.mark.parametrize("point,count,latest", [("checkpoint_after_files", 2, 2), ("checkpoint_before_rename", 3, 4)])
+@pytest.mark.fast_cases(1)
 def test_training_killed_while_saving_resumes_bit_identical(tmp_path, train_cache, straight_run, point, count, latest):
     killed = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-m", "cli.train", "run", "--cache", train_cache, "--out", str(killed), *TRAIN_ARGS],

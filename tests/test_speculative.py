@@ -436,6 +436,7 @@ def exact_outcome_probs(teacher, length: int, temperature: float, top_p: float, 
     (2, 1.0, 1.0, (), 800),     # one draft per block: bonus tokens land in the output
     (4, 0.8, 0.9, (2,), 800),   # multi-draft chains, nucleus filter, stops inside a block
 ])
+@pytest.mark.fast_cases(1)
 def test_sampling_keeps_the_teacher_distribution(block_size, temperature, top_p, stop, samples):
     teacher = sampling_teacher()
     drafter = random_drafter(teacher, block_size, mask_token_id=SAMPLE_VOCAB - 1, seed=1, layer_ids=(0,),

@@ -370,6 +370,7 @@ def _learned(run: Path) -> list[dict]:
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_parallel_sweep_equals_the_serial_sweep(swept, cache_url, tmp_path):
     serial, _ = swept
     out = tmp_path / "sw"
@@ -393,6 +394,7 @@ def test_parallel_sweep_equals_the_serial_sweep(swept, cache_url, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["parallel", "serial"])
+@pytest.mark.fast_cases(1)
 def test_sweep_names_a_failed_run_and_its_log_while_the_others_finish(swept, cache_url, tmp_path, mode):
     original, _ = swept
     out = tmp_path / "sw"

@@ -75,6 +75,7 @@ def test_a_sweep_plan_too_large_is_one_line_at_once(tiny_cache, tmp_path, extra,
 
 @pytest.mark.parametrize("name, text", [("results.csv", "my,table\n1,2\n"), ("results.md", "# my notes\n"),
                                         ("sweep.json", '{"mine": true}\n'), ("sweep.json", "not json")])
+@pytest.mark.fast_cases(1)
 def test_a_foreign_file_in_the_sweep_folder_is_refused_and_kept(tiny_cache, tmp_path, name, text):
     out = tmp_path / "sw"
     out.mkdir()
@@ -104,6 +105,7 @@ def _copy(finished: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_link_at_a_temporary_name_is_never_written_through(finished, tiny_cache, tmp_path):
     """The plots, measure.json and the teacher's outputs were written to fixed temporaries: a link
     planted at one sent the write outside. Now every temporary is a fresh name made new."""
@@ -146,6 +148,7 @@ def test_a_link_at_a_runs_log_is_refused_before_training(finished, tiny_cache, t
     ("[1, 2]", "config.json that is not a dflash-train run's"),
     ('{"cache": 1, "model": 2, "loss": 3, "optim": [' + "1," * 10_000_000 + "1]}", "config.json that is not"),
 ])
+@pytest.mark.fast_cases(1)
 def test_a_run_folders_config_json_is_read_bounded_and_garbage_is_one_line(finished, tiny_cache, tmp_path, content,
                                                                           message):
     out = _copy(finished, tmp_path)

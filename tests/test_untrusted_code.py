@@ -32,6 +32,7 @@ def custom_code_teacher(root: Path, marker: Path) -> Path:
 
 
 @pytest.mark.parametrize("command", ["build", "regenerate", "eval"])
+@pytest.mark.fast_cases(1)
 def test_yes_on_stdin_never_runs_a_teachers_code(tmp_path, command):
     marker = tmp_path / "code-ran"
     teacher = custom_code_teacher(tmp_path, marker)
