@@ -50,10 +50,11 @@ from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import index as cache_index  # noqa: E402
 from dflash_cache import integrity  # noqa: E402
 from dflash_cache.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
+from dflash_cache.index import ipc_bytes  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_cache.verify import verify_cache  # noqa: E402
-from dflash_cache.writer import Committed, ShardData, _ipc_bytes, sequences_table, write_shard  # noqa: E402
+from dflash_cache.writer import Committed, ShardData, sequences_table, write_shard  # noqa: E402
 
 HIDDEN, LAYERS, TOP_K, SEQ_LEN, WORLD = 8, 2, 2, 2, 2
 
@@ -333,7 +334,7 @@ def write_cache(root: str, shards: int, version: int, written: int) -> float:
                 shard = replace(data, index=index, row_start=index, row_end=index + 1, ids=[f"s{rank}-{index:07d}"],
                                 rows=np.array([index], np.int64))
                 table = sequences_table(shard)
-                record = _replicate(root, template, shard, _ipc_bytes(table), version)
+                record = _replicate(root, template, shard, ipc_bytes(table), version)
             if version == 1 or index < written:
                 keeper.commit(record if version == 1 else Committed(record, table))
             else:  # ManifestKeeper.commit without its checkpoints (the part is written once, below)

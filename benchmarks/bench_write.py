@@ -259,7 +259,7 @@ def profile_write(shards, tmp: Path, compression: str) -> None:
     timer = PartTimer()
     parts = [
         (writer_mod.zarr, "create_array", "zarr write (encode + chunk files)"),
-        (writer_mod, "_ipc_bytes", "arrow IPC serialisation"),
+        (writer_mod, "ipc_bytes", "arrow IPC serialisation"),
         (writer_mod.pa, "table", "arrow table build"),
         (fmt, "checksum", "checksums (xxh64)"),
         (fs, "pipe_file", "arrow files write"),

@@ -22,11 +22,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _build_config(knob_values: dict):
     """The BuildConfig of the options given (the fields' defaults for the rest); the rank from torchrun's environment."""
     from dflash_cache.settings.build_config import BuildConfig
-    from dflash_common.environment import int_from_env
+    from dflash_common.environment import rank_and_world
 
-    return make_config(BuildConfig, nested_values(build_knobs(), knob_values),
-                       rank=int_from_env("RANK", 0, meaning="this process's rank, set by torchrun"),
-                       world_size=int_from_env("WORLD_SIZE", 1, minimum=1, meaning="the number of build processes"))
+    rank, world_size = rank_and_world()
+    return make_config(BuildConfig, nested_values(build_knobs(), knob_values), rank=rank, world_size=world_size)
 
 
 @app.command()
@@ -212,7 +211,8 @@ def regenerate(
     progress = BarProgress(enabled=not quiet)
 
     def action():
-        from dflash_regenerate import merge_parts, ranks_from_env
+        from dflash_common.environment import rank_and_world
+        from dflash_regenerate import merge_parts
         from dflash_regenerate import regenerate as regenerate_corpus
         from dflash_regenerate.settings.regenerate_config import RegenerateConfig
 
@@ -233,7 +233,7 @@ def regenerate(
                 values["teacher"] = None
             else:
                 values.pop("server", None)
-            rank, world_size = ranks_from_env()
+            rank, world_size = rank_and_world()
             result = regenerate_corpus(make_config(RegenerateConfig, values, rank=rank, world_size=world_size), progress)
         if result.complete:
             typer.echo(f"regenerated corpus ready at {out} ({result.rows:,} rows)")

@@ -27,6 +27,7 @@ import zarr.codecs
 
 from dflash_cache import format as fmt
 from dflash_cache import fp8, health, hidden_files
+from dflash_cache.index import ipc_bytes
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.store import zarr_store
 from dflash_common.errors import CacheError
@@ -68,13 +69,6 @@ class ShardData:
             hidden=self.hidden[token_keep], topk_ids=self.topk_ids[token_keep],
             topk_logprobs=self.topk_logprobs[token_keep], skipped=dict(self.skipped),
         )
-
-
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def _fixed_list(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
@@ -147,7 +141,7 @@ def _arrow_files(shard: ShardData, extra_columns: list, n_layers: int) -> tuple[
         ],
         schema=fmt.tokens_schema(shard.topk_ids.shape[1], n_layers if extra_columns else 0),
     )
-    return _ipc_bytes(tokens_table), _ipc_bytes(sequences_table(shard))
+    return ipc_bytes(tokens_table), ipc_bytes(sequences_table(shard))
 
 
 def _move_into_place(fs, work_dir: str, final_dir: str) -> None:

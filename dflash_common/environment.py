@@ -22,3 +22,15 @@ def int_from_env(name: str, default: int, minimum: int = 0, meaning: str = "") -
         what = f" ({meaning})" if meaning else ""
         raise ConfigError(f"{name}={text[:40]!r} is not an integer >= {minimum}{what}; set it to one or unset it")
     return value
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's (RANK, WORLD_SIZE) as torchrun sets them, (0, 1) when unset; the one reader of
+    both for the build, regenerate and training: a value that is not a whole number, or a rank
+    outside the world, is one ConfigError line naming the variable, its value and the fix."""
+    world = int_from_env("WORLD_SIZE", 1, minimum=1, meaning="the number of processes, set by torchrun")
+    rank = int_from_env("RANK", 0, meaning="this process's rank, set by torchrun")
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} is outside a world of WORLD_SIZE={world} processes; set RANK in 0..WORLD_SIZE-1 "
+                          "(torchrun sets both), or unset them to run in one process")
+    return rank, world

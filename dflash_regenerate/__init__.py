@@ -42,7 +42,7 @@ _HOMES = {
     "generation": ("RowSampler", "ServerGenerator", "TeacherGenerator", "load_generator", "load_server_generator",
                    "regenerate_rows"),
     "parts": ("commit_part", "committed_parts", "merge_parts"),
-    "part_plan": ("part_name", "part_rows", "plan_turns", "rank_parts", "ranks_from_env", "record_name", "sample_seed",
+    "part_plan": ("part_name", "part_rows", "plan_turns", "rank_parts", "record_name", "sample_seed",
              "settings_mismatch"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}

@@ -3,8 +3,7 @@ random stream, and the settings a resume must match."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import xxhash
 
@@ -31,24 +30,6 @@ def rank_parts(num_parts: int, rank: int, world_size: int) -> list[int]:
     """The parts rank `rank` owns: fixed row ranges dealt round-robin, so every world size cuts
     the corpus the same way and the merged output is the same."""
     return list(range(rank, num_parts, world_size))
-
-
-def ranks_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(rank, world_size) from torchrun's RANK and WORLD_SIZE; (0, 1) without them."""
-    environ = os.environ if environ is None else environ
-    values = []
-    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")):
-        text = environ.get(name, default)
-        try:
-            values.append(int(text))
-        except ValueError:
-            raise ConfigError(f"environment variable {name}={text!r} is not an integer; "
-                              f"launch with torchrun or unset it") from None
-    rank, world = values
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent (need 0 <= RANK < WORLD_SIZE); "
-                          f"launch with torchrun or unset them")
-    return rank, world
 
 
 def plan_turns(messages: list[dict], keep_turns: str) -> list[list[dict]]:

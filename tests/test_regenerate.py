@@ -23,6 +23,7 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.sampling import top_p_filter
 from dflash_cache.teacher import TeacherConfig
+from dflash_common.environment import rank_and_world
 from dflash_common.errors import ConfigError
 from dflash_regenerate import (
     RegenerateConfig,
@@ -31,7 +32,6 @@ from dflash_regenerate import (
     merge_parts,
     parts_dir,
     plan_turns,
-    ranks_from_env,
     regenerate,
     sample_seed,
 )
@@ -374,13 +374,19 @@ def test_sampling_helpers():
     assert len({sample_seed(0, "a", 0), sample_seed(1, "a", 0), sample_seed(0, "b", 0), sample_seed(0, "a", 1)}) == 4
 
 
-def test_ranks_and_config_validation(tmp_path):
-    assert ranks_from_env({}) == (0, 1)
-    assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4)
+def test_ranks_and_config_validation(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert rank_and_world() == (0, 1)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert rank_and_world() == (3, 4)
+    monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
-        ranks_from_env({"WORLD_SIZE": "two"})
-    with pytest.raises(ConfigError, match="RANK=4 and WORLD_SIZE=4"):
-        ranks_from_env({"RANK": "4", "WORLD_SIZE": "4"})
+        rank_and_world()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="RANK=3 is outside a world of WORLD_SIZE=3 processes"):
+        rank_and_world()
     teacher = TeacherConfig("t")
     for bad, problem in [(dict(out="x.json"), "must be a .jsonl"), (dict(temperature=-1), "temperature=-1"),
                          (dict(top_p=0), "top_p=0"), (dict(keep_turns="last"), "keep_turns='last'"),

@@ -147,7 +147,7 @@ class RegenerateConfig:
         return self.temperature == 0
 
 
-# Not options: rank and world size come from torchrun's environment (ranks_from_env); the
+# Not options: rank and world size come from torchrun's environment (dflash_common.environment.rank_and_world); the
 # retry backoff and the teacher fields below matter to a build only, not to answering prompts.
 NOT_OPTIONS = ("rank", "world_size", "server.backoff_s", "teacher.device_map", "teacher.layers",
                "teacher.num_tapped_layers", "teacher.top_k", "teacher.batch_tokens", "teacher.logits_chunk")

@@ -15,8 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_common.environment import int_from_env
-from dflash_common.errors import ConfigError
+from dflash_common.environment import int_from_env, rank_and_world
 from dflash_train.settings.train_config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
@@ -39,14 +38,9 @@ class DistInfo:
 
 def dist_info_from_env() -> DistInfo:
     """Where torchrun's RANK, WORLD_SIZE and LOCAL_RANK put this process (unset: rank 0 of 1),
-    checked before anything reads them: a value that is not a whole number, or a rank outside
-    the world, is one ConfigError line naming the variable, its value and the fix."""
-    world = int_from_env("WORLD_SIZE", 1, minimum=1, meaning="the number of training processes, set by torchrun")
-    rank = int_from_env("RANK", 0, meaning="this process's rank, set by torchrun")
+    checked before anything reads them (dflash_common.environment: one line for a bad value)."""
+    rank, world = rank_and_world()
     local_rank = int_from_env("LOCAL_RANK", 0, meaning="this process's index on its node, set by torchrun")
-    if rank >= world:
-        raise ConfigError(f"RANK={rank} is outside a world of WORLD_SIZE={world} processes; set RANK in 0..WORLD_SIZE-1 "
-                          "(torchrun sets both), or unset them to train in one process")
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank)
 
 
