@@ -29,6 +29,16 @@ CHECKSUMMED = (fmt.SEQUENCES, fmt.TOKENS, "hidden")
 """A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``)."""
 
 
+def read_parts(version: int) -> tuple[str, ...]:
+    """The checksummed parts that reading a shard's sequences uses, so the ones training and
+    evaluation check before any of it is handed out: format 1 reads each sequence's id, offset and
+    length from sequences.arrow (checked with the commit record on disk); format 2 reads them from
+    its index, checked when the cache is opened, so its shards' sequences.arrow and commit records
+    (the copies a lost index is rebuilt from) are left to `verify`, and a rank reads two files a
+    shard instead of four."""
+    return CHECKSUMMED if version == 1 else (fmt.TOKENS, "hidden")
+
+
 class ShardIntegrityError(CacheError):
     """A shard's bytes differ from its commit record (``Shard.ensure_intact``); ``problems`` say how."""
 

@@ -38,7 +38,6 @@ from dflash_cache import health
 from dflash_cache import index as cache_index
 from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
 from dflash_cache.integrity import (
-    CHECKSUMMED,
     RECORD,
     SIZES,
     ShardIntegrityError,
@@ -46,6 +45,7 @@ from dflash_cache.integrity import (
     inside_cache,
     part_problems,
     quick_check,
+    read_parts,
     record_problems,
 )
 from dflash_cache.shard_files import ChunkFiles, fixed_list_values, open_ipc
@@ -101,14 +101,15 @@ class Shard:
         first = self.cache._first_sequence
         return int(first[self.position]), int(first[self.position + 1])
 
-    def checksum_problems(self, parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden")) -> list[str]:
+    def checksum_problems(self, parts: Sequence[str] | None = None) -> list[str]:
         """What differs between this shard's files and the checksums of its commit record (empty
         when intact): ``parts`` of sequences.arrow, tokens.arrow and "hidden" (the hidden-state
-        array as stored, its shape and dtype included). Each part is hashed once per shard object
+        array as stored, its shape and dtype included); default: those a read uses
+        (``integrity.read_parts``). Each part is hashed once per shard object
         and, on local storage, once per process while its files stay the same (a file replaced or
         rewritten since is hashed again). Thread-safe; files are streamed, never loaded whole."""
         problems = []
-        for part in parts:
+        for part in read_parts(self.version) if parts is None else parts:
             with self._check_lock:
                 if part not in self._checked:
                     # a manifest edited to other counts keeps every checksum: its records are
@@ -119,7 +120,7 @@ class Shard:
                 problems += self._checked[part]
         return problems
 
-    def ensure_intact(self, parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden")) -> None:
+    def ensure_intact(self, parts: Sequence[str] | None = None) -> None:
         """Raise ShardIntegrityError when ``checksum_problems(parts)`` finds any."""
         problems = self.checksum_problems(parts)
         if problems:
@@ -424,10 +425,11 @@ class Cache:
         before the shard passed ``Shard.ensure_intact`` (hashed on the reading threads, once)."""
         return ReadAhead(self, refs, max_bytes, threads, check)
 
-    def checksum_problems(self, shards: Iterable[int], parts: Sequence[str] = (fmt.SEQUENCES, fmt.TOKENS, "hidden"),
+    def checksum_problems(self, shards: Iterable[int], parts: Sequence[str] | None = None,
                           threads: int = 4) -> dict[str, list[str]]:
         """``Shard.checksum_problems`` of the shards at these indices, several hashed at once:
-        shard name -> problems, for the damaged ones only."""
+        shard name -> problems, for the damaged ones only. Default parts: those a read uses."""
+        parts = read_parts(self.version) if parts is None else parts
         shards = [self.shards[i] for i in dict.fromkeys(shards)]
         if sum(not s._checked.keys() >= set(parts) for s in shards) > 1 and threads > 1:
             with ThreadPoolExecutor(min(threads, len(shards)), thread_name_prefix="dflash-checksum") as pool:
@@ -436,7 +438,7 @@ class Cache:
             found = [s.checksum_problems(parts) for s in shards]
         return {s.name: p for s, p in zip(shards, found) if p}
 
-    def ensure_intact(self, parts: Sequence[str] = CHECKSUMMED, shards: Iterable[int] | None = None,
+    def ensure_intact(self, parts: Sequence[str] | None = None, shards: Iterable[int] | None = None,
                       skip: Collection[str] = (), threads: int = 4) -> int:
         """The one integrity check by which training and evaluation refuse damaged shards: refuses
         ``skip`` names (--skip-shards) the cache does not list (ConfigError), then every shard at
@@ -444,7 +446,9 @@ class Cache:
         naming each with its first problem and both ways out (CacheError). Parts: SIZES (one
         listing of shards/: missing folders and files, sizes other than the commit records';
         cheap enough for every start) and the checksummed ones (``Shard.checksum_problems``, each
-        shard hashed once per process). Returns the number of sequences the skipped shards hold."""
+        shard hashed once per process); default: the checksummed parts a read uses
+        (``integrity.read_parts``). Returns the number of sequences the skipped shards hold."""
+        parts = read_parts(self.version) if parts is None else parts
         names_all = self.shard_names()
         listed = ({name: int(n) for name, n in zip(names_all, np.diff(self._first_sequence))} if self.version != 1
                   else {s.name: len(s) for s in self.shards}) if skip else {}  # per batch in the loader: no walk without skips

@@ -67,13 +67,21 @@ SHARD_FILES = {  # a file of shard 1 -> what verify says of it flipped
 
 @pytest.mark.parametrize("name", list(SHARD_FILES))
 def test_a_flipped_byte_in_a_shard_is_named_by_verify_and_refused_by_run(built, tmp_path, name):
+    """verify names every damaged file; run refuses damage in what it reads (the hidden states and
+    tokens.arrow). A format-2 shard's sequences.arrow is the copy a lost index is rebuilt from:
+    training reads the index's rows instead, so it neither reads nor checks that file, and trains
+    on the intact index as the undamaged cache does."""
     cache = _copy(built, tmp_path)
     shard = open_cache(str(cache)).shards[1].name
     _flip(Path(fmt.shard_path(str(cache), shard, 2)) / name)
     verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
     assert verified.exit_code == 1 and f"BAD {shard}: " in verified.output and SHARD_FILES[name] in verified.output, \
         verified.output
-    _refused_by_run(cache, shard)
+    if name != "sequences.arrow":
+        _refused_by_run(cache, shard)
+        return
+    trained = CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(cache.parent / "run"), *RUN])
+    assert trained.exit_code == 0 and (cache.parent / "run" / "drafter").exists(), trained.output
 
 
 @pytest.mark.parametrize("table", [fmt.SHARD_TABLE, fmt.SEQUENCE_TABLE])
