@@ -405,15 +405,21 @@ class EpochPlan:
         """Steps of the epoch: its longest partition's batches (every rank runs them all)."""
         return max(len(p) for p in self.partitions(epoch, partitions))
 
+    def rank_batch(self, epoch: int, partitions: int, rank: int, world_size: int, step: int) -> list[tuple[int, int]]:
+        """This rank's batch of (shard, sequence-in-shard) at one step of the epoch: that batch of
+        each partition it owns, together (empty once they ran out). Made when asked for, so an
+        epoch of a million sequences starts without listing them all."""
+        batch = []
+        for p in owned_partitions(partitions, rank, world_size):
+            part = self.partitions(epoch, partitions)[p]
+            if step < len(part):
+                lo, hi = part.bounds[step], part.bounds[step + 1]
+                batch += self.refs(self._start[part.shard[lo:hi]] + part.position[lo:hi])
+        return batch
+
     def rank_batches(self, epoch: int, partitions: int = 1, rank: int = 0, world_size: int = 1) -> list[list[tuple[int, int]]]:
-        """This rank's batch of (shard, sequence-in-shard) at every step of the epoch: batch s of
-        each partition it owns, together (empty once they ran out)."""
-        owned = [self.partitions(epoch, partitions)[p] for p in owned_partitions(partitions, rank, world_size)]
-        # a partition's positions among the planned sequences, as split positions at once
-        planned = [self._start[part.shard] + part.position for part in owned]
-        return [[ref for part, at in zip(owned, planned) if b < len(part)
-                 for ref in self.refs(at[part.bounds[b]:part.bounds[b + 1]])]
-                for b in range(self.steps(epoch, partitions))]
+        """rank_batch of every step of the epoch."""
+        return [self.rank_batch(epoch, partitions, rank, world_size, b) for b in range(self.steps(epoch, partitions))]
 
     def batches(self, epoch: int, partitions: int = 1) -> list[list[tuple[int, int]]]:
         """The global batches of (shard, sequence-in-shard) for one epoch: every partition's batch
@@ -493,15 +499,15 @@ class TrainStream(torch.utils.data.IterableDataset):
         epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
         position = 0  # steps emitted by the whole stream (all workers)
         while True:
-            batches = plan.rank_batches(epoch, self.partitions, self.rank, self.world_size)
-            for b in range(start, len(batches)):
+            steps = plan.steps(epoch, self.partitions)
+            for b in range(start, steps):
                 if position % workers == worker:
-                    last = b + 1 == len(batches)
+                    last = b + 1 == steps
                     after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
                                         batches_done=done + 1, seed=self.cfg.seed,
                                         manifest_fingerprint=self.state.manifest_fingerprint,
                                         partitions=self.partitions).to_dict()
-                    yield batches[b], done, epoch, after
+                    yield plan.rank_batch(epoch, self.partitions, self.rank, self.world_size, b), done, epoch, after
                 position += 1
                 done += 1
             epoch, start = epoch + 1, 0
