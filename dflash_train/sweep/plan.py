@@ -127,20 +127,15 @@ def sweep_config(out: str, base: TrainConfig, grid: Sequence[str] = (), preset_n
     return cfg
 
 
-def check_device(text: str) -> str:
-    """A --devices entry as given, when torch can place a run on it."""
+def check_device(text: str) -> None:
+    """Refuse a --devices entry torch cannot place a run on ('auto' SweepConfig refuses itself)."""
     import torch
 
-    text = text.strip()
-    if text == "auto":
-        raise ConfigError("--devices lists concrete devices, got 'auto'; e.g. --devices cuda:0,cuda:1 "
-                          "(or leave it out: one slot per visible GPU)")
     try:
         torch.device(text)
     except (RuntimeError, ValueError):
         raise ConfigError(f"--devices entry {text!r} is not a device; use cpu, cuda or cuda:N, "
                           "e.g. --devices cuda:0,cuda:1") from None
-    return text
 
 
 def planned_combinations(cfg: SweepConfig) -> list[tuple[tuple[str, Any], ...]]:
