@@ -146,6 +146,9 @@ def verify(
     sample: int = typer.Option(64, help="Sequences re-run by --deep, spread over all shards."),
     teacher: Optional[str] = typer.Option(None, help="Teacher for --deep (default: the manifest's build.teacher.name_or_path)."),
     device: Optional[str] = typer.Option(None, help="Device for --deep: auto (the default: CUDA when present), cpu, cuda or cuda:N."),
+    damaged: Optional[str] = typer.Option(None, help="Also write every damaged shard's name to this file, comma-separated "
+                                          "(empty when none is): the output names the first 20 only; train without "
+                                          "them with --skip-shards \"$(cat FILE)\"."),
     storage_options: StorageOptions = None,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -162,6 +165,13 @@ def verify(
         report = verify_cache(cache, BarProgress(enabled=not quiet))
         for line in report_lines(report):  # bounded: the first shards named, the rest counted
             typer.echo(line, err=True)
+        if damaged is not None:  # every name, for --skip-shards
+            from dflash_common.files import write_file_atomic
+
+            write_file_atomic(damaged, (",".join(report.bad_shards) + "\n" if report.bad_shards else "").encode())
+            if report.bad_shards:
+                typer.echo(f"note: the {len(report.bad_shards):,} damaged shards' names are in {shown(damaged)}; train "
+                           f"without them with --skip-shards \"$(cat {shown(damaged)})\"", err=True)
         if report.head_problem:
             typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
         for line in _health_lines(report.layers, report.health_flags):

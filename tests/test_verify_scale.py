@@ -160,13 +160,16 @@ def test_many_damaged_shards_are_named_in_short_lines_with_a_count(caches, tmp_p
     url = tmp_path / "cache"
     shutil.copytree(caches[version, 30], url)
     names = _damage_every_shard(url)
-    result = CliRunner().invoke(app, ["verify", str(url), "--quiet"])
+    listed = tmp_path / "damaged.txt"
+    result = CliRunner().invoke(app, ["verify", str(url), "--quiet", "--damaged", str(listed)])
     assert result.exit_code == 1
     lines = _lines(result.output)
     assert all(len(line.encode()) < LINE_BYTES for line in lines), max(map(len, lines))
     bad = [line for line in lines if line.startswith("BAD shard-")]
     assert [line.split(":")[0] for line in bad] == [f"BAD {name}" for name in names[:MAX_NAMED]]
     assert f"BAD and {30 - MAX_NAMED} more shard(s)" in result.output
+    # every name, for --skip-shards, in the file --damaged names
+    assert listed.read_text().strip().split(",") == names and f"--skip-shards \"$(cat {listed})\"" in result.output
     assert lines[-1].startswith("error: 30 of 30 shard(s) are damaged")
 
     # training's refusal of the same shards: one line, the first named, the rest counted
