@@ -79,7 +79,8 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The slow tests: real torchrun launches and the quickstart-sized drafter (~8 minutes on 2 cores).
+# The slow tests: real torchrun launches, the quickstart-sized drafter, the benchmark scripts, crash kills and the
+# further cases of fast_cases(n) families (~17 minutes on 2 cores).
 test-slow: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m slow
 
@@ -89,7 +90,7 @@ prod-shape: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -m prodshape -s
 
 # The real vLLM engine and server against the built-in decoder and the local teacher
-# (~12 minutes on 2 cores after `make serving`).
+# (~19 minutes on 2 cores after `make serving`).
 test-serving: $(STAMP) $(VLLM_STAMP) $(SPECULATORS_STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH DFLASH_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -m serving
 
