@@ -155,6 +155,14 @@ def _lines(output: str) -> list[str]:
     return output.strip().splitlines()
 
 
+def test_an_intact_cache_leaves_an_empty_damaged_list(caches, tmp_path):
+    """--damaged always says the present state: a list left by an earlier verify is emptied."""
+    listed = tmp_path / "damaged.txt"
+    listed.write_text("shard-r00000-000001\n")
+    result = CliRunner().invoke(app, ["verify", str(caches[2, 30]), "--quiet", "--damaged", str(listed)])
+    assert result.exit_code == 0 and listed.read_text() == "" and "--skip-shards" not in result.output, result.output
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_many_damaged_shards_are_named_in_short_lines_with_a_count(caches, tmp_path, version):
     url = tmp_path / "cache"
