@@ -592,6 +592,6 @@ def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = N
     """Batches of the held-out split in a fixed order, with fixed anchors and no noise."""
     plan = EpochPlan(cache, cfg, heldout=True)
     refs = plan.refs(np.arange(plan.num_sequences)[:max_sequences])
-    lengths = [np.array([plan.length(s, i) for s, i in refs])]
+    lengths = [plan.lengths[plan.rows[:max_sequences]]]
     for batch in cut_batches([(0, j) for j in range(len(refs))], lengths, cfg.batch_tokens):
         yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0)

@@ -15,7 +15,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_common.environment import int_from_env, rank_and_world
+from dflash_common.devices import local_rank
+from dflash_common.environment import rank_and_world
 from dflash_train.settings.train_config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
@@ -40,8 +41,7 @@ def dist_info_from_env() -> DistInfo:
     """Where torchrun's RANK, WORLD_SIZE and LOCAL_RANK put this process (unset: rank 0 of 1),
     checked before anything reads them (dflash_common.environment: one line for a bad value)."""
     rank, world = rank_and_world()
-    local_rank = int_from_env("LOCAL_RANK", 0, meaning="this process's index on its node, set by torchrun")
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank() or 0)
 
 
 def init_distributed(device: torch.device) -> DistInfo:
