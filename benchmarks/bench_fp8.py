@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache import fp8, open_cache  # noqa: E402
+from dflash_cache import open_cache
+from dflash_cache.format import fp8  # noqa: E402
 
 
 def exact_scale_roundtrip(x: np.ndarray) -> np.ndarray:

@@ -97,7 +97,7 @@ def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | N
     cache = open_cache(url)
     if zarr_only:  # the read path before the chunk-file fast path, for comparison
         for shard in cache.shards:
-            shard.__dict__["_chunk_files"] = None
+            shard.files.__dict__["fast_hidden"] = None
     n = 0
     for b, refs in enumerate(plan):
         batch = load_batch(cache, cfg, refs, epoch=0)

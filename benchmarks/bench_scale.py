@@ -11,7 +11,7 @@ by the real ``finalize_cache``; ``verify`` passes on them. Per size and layout i
 - index bytes (format 1: manifest.json, which lists every record; format 2: manifest.json plus the
   merged ``index/*.arrow`` tables) and bytes a shard; files a shard (everything under ``shards/``);
 - ``finalize`` time (merging the 2 ranks), ``open_cache`` time and the trainer's start-up check
-  (``integrity.quick_check``), with the local files opened and the folders listed during each,
+  (``listing.size_problems``), with the local files opened and the folders listed during each,
   counted by strace on a fresh process doing just that (every ``openat`` under the cache, Arrow's
   native memory maps included; a folder opened is a listing); no product code is patched;
 - ``verify`` time (``verify_cache``: every byte), up to ``--verify-max`` shards;
@@ -47,10 +47,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache import format as fmt  # noqa: E402
-from dflash_cache import index as cache_index  # noqa: E402
-from dflash_cache import integrity  # noqa: E402
 from dflash_cache.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
-from dflash_cache.index import ipc_bytes  # noqa: E402
+from dflash_cache.format import index as cache_index  # noqa: E402
+from dflash_cache.format.token_tables import ipc_bytes  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_cache.verify import verify_cache  # noqa: E402
@@ -61,11 +60,10 @@ HIDDEN, LAYERS, TOP_K, SEQ_LEN, WORLD = 8, 2, 2, 2, 2
 
 CHILD = """
 import sys
-from dflash_cache import integrity
 from dflash_cache.reader import open_cache
 cache = open_cache(sys.argv[2])
 if sys.argv[1] == "check":
-    integrity.quick_check(cache)
+    cache.listing.size_problems(set())
 """
 
 
@@ -73,7 +71,7 @@ RANK_SERVER = """
 import json, os, sys, time
 from dataclasses import replace
 from dflash_cache import open_cache
-from dflash_cache.integrity import SIZES
+from dflash_cache.format.integrity import SIZES
 from dflash_train.settings.data_config import DataConfig
 import numpy as np
 from dflash_train.training.data import (EpochPlan, LoaderState, idle_ranks_warning, is_heldout, plan_partitions,
@@ -385,7 +383,7 @@ def measure(tmp: Path, shards: int, version: int, args, ranks: RankServer) -> di
     row["open_opened"], row["open_listed"] = file_calls(root, "open")
     assert len(cache.shards) == shards, (len(cache.shards), shards)
     start = time.perf_counter()
-    problems = integrity.quick_check(cache)
+    problems = cache.listing.size_problems(set())
     row["check_s"] = time.perf_counter() - start
     assert not problems, problems
     opened, listed = file_calls(root, "check")

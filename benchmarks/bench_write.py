@@ -28,12 +28,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
+import zarr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache import writer as writer_mod  # noqa: E402
+from dflash_cache.format import token_tables as tokens_mod  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, write_shard
 from dflash_common.files import fsync_path, fsync_tree  # noqa: E402
@@ -258,9 +259,9 @@ def profile_write(shards, tmp: Path, compression: str) -> None:
     storage = StorageConfig(compression=compression)
     timer = PartTimer()
     parts = [
-        (writer_mod.zarr, "create_array", "zarr write (encode + chunk files)"),
-        (writer_mod, "ipc_bytes", "arrow IPC serialisation"),
-        (writer_mod.pa, "table", "arrow table build"),
+        (zarr, "create_array", "zarr write (encode + chunk files)"),
+        (tokens_mod, "ipc_bytes", "arrow IPC serialisation"),
+        (tokens_mod.pa, "table", "arrow table build"),
         (fmt, "checksum", "checksums (xxh64)"),
         (fs, "pipe_file", "arrow files write"),
         (fs, "mv", "renames (shard dir + record)"),

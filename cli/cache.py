@@ -92,6 +92,7 @@ def info(
 
     def action():
         from dflash_cache import open_cache
+        from dflash_cache.verify import health_lines
 
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         m = cache.manifest
@@ -127,16 +128,10 @@ def info(
         if skipped:
             lines.append(f"skipped      {', '.join(f'{shown(k, 40)}: {shown(v, 40)}' for k, v in skipped[:MAX_LISTED])}"
                          + (f", ... ({len(skipped):,} reasons)" if len(skipped) > MAX_LISTED else ""))
-        lines += _health_lines(*cache.capture_health())
+        lines += health_lines(*cache.capture_health())
         typer.echo("\n".join(lines))
 
     run(action, debug)
-
-
-def _health_lines(layers: list[dict], flags: list[str]) -> list[str]:
-    """The capture health of a cache, a line per tapped layer and per flag (info and verify)."""
-    return [f"layer {layer['layer']}: RMS {layer['rms']:.4g}, zeros {layer['zero_fraction']:.2%}, "
-            f"NaN/Inf {layer['nonfinite']:,}" for layer in layers] + [f"FLAG capture health: {flag}" for flag in flags]
 
 
 @app.command()
@@ -157,54 +152,30 @@ def verify(
 
     def action():
         from dflash_cache import open_cache
-        from dflash_cache.verify import report_lines, verify_cache
+        from dflash_cache.verify import finding_lines, verdict, verify_cache
 
         if deep and sample < 1:  # -1 re-ran nothing and said ok
             raise ConfigError(f"--sample {sample} must be at least 1: the number of sequences --deep re-runs, e.g. 64")
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         report = verify_cache(cache, BarProgress(enabled=not quiet))
-        for line in report_lines(report):  # bounded: the first shards named, the rest counted
-            typer.echo(line, err=True)
         if damaged is not None:  # every name, for --skip-shards
             from dflash_common.files import write_file_atomic
 
             write_file_atomic(damaged, (",".join(report.bad_shards) + "\n" if report.bad_shards else "").encode())
-            if report.bad_shards:
-                typer.echo(f"note: the {len(report.bad_shards):,} damaged shards' names are in {shown(damaged)}; train "
-                           f"without them with --skip-shards \"$(cat {shown(damaged)})\"", err=True)
-        if report.head_problem:
-            typer.echo(f"BAD teacher head: {report.head_problem}", err=True)
-        for line in _health_lines(report.layers, report.health_flags):
+        for line in finding_lines(report, damaged):
             typer.echo(line, err=True)
-        if report.head_note:
-            typer.echo(f"note: {report.head_note}", err=True)
         deep_report = None
         if deep:
-            from dflash_cache.verify import deep_verify, mismatch_lines
+            from dflash_cache.deep_verify import deep_verify, mismatch_lines
 
             deep_report = deep_verify(cache, sample, teacher, progress=BarProgress(enabled=not quiet),
                                       skip=set(report.bad_shards), **({"device": device} if device else {}))
             for line in mismatch_lines(deep_report):
                 typer.echo(line, err=True)
-        if report.head_problem and not report.bad_shards:
-            typer.echo("error: the teacher head is damaged; rebuild the cache with `dflash-cache build ... --overwrite`", err=True)
-            raise typer.Exit(1)
-        if report.health_flags and not report.bad_shards and not report.head_problem:
-            typer.echo("error: the capture health of this cache is flagged (see FLAG above): its hidden states look "
-                       "broken; check the teacher and rebuild with `dflash-cache build ... --overwrite`", err=True)
-            raise typer.Exit(1)
-        if not report.ok:
-            typer.echo(f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged"
-                       f"{' and so is the teacher head' if report.head_problem else ''}; rebuild the cache with "
-                       "`dflash-cache build ... --overwrite`", err=True)
-            raise typer.Exit(1)
-        if deep_report is not None and not deep_report.ok:
-            typer.echo(f"error: {len(deep_report.mismatches)} of {deep_report.checked} re-run sequences differ from what {deep_report.teacher} computes now; the cache does not hold this teacher's outputs, rebuild it with `dflash-cache build ... --overwrite`", err=True)
-            raise typer.Exit(1)
-        if deep_report is not None:
-            typer.echo(f"deep: {deep_report.checked} sequences re-run with {deep_report.teacher} match the stored values")
-        state = "complete" if cache.complete else "incomplete (build not finished)"
-        typer.echo(f"ok: {report.shards_checked} shard(s), {len(cache):,} sequences verified; cache {state}")
+        code, last = verdict(cache, report, deep_report)
+        typer.echo(last, err=code != 0)
+        if code:
+            raise typer.Exit(code)
 
     run(action, debug)
 

@@ -1,15 +1,25 @@
-"""Stage 1 of dflash: build, read and verify teacher caches. ``open_cache(url)`` is the reader."""
+"""Stage 1 of dflash: build, read and verify teacher caches. This module is the cache's public face
+for stage 2: ``open_cache(url)`` (the reader), what it hands out, and the few format definitions a
+trainer or an evaluation shares with the cache; nothing under it is stage 2's to import."""
 
 from dflash_common.errors import BadRowError, CacheError, ConfigError, DFlashError, TeacherError
 
-__all__ = ["open_cache", "Cache", "SequenceRecord", "DFlashError", "ConfigError", "BadRowError", "CacheError", "TeacherError"]
+__all__ = ["open_cache", "Cache", "Shard", "SequenceRecord", "SIZES", "from_storage", "check_servable_layers",
+           "DFlashError", "ConfigError", "BadRowError", "CacheError", "TeacherError"]
+
+# name -> the module that owns it. Loaded when asked for: the reader loads zarr and pyarrow, and the
+# settings of a build (dflash_cache.settings) import without them.
+_OWNERS = {
+    "open_cache": "dflash_cache.reader", "Cache": "dflash_cache.reader",
+    "Shard": "dflash_cache.shard", "SequenceRecord": "dflash_cache.shard",
+    "SIZES": "dflash_cache.format.integrity", "from_storage": "dflash_cache.format.hidden",
+    "check_servable_layers": "dflash_cache.format.manifest",
+}
 
 
 def __getattr__(name: str):
-    # The reader loads zarr and pyarrow: only when it is asked for, so the settings of a build
-    # (dflash_cache.settings) import without them.
-    if name in ("Cache", "SequenceRecord", "open_cache"):
-        from dflash_cache import reader
+    if name in _OWNERS:
+        import importlib
 
-        return getattr(reader, name)
+        return getattr(importlib.import_module(_OWNERS[name]), name)
     raise AttributeError(f"module 'dflash_cache' has no attribute {name!r}")

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash_cache import format as fmt
-from dflash_cache import index
 from dflash_cache.cross_check import merge_records
-from dflash_cache.store import CacheStore
+from dflash_cache.format import index
+from dflash_cache.format.store import CacheStore
 from dflash_common.errors import CacheError
 from dflash_common.resume_check import first_difference
 

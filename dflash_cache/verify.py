@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash_cache import format as fmt
-from dflash_cache import fp8
-from dflash_cache.integrity import (
+from dflash_cache.format import fp8
+from dflash_cache.format.hidden import HiddenChecksumError, ShardedHidden
+from dflash_cache.format.integrity import (
     HASH_WINDOW,
     RECORD,
     ShardIntegrityError,
@@ -21,8 +21,9 @@ from dflash_cache.integrity import (
     refuse_outside_links,
     size_problems,
 )
-from dflash_cache.reader import Cache, Shard
-from dflash_cache.shard_files import open_ipc
+from dflash_cache.format.store import open_ipc
+from dflash_cache.reader import Cache
+from dflash_cache.shard import Shard
 from dflash_common.errors import CacheError, shown
 from dflash_common.progress import Progress
 
@@ -109,6 +110,51 @@ def report_lines(report: "VerifyReport") -> list[str]:
     return lines
 
 
+def health_lines(layers: list[dict], flags: list[str]) -> list[str]:
+    """The capture health of a cache, a line per tapped layer and per flag (info and verify)."""
+    return [f"layer {layer['layer']}: RMS {layer['rms']:.4g}, zeros {layer['zero_fraction']:.2%}, "
+            f"NaN/Inf {layer['nonfinite']:,}" for layer in layers] + [f"FLAG capture health: {flag}" for flag in flags]
+
+
+def finding_lines(report: "VerifyReport", damaged: str | None = None) -> list[str]:
+    """Everything verify prints to stderr of what it found before its verdict: the shards
+    (``report_lines``), where the full list of damaged shards went (``damaged``), the teacher
+    head, the capture health and what could not be checked."""
+    lines = report_lines(report)
+    if damaged is not None and report.bad_shards:
+        lines.append(f"note: the {len(report.bad_shards):,} damaged shards' names are in {shown(damaged)}; train "
+                     f"without them with --skip-shards \"$(cat {shown(damaged)})\"")
+    if report.head_problem:
+        lines.append(f"BAD teacher head: {report.head_problem}")
+    lines += health_lines(report.layers, report.health_flags)
+    if report.head_note:
+        lines.append(f"note: {report.head_note}")
+    return lines
+
+
+def verdict(cache: Cache, report: "VerifyReport", deep=None) -> tuple[int, str]:
+    """verify's exit code and last line: 1 with what to do when the shards, the teacher head, the
+    capture health or the ``deep`` re-run (a DeepReport) condemn the cache, else 0 and what passed."""
+    rebuild = "rebuild the cache with `dflash-cache build ... --overwrite`"
+    if report.head_problem and not report.bad_shards:
+        return 1, f"error: the teacher head is damaged; {rebuild}"
+    if report.health_flags and not report.bad_shards and not report.head_problem:
+        return 1, ("error: the capture health of this cache is flagged (see FLAG above): its hidden states look broken; "
+                   "check the teacher and rebuild with `dflash-cache build ... --overwrite`")
+    if not report.ok:
+        head = " and so is the teacher head" if report.head_problem else ""
+        return 1, f"error: {len(report.bad_shards)} of {report.shards_checked} shard(s) are damaged{head}; {rebuild}"
+    if deep is not None and not deep.ok:
+        return 1, (f"error: {len(deep.mismatches)} of {deep.checked} re-run sequences differ from what {deep.teacher} "
+                   f"computes now; the cache does not hold this teacher's outputs, rebuild it with "
+                   "`dflash-cache build ... --overwrite`")
+    state = "complete" if cache.complete else "incomplete (build not finished)"
+    passed = f"ok: {report.shards_checked} shard(s), {len(cache):,} sequences verified; cache {state}"
+    if deep is not None:
+        passed = f"deep: {deep.checked} sequences re-run with {deep.teacher} match the stored values\n{passed}"
+    return 0, passed
+
+
 def check_shard(cache: Cache, shard) -> list[str]:
     """Problems of one shard (empty when it is intact): a ``Shard`` of ``cache``. Its record comes
     from the cache's manifest or index, whose names the reader checked when it opened the cache;
@@ -119,10 +165,10 @@ def check_shard(cache: Cache, shard) -> list[str]:
     fs, record = cache.fs, shard.record
     fmt.check_shard_paths(record, cache.url)
     shard_dir = shard.path
-    problems = record_problems(shard, RECORD)
+    problems = record_problems(shard.files, RECORD)
     if not fs.exists(shard_dir):
         return problems + ["shard folder missing"]
-    refuse_outside_links(cache, shard_dir)
+    refuse_outside_links(cache.store, shard_dir)
     found = {p[len(shard_dir) + 1:]: int(i["size"]) for p, i in fs.find(shard_dir, detail=True).items()}
     problems += size_problems(record["files"], found)
     if problems:
@@ -135,13 +181,10 @@ def check_shard(cache: Cache, shard) -> list[str]:
     if problems:
         return problems
     # the same checks of the counts as the training loader's
-    problems += record_problems(shard, fmt.SEQUENCES) + record_problems(shard, fmt.TOKENS)
+    problems += record_problems(shard.files, fmt.SEQUENCES) + record_problems(shard.files, fmt.TOKENS)
+    problems = problems or _index_rows_problems(shard)
     if problems:
         return problems
-    if cache.version != 1:
-        problems += _index_rows_problems(shard)
-        if problems:
-            return problems
     try:
         tokens = open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
         logprobs = tokens.column("topk_logprobs").combine_chunks().values.to_numpy()
@@ -170,7 +213,8 @@ def check_shard(cache: Cache, shard) -> list[str]:
 
 
 def _index_rows_problems(shard) -> list[str]:
-    """Format 2: the shard's sequences.arrow against its rows of the index's sequence table."""
+    """The shard's sequences.arrow against the sequences the reader hands out (format 2: its rows of
+    the index's sequence table; format 1: the file itself, so nothing can differ)."""
     table = open_ipc(shard.cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
     if table.column("id").to_pylist() != shard.ids:
         return ["sequence ids differ from the index"]
@@ -185,11 +229,9 @@ def _read_all_hidden(shard, array) -> tuple[str, int]:
     checks every inner chunk's crc32c on the way (ShardIntegrityError names a bad one)."""
     import xxhash
 
-    from dflash_cache.hidden_files import HiddenChecksumError, ShardedHidden
-
     cache = shard.cache
     digest, bad = xxhash.xxh64(), 0
-    files = shard._chunk_files
+    files = shard.files.fast_hidden
     if isinstance(files, ShardedHidden):
         try:
             for rows in files.check_all():
@@ -212,9 +254,7 @@ def _each_shard_once(cache: Cache) -> Iterator[Shard]:
     ``cache.shards`` keeps the shards it made (and, in them, a map of each hidden-state file and
     each opened array), and a verify that kept 100,000 shards' maps would pass the kernel's
     65,530 maps a process and call every shard after that unreadable."""
-    if cache.version != 1:
-        return (Shard(cache, position=j) for j in range(len(cache.shards)))
-    return (Shard(cache, shard.record) for shard in cache.shards)
+    return (Shard(cache, j) for j in range(len(cache.shards)))
 
 
 def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport:
@@ -241,143 +281,17 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
             report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
                                 "built before dflash recorded one (its dtypes and values were checked)")
     report.layers, report.health_flags = cache.capture_health()
-    listed = set(cache.shard_names())
-    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
-    folders = [shards_dir]
-    if cache.version != 1 and cache.fs.exists(shards_dir):  # one listing per rank folder: linear
-        folders = [p for p in cache.fs.ls(shards_dir, detail=False) if re.fullmatch(r"r\d{5}", p.rstrip("/").rsplit("/", 1)[-1])]
-    for folder in folders:
+    report.uncommitted = _leftovers(cache)
+    return report
+
+
+def _leftovers(cache: Cache) -> list[str]:
+    """Entries of the shard folders that are neither a listed shard nor its commit record."""
+    listed, found = set(cache.shard_names()), []
+    for folder in cache.layout.shard_folders(cache.store):
         if cache.fs.exists(folder):
             for path in cache.fs.ls(folder, detail=False):
                 name = path.rstrip("/").rsplit("/", 1)[-1]
-                if not name.endswith(".json") and name not in listed and (cache.version == 1 or name != ".tmp"):
-                    report.uncommitted.append(name)
-    return report
-
-
-# --- verify --deep: re-run the teacher on a sample and compare --------------------------------
-
-# Largest accepted difference, by the cache's dtype. Hidden states: |stored - fresh| relative to
-# |fresh| plus the layer's RMS (so near-zero values and outlier features are both judged fairly).
-# Log-probs: absolute, scaled by 1 + |log-prob|. float32 reruns differ only by summation order
-# (~1e-6); bfloat16 reruns in other batches round differently by a few units of bf16's 2^-8
-# relative precision, which grow a little through the layers. A cache holding another teacher's
-# outputs, other layers or shifted positions is off by O(1), far above both.
-DEEP_TOLERANCE = {"float32": {"hidden": 1e-4, "logprobs": 1e-4},
-                  "bfloat16": {"hidden": 2 ** -4, "logprobs": 2 ** -4}}
-# fp8 rounds each value to 4 significant bits: within 2^-4 of |value| on top of the rerun's own
-# difference in the build dtype (log-probs are stored in float32 either way).
-FP8_HIDDEN_TOLERANCE = {"float32": 2 ** -4 + 1e-4, "bfloat16": 2 ** -3}
-
-
-@dataclass
-class DeepReport:
-    """What `verify --deep` found: the sequences whose stored values a fresh teacher run disowns."""
-
-    teacher: str
-    checked: int = 0
-    mismatches: dict[str, str] = field(default_factory=dict)  # "id (shard)" -> what differs
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-
-def mismatch_lines(report: DeepReport) -> list[str]:
-    """What `verify --deep` prints of the sequences that differ: the first MAX_NAMED, then a count."""
-    lines = [f"MISMATCH {shown(seq)}: {problem_text(problem)}"
-             for seq, problem in itertools.islice(report.mismatches.items(), MAX_NAMED)]
-    if len(report.mismatches) > MAX_NAMED:
-        lines.append(f"MISMATCH and {len(report.mismatches) - MAX_NAMED:,} more sequence(s)")
-    return lines
-
-
-def deep_sample(sizes: list[int], n: int, seed: int = 0) -> list[tuple[int, int]]:
-    """Up to n (shard, sequence) pairs: a seeded round robin over shards, so any n >= number of
-    shards reaches every shard (a shard rewritten wholesale is the likely corruption)."""
-    rng = np.random.default_rng(seed)
-    orders = [rng.permutation(k) for k in sizes]
-    shard_order = rng.permutation(len(sizes))
-    picked: list[tuple[int, int]] = []
-    depth = 0
-    while len(picked) < n and depth < max(sizes, default=0):
-        for s in shard_order:
-            if depth < sizes[s] and len(picked) < n:
-                picked.append((int(s), int(orders[s][depth])))
-        depth += 1
-    return picked
-
-
-def hidden_error(stored: np.ndarray, fresh: np.ndarray) -> np.ndarray:
-    """[n_layers] max over the sequence of |stored - fresh| / (|fresh| + RMS of the layer)."""
-    a, b = np.asarray(stored, np.float32), np.asarray(fresh, np.float32)
-    rms = np.sqrt(np.mean(np.square(b), axis=(0, 2), keepdims=True)) + 1e-12
-    return (np.abs(a - b) / (np.abs(b) + rms)).max(axis=(0, 2)) if len(a) else np.zeros(a.shape[1])
-
-
-def topk_mismatches(stored_ids: np.ndarray, stored_lp: np.ndarray, fresh_ids: np.ndarray, fresh_lp: np.ndarray,
-                    tol: float) -> int:
-    """Positions whose stored top-k disagrees with a fresh one beyond ``tol``. Near-ties may swap
-    order or trade the k-th place, so: an id in both lists must have the same log-prob, and an id
-    in only one list must lie within tol of the other list's k-th log-prob."""
-    same = stored_ids[:, :, None] == fresh_ids[:, None, :]  # [T, k, k]
-    allowed = lambda lp: tol * (1 + np.abs(lp))  # noqa: E731
-    in_fresh, in_stored = same.any(2), same.any(1)
-    fresh_at_stored = np.where(same, fresh_lp[:, None, :], 0).sum(2)
-    bad = in_fresh & (np.abs(stored_lp - fresh_at_stored) > allowed(stored_lp))
-    bad |= ~in_fresh & (stored_lp > fresh_lp[:, -1:] + allowed(fresh_lp[:, -1:]))
-    bad_fresh = ~in_stored & (fresh_lp > stored_lp[:, -1:] + allowed(stored_lp[:, -1:]))
-    return int((bad.any(1) | bad_fresh.any(1)).sum())
-
-
-def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, device: str = "auto",
-                progress: Progress | None = None, skip: set[str] | frozenset[str] = frozenset()) -> DeepReport:
-    """Re-run the teacher (the manifest's, or ``teacher``) on ``sample`` cached sequences and
-    compare hidden states and top-k with what is stored. Checksums prove the bytes are the ones
-    written; this proves they are the teacher's outputs for these tokens."""
-    from dflash_cache.teacher import TeacherConfig, identity_like, load_teacher, plan_batches
-    from dflash_common.errors import CacheError
-
-    progress = progress or Progress()
-    built = (cache.manifest.get("build") or {}).get("teacher") or {}
-    name = teacher or built.get("name_or_path") or cache.manifest["teacher"]["name"]
-    cfg = TeacherConfig(name_or_path=name, revision=None if teacher else built.get("revision"),
-                        dtype=cache.hidden_dtype, device=device, layers=tuple(cache.layer_ids), top_k=cache.top_k,
-                        batch_tokens=int(built.get("batch_tokens", 8192)), logits_chunk=int(built.get("logits_chunk", 2048)))
-    model = load_teacher(cfg)
-    identity = identity_like(model, cache.manifest["teacher"])  # hashed as the cache's was
-    for key in ("config_hash", "weights_hash"):
-        expected = cache.manifest["teacher"].get(key)
-        if expected and identity[key] != expected:
-            raise CacheError(f"the teacher {name!r} is not the one {cache.url} was built with ({key} {identity[key]}, cache {expected}); pass --teacher with the original model")
-    tol = dict(DEEP_TOLERANCE[cache.hidden_dtype])
-    if cache.hidden_format == fp8.FORMAT:
-        tol["hidden"] = FP8_HIDDEN_TOLERANCE[cache.hidden_dtype]
-    sizes = [0 if s.name in skip else len(s) for s in cache.shards]
-    refs = deep_sample(sizes, sample)
-    report = DeepReport(teacher=name)
-    records = [cache.shards[s][i] for s, i in refs]
-    lengths = np.array([len(r) for r in records], dtype=np.int64)
-    progress.start(len(records), "re-running the teacher", "seq")
-    for batch in plan_batches(lengths, cfg.batch_tokens) if len(records) else []:
-        out = model.forward([records[j].input_ids for j in batch])
-        pos = 0
-        for j in batch:
-            rec, n = records[j], int(lengths[j])
-            fresh = fmt.from_storage(out.hidden[pos:pos + n], cache.hidden_dtype)
-            problems = []
-            errors = hidden_error(rec.hidden, fresh)
-            for layer, err in zip(cache.layer_ids, errors):
-                if not err <= tol["hidden"]:
-                    problems.append(f"hidden states of layer {layer} differ by {err:.3g} (tolerance {tol['hidden']:.3g})")
-            wrong = topk_mismatches(rec.topk_ids, rec.topk_logprobs, out.topk_ids[pos:pos + n],
-                                    out.topk_logprobs[pos:pos + n], tol["logprobs"])
-            if wrong:
-                problems.append(f"top-k differs at {wrong} of {n} positions")
-            if problems:
-                report.mismatches[f"{rec.id} ({cache.shards[refs[j][0]].name})"] = "; ".join(problems)
-            report.checked += 1
-            pos += n
-        progress.advance(len(batch))
-    progress.close()
-    return report
+                if not name.endswith(".json") and name not in listed and name not in cache.layout.ignored_entries:
+                    found.append(name)
+    return found

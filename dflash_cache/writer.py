@@ -12,9 +12,7 @@ from __future__ import annotations
 import queue
 import tempfile
 import threading
-import uuid
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -22,14 +20,13 @@ from typing import Callable, Protocol
 import numpy as np
 import pyarrow as pa
 import safetensors.torch
-import zarr
-import zarr.codecs
 
 from dflash_cache import format as fmt
-from dflash_cache import fp8, health, hidden_files
-from dflash_cache.index import ipc_bytes
+from dflash_cache import health
+from dflash_cache.format import hidden
+from dflash_cache.format import token_tables as tokens
+from dflash_cache.format.record import commit_record
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.store import zarr_store
 from dflash_common.errors import CacheError
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_tree
@@ -71,77 +68,13 @@ class ShardData:
         )
 
 
-def _fixed_list(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
-    k = values.shape[1]
-    flat = pa.array(np.ascontiguousarray(values).reshape(-1), type=dtype)
-    return pa.FixedSizeListArray.from_arrays(flat, k)
-
-
-def _encode_hidden(shard: ShardData, storage: StorageConfig, hidden_dtype: str) -> tuple[np.ndarray, dict, list]:
-    """The hidden states as stored (fp8 with per-token exponents, or the build dtype's bits), the
-    Zarr array's attributes, and the extra tokens.arrow columns the format adds."""
-    hidden, attributes, extra_columns = shard.hidden, {"dtype": hidden_dtype}, []
-    if storage.hidden_format == fp8.FORMAT:
-        n_tokens, n_layers, hidden_size = _hidden_shape(shard)
-        hidden, exponents = fp8.quantize(fmt.from_storage(shard.hidden, hidden_dtype).reshape(n_tokens, n_layers, hidden_size))
-        attributes["format"] = fp8.FORMAT
-        extra_columns.append(_fixed_list(exponents.reshape(n_tokens, n_layers), pa.int8()))
-    return hidden, attributes, extra_columns
+def sequences_table(shard: ShardData) -> pa.Table:
+    """The shard's sequences.arrow table (dflash_cache.format.token_tables encodes it)."""
+    return tokens.encode_sequences(shard.ids, shard.lengths, shard.rows, shard.truncated)
 
 
 def _hidden_shape(shard: ShardData) -> tuple[int, int, int]:
     return shard.hidden.shape if shard.hidden.ndim == 3 else (0, 0, 0)
-
-
-def _write_hidden(fs, path: str, hidden: np.ndarray, attributes: dict, storage: StorageConfig) -> tuple[str, int]:
-    """Write the hidden states as one Zarr array; returns their checksum and the chunk length."""
-    n_tokens, n_layers, hidden_size = hidden.shape if hidden.ndim == 3 else (0, 0, 0)
-    per_token = max(1, n_layers * hidden_size * hidden.dtype.itemsize)
-    chunk_tokens = max(1, min(max(n_tokens, 1), storage.chunk_bytes // per_token))
-    compressors = [zarr.codecs.ZstdCodec(level=1)] if storage.compression == "zstd" else None
-    # xxh64 releases the GIL: hash the hidden states while Zarr writes them
-    with ThreadPoolExecutor(1) as hashing:
-        checksum = hashing.submit(fmt.checksum, hidden)
-        zarr.create_array(
-            zarr_store(fs, path, read_only=False),
-            data=hidden,
-            chunks=(chunk_tokens, n_layers, hidden_size),
-            compressors=compressors,
-            attributes=attributes,
-            config={"write_empty_chunks": True},
-            overwrite=True,
-        )
-    return checksum.result(), chunk_tokens
-
-
-def sequences_table(shard: ShardData) -> pa.Table:
-    """The shard's sequences.arrow table."""
-    offsets = np.concatenate([[0], np.cumsum(shard.lengths, dtype=np.int64)[:-1]]) if len(shard.ids) else np.zeros(0, np.int64)
-    return pa.table(
-        [
-            pa.array(shard.ids, pa.string()),
-            pa.array(offsets, pa.int64()),
-            pa.array(shard.lengths, pa.int32()),
-            pa.array(shard.rows, pa.int64()),
-            pa.array(shard.truncated, pa.bool_()),
-        ],
-        schema=fmt.sequences_schema(),
-    )
-
-
-def _arrow_files(shard: ShardData, extra_columns: list, n_layers: int) -> tuple[bytes, bytes]:
-    """tokens.arrow and sequences.arrow of a shard, as file bytes."""
-    tokens_table = pa.table(
-        [
-            pa.array(shard.input_ids, pa.int32()),
-            pa.array(shard.loss_mask, pa.uint8()),
-            _fixed_list(shard.topk_ids, pa.int32()),
-            _fixed_list(shard.topk_logprobs, pa.float32()),
-            *extra_columns,
-        ],
-        schema=fmt.tokens_schema(shard.topk_ids.shape[1], n_layers if extra_columns else 0),
-    )
-    return ipc_bytes(tokens_table), ipc_bytes(sequences_table(shard))
 
 
 def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
@@ -157,35 +90,10 @@ def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
         fs.invalidate_cache(final_dir)  # the Zarr objects went through the async twin, unseen by fs
 
 
-def _commit_record(fs, final_dir: str, shard: ShardData, chunk_tokens: int, checksums: dict,
-                   capture: dict | None = None) -> dict:
-    n_tokens, n_layers, hidden_size = _hidden_shape(shard)
-    files = {
-        path[len(final_dir) + 1:]: int(info["size"])
-        for path, info in fs.find(final_dir, detail=True).items()
-    }
-    return {
-        "name": shard.name,
-        "rank": shard.rank,
-        "index": shard.index,
-        "rows": [shard.row_start, shard.row_end],
-        "sequences": len(shard.ids),
-        "tokens": int(n_tokens),
-        "loss_tokens": int(shard.loss_mask.sum()),
-        "bytes": sum(files.values()),
-        "hidden_shape": [int(n_tokens), int(n_layers), int(hidden_size)],
-        "chunk_tokens": int(chunk_tokens),
-        "checksums": checksums,
-        "files": dict(sorted(files.items())),
-        "skipped": dict(shard.skipped),
-        **({"health": capture} if capture is not None else {}),
-    }
-
-
 def work_folder(root: str, rank: int) -> str:
     """Where a format-2 rank writes shards before renaming them into place (local storage): one
     folder per rank, so a resume deletes its leftovers without listing the shards."""
-    return fmt.join(root, fmt.SHARDS_DIR, fmt.rank_folder(rank), ".tmp")
+    return fmt.layout_for(2).work_folder(root, rank)
 
 
 def capture_health(shard: ShardData, hidden_dtype: str, layer_ids: list[int] | None) -> dict:
@@ -201,34 +109,25 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
                 version: int = fmt.FORMAT_VERSION, layer_ids: list[int] | None = None) -> dict:
     """Write one shard whole and commit it (the layout of format ``version``); returns its commit
     record. The capture's health is checked first: a broken one commits nothing."""
-    name = shard.name
+    name, layout = shard.name, fmt.layout_for(version)
     capture = capture_health(shard, hidden_dtype, layer_ids) if shard.hidden.ndim == 3 else None
-    final_dir = fmt.shard_path(root, name, version)
-    shards_dir = final_dir.rsplit("/", 1)[0]
-    if not fmt.is_local(fs):
-        work_dir = final_dir
-    elif version == 1:
-        work_dir = fmt.join(shards_dir, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-    else:
-        work_dir = fmt.join(work_folder(root, shard.rank), f"{name}-{uuid.uuid4().hex[:8]}")
+    final_dir = layout.shard_path(root, name)
+    work_dir = layout.work_dir(root, name, shard.rank) if fmt.is_local(fs) else final_dir
     fs.makedirs(work_dir, exist_ok=True)
 
-    hidden, attributes, extra_columns = _encode_hidden(shard, storage, hidden_dtype)
-    if version == 1:
-        hidden_checksum, chunk_tokens = _write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), hidden, attributes, storage)
-    else:
-        if hidden.ndim != 3:
-            hidden = hidden.reshape(0, len(layer_ids or ()), 0)
-        hidden_checksum, chunk_tokens = hidden_files.write_hidden(
-            zarr_store(fs, fmt.join(work_dir, fmt.HIDDEN), read_only=False), hidden, attributes, storage.chunk_bytes,
-            storage.compression)
-    tokens_bytes, sequences_bytes = _arrow_files(shard, extra_columns, _hidden_shape(shard)[1])
+    stored, attributes, exponents = hidden.encode_hidden(shard.hidden, hidden_dtype, storage.hidden_format)
+    hidden_checksum, chunk_tokens = layout.write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), stored, attributes, storage,
+                                                        len(layer_ids or ()))
+    tokens_bytes = tokens.ipc_bytes(tokens.encode_tokens(shard.input_ids, shard.loss_mask, shard.topk_ids,
+                                                         shard.topk_logprobs, exponents))
+    sequences_bytes = tokens.ipc_bytes(sequences_table(shard))
     fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
     fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
     _move_into_place(fs, work_dir, final_dir)
 
     checksums = {"hidden": hidden_checksum, fmt.TOKENS: fmt.checksum(tokens_bytes), fmt.SEQUENCES: fmt.checksum(sequences_bytes)}
-    record = _commit_record(fs, final_dir, shard, chunk_tokens, checksums, capture)
+    record = commit_record(fs, final_dir, name, shard.rank, shard.index, (shard.row_start, shard.row_end), len(shard.ids),
+                           int(shard.loss_mask.sum()), _hidden_shape(shard), chunk_tokens, checksums, shard.skipped, capture)
     maybe_fault("after_shard_files")
     fmt.write_json_atomic(fs, f"{final_dir}.json", record)
     maybe_fault("after_commit_record")

@@ -218,8 +218,8 @@ def replace_shard_records(cache: Path, records: dict[int, dict]) -> None:
     commit record and its row of the index's shard table, with the table's size and checksum in
     manifest.json rewritten to match)."""
     from dflash_cache import format as fmt
-    from dflash_cache import index
-    from dflash_cache.store import CacheStore
+    from dflash_cache.format import index
+    from dflash_cache.format.store import CacheStore
 
     manifest = json.loads((cache / fmt.MANIFEST).read_text())
     opened = open_cache(str(cache))

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cli.cache import app
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.integrity import size_problems
+from dflash_cache.format.integrity import size_problems
 from dflash_cache.verify import verify_cache
 from dflash_common.errors import ConfigError
 from dflash_common.faults import parse_faults

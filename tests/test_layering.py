@@ -206,3 +206,96 @@ def test_the_name_checks_see_a_shared_name_and_a_stray_config(tmp_path, monkeypa
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert module_name_problems() == ["loss.py names 2 modules: dflash_train/settings/loss.py, dflash_train/training/loss.py"]
     assert config_home_problems() == ["dflash_train/training/loss.py:1 defines LossConfig outside a settings/ folder"]
+
+
+# No import cycle among product modules, counting imports inside functions and under
+# TYPE_CHECKING: each module can be read knowing only the ones below it.
+def module_of(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the product modules it imports (``from p import m`` counts as m when m is a module)."""
+    paths = {module_of(p, root): p for package in ALLOWED for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        targets = set()
+        for imported, names, _ in imports_of(path):
+            subs = [f"{imported}.{name}" for name in names if f"{imported}.{name}" in paths]
+            targets |= set(subs) or ({imported} if imported in paths else set())
+        graph[module] = targets - {module}
+    return graph
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Every cycle of the import graph found by a depth-first walk (one per strongly connected part)."""
+    graph, state, found, stack = import_graph(root), {}, [], []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                found.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_no_import_cycle_among_product_modules():
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_sees_a_lazy_and_a_type_checking_cycle(tmp_path):
+    (tmp_path / "dflash_cache").mkdir()
+    (tmp_path / "dflash_cache" / "a.py").write_text("def f():\n    from dflash_cache import b\n")
+    (tmp_path / "dflash_cache" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                    "    from dflash_cache.a import f\n")
+    assert import_cycles(tmp_path) == [["dflash_cache.a", "dflash_cache.b", "dflash_cache.a"]]
+
+
+# Stage 2 reaches the cache through its public face: at most two modules of dflash_cache.
+def stage2_cache_modules() -> set[str]:
+    return {module for path in (ROOT / "dflash_train").rglob("*.py") for module, _, _ in imports_of(path)
+            if module.split(".")[0] == "dflash_cache"}
+
+
+def test_stage2_imports_the_cache_through_its_face():
+    assert len(stage2_cache_modules()) <= 2, sorted(stage2_cache_modules())
+
+
+# Files and functions a reader can hold in mind: no product file over 500 lines, no function over 60.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 60
+
+
+def size_problems(root: Path) -> list[str]:
+    found = []
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            text, where = path.read_text(), path.relative_to(root)
+            if text.count("\n") > MAX_FILE_LINES:
+                found.append(f"{where}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        found.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_files_and_functions_stay_short():
+    assert size_problems(ROOT) == []
+
+
+def test_the_size_check_sees_a_long_function_and_file(tmp_path):
+    (tmp_path / "cli").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (tmp_path / "cli" / "long.py").write_text("def f():\n" + body + "\n" * 440)
+    assert size_problems(tmp_path) == ["cli/long.py: 501 lines", "cli/long.py:1 f: 61 lines"]

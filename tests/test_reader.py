@@ -10,7 +10,7 @@ import pytest
 from helpers import english_like_sentences
 
 from dflash_cache import open_cache
-from dflash_cache.shard_files import ChunkFiles
+from dflash_cache.format.v1 import ChunkFiles
 from dflash_common.errors import CacheError
 
 
@@ -31,7 +31,7 @@ def test_chunk_files_equal_zarr_for_any_row_range(caches, kind):
     cache = open_cache(caches[kind])
     rng = np.random.default_rng(0)
     for shard in cache.shards:
-        files = shard._chunk_files
+        files = shard.files.fast_hidden
         assert files is not None and files.chunk_rows < shard.hidden_array.shape[0]  # several chunks per shard
         n = shard.hidden_array.shape[0]
         ranges = [(0, n), (0, 1), (n - 1, n), (files.chunk_rows - 1, files.chunk_rows + 1)]
@@ -44,7 +44,7 @@ def test_chunk_files_equal_zarr_for_any_row_range(caches, kind):
 
 def test_compressed_shards_use_zarr_and_read_the_same(caches):
     plain, packed = open_cache(caches["bfloat16"]), open_cache(caches["zstd"])
-    assert all(s._chunk_files is None for s in packed.shards)
+    assert all(s.files.fast_hidden is None for s in packed.shards)
     for a, b in zip(plain.sequences(), packed.sequences()):
         assert a.id == b.id and np.array_equal(a.hidden.view(np.uint16), b.hidden.view(np.uint16))
 
@@ -55,7 +55,7 @@ def test_missing_or_short_chunk_file_is_named(caches, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(caches["bfloat16"], copy)
     shard = open_cache(str(copy)).shards[0]
-    files = shard._chunk_files
+    files = shard.files.fast_hidden
     victim = files.chunk_path(1)
     with open(victim, "r+b") as f:
         f.truncate(files.row_bytes * 2)
@@ -119,7 +119,7 @@ def test_reading_into_a_padded_batch_equals_a_plain_read(caches, kind):
         assert record.hidden.base is not None and np.shares_memory(record.hidden, batch)
         assert batch.dtype == plain.dtype and np.array_equal(batch[row, :t].view(np.uint8), plain.view(np.uint8))
         assert not batch[row, t:].view(np.uint8).any()
-    files = cache.shards[0]._chunk_files
+    files = cache.shards[0].files.fast_hidden
     if files is not None:
         with pytest.raises(ValueError, match="out must be C-contiguous"):
             files.read(0, 4, out=np.zeros((4, 2), dtype=files.dtype))

@@ -45,13 +45,14 @@ def _forget_last_shard(client, bucket: str, prefix: str, url: str) -> None:
     died before checkpointing it (the part is where a resuming rank starts)."""
     import pyarrow as pa
 
-    from dflash_cache import index
+    from dflash_cache.format import index
+    from dflash_cache.format import token_tables as tokens
 
     if open_cache(url).version == 1:
         return
     key = f"{prefix}/{index.part_paths(0)[index.SHARDS]}"
     table = pa.ipc.open_file(pa.py_buffer(client.get_object(Bucket=bucket, Key=key)["Body"].read())).read_all()
-    client.put_object(Bucket=bucket, Key=key, Body=index.ipc_bytes(table.slice(0, table.num_rows - 1)))
+    client.put_object(Bucket=bucket, Key=key, Body=tokens.ipc_bytes(table.slice(0, table.num_rows - 1)))
 
 
 def _build(teacher: str, data: str, out: str, *extra: str):

@@ -18,9 +18,10 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from cli.train import app as train_app
 from dflash_cache import format as fmt
-from dflash_cache import integrity, open_cache
+from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
+from dflash_cache.format import integrity
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.teacher import TeacherConfig
 from dflash_common.errors import CacheError
@@ -331,11 +332,11 @@ def test_the_zarr_read_path_is_checked_the_same(built, tmp_path):
     cache = _copy(built, tmp_path)
     name = _manifest(cache)["shards"][1]["name"]
     opened = open_cache(str(cache))
-    opened.shards[1].__dict__["_chunk_files"] = None  # as for compressed or remote shards
+    opened.shards[1].files.__dict__["fast_hidden"] = None  # as for compressed or remote shards
     assert opened.shards[1].checksum_problems() == []
     _flip(_chunk_file(cache, name), 100)
     reopened = open_cache(str(cache))
-    reopened.shards[1].__dict__["_chunk_files"] = None
+    reopened.shards[1].files.__dict__["fast_hidden"] = None
     assert reopened.shards[1].checksum_problems() == ["hidden states checksum mismatch"]
     assert reopened.shards[1].checksum_problems([fmt.TOKENS, fmt.SEQUENCES]) == []
 

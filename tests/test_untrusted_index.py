@@ -113,8 +113,8 @@ def _rewrite_table(cache: Path, records: dict[int, dict]) -> None:
     shards' commit records alone (a hostile name has no folder to write one in)."""
     import json
 
-    from dflash_cache import index
-    from dflash_cache.store import CacheStore
+    from dflash_cache.format import index
+    from dflash_cache.format.store import CacheStore
 
     opened = open_cache(str(cache))
     rows = [records.get(i, shard.record) for i, shard in enumerate(opened.shards)]

@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache import format as fmt
+from dflash_cache import SequenceRecord, from_storage
 from dflash_cache.chat_template import render_chat
-from dflash_cache.reader import SequenceRecord
 from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file, read_bounded
@@ -160,7 +159,7 @@ def offline_estimate(teacher: Teacher, drafter: DFlashDrafter, prompt: Prompt, o
     """Greedy replay of the drafter over prompt + the teacher's output, from the teacher's features."""
     seq = np.array(prompt.ids + output, dtype=np.int32)
     out = teacher.forward([seq])
-    hidden = np.asarray(fmt.from_storage(out.hidden, teacher.cfg.dtype), dtype=np.float32)
+    hidden = np.asarray(from_storage(out.hidden, teacher.cfg.dtype), dtype=np.float32)
     mask = np.zeros(len(seq), dtype=np.uint8)
     mask[len(prompt.ids):] = 1
     record = SequenceRecord(id=prompt.id, input_ids=seq, loss_mask=mask, hidden=hidden,

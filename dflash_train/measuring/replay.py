@@ -102,7 +102,7 @@ def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards:
     """A trained drafter with the cache's frozen head; refuses a cache of other tapped layers and,
     as `dflash-train run` does before training, a cache with damaged shards not in ``skip_shards``
     (the shards' checksums are checked as evaluation first reads them: data.load_batch)."""
-    from dflash_cache.integrity import SIZES
+    from dflash_cache import SIZES
     from dflash_common.errors import CacheError
 
     cache.ensure_intact((SIZES,), skip=skip_shards)  # run's own check, so eval refuses what run refuses

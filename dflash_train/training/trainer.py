@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_cache import open_cache
-from dflash_cache.format import check_servable_layers
-from dflash_cache.integrity import SIZES
+from dflash_cache import SIZES, check_servable_layers, open_cache
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic

@@ -1,42 +1,41 @@
-"""Whether a shard holds what its commit record says: sizes from one listing (``quick_check``), the
+"""Whether a shard holds what its commit record says: sizes from one listing (``size_check``), the
 record against the manifest (``record_problems``), checksums hashed once per process
 (``part_problems``), and links that would lead reads out of the cache (``refuse_outside_links``).
+Each takes a shard's ``ShardFiles`` (its store and record), never a reader's object;
 ``Cache.ensure_intact`` and ``dflash-cache verify`` both judge shards by these."""
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
-from dflash_cache import format as fmt
-from dflash_cache.shard_files import list_width_problem, mapped_file, open_ipc
+from dflash_cache.format.cache_layout import (
+    HIDDEN,
+    SEQUENCES,
+    SHARDS_DIR,
+    TOKENS,
+    check_shard_paths,
+    checksum,
+    inside_cache,
+    join,
+)
+from dflash_cache.format.hidden import HiddenChecksumError
+from dflash_cache.format.record import ShardFiles
+from dflash_cache.format.store import CacheStore, file_identity, mapped_file, open_ipc, read_json
+from dflash_cache.format.token_tables import list_width_problem
 from dflash_common.errors import CacheError, quoted
-
-if TYPE_CHECKING:
-    from dflash_cache.reader import Cache, Shard
-
 
 SIZES = "sizes"
 """Not a file: every file's size against its commit record, from one listing (``quick_check``)."""
 
 
-CHECKSUMMED = (fmt.SEQUENCES, fmt.TOKENS, "hidden")
-"""A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``)."""
-
-
-def read_parts(version: int) -> tuple[str, ...]:
-    """The checksummed parts that reading a shard's sequences uses, so the ones training and
-    evaluation check before any of it is handed out: format 1 reads each sequence's id, offset and
-    length from sequences.arrow (checked with the commit record on disk); format 2 reads them from
-    its index, checked when the cache is opened, so its shards' sequences.arrow and commit records
-    (the copies a lost index is rebuilt from) are left to `verify`, and a rank reads two files a
-    shard instead of four."""
-    return CHECKSUMMED if version == 1 else (fmt.TOKENS, "hidden")
+CHECKSUMMED = (SEQUENCES, TOKENS, "hidden")
+"""A shard's parts that its commit record holds checksums of (``Shard.checksum_problems``); which
+of them a read uses is the layout's ``read_parts`` (dflash_cache.format.versions)."""
 
 
 class ShardIntegrityError(CacheError):
@@ -95,21 +94,15 @@ def size_problems(expected: dict[str, int], found: dict[str, int] | None) -> lis
     return problems
 
 
-def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
-    """Problems of every listed shard (except ``skip``) that one listing of ``shards/`` shows:
-    missing folders and files, and sizes that differ from the commit records; a symlink in it
-    that leaves the cache is refused (CacheError). Cheap enough to run whenever a cache is opened
-    for training; the loader checks a shard's checksums when it first reads it
-    (``Shard.checksum_problems``), verify checks everything.
-
-    Format 2: nothing to do. Its sizes live in the index and listing shards/ would cost a request
-    per thousand objects at every start; a missing or short file shows when it is read (one line,
-    the shard named) or verified."""
-    if getattr(cache, "version", 1) != 1:
-        return {}
-    shards_dir = fmt.join(cache.root, fmt.SHARDS_DIR)
+def size_check(store: CacheStore, files: dict[str, dict[str, int]], skip: set[str] | frozenset[str] = frozenset()) -> dict[str, list[str]]:
+    """Problems of the shards ``files`` lists (shard name -> its commit record's files and sizes),
+    except ``skip``, that one listing of ``shards/`` shows: missing folders and files, and sizes
+    that differ from the commit records; a symlink in it that leaves the cache is refused
+    (CacheError). Cheap enough to run whenever a format-1 cache is opened for training; the loader
+    checks a shard's checksums when it first reads it, verify checks everything."""
+    shards_dir = store.path(SHARDS_DIR)
     try:
-        listing = cache.fs.find(shards_dir, detail=True) if cache.fs.exists(shards_dir) else {}
+        listing = store.fs.find(shards_dir, detail=True) if store.fs.exists(shards_dir) else {}
     except FileNotFoundError:
         listing = {}
     found: dict[str, dict[str, int]] = {}
@@ -117,53 +110,44 @@ def quick_check(cache: Cache, skip: set[str] | frozenset[str] = frozenset()) -> 
     linked = {}
     for path, info in listing.items():
         if info.get("islink"):  # the listing names links without following them: none may leave the cache
-            refuse_outside_links(cache, path)
-            if fmt.is_local(cache.fs) and os.path.isdir(path):  # a shard folder linked from inside the cache
-                linked.update(cache.fs.find(path, detail=True))
+            refuse_outside_links(store, path)
+            if store.local and os.path.isdir(path):  # a shard folder linked from inside the cache
+                linked.update(store.fs.find(path, detail=True))
     for path, info in {**listing, **linked}.items():
         shard, _, rest = path[prefix:].partition("/")
         if rest:
             found.setdefault(shard, {})[rest] = int(info["size"])
     problems = {}
-    for shard in cache.shards:
-        if shard.name not in skip:
-            bad = size_problems(shard.record["files"], found.get(shard.name))
+    for name, expected in files.items():
+        if name not in skip:
+            bad = size_problems(expected, found.get(name))
             if bad:
-                problems[shard.name] = bad
+                problems[name] = bad
     return problems
 
 
-def inside_cache(root: str, path: str, url: str) -> None:
-    """Refuse ``path`` when it resolves (symlinks followed) outside the real folder ``root``."""
-    target = os.path.realpath(path)
-    if os.path.commonpath([root, target]) != root:
-        raise CacheError(f"{url}: {path} is a symlink to {target}, outside the cache; the cache is not trustworthy "
-                         "(a cache holds its own files): replace the link with the files it points to, or rebuild the "
-                         "cache with `dflash-cache build ... --overwrite`")
-
-
-def refuse_outside_links(cache: Cache, path: str) -> None:
-    """On local storage: refuse any symlink at or under ``path`` of ``cache`` (files and folders,
+def refuse_outside_links(store: CacheStore, path: str) -> None:
+    """On local storage: refuse any symlink at or under ``path`` of the cache (files and folders,
     at any depth) that resolves outside the cache."""
-    if fmt.is_local(cache.fs):
-        _local_files(cache, path)
+    if store.local:
+        _local_files(store, path)
 
 
-def _local_files(cache: Cache, path: str) -> list[tuple]:
+def _local_files(store: CacheStore, path: str) -> list[tuple]:
     """(path, inode, size, mtime) of the local file ``path`` or of every file under the folder
     ``path``, in one pass that refuses any symlink resolving outside the cache. A missing path is
     FileNotFoundError."""
-    root = os.path.realpath(cache.root)
+    root = os.path.realpath(store.root)
     if os.path.islink(path):
-        inside_cache(root, path, cache.url)
+        inside_cache(root, path, store.url)
     if not os.path.isdir(path):
-        return [(path, *_identity(path))]
+        return [(path, *file_identity(path))]
     found, folders = [], [path]
     while folders:
         with os.scandir(folders.pop()) as entries:
             for entry in entries:
                 if entry.is_symlink():
-                    inside_cache(root, entry.path, cache.url)
+                    inside_cache(root, entry.path, store.url)
                 if entry.is_dir():
                     folders.append(entry.path)
                 else:
@@ -187,44 +171,44 @@ HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go thr
 RECORD = "record"  # a shard's commit record (shards/NAME.json), as a part of record_problems
 
 
-def record_problems(shard: Shard, part: str) -> list[str]:
+def record_problems(shard: ShardFiles, part: str) -> list[str]:
     """Where one part of a shard disagrees with its record (empty when it agrees; checksums are
     ``part_problems``'s): for RECORD, the commit record on disk against the manifest's; for
     sequences.arrow, the sequence count, offsets and lengths against the record; for tokens.arrow,
     the token count and the top-k width against the manifest. The one check of these, run by the
     training loader (``Shard.checksum_problems``) and by `dflash-cache verify` alike. Errors
     become problems."""
-    cache, record = shard.cache, shard.record
+    store, record = shard.store, shard.record
     try:
         if part == RECORD:
             record_path = f"{shard.path}.json"
-            if not cache.fs.exists(record_path):
+            if not store.fs.exists(record_path):
                 return ["commit record missing"]
             try:
-                on_disk = fmt.read_json(cache.fs, record_path)
+                on_disk = read_json(store.fs, record_path)
             except (ValueError, CacheError):
                 return ["commit record is not readable JSON"]
-            fmt.check_shard_paths(on_disk, cache.url, f"{fmt.SHARDS_DIR}/{shard.name}.json")
+            check_shard_paths(on_disk, store.url, f"{SHARDS_DIR}/{shard.name}.json")
             if on_disk != record:
                 differ = sorted(str(k) for k in {**on_disk, **record} if on_disk.get(k) != record.get(k))
                 shown = ", ".join(quoted(k, 40) if len(k) > 40 else k for k in differ[:5])
                 return [f"commit record differs from the manifest ({shown}"
                         + (f", +{len(differ) - 5:,} more" if len(differ) > 5 else "") + ")"]
-        elif part == fmt.SEQUENCES:
-            sequences = open_ipc(cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
+        elif part == SEQUENCES:
+            sequences = open_ipc(store.fs, join(shard.path, SEQUENCES))
             if sequences.num_rows != record["sequences"]:
-                return [f"{fmt.SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
+                return [f"{SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
             lengths = sequences.column("length").to_numpy()
             offsets = sequences.column("offset").to_numpy()
             if len(lengths) and (offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(lengths)[:-1])
                                  or lengths.sum() != record["tokens"] or np.any(lengths < 0)):
                 return ["sequence offsets and lengths are inconsistent"]
-        elif part == fmt.TOKENS:
-            tokens = open_ipc(cache.fs, fmt.join(shard.path, fmt.TOKENS))
+        elif part == TOKENS:
+            tokens = open_ipc(store.fs, join(shard.path, TOKENS))
             if tokens.num_rows != record["tokens"]:
-                return [f"{fmt.TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
+                return [f"{TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
             for column in ("topk_ids", "topk_logprobs"):
-                problem = list_width_problem(tokens, column, cache.top_k, "top_k")
+                problem = list_width_problem(tokens, column, shard.spec.top_k, "top_k")
                 if problem:
                     return [problem]
     except CacheError:
@@ -236,25 +220,18 @@ def record_problems(shard: Shard, part: str) -> list[str]:
     return []
 
 
-def _identity(path: str) -> tuple[int, int, int]:
-    info = os.stat(path)
-    return info.st_ino, info.st_size, info.st_mtime_ns
-
-
-def part_problems(shard: Shard, part: str) -> list[str]:
+def part_problems(shard: ShardFiles, part: str) -> list[str]:
     """Problems of one part of a shard (see ``Shard.checksum_problems``); errors become problems."""
-    cache, record = shard.cache, shard.record
-    expected = (record.get("checksums") or {}).get(part)
-    local = fmt.is_local(cache.fs)
+    expected = (shard.record.get("checksums") or {}).get(part)
     try:
         key = None
-        if local:  # the files' identities, symlinks leaving the cache refused on the way
-            files = _local_files(cache, fmt.join(shard.path, fmt.HIDDEN if part == "hidden" else part))
+        if shard.store.local:  # the files' identities, symlinks leaving the cache refused on the way
+            files = _local_files(shard.store, join(shard.path, HIDDEN if part == "hidden" else part))
             key = (part, shard.path, xxhash.xxh64_hexdigest(repr(files).encode()), expected)
             with _VERIFIED_LOCK:
                 if key in _VERIFIED:
                     return _VERIFIED[key]
-        if part == "hidden" and shard.version != 1:
+        if part == "hidden" and shard.layout.hidden_checked_as_read:
             problems = _hidden_layout(shard)  # its bytes are checked per inner chunk as they are read
         else:
             problems = _hash_hidden(shard, expected) if part == "hidden" else _hash_file(shard, part, expected)
@@ -270,24 +247,23 @@ def part_problems(shard: Shard, part: str) -> list[str]:
     return problems
 
 
-def _hash_file(shard: Shard, name: str, expected: str | None) -> list[str]:
-    path = fmt.join(shard.path, name)
-    fs = shard.cache.fs
-    if fmt.is_local(fs):
+def _hash_file(shard: ShardFiles, name: str, expected: str | None) -> list[str]:
+    path = join(shard.path, name)
+    if shard.store.local:
         with pa.memory_map(path, "r") as f:  # hashed in place, not copied
             digest = xxhash.xxh64(f.read_buffer()).hexdigest()
     else:
-        digest = fmt.checksum(fs.cat_file(path))
+        digest = checksum(shard.store.fs.cat_file(path))
     return [] if digest == expected else [f"{name} checksum mismatch"]
 
 
-def _shape_problems(shard: Shard) -> tuple[list[str], object, tuple]:
+def _shape_problems(shard: ShardFiles) -> tuple[list[str], object, tuple]:
     """The stored hidden-state array's shape and dtype against the record and the manifest; also
     the fast local reader of it (None: Zarr reads it) and its shape."""
-    cache, record = shard.cache, shard.record
-    want_shape = tuple(record.get("hidden_shape") or ())
-    want_dtype = fmt.stored_dtype(cache.hidden_dtype, cache.hidden_format)
-    files = shard._chunk_files
+    spec = shard.spec
+    want_shape = tuple(shard.record.get("hidden_shape") or ())
+    want_dtype = spec.stored_dtype
+    files = shard.fast_hidden
     if files is not None:
         shape, dtype = files.shape, files.dtype
     else:
@@ -297,16 +273,14 @@ def _shape_problems(shard: Shard) -> tuple[list[str], object, tuple]:
         return [f"hidden shape {shape} differs from {want_shape}"], files, shape
     if dtype != want_dtype:
         return [f"hidden dtype {dtype} differs from {want_dtype}, the storage of the manifest's "
-                f"{cache.hidden_dtype} ({cache.hidden_format})"], files, shape
+                f"{spec.hidden_dtype} ({spec.hidden_format})"], files, shape
     return [], files, shape
 
 
-def _hidden_layout(shard: Shard) -> list[str]:
+def _hidden_layout(shard: ShardFiles) -> list[str]:
     """A format-2 hidden-state array's shape and dtype against the record, and its shard index
     against its crc32c (local): what a reader must trust before it reads inner chunks, each
     checked as it is read."""
-    from dflash_cache.hidden_files import HiddenChecksumError
-
     problems, files, shape = _shape_problems(shard)
     if problems:
         return problems
@@ -318,7 +292,7 @@ def _hidden_layout(shard: Shard) -> list[str]:
     return []
 
 
-def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
+def _hash_hidden(shard: ShardFiles, expected: str | None) -> list[str]:
     """The stored hidden-state array against the record: shape, dtype, then xxh64 of its bytes in
     C order (what the writer hashed), streamed from the chunk files or, through Zarr, a window at
     a time."""
@@ -331,7 +305,7 @@ def _hash_hidden(shard: Shard, expected: str | None) -> list[str]:
         for index in range(-(-rows // files.chunk_rows) if rows else 0):
             path = files.chunk_path(index)
             needed = min(files.chunk_rows, rows - index * files.chunk_rows) * files.row_bytes
-            data = mapped_file(path, *_identity(path))
+            data = mapped_file(path, *file_identity(path))
             if len(data) < needed:
                 return [f"file {os.path.relpath(path, shard.path)} is short ({len(data)} of {needed} bytes)"]
             digest.update(data[:needed])

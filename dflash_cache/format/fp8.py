@@ -14,19 +14,25 @@ is not worth losing exact bf16 decoding and a one-byte scale (a float32 scale is
 blocks (1x32) measured no better there: e4m3 keeps its relative precision over 15 binades, so a
 shared scale only hurts values more than ~2^14 below their row's maximum (subnormal codes).
 
-The casts run in torch (about 7x faster than ml_dtypes' numpy casts on this machine, and they
-release the GIL, so the background shard writer overlaps the teacher); the results are the same
-codes ml_dtypes produces (round to nearest even), which tests check.
+Quantising runs in torch (about 7x faster than ml_dtypes' numpy casts on this machine, and it
+releases the GIL, so the background shard writer overlaps the teacher), imported only then: the
+results are the same codes ml_dtypes produces (round to nearest even), which tests check.
+Decoding is numpy alone (a table lookup and a product by a power of two), so reading and
+verifying an fp8 cache loads no torch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import ml_dtypes
 import numpy as np
-import torch
 
 from dflash_cache.settings.storage_config import FP8_E4M3
 from dflash_common.errors import CacheError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = FP8_E4M3
 E4M3_MAX = 448.0
@@ -45,6 +51,8 @@ _PIECE_VALUES = 1 << 23  # float32 temporaries of 32 MB at most, however big the
 
 def _as_torch(hidden: np.ndarray) -> torch.Tensor:
     """A zero-copy torch view of float32 or ml_dtypes.bfloat16 values."""
+    import torch
+
     if hidden.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(hidden.view(np.int16)).view(torch.bfloat16)
     if hidden.dtype == np.float32:
@@ -55,6 +63,8 @@ def _as_torch(hidden: np.ndarray) -> torch.Tensor:
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
     """The smallest ``k`` with ``amax / 2**k <= 448`` per row, clamped to [MIN_EXP, MAX_EXP]; 0
     for all-zero rows. ``amax`` is float32 and finite."""
+    import torch
+
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
     # 448 = 0.875 * 2**9: a row fits below 2**(exponent - 9) * 448 unless its mantissa exceeds 0.875
     k = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
@@ -63,6 +73,8 @@ def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _raise_nonfinite(x: torch.Tensor, first_row: int) -> None:
+    import torch
+
     bad = (~torch.isfinite(x)).nonzero()[0].tolist()
     where = ", ".join(f"{name} {i}" for name, i in zip(("token", "layer", "index"), [bad[0] + first_row] + bad[1:]))
     raise CacheError(
@@ -75,6 +87,8 @@ def quantize(hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """hidden ``[..., H]`` (float32 or ml_dtypes.bfloat16) -> (codes uint8 ``[..., H]``, exponents
     int8 ``[...]``) with ``hidden ~= e4m3(codes) * 2**exponents[..., None]``. Raises CacheError
     on NaN/Inf."""
+    import torch
+
     hidden = np.ascontiguousarray(hidden)
     shape = hidden.shape
     rows_per_piece = max(1, _PIECE_VALUES // max(1, int(np.prod(shape[1:], dtype=np.int64))))
@@ -102,26 +116,21 @@ def quantize(hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, exponents
 
 
-# e4m3 code -> its value, as bfloat16 bits and as float32: a table lookup in numpy is several
-# times faster than torch's float8 casts on CPU.
-_DECODE_BF16 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(ml_dtypes.bfloat16).view(np.int16)
+# e4m3 code -> its value as float32: decoding is a table lookup.
 _DECODE_F32 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def dequantize(codes: np.ndarray, exponents: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
     """``e4m3(codes) * 2**exponents[..., None]`` as ``dtype`` ('bfloat16' -> ml_dtypes.bfloat16,
-    or 'float32'); exact in both for exponents in [MIN_EXP, MAX_EXP]."""
+    or 'float32'); exact in both for exponents in [MIN_EXP, MAX_EXP]: the float32 product by a power
+    of two is exact (an e4m3 value has 4 significant bits, far from float32's subnormals there), and
+    so is its cast to bfloat16 (see the module docstring)."""
     if dtype not in ("bfloat16", "float32"):
         raise TypeError(f"fp8 dequantises to bfloat16 or float32, not {dtype}")
-    # exponents may be a read-only memory map (tokens.arrow), which torch will not wrap
-    scale = torch.from_numpy(np.ldexp(np.float32(1), np.asarray(exponents, EXP_DTYPE))).unsqueeze(-1)
-    codes = np.asarray(codes, CODE_DTYPE)
-    if dtype == "float32":
-        out = torch.from_numpy(_DECODE_F32[codes])
-        return out.mul_(scale).numpy()
-    # e4m3 -> bfloat16 is exact, and so is the product by a power of two (see the module docstring)
-    out = torch.from_numpy(_DECODE_BF16[codes]).view(torch.bfloat16)
-    return out.mul_(scale.to(torch.bfloat16)).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    scale = np.ldexp(np.float32(1), np.asarray(exponents, EXP_DTYPE).astype(np.int32))[..., None]
+    out = _DECODE_F32[np.asarray(codes, CODE_DTYPE)]
+    np.multiply(out, scale, out=out)
+    return out if dtype == "float32" else out.astype(ml_dtypes.bfloat16)
 
 
 def relative_error(approx: np.ndarray, exact: np.ndarray, axis=(0, 2)) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""The hidden-state array of a format-2 shard, written and read side by side.
+"""The hidden states of a shard, encoded and decoded side by side: their stored dtype (bf16 as its
+16-bit pattern, float32, or fp8 codes with per-token scales), and the array of a format-2 shard.
 
 One Zarr v3 array per shard whose single Zarr *shard* object (``hidden.zarr/c/0/0/0``) holds every
 inner chunk (zarr 3's ``sharding_indexed`` codec), so a shard has the same few files whatever the
@@ -6,7 +7,7 @@ chunk size. Each inner chunk is ``bytes`` (little endian) [+ ``zstd``] + ``crc32
 appended), and the shard index (offset and length of each inner chunk, uint64, at the end of the
 object) carries its own crc32c: a reader checks exactly the bytes it reads, as it reads them.
 
-``ShardedHidden`` is the fast local path (the format-2 twin of shard_files.ChunkFiles): it reads the
+``ShardedHidden`` is the fast local path (the format-2 twin of format 1's ChunkFiles): it reads the
 shard index once, memory-maps the shard object and copies inner-chunk byte ranges into the
 caller's buffer, verifying each inner chunk's crc32c the first time this process reads it (while
 the file keeps its identity: inode, size, mtime). Anything else (compressed, remote, another
@@ -23,13 +24,77 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import google_crc32c
+import ml_dtypes
 import numpy as np
-import zarr
-import zarr.codecs
 
-from dflash_cache import format as fmt
-from dflash_cache.shard_files import rows_out
+from dflash_cache.format import fp8
+from dflash_cache.format.cache_layout import checksum
+from dflash_cache.settings.storage_config import LOSSLESS
 from dflash_common.errors import CacheError
+
+# Stored dtype of the hidden states, keyed by the true dtype recorded in the manifest. Zarr 3 has
+# no bfloat16, so bf16 is stored as its 16-bit pattern and viewed back on read (lossless).
+HIDDEN_STORAGE = {
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+}
+HIDDEN_NUMPY = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+# How the hidden states are encoded (the manifest's ``hidden_format``; absent means lossless).
+# lossless: the true dtype's bits, as above. fp8_e4m3: uint8 e4m3 codes in hidden.zarr and one
+# power-of-two scale exponent per token per layer in the scale column of tokens.arrow (see
+# dflash_cache.format.fp8 and .tokens); the reader decodes them to the true dtype. The names
+# (LOSSLESS, HIDDEN_FORMATS) are settings of a build: dflash_cache.settings.storage_config.
+
+
+def stored_dtype(hidden_dtype: str, hidden_format: str = LOSSLESS) -> np.dtype:
+    """The Zarr data type of the hidden-state array."""
+    return fp8.CODE_DTYPE if hidden_format == fp8.FORMAT else HIDDEN_STORAGE[hidden_dtype]
+
+
+def hidden_bytes_per_token(num_layers: int, hidden_size: int, hidden_dtype: str, hidden_format: str = LOSSLESS) -> int:
+    """Stored hidden-state bytes per token, fp8 scale exponents included."""
+    scales = num_layers * fp8.EXP_DTYPE.itemsize if hidden_format == fp8.FORMAT else 0
+    return num_layers * hidden_size * stored_dtype(hidden_dtype, hidden_format).itemsize + scales
+
+
+def from_storage(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
+    """Reinterpret stored hidden states as their true dtype, without copying."""
+    return stored.view(HIDDEN_NUMPY[hidden_dtype])
+
+
+def encode_hidden(bits: np.ndarray, hidden_dtype: str, hidden_format: str) -> tuple[np.ndarray, dict, np.ndarray | None]:
+    """A shard's hidden states [N, L, H] (the build dtype's bits) as stored: the array, the Zarr
+    array's attributes, and (fp8) the per-token, per-layer scale exponents [N, L] that go into
+    tokens.arrow."""
+    attributes = {"dtype": hidden_dtype}
+    if hidden_format != fp8.FORMAT:
+        return bits, attributes, None
+    codes, exponents = fp8.quantize(from_storage(bits, hidden_dtype))
+    return codes, {**attributes, "format": fp8.FORMAT}, exponents
+
+
+def decode_hidden(stored: np.ndarray, scale_exponents: np.ndarray | None, hidden_dtype: str,
+                  hidden_format: str = LOSSLESS) -> np.ndarray:
+    """Stored hidden-state rows (and, for fp8, their scale exponents) -> the true dtype. Lossless
+    rows are reinterpreted without a copy; fp8 rows are decoded exactly (dflash_cache.format.fp8)."""
+    if hidden_format == fp8.FORMAT:
+        return fp8.dequantize(stored, scale_exponents, hidden_dtype)
+    return from_storage(stored, hidden_dtype)
+
+
+def rows_out(shape: tuple, dtype: np.dtype, start: int, stop: int, out: np.ndarray | None) -> np.ndarray:
+    """Where rows start..stop of an array of ``shape`` and ``dtype`` are read into: ``out`` when
+    given (checked: C-contiguous, those rows' shape, the same item size), else a new array."""
+    rows = (max(0, stop - start), *shape[1:])
+    if out is None:
+        return np.empty(rows, dtype=dtype)
+    if out.shape != rows or out.dtype.itemsize != dtype.itemsize or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous, of shape {rows} and {dtype.itemsize}-byte items, "
+                         f"got {out.dtype} {out.shape}")
+    return out
 
 EMPTY = 2**64 - 1  # an inner chunk never written (zarr's marker); a build writes every one
 
@@ -50,18 +115,21 @@ def chunk_tokens_for(n_tokens: int, per_token: int, chunk_bytes: int) -> int:
 
 def write_hidden(store, hidden: np.ndarray, attributes: dict, chunk_bytes: int, compression: str) -> tuple[str, int]:
     """Write ``hidden`` [N, L, H] (its stored dtype) as one sharded Zarr array into the Zarr
-    ``store``; returns the xxh64 of its logical bytes (``format.checksum``) and the inner chunk's
+    ``store``; returns the xxh64 of its logical bytes (``layout.checksum``) and the inner chunk's
     token rows."""
+    import zarr
+    import zarr.codecs
+
     n_tokens, n_layers, hidden_size = hidden.shape
     chunk_tokens = chunk_tokens_for(n_tokens, n_layers * hidden_size * hidden.dtype.itemsize, chunk_bytes)
     shard_rows = max(1, -(-n_tokens // chunk_tokens)) * chunk_tokens  # a whole number of inner chunks
     compressors = ([zarr.codecs.ZstdCodec(level=1)] if compression == "zstd" else []) + [zarr.codecs.Crc32cCodec()]
     with ThreadPoolExecutor(1) as hashing:  # xxh64 releases the GIL: hash while Zarr writes
-        checksum = hashing.submit(fmt.checksum, hidden)
+        digest = hashing.submit(checksum, hidden)
         zarr.create_array(store, data=hidden, chunks=(chunk_tokens, n_layers, hidden_size),
                           shards=(shard_rows, n_layers, hidden_size), compressors=compressors,
                           attributes=attributes, config={"write_empty_chunks": True}, overwrite=True)
-    return checksum.result(), chunk_tokens
+    return digest.result(), chunk_tokens
 
 
 def _plain_sharded(meta: dict) -> dict | None:

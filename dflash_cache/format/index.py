@@ -24,7 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dflash_cache import format as fmt
+from dflash_cache.format import cache_layout as layout
+from dflash_cache.format.store import CacheStore, write_bytes_atomic
+from dflash_cache.format.token_tables import ipc_bytes
 from dflash_common.errors import CacheError, quoted
 
 SHARDS = "shards"
@@ -36,7 +38,7 @@ def shard_schema() -> pa.Schema:
         ("name", pa.string()), ("rank", pa.int32()), ("index", pa.int32()),
         ("row_start", pa.int64()), ("row_end", pa.int64()),
         ("sequences", pa.int64()), ("tokens", pa.int64()), ("loss_tokens", pa.int64()), ("bytes", pa.int64()),
-        ("file_bytes", pa.list_(pa.int64(), len(fmt.V2_FILES))),
+        ("file_bytes", pa.list_(pa.int64(), len(layout.V2_FILES))),
         ("hidden_shape", pa.list_(pa.int64(), 3)), ("chunk_tokens", pa.int64()),
         ("checksum_hidden", pa.string()), ("checksum_tokens", pa.string()), ("checksum_sequences", pa.string()),
         ("skipped", pa.string()),
@@ -52,7 +54,7 @@ def sequence_schema() -> pa.Schema:
 def shard_table(records: list[dict]) -> pa.Table:
     """The shard table of these commit records (format 2), in their order."""
     def files(r):
-        return [int(r.get("files", {}).get(name, -1)) for name in fmt.V2_FILES]
+        return [int(r.get("files", {}).get(name, -1)) for name in layout.V2_FILES]
 
     health = [r.get("health") or {} for r in records]
     columns = {
@@ -63,8 +65,8 @@ def shard_table(records: list[dict]) -> pa.Table:
         "file_bytes": [files(r) for r in records], "hidden_shape": [r["hidden_shape"] for r in records],
         "chunk_tokens": [r["chunk_tokens"] for r in records],
         "checksum_hidden": [r["checksums"]["hidden"] for r in records],
-        "checksum_tokens": [r["checksums"][fmt.TOKENS] for r in records],
-        "checksum_sequences": [r["checksums"][fmt.SEQUENCES] for r in records],
+        "checksum_tokens": [r["checksums"][layout.TOKENS] for r in records],
+        "checksum_sequences": [r["checksums"][layout.SEQUENCES] for r in records],
         "skipped": [json.dumps(r.get("skipped") or {}, sort_keys=True) for r in records],
         "rms": [h.get("rms", []) for h in health], "zero_fraction": [h.get("zero_fraction", []) for h in health],
         "nonfinite": [h.get("nonfinite", []) for h in health],
@@ -110,7 +112,7 @@ class ShardTable:
         return out
 
     def totals(self) -> dict:
-        """The per-shard counters summed (as format.totals sums commit records)."""
+        """The per-shard counters summed (as manifest.totals sums commit records)."""
         out = {k: int(self.numpy(k).sum()) if len(self) else 0 for k in ("sequences", "tokens", "loss_tokens", "bytes")}
         skipped: dict[str, int] = {}
         for text in self.column("skipped"):
@@ -122,14 +124,14 @@ class ShardTable:
         # row i alone is converted: the first shard a rank reads of 100k cost ~0.9 s when every
         # column was converted whole for it
         row = self.table.slice(i, 1).to_pylist()[0]
-        files = {name: size for name, size in zip(fmt.V2_FILES, row["file_bytes"]) if size >= 0}
+        files = {name: size for name, size in zip(layout.V2_FILES, row["file_bytes"]) if size >= 0}
         health = {k: row[k] for k in ("rms", "zero_fraction", "nonfinite")}
         return {
             "name": row["name"], "rank": row["rank"], "index": row["index"], "rows": [row["row_start"], row["row_end"]],
             "sequences": row["sequences"], "tokens": row["tokens"], "loss_tokens": row["loss_tokens"],
             "bytes": row["bytes"], "hidden_shape": list(row["hidden_shape"]), "chunk_tokens": row["chunk_tokens"],
-            "checksums": {"hidden": row["checksum_hidden"], fmt.TOKENS: row["checksum_tokens"],
-                          fmt.SEQUENCES: row["checksum_sequences"]},
+            "checksums": {"hidden": row["checksum_hidden"], layout.TOKENS: row["checksum_tokens"],
+                          layout.SEQUENCES: row["checksum_sequences"]},
             "files": files, "skipped": json.loads(row["skipped"]),
             **({"health": health} if health["rms"] else {}),
         }
@@ -139,23 +141,16 @@ class ShardTable:
 
 
 def part_dir(rank: int) -> str:
-    return f"{fmt.INDEX_DIR}/{fmt.rank_folder(rank)}"
+    return f"{layout.INDEX_DIR}/{layout.rank_folder(rank)}"
 
 
 def part_paths(rank: int) -> dict[str, str]:
     """Rank ``rank``'s part of the index, relative to the cache root."""
-    return {SHARDS: f"{part_dir(rank)}/{fmt.SHARD_TABLE}", SEQUENCES: f"{part_dir(rank)}/{fmt.SEQUENCE_TABLE}"}
+    return {SHARDS: f"{part_dir(rank)}/{layout.SHARD_TABLE}", SEQUENCES: f"{part_dir(rank)}/{layout.SEQUENCE_TABLE}"}
 
 
-MERGED = {SHARDS: f"{fmt.INDEX_DIR}/{fmt.SHARD_TABLE}", SEQUENCES: f"{fmt.INDEX_DIR}/{fmt.SEQUENCE_TABLE}"}
-_INDEX_PATH = re.compile(rf"^{fmt.INDEX_DIR}/(r\d{{5}}/)?({re.escape(fmt.SHARD_TABLE)}|{re.escape(fmt.SEQUENCE_TABLE)})$")
-
-
-def ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+MERGED = {SHARDS: f"{layout.INDEX_DIR}/{layout.SHARD_TABLE}", SEQUENCES: f"{layout.INDEX_DIR}/{layout.SEQUENCE_TABLE}"}
+_INDEX_PATH = re.compile(rf"^{layout.INDEX_DIR}/(r\d{{5}}/)?({re.escape(layout.SHARD_TABLE)}|{re.escape(layout.SEQUENCE_TABLE)})$")
 
 
 def write_tables(store, paths: dict[str, str], shards: pa.Table, sequences: pa.Table, complete: bool) -> dict:
@@ -170,9 +165,9 @@ def write_tables(store, paths: dict[str, str], shards: pa.Table, sequences: pa.T
         # of a column read back walks all the batches (planning over 100k shards: quadratic)
         data = ipc_bytes(table.combine_chunks())
         store.fs.makedirs(store.path(paths[key].rsplit("/", 1)[0]), exist_ok=True)
-        fmt.write_bytes_atomic(store.fs, store.path(paths[key]), data)
+        write_bytes_atomic(store.fs, store.path(paths[key]), data)
         entry[key] = {"path": paths[key], "rows": table.num_rows,
-                      **({"bytes": len(data), "checksum": fmt.checksum(data)} if complete else {})}
+                      **({"bytes": len(data), "checksum": layout.checksum(data)} if complete else {})}
     return {SHARDS: entry[SHARDS], SEQUENCES: entry[SEQUENCES]}
 
 
@@ -196,7 +191,7 @@ def read_table(store, entry: Any, key: str, schema: pa.Schema) -> pa.Table:
             data = pa.py_buffer(store.fs.cat_file(path))
     except FileNotFoundError:
         raise _damaged(url, f"file {entry['path']} is missing") from None
-    if "checksum" in entry and (data.size != entry.get("bytes") or fmt.checksum(memoryview(data)) != entry["checksum"]):
+    if "checksum" in entry and (data.size != entry.get("bytes") or layout.checksum(memoryview(data)) != entry["checksum"]):
         raise _damaged(url, f"file {entry['path']} differs from its size or checksum in manifest.json")
     try:
         table = pa.ipc.open_file(data).read_all()
@@ -214,7 +209,7 @@ def check_tables(url: str, manifest: dict, shards: pa.Table, sequences: pa.Table
     """The tables agree with each other and the manifest: plain shard names, hidden shapes of the
     manifest's width, each shard's sequences where its count says. Vectorised: O(rows) in numpy."""
     names = shards.column("name")
-    plain = pc.match_substring_regex(names, f"^{fmt.SHARD_NAME}$")
+    plain = pc.match_substring_regex(names, f"^{layout.SHARD_NAME}$")
     if shards.num_rows and not pc.all(plain).as_py():
         bad = names.filter(pc.invert(plain))[0].as_py()
         raise _damaged(url, f"names a shard {quoted(bad)}, which is not a shard name (shard-rRRRRR-IIIIII)")
@@ -278,10 +273,8 @@ def read_part(store, rank: int) -> tuple[list[dict], pa.Table]:
 def index_records(fs, root: str, records: list[dict]) -> dict:
     """Write the index of these committed format-2 shards (reading each one's sequences.arrow) and
     return the manifest's ``index`` entry: for caches put together shard by shard outside a build."""
-    from dflash_cache.store import CacheStore
-
     tables = []
     for position, record in enumerate(records):
-        path = fmt.join(fmt.shard_path(root, record["name"], 2), fmt.SEQUENCES)
+        path = layout.join(root, layout.SHARDS_DIR, layout.rank_folder(layout.rank_of(record["name"])), record["name"], layout.SEQUENCES)
         tables.append(sequence_rows(pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all(), position))
     return write_tables(CacheStore(fs, root, root), MERGED, shard_table(records), pa.concat_tables(tables), complete=True)

@@ -1,0 +1,221 @@
+"""manifest.json: the header every shard's arrays follow (tapped layers, width, dtype, storage,
+top-k), the teacher's identity and head record, the build's provenance, and the totals. Read and
+checked here; what a version adds to it (format 1: every shard's commit record; format 2: a
+pointer to the index) is dflash_cache.format.versions'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_cache.format.cache_layout import checksum
+from dflash_cache.format.hidden import HIDDEN_STORAGE, stored_dtype
+from dflash_cache.settings.storage_config import HIDDEN_FORMATS, LOSSLESS
+from dflash_common.errors import CacheError, ConfigError, quoted
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 2
+"""What a new build writes."""
+READ_VERSIONS = (1, 2)
+"""What the reader reads. A build over a format-1 cache resumes it as format 1."""
+
+
+def hidden_format_of(manifest: dict) -> str:
+    """The manifest's hidden_format; caches written before fp8 existed are lossless."""
+    return manifest.get("hidden_format") or LOSSLESS
+
+
+# The teacher head (teacher/head.safetensors) is checked like a shard: the manifest's
+# ``teacher_head`` records its size and checksum at build (absent in caches built before it was
+# recorded: then it is not checked, and verify says so). Its tensors must be floating point of
+# these dtypes: the drafter's LM head and embedding are used as they are.
+TEACHER_HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+TEACHER_HEAD_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def teacher_head_record(data: bytes) -> dict:
+    """The manifest's ``teacher_head`` entry for the head file's bytes."""
+    return {"bytes": len(data), "checksum": checksum(data)}
+
+
+def teacher_head_problem(data: bytes, record: Any) -> str | None:
+    """What is wrong with the head's bytes against the manifest's record (None: they match, or
+    no record exists: see teacher_head_checked)."""
+    if not isinstance(record, dict):
+        return None
+    if len(data) != record.get("bytes"):
+        return f"is {len(data):,} bytes, the manifest records {quoted(record.get('bytes'))}"
+    if checksum(data) != record.get("checksum"):
+        return "does not match the checksum the manifest records (damaged or changed since the build)"
+    return None
+
+
+def teacher_head_checked(manifest: dict) -> bool:
+    """Whether the manifest records the head's checksum (caches built before it do not)."""
+    return isinstance(manifest.get("teacher_head"), dict)
+
+
+# --- manifest --------------------------------------------------------------------------------
+
+
+# Fields of a shard record that readers use; a record without one is damaged.
+SHARD_RECORD_FIELDS = ("name", "sequences", "tokens", "bytes", "files", "checksums")
+# Bounds on the manifest's sizes, far above any model's (vocabularies reach 262,144 tokens, hidden
+# sizes 25,600): a reader allocates by them before it reads a shard, so an edited manifest's 10**9
+# would end in an allocation failure rather than a refusal.
+MAX_TOP_K = 2**20
+MAX_HIDDEN_SIZE = 2**17
+
+
+def check_manifest(manifest: dict, url: str) -> int:
+    """Refuse manifests this code cannot read, naming the fix: not a dflash manifest, a version it
+    does not read, a header field missing, of another type or out of bounds. Returns the version
+    (what it adds to the manifest is checked by its layout: dflash_cache.format.versions)."""
+    if not isinstance(manifest, dict):
+        raise CacheError(f"{url}: manifest.json holds a JSON {type(manifest).__name__}, not an object; the cache is "
+                         "damaged or not a dflash cache: rebuild it")
+    if manifest.get("format") != FORMAT_NAME:
+        raise CacheError(f"{url}: manifest.json is not a dflash cache manifest (format={quoted(manifest.get('format'))})")
+    version = manifest.get("format_version")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise CacheError(
+            f"{url}: cache format version {quoted(version)} is not supported by this dflash "
+            f"(reads versions {', '.join(map(str, READ_VERSIONS))}); rebuild the cache or install a matching dflash"
+        )
+    check_fields(manifest, url, ("teacher", "layer_ids", "hidden_size", "hidden_dtype", "top_k"))
+    return version
+
+
+def check_fields(manifest: dict, url: str, required: tuple[str, ...]) -> dict:
+    """The ``required`` fields of the manifest: present, of their types, within bounds."""
+    for key in required:
+        if key not in manifest:
+            raise CacheError(f"{url}: manifest.json lacks the field {key!r}; the cache is damaged, rebuild it")
+    expected = {"teacher": (dict, "an object"), "layer_ids": (list, "a list of layer ids"), "shards": (list, "a list"),
+                "hidden_size": (int, "a whole number"), "top_k": (int, "a whole number")}
+    for key, (kind, what) in expected.items():
+        if key not in required:
+            continue
+        value = manifest[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 1):
+            raise CacheError(f"{url}: manifest.json field {key!r} is {quoted(value)}, not {what}; the cache is damaged, "
+                             "rebuild it")
+    for key, bound in (("top_k", MAX_TOP_K), ("hidden_size", MAX_HIDDEN_SIZE)):
+        if key in required and manifest[key] > bound:
+            raise CacheError(f"{url}: manifest.json field {key!r} is {manifest[key]:,}, above any model's ({bound:,} at "
+                             "most); the manifest is damaged or edited: rebuild the cache (or restore manifest.json)")
+    if "layer_ids" not in required:
+        return manifest
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in manifest["layer_ids"]):
+        raise CacheError(f"{url}: manifest.json layer_ids {quoted(manifest['layer_ids'])} are not layer numbers; rebuild the cache")
+    if not isinstance(manifest["hidden_dtype"], str) or manifest["hidden_dtype"] not in HIDDEN_STORAGE:
+        raise CacheError(f"{url}: unknown hidden dtype {quoted(manifest['hidden_dtype'])} in manifest.json")
+    if hidden_format_of(manifest) not in HIDDEN_FORMATS:
+        raise CacheError(f"{url}: unknown hidden_format {quoted(manifest['hidden_format'])} in manifest.json "
+                         f"(this dflash reads {', '.join(HIDDEN_FORMATS)}); install a dflash that writes it")
+    return manifest
+
+
+def record_shape_problem(record: dict, manifest: dict) -> str | None:
+    """What makes a shard record disagree with its manifest's sizes (None when nothing does): its
+    counts must be whole numbers and its hidden_shape [tokens, tapped layers, hidden_size], the
+    shape its Zarr array is checked against before a reader uses it."""
+    for key in ("sequences", "tokens"):
+        value = record[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"has {key} = {quoted(value)}, not a count"
+    shape = record.get("hidden_shape")
+    expected = [record["tokens"], len(manifest["layer_ids"]), manifest["hidden_size"]]
+    if shape is not None and shape != expected:
+        return (f"has hidden_shape {quoted(shape)}, not [tokens, tapped layers, hidden_size] = {expected} of the manifest's "
+                "top-level fields")
+    return None
+
+
+def manifest_header(layer_ids, hidden_size: int, hidden_dtype: str, top_k: int, hidden_format: str = LOSSLESS,
+                    teacher: dict | None = None, tokenizer: dict | None = None, format_version: int = FORMAT_VERSION,
+                    **provenance: Any) -> dict:
+    """A manifest's fields apart from its shards: what the arrays of every shard are (tapped layers,
+    width, dtype and storage, k), the teacher, and what a build adds of its provenance (corpus,
+    content options, build config). The one place these fields are put together: builds,
+    benchmarks and tests all make manifests through it and write_manifest."""
+    return {"format": FORMAT_NAME, "format_version": int(format_version), "complete": False, "teacher": teacher or {},
+            **({"tokenizer": tokenizer} if tokenizer is not None else {}),
+            "layer_ids": list(layer_ids), "hidden_size": int(hidden_size), "hidden_dtype": hidden_dtype,
+            "hidden_format": hidden_format, "hidden_storage": stored_dtype(hidden_dtype, hidden_format).name,
+            "top_k": int(top_k), "topk_ids_dtype": "int32", "topk_logprobs_dtype": "float32", **provenance}
+
+
+def totals(shards: list[dict]) -> dict[str, int]:
+    """Sum of the per-shard counters."""
+    keys = ("sequences", "tokens", "loss_tokens", "bytes")
+    out = {k: sum(int(s[k]) for s in shards) for k in keys}
+    skipped: dict[str, int] = {}
+    for s in shards:
+        for reason, n in s.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + int(n)
+    out["skipped"] = skipped
+    out["shards"] = len(shards)
+    return out
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What the arrays of every shard of a cache are, from its manifest's header: what a reader
+    and the integrity checks judge a shard's files against."""
+
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    hidden_dtype: str
+    hidden_format: str
+    top_k: int
+
+    @classmethod
+    def of(cls, manifest: dict) -> "ArraySpec":
+        return cls(tuple(manifest["layer_ids"]), int(manifest["hidden_size"]), manifest["hidden_dtype"],
+                   hidden_format_of(manifest), int(manifest["top_k"]))
+
+    @property
+    def stored_dtype(self):
+        return stored_dtype(self.hidden_dtype, self.hidden_format)
+
+    @property
+    def scale_layers(self) -> int:
+        """Layers of scale exponents per token in tokens.arrow (0: the hidden states are lossless)."""
+        return len(self.layer_ids) if self.hidden_format != LOSSLESS else 0
+
+
+def default_layer_ids(num_teacher_layers: int, num_tapped_layers: int = 5) -> list[int]:
+    """The default tapped layers: spread over 1..L-3, or the middle layer for one.
+
+    Never layer 0 nor the last layer (see `check_servable_layers`). Teachers too shallow for that
+    spread (tiny test models) get distinct layers spread over 1..L-2 instead, at most one per layer.
+    """
+    if num_teacher_layers < 3:
+        raise ConfigError(
+            f"a {num_teacher_layers}-layer teacher has no layer between its first and its last to tap by "
+            "default; pass --layers 0 (the last layer cannot be served)")
+    if num_tapped_layers == 1:
+        return [num_teacher_layers // 2]
+    step = (num_teacher_layers - 4) / (num_tapped_layers - 1)
+    layers = [round(1 + i * step) for i in range(num_tapped_layers)]
+    if len(set(layers)) == len(layers) and min(layers) >= 1:
+        return layers
+    n = min(num_tapped_layers, num_teacher_layers - 2)
+    return sorted({round(1 + i * (num_teacher_layers - 3) / max(n - 1, 1)) for i in range(n)})
+
+
+def check_servable_layers(layer_ids: list[int] | tuple[int, ...], num_teacher_layers: int, what: str,
+                          fix: str = "use layers in {allowed}") -> None:
+    """Refuse tapped layers a serving engine cannot give the drafter.
+
+    vLLM and SGLang capture a layer's output as the input of the next layer, so the last decoder
+    layer's output is never captured; the reference decoders read transformers' `hidden_states[L]`,
+    which is after the final norm, while a cache stores layer outputs before it.
+    """
+    last = num_teacher_layers - 1
+    if last in layer_ids:
+        raise ConfigError(
+            f"{what} {','.join(map(str, layer_ids))}: layer {last} is the teacher's last decoder layer, which "
+            "vLLM and SGLang cannot serve (they capture a layer's output as the next layer's input); "
+            + fix.format(allowed=f"0..{last - 1}"))
