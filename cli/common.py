@@ -76,7 +76,8 @@ def run(action: Callable[[], object], debug: bool, resume_hint: str = "rerun the
     """Run a command's one call; expected errors become one line on stderr and exit code 1.
     ``secrets`` (an API key, say) are hidden in what is printed, as URL credentials and bearer
     tokens always are."""
-    quiet_transformers()
+    if "transformers" in sys.modules:  # else the environment above quiets it when it loads (info and verify never do)
+        quiet_transformers()
     try:
         return action()
     except DFlashError as err:

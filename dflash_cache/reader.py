@@ -233,40 +233,34 @@ class Cache:
             raise CacheError(f"{what} holds a JSON {type(values).__name__}, not a model config; rebuild the cache")
         return values
 
-    def load_teacher_head(self, device: str = "cpu") -> dict:
-        """{'embed_tokens.weight': [V, H], 'lm_head.weight': [V, H]} as torch tensors, checked: the
-        file against the checksum the manifest records (when it records one), each tensor for a
-        floating dtype and for NaN/Inf. A drafter trains on this head frozen, so a damaged one
-        would train silently into a useless drafter; any problem is one CacheError line."""
-        import safetensors.torch
-        import torch
-        from safetensors import SafetensorError
-
+    def teacher_head_bytes(self) -> bytes:
+        """teacher/head.safetensors's bytes, checked without torch: against the checksum the
+        manifest records (when it records one), and each tensor for a floating dtype and for
+        NaN/Inf. A drafter trains on this head frozen, so a damaged one would train silently into
+        a useless drafter; any problem is one CacheError line."""
         path = self.teacher_path(fmt.TEACHER_HEAD)
         where = f"{self.url}: {fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD}"
         fix = "rebuild the cache with `dflash-cache build ... --overwrite` (or restore the file)"
         if not self.fs.exists(path):
             raise CacheError(f"{where} (the teacher head) is missing; {fix}")
         data = self.fs.cat_file(path)
-        problem = fmt.teacher_head_problem(data, self.manifest.get("teacher_head"))
+        problem = fmt.teacher_head_problem(data, self.manifest.get("teacher_head")) or fmt.head_tensor_problem(data)
         if problem:
             raise CacheError(f"{where} {problem}; {fix}")
+        return data
+
+    def load_teacher_head(self, device: str = "cpu") -> dict:
+        """{'embed_tokens.weight': [V, H], 'lm_head.weight': [V, H]} as torch tensors, checked
+        (``teacher_head_bytes``)."""
+        import safetensors.torch
+        from safetensors import SafetensorError
+
+        data = self.teacher_head_bytes()
         try:
             tensors = safetensors.torch.load(data)
         except (SafetensorError, ValueError, RuntimeError) as err:
-            raise CacheError(f"{where} is not a readable safetensors file ({str(err)[:120]}); {fix}") from None
-        for name in fmt.TEACHER_HEAD_TENSORS:
-            tensor = tensors.get(name)
-            if tensor is None:
-                raise CacheError(f"{where} lacks the tensor {name!r}; {fix}")
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in fmt.TEACHER_HEAD_DTYPES:
-                raise CacheError(f"{where} holds {name} as {dtype}; a teacher head is {', '.join(fmt.TEACHER_HEAD_DTYPES)} "
-                                 f"(the drafter uses it as it is): {fix}")
-            # in row blocks: a boolean mask of a production head at once would be another 1.3 GB
-            bad = sum(int((~torch.isfinite(rows)).sum()) for rows in tensor.split(8192))
-            if bad:
-                raise CacheError(f"{where} holds {bad:,} NaN/Inf value(s) in {name}; {fix}")
+            raise CacheError(f"{self.url}: {fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} is not a readable safetensors file "
+                             f"({str(err)[:120]}); rebuild the cache with `dflash-cache build ... --overwrite`") from None
         return {k: v.to(device) for k, v in tensors.items()}
 
     def load_tokenizer(self):

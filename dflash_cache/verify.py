@@ -274,7 +274,7 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
                             "its rerun writes it)")
     else:
         try:  # the same checks as every reader of the head (checksum, dtype, finiteness)
-            cache.load_teacher_head()
+            cache.teacher_head_bytes()
         except CacheError as err:
             report.head_problem = str(err)
         if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):

@@ -29,5 +29,5 @@ def test_index_tables_are_one_batch_and_read_as_one_chunk(tmp_path):
         assert pa.ipc.open_file(pa.memory_map(str(root / path))).num_record_batches == 1, path
     cache = open_cache(str(root))
     assert len(cache.shards) == 40 and len(cache) == 40
-    assert cache._sequence_table.column("id").num_chunks == 1
+    assert cache.listing.sequences.column("id").num_chunks == 1
     assert [cache.shards[j].ids for j in (0, 39)] == [["s0-0000000"], ["s1-0000019"]]

@@ -2,7 +2,8 @@
 
 - ``cache_layout``: file and folder names, shard names and paths, the untrusted-path check, checksums
 - ``store``: ``CacheStore``, the only code that touches storage (atomic writes, bounded reads, maps)
-- ``manifest``: the header, its checks and totals, the teacher head's record
+- ``manifest``: the header, its checks and totals
+- ``teacher_head``: teacher/head.safetensors's record and checks
 - ``hidden``: hidden states encoded and decoded (dtypes, fp8, the format-2 Zarr shard object)
 - ``token_tables``: tokens.arrow and sequences.arrow encoded and decoded
 - ``fp8``: the fp8 e4m3 codec
@@ -52,17 +53,12 @@ from dflash_cache.format.manifest import (
     MAX_TOP_K,
     READ_VERSIONS,
     SHARD_RECORD_FIELDS,
-    TEACHER_HEAD_DTYPES,
-    TEACHER_HEAD_TENSORS,
     ArraySpec,
     check_servable_layers,
     default_layer_ids,
     hidden_format_of,
     manifest_header,
     record_shape_problem,
-    teacher_head_checked,
-    teacher_head_problem,
-    teacher_head_record,
     totals,
 )
 from dflash_cache.format.store import (
@@ -73,6 +69,14 @@ from dflash_cache.format.store import (
     url_to_fs,
     write_bytes_atomic,
     write_json_atomic,
+)
+from dflash_cache.format.teacher_head import (
+    TEACHER_HEAD_DTYPES,
+    TEACHER_HEAD_TENSORS,
+    head_tensor_problem,
+    teacher_head_checked,
+    teacher_head_problem,
+    teacher_head_record,
 )
 from dflash_cache.format.token_tables import SCALE_COLUMN, sequences_schema, token_bytes_per_token, tokens_schema
 from dflash_cache.format.versions import layout_for, read_manifest, shard_path, write_manifest
@@ -85,7 +89,7 @@ __all__ = [
     "join", "rank_folder", "rank_of", "shard_name", "FORMAT_NAME", "FORMAT_VERSION", "MAX_HIDDEN_SIZE", "MAX_TOP_K",
     "READ_VERSIONS", "SHARD_RECORD_FIELDS", "TEACHER_HEAD_DTYPES", "TEACHER_HEAD_TENSORS", "ArraySpec",
     "check_servable_layers", "default_layer_ids", "hidden_format_of", "manifest_header", "record_shape_problem",
-    "teacher_head_checked", "teacher_head_problem", "teacher_head_record", "totals", "CacheStore", "is_local",
+    "teacher_head_checked", "teacher_head_problem", "teacher_head_record", "head_tensor_problem", "totals", "CacheStore", "is_local",
     "read_json", "reaching", "url_to_fs", "write_bytes_atomic", "write_json_atomic", "SCALE_COLUMN",
     "sequences_schema", "token_bytes_per_token", "tokens_schema", "layout_for", "read_manifest", "shard_path",
     "write_manifest", "LOSSLESS",

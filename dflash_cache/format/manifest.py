@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cache.format.cache_layout import checksum
 from dflash_cache.format.hidden import HIDDEN_STORAGE, stored_dtype
 from dflash_cache.settings.storage_config import HIDDEN_FORMATS, LOSSLESS
 from dflash_common.errors import CacheError, ConfigError, quoted
@@ -23,39 +22,6 @@ READ_VERSIONS = (1, 2)
 def hidden_format_of(manifest: dict) -> str:
     """The manifest's hidden_format; caches written before fp8 existed are lossless."""
     return manifest.get("hidden_format") or LOSSLESS
-
-
-# The teacher head (teacher/head.safetensors) is checked like a shard: the manifest's
-# ``teacher_head`` records its size and checksum at build (absent in caches built before it was
-# recorded: then it is not checked, and verify says so). Its tensors must be floating point of
-# these dtypes: the drafter's LM head and embedding are used as they are.
-TEACHER_HEAD_TENSORS = ("embed_tokens.weight", "lm_head.weight")
-TEACHER_HEAD_DTYPES = ("float16", "bfloat16", "float32")
-
-
-def teacher_head_record(data: bytes) -> dict:
-    """The manifest's ``teacher_head`` entry for the head file's bytes."""
-    return {"bytes": len(data), "checksum": checksum(data)}
-
-
-def teacher_head_problem(data: bytes, record: Any) -> str | None:
-    """What is wrong with the head's bytes against the manifest's record (None: they match, or
-    no record exists: see teacher_head_checked)."""
-    if not isinstance(record, dict):
-        return None
-    if len(data) != record.get("bytes"):
-        return f"is {len(data):,} bytes, the manifest records {quoted(record.get('bytes'))}"
-    if checksum(data) != record.get("checksum"):
-        return "does not match the checksum the manifest records (damaged or changed since the build)"
-    return None
-
-
-def teacher_head_checked(manifest: dict) -> bool:
-    """Whether the manifest records the head's checksum (caches built before it do not)."""
-    return isinstance(manifest.get("teacher_head"), dict)
-
-
-# --- manifest --------------------------------------------------------------------------------
 
 
 # Fields of a shard record that readers use; a record without one is damaged.
