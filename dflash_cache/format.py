@@ -95,42 +95,6 @@ HIDDEN_NUMPY = {
 SCALE_COLUMN = "hidden_scale_exp"
 
 
-def default_layer_ids(num_teacher_layers: int, num_tapped_layers: int = 5) -> list[int]:
-    """The default tapped layers: spread over 1..L-3, or the middle layer for one.
-
-    Never layer 0 nor the last layer (see `check_servable_layers`). Teachers too shallow for that
-    spread (tiny test models) get distinct layers spread over 1..L-2 instead, at most one per layer.
-    """
-    if num_teacher_layers < 3:
-        raise ConfigError(
-            f"a {num_teacher_layers}-layer teacher has no layer between its first and its last to tap by "
-            "default; pass --layers 0 (the last layer cannot be served)")
-    if num_tapped_layers == 1:
-        return [num_teacher_layers // 2]
-    step = (num_teacher_layers - 4) / (num_tapped_layers - 1)
-    layers = [round(1 + i * step) for i in range(num_tapped_layers)]
-    if len(set(layers)) == len(layers) and min(layers) >= 1:
-        return layers
-    n = min(num_tapped_layers, num_teacher_layers - 2)
-    return sorted({round(1 + i * (num_teacher_layers - 3) / max(n - 1, 1)) for i in range(n)})
-
-
-def check_servable_layers(layer_ids: list[int] | tuple[int, ...], num_teacher_layers: int, what: str,
-                          fix: str = "use layers in {allowed}") -> None:
-    """Refuse tapped layers a serving engine cannot give the drafter.
-
-    vLLM and SGLang capture a layer's output as the input of the next layer, so the last decoder
-    layer's output is never captured; the reference decoders read transformers' `hidden_states[L]`,
-    which is after the final norm, while a cache stores layer outputs before it.
-    """
-    last = num_teacher_layers - 1
-    if last in layer_ids:
-        raise ConfigError(
-            f"{what} {','.join(map(str, layer_ids))}: layer {last} is the teacher's last decoder layer, which "
-            "vLLM and SGLang cannot serve (they capture a layer's output as the next layer's input); "
-            + fix.format(allowed=f"0..{last - 1}"))
-
-
 def shard_name(rank: int, index: int) -> str:
     return f"shard-r{rank:05d}-{index:06d}"
 

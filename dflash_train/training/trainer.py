@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from dflash_cache import open_cache
-from dflash_cache.format import check_servable_layers
 from dflash_cache.integrity import SIZES
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
@@ -22,6 +21,7 @@ from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, 
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
+from dflash_teacher.tapped_layers import check_servable_layers
 from dflash_train.config import RESUME_MAY_CHANGE, config_differences
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.train_config import TrainConfig

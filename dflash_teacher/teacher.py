@@ -18,13 +18,13 @@ import numpy as np
 import torch
 import xxhash
 
-from dflash_cache import format as fmt
-from dflash_cache.chat_template import stop_token_ids
-from dflash_cache.settings.teacher_config import TeacherConfig
-from dflash_cache.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.settings_files import load_settings_file
+from dflash_teacher.chat_template import stop_token_ids
+from dflash_teacher.settings.teacher_config import TeacherConfig
+from dflash_teacher.tapped_layers import resolve_layers
+from dflash_teacher.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -204,22 +204,6 @@ def load_full_config(cfg: TeacherConfig):
         return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg))
     except (OSError, ValueError) as err:
         raise _load_error(cfg, "teacher config", err) from None
-
-
-def resolve_layers(cfg: TeacherConfig, num_layers: int, exact_count: bool = False) -> list[int]:
-    """The tapped layers; `exact_count` (a build) refuses a default spread shorter than asked."""
-    layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_tapped_layers)
-    if exact_count and cfg.layers is None and len(layers) < cfg.num_tapped_layers:
-        raise ConfigError(f"--tapped-layers {cfg.num_tapped_layers} asks for more tapped layers than a {num_layers}-layer "
-                          f"teacher has between its first and last (layers 1..{num_layers - 2}); use --tapped-layers "
-                          f"{len(layers)} or list them with --layers")
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(f"--layers {','.join(map(str, layers))}: layers {bad} do not exist in a {num_layers}-layer teacher (use 0..{num_layers - 1})")
-    if len(set(layers)) != len(layers):
-        raise ConfigError(f"--layers lists a layer twice: {layers}")
-    fmt.check_servable_layers(layers, num_layers, "--layers")
-    return layers
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Everything but the forward stays the build's: the tokenizer, the ids and masks, the teacher's
 identity and frozen files, exactly as with the transformers engine. The build process never holds
 the whole teacher: it reads the config, the tokenizer and, by name from the safetensors files, the
-final norm and LM head (and once the input embedding) (teacher.load_text_head). vLLM runs the teacher (dflash_cache/vllm_extract/extract_worker.py, started with
+final norm and LM head (and once the input embedding) (teacher.load_text_head). vLLM runs the teacher (dflash_teacher/vllm_extract/extract_worker.py, started with
 the python of vLLM's environment) and captures, with its `extract_hidden_states` method, the
 tapped layers plus the last decoder layer's output; our connector sends each finished sequence's
 states to a socket of this process. The final norm and the LM head then run here in fp32 by the
@@ -38,16 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.settings.vllm_args import VllmArgs
-from dflash_cache.teacher import (
+from dflash_common.devices import resolve_device
+from dflash_common.errors import ConfigError, TeacherError
+from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
+from dflash_teacher.settings.vllm_args import VllmArgs
+from dflash_teacher.tapped_layers import resolve_layers
+from dflash_teacher.teacher import (
     Teacher,
     TeacherConfig,
     TeacherOutput,
     load_text_head,
     load_tokenizer,
-    resolve_layers,
 )
-from dflash_cache.vllm_extract.dflash_frames import (
+from dflash_teacher.vllm_extract.dflash_frames import (
     HEADER_LIMIT,
     SECRET_ENV,
     WORKER_MAGIC,
@@ -56,9 +59,6 @@ from dflash_cache.vllm_extract.dflash_frames import (
     read_exactly,
     read_header,
 )
-from dflash_common.devices import resolve_device
-from dflash_common.errors import ConfigError, TeacherError
-from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
 
 WORKER = Path(__file__).with_name("vllm_extract") / "extract_worker.py"
 STALL_TIMEOUT_S = 600.0
