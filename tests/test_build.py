@@ -523,7 +523,8 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
 def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, teacher_dir):
     """A qwen3_5 teacher's build says whether its Gated DeltaNet layers run the kernels or the torch
     fallback (here: the fallback, neither package installed), and warns for the fallback on CUDA."""
-    from dflash_teacher.teacher import gated_deltanet_note, load_teacher
+    from dflash_teacher.deltanet_kernels import gated_deltanet_note
+    from dflash_teacher.teacher import load_teacher
 
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
     out = CliRunner().invoke(app, ["build", "--teacher", teacher_dir("qwen3_5"), "--data", data, "--out",
