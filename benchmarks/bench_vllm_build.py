@@ -49,7 +49,8 @@ from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.vllm_env import find_vllm_python  # noqa: E402
 from dflash_teacher.settings.vllm_args import VllmArgs  # noqa: E402
 from dflash_teacher.teacher import TeacherConfig, load_config  # noqa: E402
-from dflash_teacher.vllm_engine import VllmTeacher, VllmWorker, engine_setup, worker_environment  # noqa: E402
+from dflash_teacher.vllm_engine import VllmTeacher, engine_setup, worker_environment  # noqa: E402
+from dflash_teacher.vllm_process import VllmWorker  # noqa: E402
 
 MAX_LENGTH = 2048
 TAPS = 3

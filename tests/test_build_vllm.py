@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 from cli.cache import app as cache_app
 from dflash_cache import open_cache
 from dflash_teacher.settings.vllm_args import VllmArgs
-from dflash_teacher.vllm_engine import StateReceiver, aux_layer_ids, worker_gpus
+from dflash_teacher.state_receiver import StateReceiver
+from dflash_teacher.vllm_engine import aux_layer_ids, worker_gpus
 from dflash_teacher.vllm_extract.dflash_frames import frame_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,8 @@ def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus,
     """The build sends shard k + 1 to the engine before it takes shard k's states (the engine runs
     it while the build receives, checks and writes shard k); each shard is still one generate of
     its own, so the cache is byte for byte the one built a shard at a time."""
-    from dflash_teacher.vllm_engine import VllmTeacher, VllmWorker
+    from dflash_teacher.vllm_engine import VllmTeacher
+    from dflash_teacher.vllm_process import VllmWorker
 
     receive = VllmWorker.receive
     seen = []  # (batch received, batches sent by then)
