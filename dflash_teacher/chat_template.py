@@ -1,17 +1,15 @@
 """How a chat is rendered and where its answer ends: one definition for stage 0's regeneration, the
 build's assistant spans and stage 2's decoding, which must agree on them. The template's cost
-sandbox is dflash_teacher.chat_sandbox, nucleus filtering dflash_teacher.sampling."""
+sandbox is dflash_teacher.chat_sandbox (its budget dflash_teacher.render_budget), nucleus
+filtering dflash_teacher.sampling."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
 from dflash_common.errors import TeacherError
-from dflash_teacher.chat_sandbox import (
-    Budget,
-    render_guarded,
-    template_text_budget,
-)
+from dflash_teacher.chat_sandbox import render_guarded
+from dflash_teacher.render_budget import Budget, template_text_budget
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
