@@ -19,7 +19,7 @@ Parts, each with a time budget for its timed loop so the whole run stays under 8
    must be bit-identical) and times the noise alone.
 3. teacher extraction: a random-weight Qwen3 model with the production width, attention, MLP and
    vocabulary but only `--teacher-layers` decoder layers, run through the build's extraction
-   (`dflash_cache.teacher.Teacher.forward`: hooks on the tapped layers, chunked LM head and top-k,
+   (`dflash_teacher.teacher.Teacher.forward`: hooks on the tapped layers, chunked LM head and top-k,
    hidden states copied to the host) on 8 x 1,024-token batches (the build's --batch-tokens). A
    second row estimates the 64-layer teacher: the LM head + top-k time measured alone, plus the
    decoder layers' time scaled to 64 layers (the real teacher is hybrid Gated-DeltaNet/attention,
@@ -61,9 +61,10 @@ from bench_trainer import synthetic_batch  # noqa: E402
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
-from dflash_cache.teacher import Teacher, TeacherConfig, resolve_layers  # noqa: E402
 from dflash_cache.writer import ShardData, write_shard  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
+from dflash_teacher.tapped_layers import resolve_layers  # noqa: E402
+from dflash_teacher.teacher import Teacher, TeacherConfig  # noqa: E402
 from dflash_train.settings.data_config import DataConfig  # noqa: E402
 from dflash_train.settings.drafter_config import DrafterConfig  # noqa: E402
 from dflash_train.settings.noise_config import NoiseConfig  # noqa: E402

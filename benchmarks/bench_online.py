@@ -10,7 +10,7 @@ batch.
   yields the batch, then `trainer.on_device` (float32 and the step's noise), `trainer.micro_step`,
   gradient clip and AdamW step.
 - online: the batch's token ids (kept in memory beforehand, as a pre-tokenized corpus would be) go
-  through `dflash_cache.teacher.Teacher.forward` (the build's extraction: tapped-layer hooks and
+  through `dflash_teacher.teacher.Teacher.forward` (the build's extraction: tapped-layer hooks and
   chunked top-k log-probs), then the same anchors and collate as `data.load_batch`, then the same
   step.
 
@@ -46,8 +46,8 @@ from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
-from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
+from dflash_teacher.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.settings.data_config import DataConfig  # noqa: E402
 from dflash_train.settings.model_config import ModelConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402

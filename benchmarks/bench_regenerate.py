@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from dflash_cache.teacher import TeacherConfig  # noqa: E402
 from dflash_regenerate import RegenerateConfig, regenerate  # noqa: E402
 from dflash_regenerate.settings.server_config import ServerConfig  # noqa: E402
+from dflash_teacher.teacher import TeacherConfig  # noqa: E402
 from dflash_train.measuring.serving import VllmServer  # noqa: E402
 from dflash_train.settings.vllm_config import VllmConfig  # noqa: E402
 

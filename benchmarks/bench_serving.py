@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.chat_template import stop_token_ids  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
-from dflash_cache.teacher import TeacherConfig, load_teacher  # noqa: E402
+from dflash_teacher.chat_template import stop_token_ids  # noqa: E402
+from dflash_teacher.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.measuring.decode_report import read_prompts  # noqa: E402
 from dflash_train.measuring.replay import load_trained_drafter  # noqa: E402
 from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary  # noqa: E402

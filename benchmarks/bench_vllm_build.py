@@ -45,11 +45,12 @@ from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
 from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache.corpus import CorpusConfig  # noqa: E402
-from dflash_cache.settings.vllm_args import VllmArgs  # noqa: E402
-from dflash_cache.teacher import TeacherConfig, load_config  # noqa: E402
-from dflash_cache.vllm_engine import VllmTeacher, VllmWorker, engine_setup, worker_environment  # noqa: E402
 from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.vllm_env import find_vllm_python  # noqa: E402
+from dflash_teacher.settings.vllm_args import VllmArgs  # noqa: E402
+from dflash_teacher.teacher import TeacherConfig, load_config  # noqa: E402
+from dflash_teacher.vllm_engine import VllmTeacher, engine_setup, worker_environment  # noqa: E402
+from dflash_teacher.vllm_process import VllmWorker  # noqa: E402
 
 MAX_LENGTH = 2048
 TAPS = 3

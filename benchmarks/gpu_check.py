@@ -552,7 +552,7 @@ def part_teacher_layers(out: Path):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-    from dflash_cache.teacher import gated_deltanet_kernels, gated_deltanet_note
+    from dflash_teacher.deltanet_kernels import gated_deltanet_kernels, gated_deltanet_note
 
     dev, cpu = device(), on_cpu()
     width = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -4,7 +4,7 @@ trainer or an evaluation shares with the cache; nothing under it is stage 2's to
 
 from dflash_common.errors import BadRowError, CacheError, ConfigError, DFlashError, TeacherError
 
-__all__ = ["open_cache", "Cache", "Shard", "SequenceRecord", "SIZES", "from_storage", "check_servable_layers",
+__all__ = ["open_cache", "Cache", "Shard", "SequenceRecord", "SIZES", "from_storage",
            "DFlashError", "ConfigError", "BadRowError", "CacheError", "TeacherError"]
 
 # name -> the module that owns it. Loaded when asked for: the reader loads zarr and pyarrow, and the
@@ -13,7 +13,6 @@ _OWNERS = {
     "open_cache": "dflash_cache.reader", "Cache": "dflash_cache.reader",
     "Shard": "dflash_cache.shard", "SequenceRecord": "dflash_cache.shard",
     "SIZES": "dflash_cache.format.integrity", "from_storage": "dflash_cache.format.hidden",
-    "check_servable_layers": "dflash_cache.format.manifest",
 }
 
 

@@ -39,20 +39,20 @@ from dflash_cache.corpus import (
 )
 from dflash_cache.cross_check import CrossCheck
 from dflash_cache.settings.build_config import BuildConfig
-from dflash_cache.teacher import (
-    Teacher,
-    identity_like,
-    load_config,
-    load_teacher,
-    load_tokenizer,
-    resolve_layers,
-    tokenizer_hashes,
-)
 from dflash_cache.writer import PendingShard, ShardData, ShardWriter, shard_tokens, write_teacher_files
 from dflash_common.errors import BadRowError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.vllm_env import find_vllm_python
+from dflash_teacher.tapped_layers import resolve_layers
+from dflash_teacher.teacher import (
+    Teacher,
+    identity_like,
+    load_config,
+    load_teacher,
+    load_tokenizer,
+    tokenizer_hashes,
+)
 
 
 @dataclass
@@ -266,7 +266,7 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
 def load_build_teacher(cfg: BuildConfig) -> Teacher:
     """The teacher of a build, run by its engine; close() it when done."""
     if cfg.engine == "vllm":
-        from dflash_cache.vllm_engine import load_vllm_teacher
+        from dflash_teacher.vllm_engine import load_vllm_teacher
 
         return load_vllm_teacher(cfg.teacher, cfg.vllm, cfg.corpus.max_length, cfg.vllm_python)
     return load_teacher(cfg.teacher)

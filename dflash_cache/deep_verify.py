@@ -95,8 +95,8 @@ def deep_verify(cache: Cache, sample: int = 64, teacher: str | None = None, devi
     """Re-run the teacher (the manifest's, or ``teacher``) on ``sample`` cached sequences and
     compare hidden states and top-k with what is stored. Checksums prove the bytes are the ones
     written; this proves they are the teacher's outputs for these tokens."""
-    from dflash_cache.teacher import TeacherConfig, identity_like, load_teacher, plan_batches
     from dflash_common.errors import CacheError
+    from dflash_teacher.teacher import TeacherConfig, identity_like, load_teacher, plan_batches
 
     progress = progress or Progress()
     built = (cache.manifest.get("build") or {}).get("teacher") or {}

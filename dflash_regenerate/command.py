@@ -16,7 +16,6 @@ from dflash_cache.corpus import (
     list_corpus_files,
     require_rows,
 )
-from dflash_cache.teacher import tokenizer_hashes
 from dflash_common.errors import ConfigError
 from dflash_common.files import foreign_entries, holds, one_writer, refuse_links, remove_file, write_file_atomic
 from dflash_common.progress import Progress
@@ -43,6 +42,7 @@ from dflash_regenerate.parts import (
     sum_records,
 )
 from dflash_regenerate.settings.regenerate_config import RegenerateConfig, output_root, parts_dir
+from dflash_teacher.teacher import tokenizer_hashes
 
 
 def _check_paths(cfg: RegenerateConfig, files: list[str]) -> None:

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.chat_template import (
+from dflash_cache.corpus import CorpusRow
+from dflash_common.errors import BadRowError, ConfigError
+from dflash_common.redact import display_url
+from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
+from dflash_regenerate.conversations import Conversation, conversation_or_problem
+from dflash_regenerate.part_plan import sample_seed
+from dflash_regenerate.settings.regenerate_config import RegenerateConfig
+from dflash_regenerate.settings.server_config import ServerConfig
+from dflash_teacher.chat_template import (
     cut_at_stop,
     end_of_turn_text,
     error_text,
@@ -17,16 +25,8 @@ from dflash_cache.chat_template import (
     template_fault,
     tokenizer_render,
 )
-from dflash_cache.corpus import CorpusRow
-from dflash_cache.sampling import top_p_filter
-from dflash_cache.teacher import TeacherConfig, load_teacher
-from dflash_common.errors import BadRowError, ConfigError
-from dflash_common.redact import display_url
-from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
-from dflash_regenerate.conversations import Conversation, conversation_or_problem
-from dflash_regenerate.part_plan import sample_seed
-from dflash_regenerate.settings.regenerate_config import RegenerateConfig
-from dflash_regenerate.settings.server_config import ServerConfig
+from dflash_teacher.sampling import top_p_filter
+from dflash_teacher.teacher import TeacherConfig, load_teacher
 
 
 class RowSampler:

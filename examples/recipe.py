@@ -136,7 +136,7 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
     from dflash_cache.settings.storage_config import StorageConfig
-    from dflash_cache.teacher import TeacherConfig
+    from dflash_teacher.teacher import TeacherConfig
 
     out = settings.out / "caches" / spec.name
     if (out / "manifest.json").exists() and open_cache(str(out)).complete:

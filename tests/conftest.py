@@ -70,7 +70,7 @@ def tiny_cache(tmp_path_factory, teacher_dir):
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
     from dflash_cache.settings.storage_config import StorageConfig
-    from dflash_cache.teacher import TeacherConfig
+    from dflash_teacher.teacher import TeacherConfig
 
     built: dict[str, str] = {}
 

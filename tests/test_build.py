@@ -25,8 +25,9 @@ from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.teacher import TeacherConfig, padding_fraction, plan_batches
 from dflash_common.errors import CacheError, ConfigError
+from dflash_teacher.tapped_layers import default_layer_ids
+from dflash_teacher.teacher import TeacherConfig, padding_fraction, plan_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,7 @@ def test_last_decoder_layer_is_refused(tmp_path, teacher_dir):
 @pytest.mark.parametrize("num_layers", [3, 4, 6, 8, 16, 64])
 @pytest.mark.parametrize("drafter_layers", [1, 2, 3, 5])
 def test_default_layers_never_tap_the_first_or_last_layer(num_layers, drafter_layers):
-    layers = fmt.default_layer_ids(num_layers, drafter_layers)
+    layers = default_layer_ids(num_layers, drafter_layers)
     assert layers and len(set(layers)) == len(layers) == min(drafter_layers, num_layers - 2)
     assert 0 not in layers and num_layers - 1 not in layers and all(0 < i < num_layers - 1 for i in layers)
     if (num_layers, drafter_layers) == (64, 5):
@@ -86,7 +87,7 @@ def test_default_layers_never_tap_the_first_or_last_layer(num_layers, drafter_la
 
 def test_default_layers_of_a_two_layer_teacher_are_refused():
     with pytest.raises(ConfigError, match="2-layer teacher.*pass --layers 0"):
-        fmt.default_layer_ids(2, 5)
+        default_layer_ids(2, 5)
 
 
 def test_bfloat16_cache_within_rounding_and_lossless_storage(tmp_path, teacher_dir):
@@ -147,7 +148,7 @@ def test_shards_in_flight_change_nothing_but_the_order_of_work(tmp_path, teacher
     shard's outputs; the shards, their cut and their bytes are those of one shard at a time, and
     they commit in order."""
     from dflash_cache.build import TeacherPass
-    from dflash_cache.teacher import Teacher
+    from dflash_teacher.teacher import Teacher
 
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
@@ -491,8 +492,8 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
     from types import SimpleNamespace
 
     from dflash_cache.cross_check import CrossCheck
-    from dflash_cache.teacher import load_teacher
     from dflash_common.errors import TeacherError
+    from dflash_teacher.teacher import load_teacher
 
     teacher = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
@@ -522,7 +523,8 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
 def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, teacher_dir):
     """A qwen3_5 teacher's build says whether its Gated DeltaNet layers run the kernels or the torch
     fallback (here: the fallback, neither package installed), and warns for the fallback on CUDA."""
-    from dflash_cache.teacher import gated_deltanet_note, load_teacher
+    from dflash_teacher.deltanet_kernels import gated_deltanet_note
+    from dflash_teacher.teacher import load_teacher
 
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
     out = CliRunner().invoke(app, ["build", "--teacher", teacher_dir("qwen3_5"), "--data", data, "--out",

@@ -23,9 +23,10 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from dflash_cache import open_cache
-from dflash_cache.settings.vllm_args import VllmArgs
-from dflash_cache.vllm_engine import StateReceiver, aux_layer_ids, worker_gpus
-from dflash_cache.vllm_extract.dflash_frames import frame_header
+from dflash_teacher.settings.vllm_args import VllmArgs
+from dflash_teacher.state_receiver import StateReceiver
+from dflash_teacher.vllm_engine import aux_layer_ids, worker_gpus
+from dflash_teacher.vllm_extract.dflash_frames import frame_header
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--layers", "0,2", "--top-k", "6", "--shard-size", "20kB", "--quiet"]
@@ -154,7 +155,8 @@ def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus,
     """The build sends shard k + 1 to the engine before it takes shard k's states (the engine runs
     it while the build receives, checks and writes shard k); each shard is still one generate of
     its own, so the cache is byte for byte the one built a shard at a time."""
-    from dflash_cache.vllm_engine import VllmTeacher, VllmWorker
+    from dflash_teacher.vllm_engine import VllmTeacher
+    from dflash_teacher.vllm_process import VllmWorker
 
     receive = VllmWorker.receive
     seen = []  # (batch received, batches sent by then)
@@ -183,8 +185,8 @@ def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus,
 
 
 def test_data_parallel_is_refused_in_one_line_naming_torchrun(corpus, teacher_dir):
-    from dflash_cache.settings.vllm_args import parse_vllm_args
     from dflash_common.errors import ConfigError
+    from dflash_teacher.settings.vllm_args import parse_vllm_args
 
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 4"):
         parse_vllm_args('{"data_parallel_size": 4}')
@@ -196,7 +198,7 @@ def test_data_parallel_is_refused_in_one_line_naming_torchrun(corpus, teacher_di
 
 
 def test_no_torchrun_variable_reaches_the_vllm_process(monkeypatch):
-    from dflash_cache.vllm_engine import TORCHRUN_VARIABLES, worker_environment
+    from dflash_teacher.vllm_engine import TORCHRUN_VARIABLES, worker_environment
 
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
                 "MASTER_PORT": "29500", "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}
@@ -212,7 +214,7 @@ def test_no_torchrun_variable_reaches_the_vllm_process(monkeypatch):
 
 
 def test_a_vllm_outside_the_connectors_range_is_named_in_one_line():
-    from dflash_cache.vllm_engine import version_note
+    from dflash_teacher.vllm_engine import version_note
 
     assert version_note("0.32.0") is None and version_note("0.32.1+cpu") is None
     for other in ("0.31.2", "0.33.0", None):

@@ -13,9 +13,9 @@ import torch
 from helpers import build_teacher
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.teacher import TeacherConfig, fp32_logits, load_teacher
 from dflash_common.devices import select_device
 from dflash_common.errors import ConfigError
+from dflash_teacher.teacher import TeacherConfig, fp32_logits, load_teacher
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.training.distributed import process_group_options
 from dflash_train.training.model import DFlashDrafter, attention_backend

@@ -22,9 +22,9 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.format import fp8
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.teacher import TeacherConfig
 from dflash_cache.verify import scale_problems
 from dflash_common.errors import CacheError, ConfigError
+from dflash_teacher.teacher import TeacherConfig
 
 LAYERS = (0, 1, 2)
 

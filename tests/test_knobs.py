@@ -16,11 +16,11 @@ from cli.docs import with_tables
 from cli.train import _train_config, app
 from dflash_cache.settings.build_config import BuildConfig, build_knobs
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs
 from dflash_common.knobs import make_config, nested_values
 from dflash_regenerate.settings.regenerate_config import regenerate_knobs
+from dflash_teacher.settings.teacher_config import TeacherConfig
 from dflash_train.options import (
     eval_knobs,
     find_knob,

@@ -1,5 +1,6 @@
-"""The import map: cli -> dflash_train / dflash_regenerate -> dflash_cache -> dflash_common, one way,
-and no private name (a leading underscore) imported from another package."""
+"""The import map: cli -> dflash_train / dflash_regenerate -> dflash_cache -> dflash_teacher ->
+dflash_common, one way (stage 0 and stage 2 use the teacher directly too), and no private name (a
+leading underscore) imported from another package."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # a package may import itself and the packages it lists, nothing else of ours
 ALLOWED = {
     "dflash_common": set(),
-    "dflash_cache": {"dflash_common"},
-    "dflash_regenerate": {"dflash_cache", "dflash_common"},
-    "dflash_train": {"dflash_cache", "dflash_common"},
-    "cli": {"dflash_train", "dflash_regenerate", "dflash_cache", "dflash_common"},
+    "dflash_teacher": {"dflash_common"},
+    "dflash_cache": {"dflash_teacher", "dflash_common"},
+    "dflash_regenerate": {"dflash_cache", "dflash_teacher", "dflash_common"},
+    "dflash_train": {"dflash_cache", "dflash_teacher", "dflash_common"},
+    "cli": {"dflash_train", "dflash_regenerate", "dflash_cache", "dflash_teacher", "dflash_common"},
 }
 
 
@@ -66,7 +68,8 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 # reverse, and they load none of the heavy libraries, so the command lines read and check settings
 # (and print --help) without loading torch.
 # A settings folder, and the config modules outside it that its settings may import.
-SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": ()}
+SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": (),
+            "dflash_teacher/settings": ()}
 HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
 
 
@@ -112,6 +115,7 @@ def test_the_command_lines_load_no_heavy_library():
     assert heavy_modules_loaded("cli.train") == []
     assert heavy_modules_loaded("cli.cache") == []
     assert heavy_modules_loaded("dflash_cache.settings.build_config") == []
+    assert heavy_modules_loaded("dflash_teacher.settings.vllm_args") == []
     # the same check sees torch where a module does load it
     assert "torch" in heavy_modules_loaded("dflash_train.training.model")
 

@@ -35,7 +35,7 @@ def test_info_and_verify_load_neither_torch_nor_transformers(tiny_cache, tmp_pat
     from dflash_cache.build import BuildConfig, build_cache
     from dflash_cache.corpus import CorpusConfig
     from dflash_cache.settings.storage_config import StorageConfig
-    from dflash_cache.teacher import TeacherConfig
+    from dflash_teacher.teacher import TeacherConfig
 
     if hidden_format == "lossless":
         cache = tiny_cache(format_version=version)

@@ -11,7 +11,7 @@ from helpers import write_jsonl
 
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig
+from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.model_config import ModelConfig
 from dflash_train.settings.noise_config import NoiseConfig

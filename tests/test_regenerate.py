@@ -21,8 +21,6 @@ from cli.cache import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.sampling import top_p_filter
-from dflash_cache.teacher import TeacherConfig
 from dflash_common.environment import rank_and_world
 from dflash_common.errors import ConfigError
 from dflash_regenerate import (
@@ -35,6 +33,8 @@ from dflash_regenerate import (
     regenerate,
     sample_seed,
 )
+from dflash_teacher.sampling import top_p_filter
+from dflash_teacher.teacher import TeacherConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

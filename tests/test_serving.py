@@ -20,7 +20,7 @@ from cli.train import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig, load_teacher
+from dflash_teacher.teacher import TeacherConfig, load_teacher
 from dflash_train.measuring.decode_report import read_prompts
 from dflash_train.measuring.replay import load_trained_drafter
 from dflash_train.measuring.serving import EngineRun, run_vllm, spec_summary

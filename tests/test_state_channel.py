@@ -28,9 +28,10 @@ from helpers import qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
-from dflash_cache.vllm_engine import StateReceiver, descends_from, last_error
-from dflash_cache.vllm_extract.dflash_frames import frame_header
 from dflash_common.errors import TeacherError
+from dflash_teacher.state_receiver import StateReceiver, descends_from
+from dflash_teacher.vllm_extract.dflash_frames import frame_header
+from dflash_teacher.vllm_process import last_error
 
 LAYERS, HIDDEN = 3, 8
 SMALL = 1 << 20  # an attack may cost the receiver this much memory at most
@@ -289,9 +290,9 @@ def test_a_vllm_python_that_only_prints_is_refused_in_one_line(teacher_dir, corp
     printed nothing was waited for forever)."""
     import resource
 
-    from dflash_cache import vllm_engine
+    from dflash_teacher import vllm_process
 
-    monkeypatch.setattr(vllm_engine, "HANDSHAKE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(vllm_process, "HANDSHAKE_TIMEOUT_S", 2.0)
     python = shutil.which(program) if program != "silent" else tmp_path / "silent"
     if program == "silent":
         python.write_text("#!/bin/sh\nexec sleep 600\n")

@@ -16,8 +16,9 @@ from helpers import build_teacher, qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
-from dflash_cache.settings.teacher_config import TeacherConfig
-from dflash_cache.teacher import (
+from dflash_common.errors import TeacherError
+from dflash_teacher.settings.teacher_config import TeacherConfig
+from dflash_teacher.teacher import (
     IDENTITY_SOURCE,
     final_norm,
     identity_like,
@@ -25,8 +26,7 @@ from dflash_cache.teacher import (
     load_teacher,
     load_text_head,
 )
-from dflash_cache.teacher_files import stored_tensors, weights_hash
-from dflash_common.errors import TeacherError
+from dflash_teacher.teacher_files import stored_tensors, weights_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_a_vision_language_layout_and_tied_embeddings_are_read_by_name(tmp_path,
 
 
 def test_a_cache_hashed_the_old_way_resumes_with_the_transformers_engine_and_the_vllm_engine_says_why(tmp_path, teacher_dir):
-    from dflash_cache.vllm_engine import VllmTeacher
+    from dflash_teacher.vllm_engine import VllmTeacher
 
     folder = teacher_dir("qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(12, seed=3, prefix="old-"))
@@ -123,8 +123,8 @@ def test_a_cache_hashed_the_old_way_resumes_with_the_transformers_engine_and_the
 
 PEAK = """
 import json, sys, torch
-from dflash_cache.settings.teacher_config import TeacherConfig
-from dflash_cache.teacher import load_teacher, load_text_head
+from dflash_teacher.settings.teacher_config import TeacherConfig
+from dflash_teacher.teacher import load_teacher, load_text_head
 
 def peak():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024

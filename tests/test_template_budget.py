@@ -64,7 +64,7 @@ _WORKER = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from transformers import AutoTokenizer
-from dflash_cache.chat_template import render_chat
+from dflash_teacher.chat_template import render_chat
 folder, cases = sys.argv[1], json.loads(sys.stdin.read())
 tokenizer = AutoTokenizer.from_pretrained(folder)
 own = tokenizer.chat_template

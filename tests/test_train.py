@@ -21,7 +21,7 @@ from cli.train import app
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
-from dflash_cache.teacher import TeacherConfig
+from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.loss_config import LossConfig
 from dflash_train.settings.model_config import ModelConfig
@@ -159,10 +159,10 @@ def test_export_command_matches_run_export(tmp_path, cache_url):
 
 def test_run_refuses_an_old_cache_holding_the_last_layer(tmp_path, teacher_dir, monkeypatch):
     """Caches built before the last layer was refused still exist; training one would make an unservable drafter."""
-    import dflash_cache.format as fmt
+    import dflash_teacher.tapped_layers as tapped_layers
 
     with monkeypatch.context() as old_build:  # an older build that accepted the last layer
-        old_build.setattr(fmt, "check_servable_layers", lambda *args, **kwargs: None)
+        old_build.setattr(tapped_layers, "check_servable_layers", lambda *args, **kwargs: None)
         data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(6, seed=2, prefix="old-"))
         build_cache(BuildConfig(out=str(tmp_path / "cache"), corpus=CorpusConfig(data=data),
                                 teacher=TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32",

@@ -23,8 +23,8 @@ from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.format import integrity
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.teacher import TeacherConfig
 from dflash_common.errors import CacheError
+from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.data import EpochPlan, is_heldout, load_batch
 

@@ -57,8 +57,8 @@ def test_yes_on_stdin_never_runs_a_teachers_code(tmp_path, command):
 
 def test_trust_remote_code_is_passed_when_asked(tmp_path):
     """With the flag the folder's code does run (so the refusal above is the flag's doing)."""
-    from dflash_cache.teacher import TeacherConfig, load_config
     from dflash_common.errors import TeacherError
+    from dflash_teacher.teacher import TeacherConfig, load_config
 
     marker = tmp_path / "code-ran"
     teacher = custom_code_teacher(tmp_path, marker)

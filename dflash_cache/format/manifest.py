@@ -10,7 +10,7 @@ from typing import Any
 
 from dflash_cache.format.hidden import HIDDEN_STORAGE, stored_dtype
 from dflash_cache.settings.storage_config import HIDDEN_FORMATS, LOSSLESS
-from dflash_common.errors import CacheError, ConfigError, quoted
+from dflash_common.errors import CacheError, quoted
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 2
@@ -149,39 +149,3 @@ class ArraySpec:
     def scale_layers(self) -> int:
         """Layers of scale exponents per token in tokens.arrow (0: the hidden states are lossless)."""
         return len(self.layer_ids) if self.hidden_format != LOSSLESS else 0
-
-
-def default_layer_ids(num_teacher_layers: int, num_tapped_layers: int = 5) -> list[int]:
-    """The default tapped layers: spread over 1..L-3, or the middle layer for one.
-
-    Never layer 0 nor the last layer (see `check_servable_layers`). Teachers too shallow for that
-    spread (tiny test models) get distinct layers spread over 1..L-2 instead, at most one per layer.
-    """
-    if num_teacher_layers < 3:
-        raise ConfigError(
-            f"a {num_teacher_layers}-layer teacher has no layer between its first and its last to tap by "
-            "default; pass --layers 0 (the last layer cannot be served)")
-    if num_tapped_layers == 1:
-        return [num_teacher_layers // 2]
-    step = (num_teacher_layers - 4) / (num_tapped_layers - 1)
-    layers = [round(1 + i * step) for i in range(num_tapped_layers)]
-    if len(set(layers)) == len(layers) and min(layers) >= 1:
-        return layers
-    n = min(num_tapped_layers, num_teacher_layers - 2)
-    return sorted({round(1 + i * (num_teacher_layers - 3) / max(n - 1, 1)) for i in range(n)})
-
-
-def check_servable_layers(layer_ids: list[int] | tuple[int, ...], num_teacher_layers: int, what: str,
-                          fix: str = "use layers in {allowed}") -> None:
-    """Refuse tapped layers a serving engine cannot give the drafter.
-
-    vLLM and SGLang capture a layer's output as the input of the next layer, so the last decoder
-    layer's output is never captured; the reference decoders read transformers' `hidden_states[L]`,
-    which is after the final norm, while a cache stores layer outputs before it.
-    """
-    last = num_teacher_layers - 1
-    if last in layer_ids:
-        raise ConfigError(
-            f"{what} {','.join(map(str, layer_ids))}: layer {last} is the teacher's last decoder layer, which "
-            "vLLM and SGLang cannot serve (they capture a layer's output as the next layer's input); "
-            + fix.format(allowed=f"0..{last - 1}"))

@@ -7,10 +7,10 @@ from typing import Any
 
 from dflash_cache.settings.corpus_config import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_cache.settings.teacher_config import TeacherConfig
-from dflash_cache.settings.vllm_args import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs
+from dflash_teacher.settings.teacher_config import TeacherConfig
+from dflash_teacher.settings.vllm_args import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class BuildConfig:
 
     engine: str = "transformers"
     """What runs the teacher forward: 'transformers' (here, in padded batches) or 'vllm' (vLLM's
-    engine in its own environment, dflash_cache.vllm_engine). Either writes the same cache: ids,
+    engine in its own environment, dflash_teacher.vllm_engine). Either writes the same cache: ids,
     masks and everything but the forward come from the same code, and a build may resume with
     the other engine."""
 

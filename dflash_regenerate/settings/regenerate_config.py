@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass
 
 from dflash_cache.settings.corpus_config import BAD_ROW_POLICIES, check_template_kwargs
-from dflash_cache.settings.teacher_config import TeacherConfig
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs
 from dflash_common.values import is_int
 from dflash_regenerate.settings.server_config import ServerConfig
+from dflash_teacher.settings.teacher_config import TeacherConfig
 
 KEEP_TURNS = ("first", "all")
 

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from dflash_cache import SequenceRecord, from_storage
-from dflash_cache.chat_template import render_chat
-from dflash_cache.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file, read_bounded
 from dflash_common.values import text_problem
+from dflash_teacher.chat_template import render_chat
+from dflash_teacher.teacher import Teacher, TeacherConfig, load_teacher
 from dflash_train.measuring.replay import load_trained_drafter, replay_batch, replay_histogram
 from dflash_train.measuring.speculative import (
     SpecResult,

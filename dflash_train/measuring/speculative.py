@@ -54,9 +54,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from dflash_cache.sampling import top_p_filter
-from dflash_cache.teacher import LayerTaps, decoder_layers
 from dflash_common.errors import ConfigError
+from dflash_teacher.sampling import top_p_filter
+from dflash_teacher.teacher import LayerTaps, decoder_layers
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.dflash2 import unary_scores

@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_cache.settings.teacher_config import TEACHER_DTYPES
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice, text_problem
+from dflash_teacher.settings.teacher_config import TEACHER_DTYPES
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.spec_config import SpecConfig
 

@@ -32,7 +32,7 @@ REFERENCE_FILE = "teacher_outputs.json"
 
 
 def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 0, confidence_threshold: float = 0.0):
-    from dflash_cache.chat_template import stop_token_ids
+    from dflash_teacher.chat_template import stop_token_ids
     from dflash_train.settings.spec_config import SpecConfig
 
     return SpecConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(tokenizer),
@@ -42,7 +42,7 @@ def _spec(tokenizer, max_new_tokens: int, temperature: float = 0.0, seed: int = 
 def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kwargs: dict | None) -> dict:
     """The teacher's own greedy outputs for the prompts, computed once per sweep and kept in
     REFERENCE_FILE (recomputed when the teacher, prompts or lengths differ)."""
-    from dflash_cache.teacher import TeacherConfig, load_teacher
+    from dflash_teacher.teacher import TeacherConfig, load_teacher
     from dflash_train.measuring.decode_report import read_prompts
     from dflash_train.measuring.speculative import teacher_generate
 
@@ -75,7 +75,7 @@ def read_reference(path: Path) -> dict:
 @functools.lru_cache(maxsize=2)
 def _teacher(path: str, device: str):
     # a serial sweep decodes every run with the same teacher: load it once per process
-    from dflash_cache.teacher import TeacherConfig, load_teacher
+    from dflash_teacher.teacher import TeacherConfig, load_teacher
 
     return load_teacher(TeacherConfig(name_or_path=path, dtype="float32", device=device, top_k=1))
 
@@ -137,7 +137,7 @@ def measure_run(config, metrics, measure: MeasureConfig, reference: dict | None,
     import torch
 
     from dflash_cache import open_cache
-    from dflash_cache.teacher import resolve_device
+    from dflash_teacher.teacher import resolve_device
     from dflash_train.measuring.replay import load_drafter_for
     from dflash_train.training.checkpoint import CheckpointManager
     from dflash_train.training.heldout import evaluate_heldout

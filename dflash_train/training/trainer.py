@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
-from dflash_cache import SIZES, check_servable_layers, open_cache
+from dflash_cache import SIZES, open_cache
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import CacheError, ConfigError, TrainingError
 from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, one_writer, refuse_links, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_common.resume_check import shown
 from dflash_common.settings_files import load_settings_file
+from dflash_teacher.tapped_layers import check_servable_layers
 from dflash_train.config import RESUME_MAY_CHANGE, config_differences
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.train_config import TrainConfig

@@ -1,4 +1,4 @@
-"""Which teacher a build runs and how (dflash_cache.teacher runs it)."""
+"""Which teacher a build runs and how (dflash_teacher.teacher runs it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from dflash_common.errors import ConfigError
 
 TEACHER_DTYPES = ("bfloat16", "float32")
-"""Compute and storage dtypes of the hidden states (dflash_cache.teacher maps them to torch's)."""
+"""Compute and storage dtypes of the hidden states (dflash_teacher.teacher maps them to torch's)."""
 
 
 @dataclass(frozen=True)

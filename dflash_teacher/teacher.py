@@ -6,11 +6,8 @@ over chunks of positions so ``[tokens, vocab]`` fp32 logits for a whole batch ne
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,13 +15,14 @@ import numpy as np
 import torch
 import xxhash
 
-from dflash_cache import format as fmt
-from dflash_cache.chat_template import stop_token_ids
-from dflash_cache.settings.teacher_config import TeacherConfig
-from dflash_cache.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 from dflash_common.devices import bind_device, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.settings_files import load_settings_file
+from dflash_teacher.chat_template import stop_token_ids
+from dflash_teacher.deltanet_kernels import gated_deltanet_note
+from dflash_teacher.settings.teacher_config import TeacherConfig
+from dflash_teacher.tapped_layers import resolve_layers
+from dflash_teacher.teacher_files import IDENTITY_SOURCE, read_tensor, stored_tensors, teacher_folder, text_names, weights_hash
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -204,22 +202,6 @@ def load_full_config(cfg: TeacherConfig):
         return AutoConfig.from_pretrained(cfg.name_or_path, **_pretrained(cfg))
     except (OSError, ValueError) as err:
         raise _load_error(cfg, "teacher config", err) from None
-
-
-def resolve_layers(cfg: TeacherConfig, num_layers: int, exact_count: bool = False) -> list[int]:
-    """The tapped layers; `exact_count` (a build) refuses a default spread shorter than asked."""
-    layers = list(cfg.layers) if cfg.layers is not None else fmt.default_layer_ids(num_layers, cfg.num_tapped_layers)
-    if exact_count and cfg.layers is None and len(layers) < cfg.num_tapped_layers:
-        raise ConfigError(f"--tapped-layers {cfg.num_tapped_layers} asks for more tapped layers than a {num_layers}-layer "
-                          f"teacher has between its first and last (layers 1..{num_layers - 2}); use --tapped-layers "
-                          f"{len(layers)} or list them with --layers")
-    bad = [i for i in layers if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigError(f"--layers {','.join(map(str, layers))}: layers {bad} do not exist in a {num_layers}-layer teacher (use 0..{num_layers - 1})")
-    if len(set(layers)) != len(layers):
-        raise ConfigError(f"--layers lists a layer twice: {layers}")
-    fmt.check_servable_layers(layers, num_layers, "--layers")
-    return layers
 
 
 @dataclass
@@ -430,44 +412,6 @@ def load_text_head(cfg: TeacherConfig, device: torch.device) -> tuple[TextHead, 
         generation = None
     identity = teacher_identity(config, cfg.name_or_path, cfg.revision, tensors, weight.shape[0])
     return TextHead(config, generation, tensors, names, dtype, norm, head), identity
-
-
-# The functions of transformers' Gated DeltaNet (qwen3_5, qwen3_next) that run a kernel package
-# when it imports and its torch reference otherwise: (function, distribution, import name).
-GATED_DELTANET_KERNELS = (("torch_chunk_gated_delta_rule", "flash-linear-attention", "fla"),
-                          ("causal_conv1d_fn", "causal-conv1d", "causal_conv1d"))
-
-
-def gated_deltanet_kernels(model: torch.nn.Module) -> dict[str, bool] | None:
-    """For a teacher with Gated DeltaNet layers, whether each kernel package runs (True) or the
-    torch fallback does; None for a teacher without them."""
-    if "linear_attention" not in (getattr(model.config.get_text_config(), "layer_types", None) or ()):
-        return None
-    module = sys.modules.get(type(model).__module__)
-    kernels = {}
-    for function, distribution, import_name in GATED_DELTANET_KERNELS:
-        wrapped = getattr(module, function, None)
-        # transformers decides once, at import, and keeps the decision in the wrapper's closure
-        fast = inspect.getclosurevars(wrapped).nonlocals.get("is_new_implementation") if callable(wrapped) else None
-        if fast is None:  # another transformers: the same rule, does the package import
-            fast = importlib.util.find_spec(import_name) is not None
-        kernels[distribution] = bool(fast)
-    return kernels
-
-
-def gated_deltanet_note(model: torch.nn.Module, device: torch.device) -> str | None:
-    """One line naming the Gated DeltaNet implementation that runs (a warning for the torch
-    fallback on CUDA, where it is many times slower); None without such layers."""
-    kernels = gated_deltanet_kernels(model)
-    if kernels is None:
-        return None
-    missing = [name for name, fast in kernels.items() if not fast]
-    if not missing:
-        return f"teacher: Gated DeltaNet layers run the fast kernels ({', '.join(kernels)})"
-    line = f"teacher: Gated DeltaNet layers run transformers' torch fallback ({', '.join(missing)} not installed)"
-    if device.type == "cuda":
-        return f"warning: {line}; on a GPU it is much slower than the kernels: pip install {' '.join(missing)}"
-    return line
 
 
 def load_teacher(cfg: TeacherConfig, tokenizer=None) -> Teacher:

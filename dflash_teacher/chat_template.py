@@ -1,17 +1,15 @@
 """How a chat is rendered and where its answer ends: one definition for stage 0's regeneration, the
 build's assistant spans and stage 2's decoding, which must agree on them. The template's cost
-sandbox is dflash_cache.chat_sandbox, nucleus filtering dflash_cache.sampling."""
+sandbox is dflash_teacher.chat_sandbox (its budget dflash_teacher.render_budget), nucleus
+filtering dflash_teacher.sampling."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from dflash_cache.chat_sandbox import (
-    Budget,
-    render_guarded,
-    template_text_budget,
-)
 from dflash_common.errors import TeacherError
+from dflash_teacher.chat_sandbox import render_guarded
+from dflash_teacher.render_budget import Budget, template_text_budget
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -62,7 +60,7 @@ def template_fault(render: Render, err: BaseException, template: str) -> str | N
 
 
 def _check_cost(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None) -> None:
-    """Render the chat through the guarded template (dflash_cache.chat_sandbox), with what the
+    """Render the chat through the guarded template (dflash_teacher.chat_sandbox), with what the
     tokenizer's own render passes it; raises TemplateTooCostly naming the template."""
     from transformers.utils import chat_template_utils
 
@@ -79,7 +77,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
     """The chat as text through the tokenizer's template: the one rendering build, regenerate,
     eval and generate share, so the drafter is trained and measured on the prompts it is served.
     A template that works too long or builds too much text raises TemplateTooCostly (see
-    dflash_cache.chat_sandbox), before the tokenizer renders it."""
+    dflash_teacher.chat_sandbox), before the tokenizer renders it."""
     _check_cost(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **(chat_template_kwargs or {}))

@@ -11,7 +11,7 @@ from dflash_common.values import is_int, is_real, json_object
 
 ENGINES = ("transformers", "vllm")
 """transformers: the teacher runs in this process, in padded batches. vllm: vLLM's engine runs
-it in its own environment and hands back the tapped layers (dflash_cache.vllm_engine)."""
+it in its own environment and hands back the tapped layers (dflash_teacher.vllm_engine)."""
 
 
 @dataclass(frozen=True)
