@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dflash_cache import index
-from dflash_cache.commit import finalize_cache
+from dflash_cache.build import finalize_cache
 from dflash_cache.reader import open_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
