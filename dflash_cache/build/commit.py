@@ -18,7 +18,7 @@ from dflash_cache.build.cross_check import merge_records
 from dflash_cache.store import CacheStore
 from dflash_common.errors import CacheError
 
-RANKS_DIR = "ranks"
+RANKS_DIR = "ranks"  # a rank's marker (rank_marker), once it has committed all its shards
 
 # A single-process build's live manifest is rewritten after every commit while it lists fewer
 # shards than this (under ~1 MB of JSON); past it, see manifest_due.
