@@ -69,7 +69,7 @@ def finalize(
     """Merge the ranks' shard records into the final manifest (for ranks run as independent jobs)."""
 
     def action():
-        from dflash_cache.commit import finalize_cache
+        from dflash_cache.build import finalize_cache
 
         m = finalize_cache(url, json_option(storage_options, "--storage-options"))
         typer.echo(f"finalized {url}: {m['totals']['shards']} shard(s), {m['totals']['sequences']:,} sequences")

@@ -1,5 +1,6 @@
-"""Cuts a build's sequences into shards (ShardWriter), writes each whole and commits it
-atomically on a background thread, and writes the teacher's frozen pieces once.
+"""Writes one finished shard (``write_shard`` of a ``ShardData``) whole and commits it atomically,
+and writes the teacher's frozen pieces once. The build (``dflash_cache.build``) cuts the shards,
+runs the teacher on them and hands each finished one here, on its writer thread.
 
 A shard is written under a temporary name and renamed into place (local file systems), and only
 counts once its commit record ``shards/<name>.json`` exists: that record is written last, in one
@@ -9,13 +10,9 @@ without rename.
 
 from __future__ import annotations
 
-import queue
 import tempfile
-import threading
-from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +24,6 @@ from dflash_cache.format import hidden
 from dflash_cache.format import token_tables as tokens
 from dflash_cache.format.record import commit_record
 from dflash_cache.settings.storage_config import StorageConfig
-from dflash_common.errors import CacheError
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_tree
 
@@ -154,167 +150,3 @@ def write_teacher_files(fs, root: str, model, tokenizer) -> dict:
     data = safetensors.torch.save(head)
     fmt.write_bytes_atomic(fs, fmt.join(teacher_dir, fmt.TEACHER_HEAD), data)
     return fmt.teacher_head_record(data)
-
-
-@dataclass
-class Committed:
-    """A shard just committed: its commit record and its sequences.arrow table (for the index)."""
-
-    record: dict
-    sequences: pa.Table
-
-
-class BackgroundWriter:
-    """Writes shards on a thread so the teacher computes the next batch meanwhile.
-
-    At most ``max_pending`` shards wait in memory; ``submit`` blocks beyond that. A failure on the
-    writer thread is raised in the caller at the next ``submit`` or at ``close``.
-    """
-
-    def __init__(self, write: Callable[[ShardData], dict], on_commit: Callable[[dict], None], max_pending: int = 1):
-        self._write, self._on_commit = write, on_commit
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="dflash-shard-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while True:
-            shard = self._queue.get()
-            if shard is None:
-                return
-            if self._error is not None:
-                continue
-            try:
-                self._on_commit(self._write(shard))
-            except BaseException as err:  # re-raised in the producer thread
-                self._error = err
-
-    def _raise(self):
-        err = self._error  # sticky: later shards are never written after a failed one
-        if err is not None:
-            if isinstance(err, OSError):
-                raise CacheError(f"writing a shard failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
-            raise err
-
-    def submit(self, shard: ShardData) -> None:
-        self._raise()
-        self._queue.put(shard)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self._raise()
-
-
-def shard_tokens(shard_bytes: int, hidden_bytes_per_token: int) -> int:
-    """How many tokens a shard holds: its hidden states reach ``shard_bytes`` (at least one token)."""
-    return max(1, shard_bytes // hidden_bytes_per_token)
-
-
-@dataclass
-class PendingShard:
-    """One shard's sequences, cut and named, before the teacher has run on them."""
-
-    rank: int
-    index: int
-    row_start: int
-    row_end: int
-    sequences: list  # TokenizedSequence, in corpus order
-    rows: list[int]  # corpus row index of each sequence
-    skipped: dict[str, int]  # corpus rows of this shard's span that became no sequence, by reason
-
-    @property
-    def name(self) -> str:
-        return fmt.shard_name(self.rank, self.index)
-
-
-class TeacherRun(Protocol):
-    """What ShardWriter has the teacher do (build.TeacherPass)."""
-
-    in_flight: int
-    """Shards whose teacher work may be under way at once (1: each runs when it is cut)."""
-
-    def start(self, pending: PendingShard) -> Callable[[], ShardData]:
-        """Submit a shard's forwards; the function returned waits for them and gives its data."""
-
-
-class ShardWriter:
-    """Cuts one rank's sequences into shards, has the teacher run on each, and writes and commits
-    them in order on a background thread.
-
-    A shard ends with the sequence that brings its tokens to ``shard_tokens`` (the input's tokens:
-    the cut never depends on the teacher), so a build resumed after its committed shards cuts the
-    rest exactly as an uninterrupted build would. Shard ``index`` counts on from ``first_index``
-    and its row span from ``start_row``; a shard's span also covers the rows it skipped.
-
-    Up to ``teacher.in_flight`` cut shards are with the teacher at once: a shard's outputs are
-    taken (and it goes to the writer) once the next shard is submitted, so an engine in another
-    process never waits while the build receives, checks and writes. Shards still go to the
-    writer, and commit, in order.
-    """
-
-    def __init__(self, fs, root: str, storage: StorageConfig, hidden_dtype: str, hidden_bytes_per_token: int,
-                 teacher: TeacherRun, on_commit: Callable[["Committed"], None],
-                 rank: int, first_index: int, start_row: int, version: int = fmt.FORMAT_VERSION,
-                 layer_ids: list[int] | None = None):
-        self._teacher = teacher
-        self._in_flight: deque[Callable[[], ShardData]] = deque()
-        self._shard_tokens = shard_tokens(storage.shard_bytes, hidden_bytes_per_token)
-
-        def write(shard: ShardData) -> Committed:
-            return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids), sequences_table(shard))
-
-        self._background = BackgroundWriter(write, on_commit)
-        self._rank, self._index, self._row_start = rank, first_index, start_row
-        self._start_shard()
-
-    def _start_shard(self) -> None:
-        self._sequences: list = []
-        self._rows: list[int] = []
-        self._tokens = 0
-        self._skipped: Counter = Counter()
-
-    def write(self, row: int, sequence) -> None:
-        """Add corpus row ``row``'s sequence; a shard that is now full is cut and submitted."""
-        self._sequences.append(sequence)
-        self._rows.append(row)
-        self._tokens += len(sequence.input_ids)
-        if self._tokens >= self._shard_tokens:
-            self._cut(row + 1)
-
-    def skip(self, reason: str) -> None:
-        """Count a row of this rank that became no sequence, in the shard being filled."""
-        self._skipped[reason] += 1
-
-    def _cut(self, row_end: int) -> None:
-        pending = PendingShard(self._rank, self._index, self._row_start, row_end, self._sequences, self._rows,
-                               dict(self._skipped))
-        self._in_flight.append(self._teacher.start(pending))
-        self._index, self._row_start = self._index + 1, row_end
-        self._start_shard()
-        while len(self._in_flight) >= max(1, self._teacher.in_flight):
-            self._background.submit(self._in_flight.popleft()())
-
-    def close(self, end_row: int) -> None:
-        """Cut the last shard (ending before corpus row ``end_row``) and wait until every shard is
-        committed; raises the first failure."""
-        try:
-            if self._sequences or self._skipped:
-                self._cut(end_row)
-            while self._in_flight:
-                self._background.submit(self._in_flight.popleft()())
-        except BaseException:
-            self.abort()
-            raise
-        self._background.close()
-
-    def abort(self) -> None:
-        """After a failure in the build: let the shards already written commit (they are valid
-        work), without raising a failure of theirs over the one being handled. Shards still with
-        the teacher are dropped (never committed: a rerun computes them again)."""
-        self._in_flight.clear()
-        try:
-            self._background.close()
-        except Exception:
-            pass

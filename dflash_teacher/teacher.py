@@ -266,7 +266,7 @@ class Teacher:
     # (TextHead: the vLLM engine runs the rest elsewhere).
     holds_whole_model = True
 
-    # Shards whose forward may be under way at once in a build (ShardWriter): 1 runs each shard's
+    # Shards whose forward may be under way at once in a build (ShardQueue): 1 runs each shard's
     # forward when its outputs are wanted; an engine in another process (vLLM) takes 2, so it runs
     # the next shard while the build receives, checks and writes the previous one.
     shards_in_flight = 1

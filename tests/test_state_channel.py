@@ -168,7 +168,7 @@ def test_a_second_frame_of_an_id_or_a_length_not_sent_is_refused(receiver):
 
 def test_two_shards_in_flight_arrive_in_any_order_and_nothing_else_is_taken(receiver):
     """The build sends the next shard to the engine before it takes the previous shard's states
-    (ShardWriter keeps 2 in flight): the frames of both shards come interleaved, each shard is
+    (ShardQueue keeps 2 in flight): the frames of both shards come interleaved, each shard is
     taken whole while the other's wait, and a frame beyond the two shards' sequences is still
     refused."""
     shard_a, shard_b = {"a1": 5, "a2": 3}, {"b1": 5, "b2": 4}

@@ -62,7 +62,7 @@ class StorageConfig:
     hidden_format: str = "lossless"
     """'lossless' (the build dtype's exact bits) or 'fp8_e4m3': one byte per value plus one
     power-of-two scale per token per layer, about half the bytes of bf16 at ~2.7% relative error
-    (dflash_cache.fp8); the reader decodes it back to the build dtype. Its effect on a drafter is
+    (dflash_cache.format.fp8); the reader decodes it back to the build dtype. Its effect on a drafter is
     in benchmarks/RESULTS.md."""
 
     format_version: int = 2

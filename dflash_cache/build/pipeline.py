@@ -1,34 +1,30 @@
-"""Stage 1: corpus -> tokens -> teacher forward -> committed shards -> manifest.
+"""Stage 1: corpus -> tokens -> the shard cut -> teacher forward -> written, committed shards -> manifest.
 
 The corpus is cut into shards by a deterministic rule (consecutive rows until the shard's token
 budget is reached), so a build that is interrupted anywhere and rerun produces exactly the cache
 an uninterrupted build would: committed shards are kept, everything else is redone.
 
-This module is the loop (rows -> sequences -> the shard writer, which cuts shards and has the
-teacher run on each) and the teacher's pass over a shard; ``dflash_cache.writer`` writes and
-commits shards, ``dflash_cache.commit`` prepares the output folder, resumes and keeps the manifest.
+This module is the build from end to end: the output folder prepared and resumed into, then the
+loop (``_write_corpus``: rows -> sequences -> ``shard_cut`` -> ``shard_queue``, which runs the
+teacher on each cut shard (``teacher_pass``) and hands its data to the writer thread, which writes
+it (``dflash_cache.writer``) and tells the manifest keeper (``commit``)), then the rank completed
+(``resume``); ``estimate`` sizes a build without the teacher.
 """
-
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
+from functools import partial
 
 from dflash_cache import format as fmt
-from dflash_cache.commit import (
-    ManifestKeeper,
-    Resume,
-    complete_rank,
-    existing_manifest,
-    lock_name,
-    open_output,
-    prepare_output,
-)
+from dflash_cache.build.cross_check import CrossCheck
+from dflash_cache.build.output import existing_manifest, lock_name, prepare_output
+from dflash_cache.build.resume import Resume, complete_rank, open_output
+from dflash_cache.build.shard_cut import ShardCut, shard_tokens
+from dflash_cache.build.shard_queue import ShardQueue, write_committed
+from dflash_cache.build.teacher_pass import BuildStats, TeacherPass
 from dflash_cache.corpus import (
     CorpusConfig,
     corpus_fingerprint,
@@ -37,9 +33,8 @@ from dflash_cache.corpus import (
     require_rows,
     tokenize_row,
 )
-from dflash_cache.cross_check import CrossCheck
 from dflash_cache.settings.build_config import BuildConfig
-from dflash_cache.writer import PendingShard, ShardData, ShardWriter, shard_tokens, write_teacher_files
+from dflash_cache.writer import write_teacher_files
 from dflash_common.errors import BadRowError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
@@ -140,103 +135,6 @@ def _header(cfg: BuildConfig, teacher: Teacher, files: list[str], recorded_teach
     )
 
 
-@dataclass
-class BuildStats:
-    """What this run of a build computed (the cache's totals come from its commit records)."""
-
-    started: float = field(default_factory=time.perf_counter)
-    tokens: int = 0
-    """Sequence tokens the teacher ran on."""
-    padded: int = 0
-    """Tokens it computed, padding included (`tokens` for an engine that does not pad)."""
-
-    def add_batch(self, lengths: np.ndarray, padded: bool) -> None:
-        self.tokens += int(lengths.sum())
-        self.padded += int(lengths.max()) * len(lengths) if padded else int(lengths.sum())
-
-    def tokens_per_s(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
-
-    def last_run(self) -> dict:
-        """The manifest's `last_run`."""
-        return {
-            "seconds": round(time.perf_counter() - self.started, 3),
-            "tokens": self.tokens,
-            "padding_fraction": round(1 - self.tokens / self.padded, 4) if self.padded else 0.0,
-        }
-
-
-def _teacher_outputs(teacher: Teacher, sequences: list, lengths: np.ndarray, on_batch):
-    """Submit the teacher's forwards of one shard; the function returned waits for them and gives
-    the hidden states, top-k ids and log-probs of every token (packed back to back in sequence
-    order) and whether each sequence's outputs are finite; ``on_batch(lengths)`` after each batch."""
-    batches = teacher.batches(lengths) if len(sequences) else []
-    results = [teacher.submit([sequences[i].input_ids for i in batch]) for batch in batches]
-
-    def collect():
-        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        n_tokens, n_layers, k = int(offsets[-1]), len(teacher.layer_ids), teacher.cfg.top_k
-        hidden = np.empty((n_tokens, n_layers, teacher.hidden_size), dtype=fmt.HIDDEN_STORAGE[teacher.cfg.dtype])
-        topk_ids = np.empty((n_tokens, k), dtype=np.int32)
-        topk_logprobs = np.empty((n_tokens, k), dtype=np.float32)
-        finite = np.ones(len(sequences), dtype=bool)
-        for batch, result in zip(batches, results):
-            out = result()
-            pos = 0
-            for i in batch:
-                lo, hi, n = offsets[i], offsets[i + 1], lengths[i]
-                hidden[lo:hi] = out.hidden[pos:pos + n]
-                topk_ids[lo:hi] = out.topk_ids[pos:pos + n]
-                topk_logprobs[lo:hi] = out.topk_logprobs[pos:pos + n]
-                pos += n
-            finite[batch] = out.finite
-            on_batch(lengths[batch])
-        return hidden, topk_ids, topk_logprobs, finite
-
-    return collect
-
-
-class TeacherPass:
-    """Runs the teacher over one cut shard's sequences (bucketed batches) and packs the results;
-    counts what it computed in ``stats`` and shows each batch on ``progress``. ``start(pending)``
-    submits the shard's forwards and returns the function that waits for them and makes the
-    ShardData (ShardWriter keeps ``in_flight`` shards started at once)."""
-
-    def __init__(self, teacher: Teacher, stats: BuildStats, progress: Progress, keeper: ManifestKeeper,
-                 cross_check: CrossCheck | None = None):
-        self.teacher, self.stats, self.progress, self.keeper = teacher, stats, progress, keeper
-        self.cross_check = cross_check
-        self.in_flight = teacher.shards_in_flight
-
-    def _batch_done(self, lengths: np.ndarray) -> None:
-        self.stats.add_batch(lengths, self.teacher.pads_batches)
-        self.progress.advance(len(lengths), **{"tok/s": f"{self.stats.tokens_per_s():,.0f}",
-                                               "written": f"{self.keeper.bytes / 1e6:,.1f}MB"})
-
-    def start(self, pending: PendingShard):
-        lengths = np.array([len(s.input_ids) for s in pending.sequences], dtype=np.int32)
-        outputs = _teacher_outputs(self.teacher, pending.sequences, lengths, self._batch_done)
-        return lambda: self._finish(pending, lengths, *outputs())
-
-    def _finish(self, pending: PendingShard, lengths: np.ndarray, hidden, topk_ids, topk_logprobs, finite) -> ShardData:
-        sequences = pending.sequences
-        shard = ShardData(
-            rank=pending.rank, index=pending.index, row_start=pending.row_start, row_end=pending.row_end,
-            ids=[s.id for s in sequences], rows=np.array(pending.rows, dtype=np.int64), lengths=lengths,
-            truncated=np.array([s.truncated for s in sequences], dtype=bool),
-            input_ids=np.concatenate([s.input_ids for s in sequences]) if sequences else np.zeros(0, np.int32),
-            loss_mask=np.concatenate([s.loss_mask for s in sequences]) if sequences else np.zeros(0, np.uint8),
-            hidden=hidden, topk_ids=topk_ids, topk_logprobs=topk_logprobs, skipped=dict(pending.skipped),
-        )
-        if not finite.all():
-            shard = shard.drop(finite)
-            shard.skipped["nonfinite"] = shard.skipped.get("nonfinite", 0) + int((~finite).sum())
-            self.progress.message(f"teacher outputs were NaN/Inf for {int((~finite).sum())} sequence(s) in shard {shard.name}; not written (ids: {[s.id for s, f in zip(sequences, finite) if not f][:5]})")
-        if self.cross_check is not None:
-            self.cross_check.check_shard(pending.index, shard)
-        return shard
-
-
 def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     """Build (or resume) the cache; returns the final manifest."""
     progress = progress or Progress()
@@ -331,14 +229,17 @@ def _cross_check(cfg: BuildConfig, teacher: Teacher, held: ExitStack) -> CrossCh
 def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: Resume, stats: BuildStats,
                   progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION,
                   cross_check: CrossCheck | None = None) -> None:
-    """Rows -> sequences -> the shard writer, from the resume point to the corpus's end; returns
-    once every shard is committed."""
+    """The build's loop, from the resume point to the corpus's end: rows -> sequences -> the cut
+    (ShardCut) -> each cut shard to the teacher, then to the writer thread, which writes and commits
+    it and tells the manifest keeper (ShardQueue). Returns once every shard is committed."""
     seen = resume.seen(fs, root)
-    per_token_hidden = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
+    layer_ids = list(teacher.layer_ids)
+    per_token_hidden = fmt.hidden_bytes_per_token(len(layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
-    writer = ShardWriter(fs, root, cfg.storage, cfg.teacher.dtype, per_token_hidden,
-                         TeacherPass(teacher, stats, progress, resume.keeper, cross_check), resume.keeper.commit,
-                         cfg.rank, len(resume.records), resume.start_row, version, list(teacher.layer_ids))
+    cut = ShardCut(cfg.rank, len(resume.records), resume.start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden))
+    shards = ShardQueue(TeacherPass(teacher, stats, progress, resume.keeper, cross_check),
+                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids),
+                        resume.keeper.commit)
     progress.start(max(total_rows - resume.start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = resume.start_row
     try:
@@ -348,14 +249,14 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
                 continue
             result = _sequence_or_skip(row, teacher.tokenizer, cfg.corpus, seen)
             if isinstance(result, str):
-                writer.skip(result)
+                cut.skip(result)
                 progress.advance(1)
-            else:
-                writer.write(row.index, result)
+            elif (pending := cut.add(row.index, result)) is not None:
+                shards.put(pending)
     except BaseException:
-        writer.abort()  # shards already submitted are valid work: let them commit, but report this error
+        shards.abort()  # shards already submitted are valid work: let them commit, but report this error
         raise
     else:
-        writer.close(end_row)
+        shards.close(cut.last(end_row))
     finally:
         progress.close()

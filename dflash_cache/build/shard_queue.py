@@ -1,0 +1,123 @@
+"""The queue a cut shard goes through: the teacher, then the writer thread, then the commit.
+
+Up to ``TeacherPass.in_flight`` cut shards are with the teacher at once: a shard's outputs are taken
+(and it goes to the writer) once the next shard is submitted, so an engine in another process never
+waits while the build receives, checks and writes. Shards still go to the writer, and commit, in
+order. The writer thread writes each finished shard whole (``writer.write_shard``) and hands its
+commit to the manifest keeper.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+
+from dflash_cache.build.shard_cut import PendingShard
+from dflash_cache.build.teacher_pass import TeacherPass
+from dflash_cache.settings.storage_config import StorageConfig
+from dflash_cache.writer import ShardData, sequences_table, write_shard
+from dflash_common.errors import CacheError
+
+
+@dataclass
+class Committed:
+    """A shard just committed: its commit record and its sequences.arrow table (for the index)."""
+
+    record: dict
+    sequences: pa.Table
+
+
+def write_committed(fs, root: str, storage: StorageConfig, hidden_dtype: str, version: int, layer_ids: list[int],
+                    shard: ShardData) -> Committed:
+    """Write and commit one finished shard; what the manifest keeper is told of it."""
+    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids), sequences_table(shard))
+
+
+class BackgroundWriter:
+    """Writes shards on a thread so the teacher computes the next batch meanwhile.
+
+    At most ``max_pending`` shards wait in memory; ``submit`` blocks beyond that. A failure on the
+    writer thread is raised in the caller at the next ``submit`` or at ``close``.
+    """
+
+    def __init__(self, write: Callable[[ShardData], Committed], on_commit: Callable[[Committed], None],
+                 max_pending: int = 1):
+        self._write, self._on_commit = write, on_commit
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dflash-shard-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            shard = self._queue.get()
+            if shard is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self._on_commit(self._write(shard))
+            except BaseException as err:  # re-raised in the producer thread
+                self._error = err
+
+    def _raise(self):
+        err = self._error  # sticky: later shards are never written after a failed one
+        if err is not None:
+            if isinstance(err, OSError):
+                raise CacheError(f"writing a shard failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
+            raise err
+
+    def submit(self, shard: ShardData) -> None:
+        self._raise()
+        self._queue.put(shard)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+
+class ShardQueue:
+    """Cut shards to the teacher (``teacher.in_flight`` at once), their data to the background
+    writer, in order; ``on_commit`` is told of each committed shard, on the writer's thread."""
+
+    def __init__(self, teacher: TeacherPass, write: Callable[[ShardData], Committed],
+                 on_commit: Callable[[Committed], None]):
+        self._teacher = teacher
+        self._in_flight: deque[Callable[[], ShardData]] = deque()
+        self._background = BackgroundWriter(write, on_commit)
+
+    def put(self, pending: PendingShard) -> None:
+        """Submit a cut shard to the teacher; hand the oldest shards' data to the writer while
+        more than the teacher's share are in flight."""
+        self._in_flight.append(self._teacher.start(pending))
+        while len(self._in_flight) >= max(1, self._teacher.in_flight):
+            self._background.submit(self._in_flight.popleft()())
+
+    def close(self, last: PendingShard | None) -> None:
+        """Submit the ``last`` shard (if any) and wait until every shard is committed; raises the
+        first failure."""
+        try:
+            if last is not None:
+                self.put(last)
+            while self._in_flight:
+                self._background.submit(self._in_flight.popleft()())
+        except BaseException:
+            self.abort()
+            raise
+        self._background.close()
+
+    def abort(self) -> None:
+        """After a failure in the build: let the shards already written commit (they are valid
+        work), without raising a failure of theirs over the one being handled. Shards still with
+        the teacher are dropped (never committed: a rerun computes them again)."""
+        self._in_flight.clear()
+        try:
+            self._background.close()
+        except Exception:
+            pass
