@@ -211,6 +211,25 @@ def test_no_torchrun_variable_reaches_the_vllm_process(monkeypatch):
     assert child["CUDA_VISIBLE_DEVICES"] == "1"  # the rank's own GPU, chosen before the scrub
 
 
+def test_no_vllm_port_or_group_variable_reaches_a_vllm_process(monkeypatch):
+    """Eight engines of a node handed one VLLM_PORT bind the same ports; each engine started here
+    is a world of one that chooses its own. The eval's and the server's vLLM get the same scrub."""
+    from dflash_cache.vllm_engine import worker_environment
+    from dflash_common.vllm_env import vllm_environment
+
+    placement = {"VLLM_PORT": "29600", "VLLM_DP_MASTER_PORT": "29700", "VLLM_DP_MASTER_IP": "10.0.0.1",
+                 "VLLM_DP_RANK": "3", "VLLM_DP_SIZE": "8", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
+    kept = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_LOGGING_LEVEL": "DEBUG", "MY_PORT": "8080"}
+    for key, value in {**placement, **kept}.items():
+        monkeypatch.setenv(key, value)
+    for env in (worker_environment(VllmArgs()), vllm_environment(1)):
+        seen = subprocess.run([sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"], env=env,
+                              capture_output=True, text=True, check=True)
+        child = json.loads(seen.stdout)
+        assert not set(placement) & child.keys(), set(placement) & child.keys()
+        assert {k: child.get(k) for k in kept} == kept
+
+
 def test_a_vllm_outside_the_connectors_range_is_named_in_one_line():
     from dflash_cache.vllm_engine import version_note
 
