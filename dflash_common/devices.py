@@ -63,6 +63,14 @@ def child_visible_devices(per_rank: int, rank_on_node: int | None, visible: str 
     return ",".join(names[i] if names is not None else str(i) for i in mine)
 
 
+def child_devices_of(device: torch.device, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES that gives a child process this process's GPU `device` (cuda:N) as its
+    only one: entry N of the launcher's list, or N when it set none."""
+    names = visible_gpus(visible)
+    index = device.index or 0
+    return names[index] if names is not None and index < len(names) else str(index)
+
+
 def select_device(device: str, cuda_count: int, rank_on_node: int | None, visible: str | None = None,
                   per_rank: int = 1) -> torch.device:
     """The device for a --device value, given the GPUs this process sees, its local rank under

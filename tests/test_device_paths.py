@@ -87,6 +87,61 @@ def test_the_process_group_is_bound_to_the_ranks_gpu():
     assert process_group_options(torch.device("cpu")) == {"backend": "gloo"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_one_torchrun_rank_is_a_process_group_and_wrapped_with_wrap_single_rank(monkeypatch):
+    """Issue 42: the GPU check's ddp part ran one rank, which trains unwrapped, so it tested no
+    process group, DDP or FSDP2. --wrap-single-rank makes one torchrun process a group of one and
+    wraps its drafter: DDP's bf16 hook rounds its gradients (they come back bf16 values), FSDP2
+    shards it and the state-dict gather returns the whole drafter."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dflash_train.training.checkpoint import full_model_state
+    from dflash_train.training.distributed import data_parallel, init_distributed, is_sharded, shutdown
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = make_cfg()
+    hidden, ids = make_batch(cfg)
+    anchors = torch.tensor([[2, 9], [3, 6], [1, 4]])
+    cpu = torch.device("cpu")
+    plain = make_model(cfg).train()
+    info = init_distributed(cpu)  # the default: one process trains unwrapped
+    assert not info.active and not dist.is_initialized() and data_parallel(plain, info, "ddp", cpu) is plain
+
+    info = init_distributed(cpu, wrap_single_rank=True)
+    try:
+        assert info.active and info.world_size == 1 and dist.is_initialized()
+        ddp = data_parallel(make_model(cfg).train(), info, "ddp", cpu, "bf16")
+        assert isinstance(ddp, DistributedDataParallel)
+        ddp(hidden, ids, anchors).float().pow(2).mean().backward()
+        grads = [p.grad for p in ddp.module.parameters() if p.grad is not None]
+        assert grads and all(torch.equal(g, g.to(torch.bfloat16).float()) for g in grads)  # through the bf16 hook
+        sharded = make_model(cfg).train()
+        expected = {k: v.clone() for k, v in sharded.state_dict().items()}
+        assert data_parallel(sharded, info, "fsdp", cpu, "bf16") is sharded and is_sharded(sharded)
+        sharded(hidden, ids, anchors).float().pow(2).mean().backward()
+        gathered = full_model_state(sharded)
+        assert set(expected) <= set(gathered)
+        for name, value in expected.items():
+            torch.testing.assert_close(gathered[name], value, msg=name)
+        del ddp
+    finally:
+        shutdown(info)
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(ConfigError, match=r"--wrap-single-rank needs torchrun"):
+        init_distributed(cpu, wrap_single_rank=True)
+
+
 @pytest.fixture(scope="module")
 def loud_bf16_teacher(tmp_path_factory, tokenizer_dir):
     """A bf16 teacher whose logits reach |16-32|, where bf16 logits are 0.125 apart."""

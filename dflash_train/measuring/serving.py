@@ -61,10 +61,13 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
         "dtype": cfg.dtype,
         # room for the longest prompt, its answer and one block of drafts past it
         "max_model_len": longest + max_new_tokens + spec + 1,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
                   "num_speculative_tokens": r.num_speculative_tokens, "method": r.method} for r in runs],
     }
     env = vllm_environment(cfg.kv_cache_gib)  # the worker's environment is vLLM's, not ours
+    if cfg.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
