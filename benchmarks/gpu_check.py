@@ -432,8 +432,9 @@ def part_eval(out: Path):
     engine = ["--engine", "both"] if os.environ.get("DFLASH_VLLM_PYTHON") and not on_cpu() else []
     report = out / "eval-plain.json"
     cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
-        "--prompts", str(PROMPTS), "--max-prompts", "2" if on_cpu() else "8", "--max-new-tokens", "32" if on_cpu() else "96",
-        "--device", dev, "--heldout-fraction", "0.05", "--out", str(report), "--quiet", *engine)
+        "--prompts", str(PROMPTS), "--max-prompts", "1" if on_cpu() else "8", "--max-new-tokens", "16" if on_cpu() else "96",
+        "--max-sequences", "8" if on_cpu() else "64", "--device", dev, "--heldout-fraction", "0.05", "--out", str(report),
+        "--quiet", *engine)
     values = json.loads(report.read_text())
     if not values["decoding"]["matched_teacher"]:
         raise RuntimeError("greedy speculative decoding did not reproduce the teacher's output")
