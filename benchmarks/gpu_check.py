@@ -38,9 +38,9 @@ from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.noise import add_noise_  # noqa: E402
 from dflash_train.training.trainer import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "bench", "drafter",
-         "loader_width", "teacher_layers")
-CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "teacher_layers", "dflash2")
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "eval", "bench",
+         "drafter", "loader_width", "teacher_layers")
+CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "eval", "teacher_layers", "dflash2")
 """The parts gpu_check.sh runs, re-cut for the first 10 minutes on one H200 (issue 34): (1) the
 drafter step at production shape, (3) the loader at production width, (4) the smoke parts; the
 others stay callable one by one (python benchmarks/gpu_check.py PART --out DIR)."""
@@ -61,10 +61,12 @@ def sizes():
     return TINY if on_cpu() else PRODUCTION
 
 
-def cli(*args: str, env: dict | None = None, torchrun: bool = False) -> str:
-    """A dflash command from this checkout (no install needed); its output, or an error with its tail."""
+def cli(*args: str, env: dict | None = None, torchrun: int = 0) -> str:
+    """A dflash command from this checkout (no install needed), under torchrun with `torchrun`
+    processes when given; its output, or an error with its tail."""
     module = "cli.cache" if args[0] == "cache" else "cli.train"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m"] if torchrun else [sys.executable, "-m"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun), "-m"]
+                if torchrun else [sys.executable, "-m"])
     full_env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
                 "PYTHONPATH": str(ROOT), **(env or {})}
     done = subprocess.run([*launcher, module, *args[1:]], cwd=ROOT, env=full_env, capture_output=True, text=True)
@@ -388,22 +390,62 @@ def part_dflash2(out: Path):
 
 
 def part_ddp(out: Path):
-    """1-rank DDP and FSDP2 under torchrun (NCCL on CUDA) against the unwrapped model."""
+    """DDP (its bf16 communication hook) and FSDP2 (bf16 reduce) under torchrun in a real process
+    group (NCCL on CUDA) against the unwrapped run: two ranks when two GPUs are visible, else one
+    rank made a group of one (--wrap-single-rank; one process otherwise trains unwrapped and would
+    test nothing distributed). Held-out evaluation under the wrapper, checkpoint and export (the
+    state-dict gathers) included. The weights must differ from the unwrapped run's by bf16
+    rounding: more than 0 (the wrapper and its bf16 reduction ran) and less than 1e-2."""
     import safetensors.torch
 
     cache, dev = str(out / "cache-dev-bf16"), str(device())
-    args = ["--steps", "2", "--save-every", "2", "--device", dev, "--seed", "1", "--eval-sequences", "0",
-            *[a for a in RUN if a not in ("--eval-sequences", "16")]]
+    ranks = 2 if not on_cpu() and torch.cuda.device_count() >= 2 else 1
+    args = ["--steps", "2", "--save-every", "2", "--device", dev, "--seed", "1", "--eval-sequences", "4",
+            "--data-partitions", str(ranks), *[a for a in RUN if a not in ("--eval-sequences", "16")]]
     cli("train", "run", "--cache", cache, "--out", str(out / "plain"), *args)
     weights = {"plain": safetensors.torch.load_file(str(out / "plain" / "drafter" / "model.safetensors"))}
+    wrapped = ["--grad-reduce-dtype", "bf16", *(["--wrap-single-rank"] if ranks == 1 else [])]
     for strategy in ("ddp", "fsdp"):
-        cli("train", "run", "--cache", cache, "--out", str(out / strategy), "--strategy", strategy, *args, torchrun=True)
+        cli("train", "run", "--cache", cache, "--out", str(out / strategy), "--strategy", strategy, *wrapped, *args,
+            torchrun=ranks)
         weights[strategy] = safetensors.torch.load_file(str(out / strategy / "drafter" / "model.safetensors"))
     diffs = {s: max(float((weights[s][k].float() - v.float()).abs().max()) for k, v in weights["plain"].items())
              for s in ("ddp", "fsdp")}
     if max(diffs.values()) > 1e-2:
         raise RuntimeError(f"wrapped training differs from unwrapped: {diffs}")
-    return f"max weight diff ddp {diffs['ddp']:.1e}, fsdp {diffs['fsdp']:.1e}", diffs
+    if min(diffs.values()) == 0:
+        raise RuntimeError(f"a wrapped run equals the unwrapped one bit for bit, so its bf16 reduction never ran: {diffs}")
+    backend = "NCCL" if dev.startswith("cuda") else "gloo"
+    return (f"{ranks} rank(s) in a {backend} group: max weight diff vs unwrapped (bf16 reduction) ddp {diffs['ddp']:.1e}, "
+            f"fsdp {diffs['fsdp']:.1e}"), {"ranks": ranks, **diffs}
+
+
+def part_eval(out: Path):
+    """dflash-train eval on the device: the offline estimate and the greedy replay from the cache,
+    then real greedy speculative decoding of held-out prompts, which must equal the teacher's output;
+    with a vLLM python (DFLASH_VLLM_PYTHON, GPU) `--engine both`: vLLM starts after the built-in
+    decoder released the teacher and drafter, on the memory that is actually free."""
+    cache, run, dev = str(out / "cache-dev-bf16"), out / "plain", str(device())
+    if not (run / "drafter" / "model.safetensors").exists():  # the ddp part did not leave its unwrapped run
+        cli("train", "run", "--cache", cache, "--out", str(run), "--steps", "2", "--save-every", "2", "--device", dev,
+            *[a for a in RUN if a not in ("--eval-sequences", "16")], "--eval-sequences", "0")
+    engine = ["--engine", "both"] if os.environ.get("DFLASH_VLLM_PYTHON") and not on_cpu() else []
+    report = out / "eval-plain.json"
+    cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
+        "--prompts", str(PROMPTS), "--max-prompts", "1" if on_cpu() else "8", "--max-new-tokens", "16" if on_cpu() else "96",
+        "--max-sequences", "8" if on_cpu() else "64", "--device", dev, "--heldout-fraction", "0.05", "--out", str(report),
+        "--quiet", *engine)
+    values = json.loads(report.read_text())
+    if not values["decoding"]["matched_teacher"]:
+        raise RuntimeError("greedy speculative decoding did not reproduce the teacher's output")
+    served = values.get("vllm", {})
+    if served and not served.get("matched_teacher"):
+        raise RuntimeError("vLLM with the drafter did not reproduce vLLM's teacher alone")
+    tau = values["offline"]["tau"]
+    return (f"offline tau {tau:.2f}, replay {values['greedy_replay']['accepted_length']:.2f}, greedy decode = teacher, "
+            f"accepted {values['decoding']['accepted_length']:.2f}"
+            + (f", vLLM accepted {served['accepted_length']:.2f}" if served else ", vLLM not run (no DFLASH_VLLM_PYTHON)")), \
+        {"tau": tau, "accepted_length": values["decoding"]["accepted_length"], "vllm": served}
 
 
 def part_bench(out: Path):

@@ -8,6 +8,7 @@ the python found here. One owner for the lookup, so both find the same python th
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -48,10 +49,19 @@ def cpu_kv_cache_gib() -> int:
     return int_from_env("VLLM_CPU_KVCACHE_SPACE", 1, minimum=1, meaning="GiB of vLLM's CPU KV cache")
 
 
+PLACEMENT_VARIABLE = re.compile(r"VLLM_(\w+_)?PORT|VLLM_DP_(RANK|RANK_LOCAL|SIZE|MASTER_IP)")
+"""vLLM's own variables that place an engine in a group or fix its ports (VLLM_PORT, VLLM_DP_MASTER_PORT,
+VLLM_NIXL_SIDE_CHANNEL_PORT, VLLM_DP_RANK, ...): every engine started here is a world of one that
+chooses free ports itself, and eight engines of a node handed one VLLM_PORT all bind the same ports."""
+
+
 def vllm_environment(cpu_kv_cache_gib: int) -> dict[str, str]:
-    """The environment of a vLLM subprocess: ours minus PYTHONPATH (its packages are its own),
-    offline (it reads the teacher from disk, as we do), and a CPU KV cache size (ignored on GPU)."""
+    """The environment of a vLLM subprocess: ours minus PYTHONPATH (its packages are its own) and
+    minus vLLM's port and group variables (PLACEMENT_VARIABLE), offline (it reads the teacher from
+    disk, as we do), and a CPU KV cache size (ignored on GPU)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(cpu_kv_cache_gib),
                TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
+    for name in [name for name in env if PLACEMENT_VARIABLE.fullmatch(name)]:
+        del env[name]
     return env

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_common.devices import resolve_device
+from dflash_common.devices import child_visible_devices, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
 from dflash_teacher.settings.teacher_config import TeacherConfig
@@ -46,15 +46,15 @@ def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     return [i + 1 for i in layer_ids] + [num_layers]
 
 
-def worker_gpus(env: dict[str, str], args: VllmArgs) -> str | None:
-    """CUDA_VISIBLE_DEVICES for the engine of a torchrun rank when the launcher did not choose: one
-    engine per rank, on GPUs LOCAL_RANK * tp .. LOCAL_RANK * tp + tp - 1 (tp = tensor_parallel_size:
-    one GPU per rank by default, the whole node for one rank per node); None outside torchrun."""
+def worker_gpus(env: dict[str, str], args: VllmArgs, cuda_count: int | None = None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the engine of a torchrun rank: one engine per rank, on the rank's
+    tensor_parallel_size GPUs (LOCAL_RANK * tp onwards: one GPU per rank by default, the whole node
+    for one rank per node), named through the launcher's own CUDA_VISIBLE_DEVICES when it set one
+    (SLURM's gres sets it node-wide); None outside torchrun. dflash_common.devices owns the rule,
+    which also places the build's LM head on the engine's first GPU."""
     local = env.get("LOCAL_RANK")
-    if local in (None, "") or "CUDA_VISIBLE_DEVICES" in env:
-        return None
-    tp = args.tensor_parallel_size
-    return ",".join(str(int(local) * tp + i) for i in range(tp))
+    rank = None if local in (None, "") else int(local)
+    return child_visible_devices(args.tensor_parallel_size, rank, env.get("CUDA_VISIBLE_DEVICES"), cuda_count)
 
 
 @dataclass
@@ -138,7 +138,7 @@ def worker_environment(args: VllmArgs) -> dict[str, str]:
     GPU under torchrun (worker_gpus), and none of torchrun's variables."""
     env = vllm_environment(cpu_kv_cache_gib())
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # CPU builds: the build's threads share the cores
-    gpus = worker_gpus(env, args)
+    gpus = worker_gpus(env, args, torch.cuda.device_count() if torch.cuda.is_available() else None)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     for name in TORCHRUN_VARIABLES:
@@ -177,7 +177,8 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     head and norm on --device; never the whole model), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
     own top-k too (the benchmark's comparison; the build does not use them)."""
     executable = find_vllm_python(python)  # before loading anything
-    device = resolve_device(cfg.device)  # checks LOCAL_RANK, which worker_environment reads
+    # checks LOCAL_RANK, which worker_environment reads; the head goes to the engine's first GPU
+    device = resolve_device(cfg.device, per_rank=args.tensor_parallel_size)
     env = worker_environment(args)  # checks VLLM_CPU_KVCACHE_SPACE before the teacher loads
     head, identity = load_text_head(cfg, device)
     text_config = head.config.get_text_config()

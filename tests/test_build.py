@@ -520,6 +520,42 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
     assert "\n" not in str(err.value)
 
 
+def test_cross_check_fails_a_tap_off_by_one_layer_among_massive_activations(teacher_dir):
+    """Issue 42: the difference was scaled by the layer's largest magnitude, so with Qwen's massive
+    activations (a few channels of the first token in the thousands, nearly the same in
+    neighbouring layers) a tap off by one layer passed the 0.05 bound. The relative norm per
+    position fails it, while the same states rounded to bf16 (an engine's honest difference) pass."""
+    from types import SimpleNamespace
+
+    from dflash_cache.build.cross_check import CrossCheck, sequence_differences
+    from dflash_common.errors import TeacherError
+    from dflash_teacher.teacher import load_teacher
+
+    teacher = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 1, 2), top_k=8))
+    ids = np.asarray(teacher.tokenizer("The cache stores each tapped layer's states, and the drafter reads "
+                                       "them back at every position of the sequence.")["input_ids"])
+    out = teacher.forward([ids])
+    states, logprobs = out.hidden.astype(np.float32), out.topk_logprobs
+    massive = states.copy()
+    massive[0, :, 7] += np.array([2400.0, 2410.0, 2405.0])  # the first token's massive channels, layer by layer
+    massive[0, :, 40] -= np.array([1800.0, 1795.0, 1801.0])
+    off_by_one = massive[:, [1, 2, 1]]  # each tap holds its neighbour layer's states
+    bf16 = (massive.view(np.uint32) >> 16).astype(np.uint16)  # what a bf16 build stores, truncated
+    bound = 0.05
+    honest, _ = sequence_differences(bf16, logprobs, massive, logprobs)
+    shifted, _ = sequence_differences(off_by_one, logprobs, massive, logprobs)
+    assert max(honest) < bound / 5, honest
+    assert min(shifted) > 2 * bound, shifted
+
+    # through the build's check: a shard whose taps are the neighbour layers' stops the build
+    shard = SimpleNamespace(ids=["s"], lengths=np.array([len(ids)]), input_ids=ids, hidden=states[:, [1, 2, 1]],
+                            topk_ids=out.topk_ids, topk_logprobs=logprobs)
+    with pytest.raises(TeacherError, match=r"layer \d's hidden states differ by .* \(relative norm\) .* past --cross-check-bound"):
+        CrossCheck(1, bound, lambda: teacher, [0, 1, 2]).check_shard(0, shard)
+    exact = SimpleNamespace(**{**vars(shard), "hidden": states})
+    CrossCheck(1, bound, lambda: teacher, [0, 1, 2]).check_shard(0, exact)
+
+
 def test_transformers_engine_names_its_gated_deltanet_implementation(tmp_path, teacher_dir):
     """A qwen3_5 teacher's build says whether its Gated DeltaNet layers run the kernels or the torch
     fallback (here: the fallback, neither package installed), and warns for the fallback on CUDA."""

@@ -213,6 +213,25 @@ def test_no_torchrun_variable_reaches_the_vllm_process(monkeypatch):
     assert child["CUDA_VISIBLE_DEVICES"] == "1"  # the rank's own GPU, chosen before the scrub
 
 
+def test_no_vllm_port_or_group_variable_reaches_a_vllm_process(monkeypatch):
+    """Eight engines of a node handed one VLLM_PORT bind the same ports; each engine started here
+    is a world of one that chooses its own. The eval's and the server's vLLM get the same scrub."""
+    from dflash_common.vllm_env import vllm_environment
+    from dflash_teacher.vllm_engine import worker_environment
+
+    placement = {"VLLM_PORT": "29600", "VLLM_DP_MASTER_PORT": "29700", "VLLM_DP_MASTER_IP": "10.0.0.1",
+                 "VLLM_DP_RANK": "3", "VLLM_DP_SIZE": "8", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
+    kept = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_LOGGING_LEVEL": "DEBUG", "MY_PORT": "8080"}
+    for key, value in {**placement, **kept}.items():
+        monkeypatch.setenv(key, value)
+    for env in (worker_environment(VllmArgs()), vllm_environment(1)):
+        seen = subprocess.run([sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"], env=env,
+                              capture_output=True, text=True, check=True)
+        child = json.loads(seen.stdout)
+        assert not set(placement) & child.keys(), set(placement) & child.keys()
+        assert {k: child.get(k) for k in kept} == kept
+
+
 def test_a_vllm_outside_the_connectors_range_is_named_in_one_line():
     from dflash_teacher.vllm_engine import version_note
 
@@ -229,13 +248,59 @@ def test_taps_become_vllm_aux_ids_and_the_last_layer_is_added():
     assert aux_layer_ids([0, 2], 4) == [1, 3, 4]
 
 
-def test_a_torchrun_rank_gives_its_engine_its_own_gpu():
-    one = VllmArgs()
-    assert worker_gpus({"LOCAL_RANK": "3"}, one) == "3"
-    assert worker_gpus({}, one) is None  # not under torchrun
-    assert worker_gpus({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "5"}, one) is None  # the launcher chose
-    assert worker_gpus({"LOCAL_RANK": "0"}, VllmArgs(tensor_parallel_size=8)) == "0,1,2,3,4,5,6,7"  # one rank per node
-    assert worker_gpus({"LOCAL_RANK": "3"}, VllmArgs(tensor_parallel_size=2)) == "6,7"  # 4 ranks of 2 GPUs
+@pytest.mark.parametrize("env, tp, count, expected", [
+    ({"LOCAL_RANK": "3"}, 1, None, "3"),
+    ({}, 1, 8, None),  # not under torchrun: the engine sees what the build sees
+    ({"LOCAL_RANK": "0"}, 8, None, "0,1,2,3,4,5,6,7"),  # one rank per node
+    ({"LOCAL_RANK": "3"}, 2, 8, "6,7"),  # 4 ranks of 2 GPUs
+    # the launcher set CUDA_VISIBLE_DEVICES node-wide (SLURM gres): the rank's slice of its list
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, 1, None, "1"),
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 2, 4, "6,7"),
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "GPU-5e1a,GPU-77b0"}, 1, 2, "GPU-77b0"),
+    # the launcher gave each rank only its own GPUs
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "5"}, 1, 1, "5"),
+    ({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "6,7"}, 2, None, "6,7"),
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": ""}, 1, None, ""),  # every GPU hidden: vLLM's CPU build
+])
+def test_a_torchrun_rank_gives_its_engine_its_own_gpus(env, tp, count, expected):
+    assert worker_gpus(env, VllmArgs(tensor_parallel_size=tp), count) == expected
+
+
+@pytest.mark.parametrize("env, tp, named", [
+    ({"LOCAL_RANK": "2", "CUDA_VISIBLE_DEVICES": "0,1"}, 1, "LOCAL_RANK 2 needs GPU 2 but CUDA_VISIBLE_DEVICES=0,1 has 2 GPU(s)"),
+    ({"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1,2"}, 2, "LOCAL_RANK 1 needs GPUs 2..3 (2 a rank) but CUDA_VISIBLE_DEVICES=0,1,2"),
+])
+def test_too_few_gpus_for_a_ranks_engine_is_one_line(env, tp, named):
+    from dflash_common.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        worker_gpus(env, VllmArgs(tensor_parallel_size=tp))
+    assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+RANK_ENGINE = """
+import json, os, sys
+from dflash_cache.settings.vllm_args import VllmArgs
+from dflash_teacher.vllm_engine import worker_environment
+env = worker_environment(VllmArgs())
+with open(os.path.join(sys.argv[1], "rank-" + os.environ["LOCAL_RANK"] + ".json"), "w") as f:
+    json.dump({"CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES")}, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_under_a_node_wide_gpu_list_start_engines_on_different_gpus(tmp_path):
+    """Issue 42's reproduction: torchrun --nproc-per-node 2 under CUDA_VISIBLE_DEVICES=0,1 (what
+    SLURM's gres sets for the whole node) handed both ranks' engines 0,1, so both ran on GPU 0."""
+    script = tmp_path / "rank_engine.py"
+    script.write_text(RANK_ENGINE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank-{r}.json").read_text())["CUDA_VISIBLE_DEVICES"] for r in (0, 1)]
+    assert seen == ["0", "1"]
 
 
 def test_states_sent_as_frames_are_taken_by_request_in_any_order():

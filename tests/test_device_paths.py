@@ -57,9 +57,89 @@ def test_cuda_and_auto_take_the_local_rank_gpu_and_cuda_n_is_kept():
         select_device("tpu", cuda_count=0, rank_on_node=None)
 
 
+def test_the_ranks_gpus_follow_the_launchers_list_and_one_gpu_per_rank_is_gpu_0():
+    from dflash_common.devices import rank_gpus
+
+    # CUDA_VISIBLE_DEVICES node-wide (SLURM gres): the rank's slice of what the process sees
+    assert rank_gpus(1, 1, "0,1", 2) == [1]
+    assert rank_gpus(2, 1, "4,5,6,7", 4) == [2, 3]
+    assert rank_gpus(2, 0, None, 8) == [0, 1] and rank_gpus(1, None, None, 8) == [0]
+    # a launcher that gives each rank its own GPU(s): they are GPU 0.. of every rank
+    assert rank_gpus(1, 3, "3", 1) == [0]
+    assert rank_gpus(2, 3, "GPU-a,GPU-b", 2) == [0, 1]
+    assert select_device("cuda", cuda_count=1, rank_on_node=3, visible="3") == torch.device("cuda", 0)
+    assert select_device("auto", cuda_count=1, rank_on_node=1, visible="GPU-77b0") == torch.device("cuda", 0)
+    # tensor parallel engines: the head goes to the rank's first GPU, not cuda:LOCAL_RANK
+    assert select_device("auto", cuda_count=8, rank_on_node=1, per_rank=2) == torch.device("cuda", 2)
+    assert select_device("cuda", cuda_count=8, rank_on_node=3, visible="0,1,2,3,4,5,6,7", per_rank=4 // 2) == torch.device("cuda", 6)
+    assert select_device("cuda:1", cuda_count=2, rank_on_node=3, visible="6,7", per_rank=2) == torch.device("cuda", 1)
+    # too few: one line naming the rank, what it needs and what it sees
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 2 needs GPU 2 but CUDA_VISIBLE_DEVICES=0,1 has 2 GPU\(s\); start at most 2"):
+        select_device("cuda", cuda_count=2, rank_on_node=2, visible="0,1")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs GPUs 2..3 \(2 a rank\) but this machine has 3"):
+        select_device("auto", cuda_count=3, rank_on_node=1, per_rank=2)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs GPU 1 but this machine has 1"):
+        select_device("cuda", cuda_count=1, rank_on_node=1)  # no list: not a launcher's per-rank GPU
+
+
 def test_the_process_group_is_bound_to_the_ranks_gpu():
     assert process_group_options(torch.device("cuda", 3)) == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
     assert process_group_options(torch.device("cpu")) == {"backend": "gloo"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_one_torchrun_rank_is_a_process_group_and_wrapped_with_wrap_single_rank(monkeypatch):
+    """Issue 42: the GPU check's ddp part ran one rank, which trains unwrapped, so it tested no
+    process group, DDP or FSDP2. --wrap-single-rank makes one torchrun process a group of one and
+    wraps its drafter: DDP's bf16 hook rounds its gradients (they come back bf16 values), FSDP2
+    shards it and the state-dict gather returns the whole drafter."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dflash_train.training.checkpoint import full_model_state
+    from dflash_train.training.distributed import data_parallel, init_distributed, is_sharded, shutdown
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = make_cfg()
+    hidden, ids = make_batch(cfg)
+    anchors = torch.tensor([[2, 9], [3, 6], [1, 4]])
+    cpu = torch.device("cpu")
+    plain = make_model(cfg).train()
+    info = init_distributed(cpu)  # the default: one process trains unwrapped
+    assert not info.active and not dist.is_initialized() and data_parallel(plain, info, "ddp", cpu) is plain
+
+    info = init_distributed(cpu, wrap_single_rank=True)
+    try:
+        assert info.active and info.world_size == 1 and dist.is_initialized()
+        ddp = data_parallel(make_model(cfg).train(), info, "ddp", cpu, "bf16")
+        assert isinstance(ddp, DistributedDataParallel)
+        ddp(hidden, ids, anchors).float().pow(2).mean().backward()
+        grads = [p.grad for p in ddp.module.parameters() if p.grad is not None]
+        assert grads and all(torch.equal(g, g.to(torch.bfloat16).float()) for g in grads)  # through the bf16 hook
+        sharded = make_model(cfg).train()
+        expected = {k: v.clone() for k, v in sharded.state_dict().items()}
+        assert data_parallel(sharded, info, "fsdp", cpu, "bf16") is sharded and is_sharded(sharded)
+        sharded(hidden, ids, anchors).float().pow(2).mean().backward()
+        gathered = full_model_state(sharded)
+        assert set(expected) <= set(gathered)
+        for name, value in expected.items():
+            torch.testing.assert_close(gathered[name], value, msg=name)
+        del ddp
+    finally:
+        shutdown(info)
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(ConfigError, match=r"--wrap-single-rank needs torchrun"):
+        init_distributed(cpu, wrap_single_rank=True)
 
 
 @pytest.fixture(scope="module")

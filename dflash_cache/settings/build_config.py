@@ -64,13 +64,16 @@ class BuildConfig:
 
     cross_check: int = 0
     """Recompute this many sampled sequences per rank with the transformers engine (one at a time,
-    unpadded) and record the largest relative difference of each tapped layer's hidden states and
-    of the top-k log-probs in the manifest's `last_run`; 0: off. With --engine vllm it loads the
-    transformers teacher as well: on a GPU node the teacher's memory a second time."""
+    unpadded) and record the largest relative norm of each tapped layer's hidden states and the
+    largest relative difference of the top-k log-probs in the manifest's `last_run`; 0: off. With
+    --engine vllm it loads the transformers teacher as well: on a GPU node the teacher's memory a
+    second time."""
 
     cross_check_bound: float = 0.05
-    """The build stops when a cross-checked sequence differs by more than this (relative to the
-    reference's largest magnitude, per tapped layer and for the log-probs)."""
+    """The build stops when a cross-checked sequence differs by more than this: per tapped layer,
+    the relative norm of its hidden states (||built - reference|| / ||reference|| at each position,
+    averaged over the sequence: bf16 rounding is ~0.003, a tap off by one layer 0.1 or more); for
+    the top-k log-probs, the largest difference relative to their largest magnitude."""
 
     def __post_init__(self):
         if not self.out:

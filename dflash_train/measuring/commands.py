@@ -172,9 +172,16 @@ def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: 
         lines += decoding_lines(specs, decodings, drafter.cfg.num_draft_positions)
     if cfg.engine in ("vllm", "both"):
         greedy = next(s for s in specs if s.greedy)
-        v = vllm_decoding(cfg, drafter.cfg.block_size, prompt_list, greedy, dtype, vllm_log, reference)
-        v["offline_accepted_length"] = report["decoding"]["offline_accepted_length"] if "decoding" in report else \
-            offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"])
+        block_size, alone = drafter.cfg.block_size, "decoding" not in report
+        # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter with its fp32
+        # embedding and head leave it first, kept in host memory only when the estimate below needs them
+        t, drafter = release_for_vllm(t, drafter, dev, keep=alone)
+        v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev)
+        if alone:
+            t.model.to(dev)
+            drafter = drafter.to(dev)
+        v["offline_accepted_length"] = offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"]) if alone \
+            else report["decoding"]["offline_accepted_length"]
         report["vllm"] = v
         lines += vllm_lines(v, alone="decoding" not in report)
     return report, lines
@@ -220,15 +227,70 @@ def vllm_lines(v: dict, alone: bool) -> Lines:
     return lines
 
 
-def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference) -> dict:
-    """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only)."""
+VLLM_DEFAULT_SHARE = 0.9
+"""vLLM's own gpu_memory_utilization default."""
+OWN_RESERVE_BYTES = 1 << 30
+"""Left free for vLLM's own CUDA context and this process's allocations while vLLM runs."""
+
+
+def release_for_vllm(teacher, drafter, dev, keep: bool) -> tuple:
+    """Free `dev` (a GPU) of the teacher and the drafter before vLLM starts there: moved to host
+    memory when `keep` (they are used after vLLM), else dropped (the caller's references are
+    replaced by the (None, None) returned); then the CUDA cache allocator returns its blocks. On
+    the CPU (vLLM's CPU build sizes its own KV cache) nothing moves."""
+    import gc
+
+    import torch
+
+    if dev.type != "cuda":
+        return teacher, drafter
+    if keep:
+        teacher.model.to("cpu")
+        drafter = drafter.to("cpu")
+    else:
+        teacher = drafter = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return teacher, drafter
+
+
+def vllm_memory_share(free: int, total: int, wanted: float = VLLM_DEFAULT_SHARE,
+                      reserve: int = OWN_RESERVE_BYTES) -> float:
+    """vLLM's gpu_memory_utilization on a GPU this process shares: vLLM refuses to start unless
+    that share of the whole GPU is free, so at most what is free now less `reserve`, at most
+    `wanted`; one line when almost nothing is free."""
+    from dflash_train.measuring.serving import ServingError
+
+    share = min(wanted, (free - reserve) / total)
+    if share < 0.05:
+        raise ServingError(f"only {free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are free for vLLM after the "
+                           "teacher and drafter left it; stop the other processes on this GPU or choose another with "
+                           "--device cuda:N")
+    return round(share, 4)
+
+
+def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference,
+                  dev=None) -> dict:
+    """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only).
+    On a GPU `dev`, vLLM runs on that GPU with the share of it that is free (vllm_memory_share)."""
     from dflash_train.measuring.serving import vllm_report
     from dflash_train.settings.vllm_config import VllmConfig
     from dflash_train.training.checkpoint import COMPLETE
     from dflash_train.training.trainer import export_checkpoint
 
     checkpoint = cfg.decoding.checkpoint
-    vllm_cfg = VllmConfig(python=cfg.vllm_python, dtype=dtype, log=str(vllm_log))
+    share = gpus = None
+    if dev is not None and dev.type == "cuda":
+        import os
+
+        import torch
+
+        from dflash_common.devices import child_devices_of
+
+        share = vllm_memory_share(*torch.cuda.mem_get_info(dev))
+        gpus = child_devices_of(dev, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    vllm_cfg = VllmConfig(python=cfg.vllm_python, dtype=dtype, log=str(vllm_log), gpu_memory_utilization=share,
+                          cuda_visible_devices=gpus)
     with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
         export_dir = export_checkpoint(checkpoint, Path(tmp) / "drafter") if (Path(checkpoint) / COMPLETE).exists() else checkpoint
         return vllm_report(cfg.decoding.teacher, str(export_dir), block_size, [p.ids for p in prompt_list],

@@ -23,7 +23,7 @@ from typing import Sequence
 from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
-from dflash_common.vllm_env import find_vllm_python
+from dflash_common.vllm_env import find_vllm_python, vllm_environment
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.vllm_config import VllmConfig
 
@@ -61,12 +61,13 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
         "dtype": cfg.dtype,
         # room for the longest prompt, its answer and one block of drafts past it
         "max_model_len": longest + max_new_tokens + spec + 1,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
                   "num_speculative_tokens": r.num_speculative_tokens, "method": r.method} for r in runs],
     }
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib),
-               TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)  # the worker's environment is vLLM's, not ours
+    env = vllm_environment(cfg.kv_cache_gib)  # the worker's environment is vLLM's, not ours
+    if cfg.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
@@ -234,8 +235,7 @@ class VllmServer:
         import httpx
 
         python = find_vllm_python(self.cfg.python)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(self.cfg.kv_cache_gib))
-        env.pop("PYTHONPATH", None)
+        env = vllm_environment(self.cfg.kv_cache_gib)
         # `python -m` rather than the `vllm` script: vllm-cpu's script looks up a distribution named vllm
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                    "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),

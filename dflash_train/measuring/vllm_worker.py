@@ -51,6 +51,8 @@ def _run(request: dict, run: dict) -> dict:
     engine_args = dict(model=request["teacher"], tokenizer=request["teacher"], dtype=request["dtype"],
                        max_model_len=request["max_model_len"], seed=request.get("seed", 0),
                        disable_log_stats=False, enforce_eager=True)
+    if request.get("gpu_memory_utilization"):  # what the measuring process found free on its GPU
+        engine_args["gpu_memory_utilization"] = request["gpu_memory_utilization"]
     if run.get("drafter"):
         engine_args["speculative_config"] = {"method": run.get("method", "dflash"), "model": run["drafter"],
                                              "num_speculative_tokens": run["num_speculative_tokens"]}

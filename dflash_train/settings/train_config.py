@@ -87,6 +87,12 @@ class TrainConfig:
     each rank's gradient is rounded to bf16 before the sum). One reduction per optimizer step
     either way: gradient accumulation reduces only at its last batch."""
 
+    wrap_single_rank: bool = False
+    """Under torchrun with one process (--nproc-per-node 1), still join the process group (NCCL on
+    CUDA) and wrap the drafter as --strategy says, as with several ranks (by default one process
+    trains unwrapped): the GPU check exercises DDP, its bf16 hook, FSDP2 and the state-dict
+    gathers on a one-GPU machine this way. Needs torchrun."""
+
     seed: int = 0
     """Seed of the drafter's initial weights."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.devices import local_rank
 from dflash_common.environment import rank_and_world
+from dflash_common.errors import ConfigError
 from dflash_train.settings.train_config import REDUCE_DTYPES as REDUCE_DTYPE_NAMES
 
 
@@ -27,6 +29,8 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    single_rank_group: bool = False
+    """One process that still joins a process group and wraps its model (wrap_single_rank)."""
 
     @property
     def is_main(self) -> bool:
@@ -34,20 +38,26 @@ class DistInfo:
 
     @property
     def active(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.single_rank_group
 
 
-def dist_info_from_env() -> DistInfo:
+def dist_info_from_env(wrap_single_rank: bool = False) -> DistInfo:
     """Where torchrun's RANK, WORLD_SIZE and LOCAL_RANK put this process (unset: rank 0 of 1),
-    checked before anything reads them (dflash_common.environment: one line for a bad value)."""
+    checked before anything reads them (dflash_common.environment: one line for a bad value).
+    `wrap_single_rank`: one torchrun process is a group of one (TrainConfig.wrap_single_rank)."""
     rank, world = rank_and_world()
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank() or 0)
+    here = local_rank()
+    if wrap_single_rank and (here is None or not os.environ.get("MASTER_ADDR")):
+        raise ConfigError("--wrap-single-rank needs torchrun's process group (LOCAL_RANK and MASTER_ADDR are unset); "
+                          "run under torchrun --nproc-per-node 1, or drop the option")
+    return DistInfo(rank=rank, world_size=world, local_rank=here or 0, single_rank_group=wrap_single_rank and world == 1)
 
 
-def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes in the environment (no-op for one process),
-    with this process bound to `device` (its LOCAL_RANK GPU, from resolve_device)."""
-    info = dist_info_from_env()
+def init_distributed(device: torch.device, wrap_single_rank: bool = False) -> DistInfo:
+    """Join the process group torchrun describes in the environment (no-op for one process
+    unless `wrap_single_rank`), with this process bound to `device` (its LOCAL_RANK GPU, from
+    resolve_device)."""
+    info = dist_info_from_env(wrap_single_rank)
     if not info.active:
         return DistInfo()
     if not dist.is_initialized():

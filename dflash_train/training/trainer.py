@@ -325,7 +325,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
     """Train (or with `resume`, continue from the newest complete checkpoint in cfg.out, or from
     the checkpoint folder `resume_from`) and export the drafter."""
     resume = resume or resume_from is not None
-    place = dist_info_from_env()  # torchrun's variables checked before anything is opened
+    place = dist_info_from_env(cfg.wrap_single_rank)  # torchrun's variables checked before anything is opened
     check_run_folder(Path(cfg.out))
     # the run ends by replacing drafter/: refuse a user's files there now, not after the training
     check_export_folder(Path(cfg.out) / "drafter")
@@ -348,7 +348,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
 def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, progress: Progress | None,
                   resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
-    info = init_distributed(device)
+    info = init_distributed(device, cfg.wrap_single_rank)
     try:  # the session, and its DDP wrapper, is gone when shutdown runs
         return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
     except BaseException as err:
