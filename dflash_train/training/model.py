@@ -447,6 +447,16 @@ class DFlashDrafter(nn.Module):
         """W2 [V, r] of the Markov head, None without one."""
         return None if self.markov_head is None else self.markov_head.markov_w2.weight
 
+    @property
+    def loss_weights(self) -> list[Tensor]:
+        """The trained weights that only the loss reads, outside the forward: the Markov head's W2
+        (DSpark, bias_weight), the selector's successor codebook (DFlash2). A rank with no valid
+        position at a step must still give them a (zero) gradient: DDP's all-reduce and FSDP2's
+        reduce-scatter wait for every parameter on every rank."""
+        selector = self.candidate_selector
+        return [w for w in (self.bias_weight, None if selector is None else selector.successor_codebook)
+                if w is not None and w.requires_grad]
+
 
 def _tokens_at(input_ids: Tensor, starts: Tensor, last: Tensor, pos: Tensor) -> Tensor:
     """input_ids at each sequence's own positions pos [N, ...], clamped to its last token; starts

@@ -230,7 +230,7 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     collectives (FSDP's gathers, DDP's bucket sync) must come in the same order on every rank."""
     with autocast:
         out = batch_loss(model, batch, cfg.loss, forward) if batch.ids else None
-        idle = idle_loss(model.cfg, forward, device) if out is None else None
+        idle = idle_loss(model, forward, device) if out is None else None
     scale = 1.0
     if info.active:  # the count crosses to the host only when the ranks need it
         local = float(out.count.sum()) if out is not None else 0.0
@@ -249,14 +249,17 @@ def global_train_metrics(meter: AcceptanceMeter, tokens: int, seconds: float, dr
     return AcceptanceMeter.from_stacked(stats[:-1].view(len(rows), -1), rows).summary(), float(stats[-1]) / max(seconds, 1e-9)
 
 
-def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torch.Tensor:
+def idle_loss(model: DFlashDrafter, forward, device: torch.device) -> torch.Tensor:
     """A zero loss through a whole forward, for a rank whose share of a global batch is empty: its
     backward joins the other ranks' collectives (DDP's all-reduce, FSDP's gathers and
-    reduce-scatters) in the same order, with zero gradients."""
+    reduce-scatters) in the same order, with zero gradients, for every trained weight: the
+    forward's and those only the loss reads (model.loss_weights, read after the forward as the
+    loss reads them: under FSDP2 the root unit's gathered copies)."""
+    drafter_cfg = model.cfg
     hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     outputs = forward(hidden, ids, torch.full((1, 1), -1, device=device), heads=True)
-    return sum(out.sum() for out in outputs if out is not None) * 0.0
+    return (sum(out.sum() for out in outputs if out is not None) + sum(w.sum() for w in model.loss_weights)) * 0.0
 
 
 # What a run folder may hold before its config.json exists: a sweep writes the run's log first,
