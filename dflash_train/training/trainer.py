@@ -37,7 +37,6 @@ from dflash_train.training.checkpoint import (
 from dflash_train.training.data import Batch, EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions, train_loader
 from dflash_train.training.distributed import (
     DistInfo,
-    barrier,
     clip_gradients,
     data_parallel,
     dist_info_from_env,
@@ -49,6 +48,7 @@ from dflash_train.training.distributed import (
     is_sharded,
     release_gathered,
     shutdown,
+    wait_for_rank0,
 )
 from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, meter_rows
@@ -352,7 +352,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
 def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, progress: Progress | None,
                   resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
-    info = init_distributed(device)
+    info = init_distributed(device, cfg.collective_timeout, cfg.save_timeout)
     try:  # the session, and its DDP wrapper, is gone when shutdown runs
         return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
     except BaseException as err:
@@ -371,7 +371,7 @@ def _train_session(cfg: TrainConfig, cache, info: DistInfo, device: torch.device
     model_state = full_model_state(session.model)  # all ranks
     out = Path(cfg.out)
     export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
-    barrier(info)
+    wait_for_rank0(info, "the export")
     return TrainResult(steps=session.step, export_dir=Path(export_dir), before=before, after=after)
 
 
@@ -423,7 +423,7 @@ def held_out(s: Session, kind: str) -> dict:
     if result and s.info.is_main:
         s.metrics.write({"kind": "eval", "step": s.step, **result})
         s.progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
-    barrier(s.info)
+    wait_for_rank0(s.info, "the held-out evaluation")
     return result
 
 
@@ -509,7 +509,7 @@ def save_checkpoint(s: Session) -> None:
         state = trainer_state(s.step, optimizer_state, s.scheduler.state_dict(), s.loader_state.to_dict(),
                               s.model.cfg.to_hf_config())
         s.manager.save(s.step, model_state, state, s.cfg.to_dict())
-    barrier(s.info)
+    wait_for_rank0(s.info, f"saving checkpoint step {s.step}")
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
