@@ -7,6 +7,7 @@ other ranks wait for it forever or abort (issue 42, finding 2)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,14 +36,20 @@ def caches(tiny_cache) -> dict[int, str]:
     return {2: tiny_cache(rows=qa_rows(3, seed=1, prefix="idle-")), 3: tiny_cache(rows=qa_rows(2, seed=1, prefix="idle-"))}
 
 
-def torchrun(ranks: int, *args, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A real torchrun launch of dflash-train on gloo; a hang is a failure after `timeout`."""
+def torchrun(ranks: int, *args, timeout: float = 240, program: str = CLI) -> subprocess.CompletedProcess:
+    """A real torchrun launch of dflash-train (or `program`) on gloo; a hang is a failure after `timeout`."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--no-python", CLI, *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--no-python", program, *args]
+    # a session of its own, so a hang is ended with every rank (torchrun alone would leave them)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
     try:
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the {ranks}-rank run hung for {timeout:.0f} s: {(err.stderr or b'')[-2000:]!r}")
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the {ranks}-rank run hung for {timeout:.0f} s: {stderr[-2000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def test_the_caches_leave_a_rank_idle(caches):

@@ -200,6 +200,25 @@ def global_sum_tensor(t: torch.Tensor, info: DistInfo, device: torch.device) -> 
     return t.cpu()
 
 
+def from_rank0(value: Any, info: DistInfo) -> Any:
+    """Rank 0's `value` on every rank (a picklable object, sent over the CPU group): what rank 0
+    alone decides, such as the checkpoint a resume continues."""
+    if not info.active:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=info.wait_group)
+    return box[0]
+
+
+def every_rank(value: Any, info: DistInfo) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if not info.active:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value, group=info.wait_group)
+    return out
+
+
 def barrier(info: DistInfo) -> None:
     if info.active:
         dist.barrier()

@@ -40,6 +40,8 @@ from dflash_train.training.distributed import (
     clip_gradients,
     data_parallel,
     dist_info_from_env,
+    every_rank,
+    from_rank0,
     global_min,
     global_sum,
     global_sum_tensor,
@@ -180,10 +182,38 @@ class MetricsLog:
                     self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
 
 
+def agreed_checkpoint(manager: CheckpointManager, resume: bool, resume_from: str | Path | None,
+                      info: DistInfo) -> Path | None:
+    """The checkpoint this run continues (None: it starts at step 0), decided by rank 0 alone and
+    sent to every rank: the newest complete one in rank 0's checkpoints/ (every rank then takes
+    the step folder of that name in its own --out) or `resume_from`. A rank that does not see it
+    (a node-local --out on another node) would start at step 0 while rank 0 resumes and the ranks'
+    collectives would stop matching (a hang), so every rank stops with the same line instead."""
+    decision = None
+    if info.is_main:
+        latest = manager.latest()
+        if not resume and latest is not None:
+            decision = "refuse"
+        elif resume:
+            decision = str(resume_from) if resume_from is not None else (latest.name if latest else None)
+    decision = from_rank0(decision, info)
+    if decision == "refuse":
+        raise CheckpointError(f"{manager.run} already holds checkpoints; pass --resume to continue that run or choose a new --out")
+    if decision is None:
+        return None
+    path = Path(decision) if resume_from is not None else manager.root / decision
+    missing = [rank for rank, seen in enumerate(every_rank((path / COMPLETE).is_file(), info)) if not seen]
+    if missing:
+        raise CheckpointError(f"rank 0 resumes from checkpoint {path}, which rank(s) {', '.join(map(str, missing))} of "
+                              f"{info.world_size} cannot see (a node-local --out?); put --out on storage every node "
+                              "sees, or copy that checkpoint folder to the same path on every node")
+    return path
+
+
 def _checkpoint_to_resume(manager: CheckpointManager, fingerprint: str, current: dict, progress: Progress,
-                          resume_from: str | Path | None = None) -> tuple[Path, dict] | None:
-    """The checkpoint a resume continues and its state, checked against this run (None: start at step 0)."""
-    path = Path(resume_from) if resume_from is not None else manager.latest()
+                          path: Path | None) -> tuple[Path, dict] | None:
+    """The checkpoint `path` a resume continues (agreed_checkpoint) and its state, checked
+    against this run (None: start at step 0)."""
     if path is None:
         progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
         return None
@@ -391,10 +421,9 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
     set_head_matmul(cfg.loss.head_matmul, device)
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
-    if not resume and manager.latest() is not None:
-        raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
+    chosen = agreed_checkpoint(manager, resume, resume_from, info)
     checkpoint = (_checkpoint_to_resume(manager, cache.fingerprint, json.loads(json.dumps(cfg.to_dict())), progress,
-                                        resume_from) if resume else None)
+                                        chosen) if resume else None)
     loader_state, plan = plan_session(cfg, cache, info, LoaderState(**checkpoint[1]["trainer"]["loader"]) if checkpoint
                                       else LoaderState(manifest_fingerprint=cache.fingerprint), progress)
     steps = total_steps(cfg, plan, loader_state.partitions)
