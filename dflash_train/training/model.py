@@ -184,8 +184,10 @@ def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window:
     global _compiled_flex_attention
     num_queries = anchors.shape[1] * block_size
     mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window)
+    # compiled on CUDA too: eager, it materialises the whole [B, Q, KV] mask first (0.1-2 GB
+    # transient a forward at production lengths); compiled, only the block tiles
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
-                                   device=anchors.device)
+                                   device=anchors.device, _compile=anchors.device.type in COMPILE_FLEX_ON)
     if anchors.device.type in COMPILE_FLEX_ON:
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
