@@ -12,6 +12,9 @@ cleanup, no ``finally``, like a power cut or the OOM killer) the N-th time it re
 | ``checkpoint_after_files``  | checkpoint weights, trainer state, config written; no COMPLETE   |
 | ``checkpoint_before_rename``| the temporary checkpoint folder is complete; not yet renamed     |
 
+``DFLASH_FAULT_SLEEP=POINT:S`` (same form, ``@R`` too) makes the process sleep S seconds each time
+it reaches POINT instead: a slow disk, e.g. a checkpoint whose write and fsync outlast a timeout.
+
 Counts are per process and start at 1 (``during_manifest_write:1`` is the first manifest a build
 writes). ``POINT:N@R`` fires only in the process whose ``RANK`` is R (read as the build reads it,
 unset meaning 0), so one rank of a ``torchrun`` launch can die while the others carry on until the
@@ -36,6 +39,7 @@ import time
 from dflash_common.errors import ConfigError
 
 ENV = "DFLASH_FAULT"
+SLEEP_ENV = "DFLASH_FAULT_SLEEP"
 RANK_ENV = "RANK"
 GATE_ENV = "DFLASH_FAULT_GATE"
 GATE_TIMEOUT_S = 120.0
@@ -44,19 +48,21 @@ POINTS = ("after_shard_files", "after_commit_record", "during_manifest_write",
 
 _lock = threading.Lock()  # shards are written on a background thread
 _plan: dict[str, int] | None = None
+_sleeps: dict[str, int] | None = None
 _hits: dict[str, int] = {}
 
 
-def parse_faults(text: str, rank: int = 0) -> dict[str, int]:
-    """'after_shard_files:3,during_manifest_write:1@1' -> {point: hit count to die at}, keeping
-    only the items meant for ``rank`` (those without ``@R`` are meant for every rank)."""
+def parse_faults(text: str, rank: int = 0, env: str = ENV) -> dict[str, int]:
+    """'after_shard_files:3,during_manifest_write:1@1' -> {point: hit count to die at (seconds to
+    sleep, for SLEEP_ENV)}, keeping only the items meant for ``rank`` (those without ``@R`` are
+    meant for every rank)."""
     plan: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         spec, at, target = item.partition("@")
         point, _, count = spec.partition(":")
         if (point not in POINTS or not count.isdigit() or int(count) < 1
                 or (at and not target.isdigit())):
-            raise ConfigError(f"{ENV}={text!r}: cannot read {item!r}; write POINT:N or POINT:N@RANK with N >= 1, "
+            raise ConfigError(f"{env}={text!r}: cannot read {item!r}; write POINT:N or POINT:N@RANK with N >= 1, "
                               f"RANK >= 0 and POINT one of {', '.join(POINTS)}")
         if not at or int(target) == rank:
             plan[point] = int(count)
@@ -81,8 +87,14 @@ def _wait_for_gate() -> None:
 
 
 def maybe_fault(point: str) -> None:
-    """SIGKILL this process if ``DFLASH_FAULT`` asks for it at this hit of ``point``."""
-    global _plan
+    """SIGKILL this process if ``DFLASH_FAULT`` asks for it at this hit of ``point``; first sleep
+    if ``DFLASH_FAULT_SLEEP`` asks for that at ``point``."""
+    global _plan, _sleeps
+    if _sleeps is None:
+        text = os.environ.get(SLEEP_ENV, "")
+        _sleeps = parse_faults(text, _own_rank(), SLEEP_ENV) if text else {}
+    if point in _sleeps:
+        time.sleep(_sleeps[point])
     if _plan is None:
         text = os.environ.get(ENV, "")
         _plan = parse_faults(text, _own_rank()) if text else {}

@@ -72,6 +72,7 @@ def merge(base: dict, overrides: dict) -> dict:
 # checkpoint resumes with other values of these, and a sweep counts a finished run made with other
 # values as its combination.
 OPERATIONAL_PATHS = frozenset({"out", "device", "strategy", "grad_reduce_dtype", "wrap_single_rank", "tensorboard", "log_every", "save_every", "keep_checkpoints",
+                               "collective_timeout", "save_timeout",
                                "storage_options", *(f"model.{name}" for name in MODEL_OPERATIONAL),
                                *(f"data.{name}" for name in DATA_OPERATIONAL),
                                *(f"loss.{name}" for name in LOSS_OPERATIONAL)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -22,6 +23,16 @@ def test_assistant_spans_are_runs_of_the_loss_mask():
     assert assistant_spans(mask, 11) == [(2, 5), (7, 9), (10, 11)]
     assert assistant_spans(mask, 8) == [(2, 5), (7, 8)]
     assert assistant_spans(torch.zeros(4, dtype=torch.bool), 4) == []
+
+
+def test_assistant_spans_stay_on_the_masks_device():
+    """A batch on the GPU (eval --device cuda) must not meet a tensor made on the CPU. A meta-device
+    mask shows that without a GPU: the spans are computed on its device up to the first read of a
+    value (which a meta tensor cannot give: NotImplementedError), where a CPU tensor in the way
+    stops it first with a device mismatch (RuntimeError)."""
+    mask = torch.tensor([0, 1, 1, 0], dtype=torch.bool).to("meta")
+    with pytest.raises(NotImplementedError):
+        assistant_spans(mask, 4)
 
 
 def test_eval_command_writes_report_and_plot(tmp_path, cache_url):  # noqa: F811

@@ -14,9 +14,11 @@ from dflash_train.training.model import DFlashDrafter
 
 
 def assistant_spans(loss_mask: torch.Tensor, length: int) -> list[tuple[int, int]]:
-    """(start, end) of each run of loss-mask tokens: the assistant turns a decoder would generate."""
+    """(start, end) of each run of loss-mask tokens: the assistant turns a decoder would generate.
+    Computed on the mask's own device (a CUDA batch's): its edges are padded there, not joined
+    with zeros made on the CPU (`dflash-train eval --device cuda` failed so)."""
     mask = loss_mask[:length].long()
-    edges = torch.diff(torch.cat([torch.zeros(1, dtype=torch.long), mask, torch.zeros(1, dtype=torch.long)]))
+    edges = torch.diff(torch.nn.functional.pad(mask, (1, 1)))
     starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
     return [(int(s), int(e)) for s, e in zip(starts, ends)]
 

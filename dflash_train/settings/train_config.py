@@ -93,6 +93,17 @@ class TrainConfig:
     trains unwrapped): the GPU check exercises DDP, its bf16 hook, FSDP2 and the state-dict
     gathers on a one-GPU machine this way. Needs torchrun."""
 
+    collective_timeout: float = 600.0
+    """Seconds a rank waits in a collective under torchrun (a gradient reduction, an FSDP gather,
+    the metrics' sums) before the run stops with an error: the process group's timeout (NCCL's
+    watchdog, gloo's), 600 being torch's default. Rank 0's solo work has its own, save_timeout."""
+
+    save_timeout: float = 7200.0
+    """Seconds the other ranks wait under torchrun while rank 0 works alone: writing and fsyncing a
+    checkpoint (the whole trainer state: ~22 GB at production size), the held-out evaluation under
+    DDP, the export. They wait on a CPU (gloo) group of their own with this timeout, outside
+    collective_timeout, so a slow file system does not stop the run."""
+
     seed: int = 0
     """Seed of the drafter's initial weights."""
 
@@ -126,6 +137,9 @@ class TrainConfig:
         if self.keep_checkpoints < 1:
             raise ConfigError(f"--keep-checkpoints must be at least 1 (the newest checkpoint is what --resume needs), "
                               f"got {self.keep_checkpoints}")
+        if not (self.collective_timeout > 0 and self.save_timeout > 0):
+            raise ConfigError(f"--collective-timeout and --save-timeout must be positive seconds, got "
+                              f"{self.collective_timeout:g}, {self.save_timeout:g}")
         if self.eval_sequences < 0:
             raise ConfigError(f"--eval-sequences must be 0 (no held-out evaluation) or more, got {self.eval_sequences}")
 

@@ -6,7 +6,9 @@ import gc
 import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,10 @@ class DistInfo:
     local_rank: int = 0
     single_rank_group: bool = False
     """One process that still joins a process group and wraps its model (wrap_single_rank)."""
+    wait_group: Any = field(default=None, compare=False, repr=False)
+    """The CPU (gloo) group the other ranks wait for rank 0's solo work in (wait_for_rank0)."""
+    save_timeout: float = 0.0
+    """wait_group's timeout in seconds (TrainConfig.save_timeout)."""
 
     @property
     def is_main(self) -> bool:
@@ -53,25 +59,32 @@ def dist_info_from_env(wrap_single_rank: bool = False) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=here or 0, single_rank_group=wrap_single_rank and world == 1)
 
 
-def init_distributed(device: torch.device, wrap_single_rank: bool = False) -> DistInfo:
+def init_distributed(device: torch.device, wrap_single_rank: bool = False, collective_timeout: float = 600.0,
+                     save_timeout: float = 7200.0) -> DistInfo:
     """Join the process group torchrun describes in the environment (no-op for one process
     unless `wrap_single_rank`), with this process bound to `device` (its LOCAL_RANK GPU, from
-    resolve_device)."""
+    resolve_device), its collectives under `collective_timeout` seconds; and a CPU group in which
+    the other ranks wait up to `save_timeout` seconds for rank 0's checkpoint saves, evaluation and
+    export."""
     info = dist_info_from_env(wrap_single_rank)
     if not info.active:
         return DistInfo()
     if not dist.is_initialized():
-        dist.init_process_group(**process_group_options(device))
-    return info
+        dist.init_process_group(**process_group_options(device, collective_timeout))
+    # every rank creates it, in the same order (new_group is collective)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=save_timeout))
+    return DistInfo(info.rank, info.world_size, info.local_rank, single_rank_group=info.single_rank_group,
+                    wait_group=group, save_timeout=save_timeout)
 
 
-def process_group_options(device: torch.device) -> dict:
+def process_group_options(device: torch.device, collective_timeout: float | None = None) -> dict:
     """init_process_group arguments: NCCL bound to this rank's GPU (device_id also makes NCCL
     create its communicator eagerly there, instead of guessing GPU 0 at the first barrier), gloo
-    on CPU."""
+    on CPU; the collectives' timeout when given (torch's default, 10 minutes, otherwise)."""
+    timeout = {} if collective_timeout is None else {"timeout": timedelta(seconds=collective_timeout)}
     if device.type == "cuda":
-        return {"backend": "nccl", "device_id": device}
-    return {"backend": "gloo"}
+        return {"backend": "nccl", "device_id": device, **timeout}
+    return {"backend": "gloo", **timeout}
 
 
 REDUCE_DTYPES = dict(zip(REDUCE_DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
@@ -199,9 +212,46 @@ def global_sum_tensor(t: torch.Tensor, info: DistInfo, device: torch.device) -> 
     return t.cpu()
 
 
+def from_rank0(value: Any, info: DistInfo) -> Any:
+    """Rank 0's `value` on every rank (a picklable object, sent over the CPU group): what rank 0
+    alone decides, such as the checkpoint a resume continues."""
+    if not info.active:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=info.wait_group)
+    return box[0]
+
+
+def every_rank(value: Any, info: DistInfo) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if not info.active:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value, group=info.wait_group)
+    return out
+
+
 def barrier(info: DistInfo) -> None:
     if info.active:
         dist.barrier()
+
+
+def wait_for_rank0(info: DistInfo, work: str) -> None:
+    """Every rank meets here after rank 0's solo `work` (a checkpoint save, the held-out
+    evaluation, the export): the others wait in the CPU group of init_distributed, under
+    save_timeout instead of the collectives' timeout (NCCL's watchdog would stop a rank that
+    waits 10 minutes for a 22 GB checkpoint's fsync). One line when the wait runs out."""
+    if not info.active:
+        return
+    group = info.wait_group
+    try:
+        dist.barrier(group=group) if group is not None else dist.barrier()
+    except RuntimeError as err:  # DistBackendError (a timeout) is one
+        from dflash_common.errors import TrainingError
+
+        raise TrainingError(f"rank {info.rank} waited more than {info.save_timeout:g} s (--save-timeout) for rank 0 to "
+                            f"finish {work}, or rank 0 failed meanwhile ({str(err).splitlines()[0][:160]}); raise "
+                            "--save-timeout when rank 0's storage is that slow, else see rank 0's error") from None
 
 
 def shutdown(info: DistInfo) -> None:

@@ -404,9 +404,12 @@ def block_loss(
 def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_positions: int) -> LossOutput:
     """block_loss of a batch without a valid position: zero sums and a zero loss."""
     zeros = torch.zeros(num_positions, dtype=torch.float32, device=states.device)
-    connected = [t for t in (states, heads.features, heads.confidence, heads.selector_context) if t is not None]
+    connected = [t for t in (states, heads.features, heads.confidence, heads.selector_context, heads.bias_weight,
+                             heads.successor_codebook) if t is not None]
     return LossOutput(
-        # An empty sum keeps the graph connected, so backward still reaches every parameter.
+        # An empty sum keeps the graph connected, so backward still reaches every parameter, the
+        # weights only the loss reads (bias_weight, successor_codebook) too: under DDP or FSDP2
+        # the other ranks' gradient reduction waits for them
         loss=sum(t.reshape(-1)[:0].float().sum() for t in connected),
         alpha_sum=zeros,
         greedy_sum=zeros.clone(),

@@ -184,8 +184,10 @@ def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window:
     global _compiled_flex_attention
     num_queries = anchors.shape[1] * block_size
     mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window)
+    # compiled on CUDA too: eager, it materialises the whole [B, Q, KV] mask first (0.1-2 GB
+    # transient a forward at production lengths); compiled, only the block tiles
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
-                                   device=anchors.device)
+                                   device=anchors.device, _compile=anchors.device.type in COMPILE_FLEX_ON)
     if anchors.device.type in COMPILE_FLEX_ON:
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
@@ -446,6 +448,16 @@ class DFlashDrafter(nn.Module):
     def bias_weight(self) -> Tensor | None:
         """W2 [V, r] of the Markov head, None without one."""
         return None if self.markov_head is None else self.markov_head.markov_w2.weight
+
+    @property
+    def loss_weights(self) -> list[Tensor]:
+        """The trained weights that only the loss reads, outside the forward: the Markov head's W2
+        (DSpark, bias_weight), the selector's successor codebook (DFlash2). A rank with no valid
+        position at a step must still give them a (zero) gradient: DDP's all-reduce and FSDP2's
+        reduce-scatter wait for every parameter on every rank."""
+        selector = self.candidate_selector
+        return [w for w in (self.bias_weight, None if selector is None else selector.successor_codebook)
+                if w is not None and w.requires_grad]
 
 
 def _tokens_at(input_ids: Tensor, starts: Tensor, last: Tensor, pos: Tensor) -> Tensor:

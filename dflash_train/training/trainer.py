@@ -36,10 +36,11 @@ from dflash_train.training.checkpoint import (
 from dflash_train.training.data import Batch, EpochPlan, LoaderState, idle_ranks_warning, resolve_partitions, train_loader
 from dflash_train.training.distributed import (
     DistInfo,
-    barrier,
     clip_gradients,
     data_parallel,
     dist_info_from_env,
+    every_rank,
+    from_rank0,
     global_min,
     global_sum,
     global_sum_tensor,
@@ -48,6 +49,7 @@ from dflash_train.training.distributed import (
     is_sharded,
     release_gathered,
     shutdown,
+    wait_for_rank0,
 )
 from dflash_train.training.export import check_export_folder, export_weights, read_export
 from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, meter_rows
@@ -179,10 +181,38 @@ class MetricsLog:
                     self.writer.add_scalar(f"{record.get('kind', 'train')}/{key}", value, record["step"])
 
 
+def agreed_checkpoint(manager: CheckpointManager, resume: bool, resume_from: str | Path | None,
+                      info: DistInfo) -> Path | None:
+    """The checkpoint this run continues (None: it starts at step 0), decided by rank 0 alone and
+    sent to every rank: the newest complete one in rank 0's checkpoints/ (every rank then takes
+    the step folder of that name in its own --out) or `resume_from`. A rank that does not see it
+    (a node-local --out on another node) would start at step 0 while rank 0 resumes and the ranks'
+    collectives would stop matching (a hang), so every rank stops with the same line instead."""
+    decision = None
+    if info.is_main:
+        latest = manager.latest()
+        if not resume and latest is not None:
+            decision = "refuse"
+        elif resume:
+            decision = str(resume_from) if resume_from is not None else (latest.name if latest else None)
+    decision = from_rank0(decision, info)
+    if decision == "refuse":
+        raise CheckpointError(f"{manager.run} already holds checkpoints; pass --resume to continue that run or choose a new --out")
+    if decision is None:
+        return None
+    path = Path(decision) if resume_from is not None else manager.root / decision
+    missing = [rank for rank, seen in enumerate(every_rank((path / COMPLETE).is_file(), info)) if not seen]
+    if missing:
+        raise CheckpointError(f"rank 0 resumes from checkpoint {path}, which rank(s) {', '.join(map(str, missing))} of "
+                              f"{info.world_size} cannot see (a node-local --out?); put --out on storage every node "
+                              "sees, or copy that checkpoint folder to the same path on every node")
+    return path
+
+
 def _checkpoint_to_resume(manager: CheckpointManager, fingerprint: str, current: dict, progress: Progress,
-                          resume_from: str | Path | None = None) -> tuple[Path, dict] | None:
-    """The checkpoint a resume continues and its state, checked against this run (None: start at step 0)."""
-    path = Path(resume_from) if resume_from is not None else manager.latest()
+                          path: Path | None) -> tuple[Path, dict] | None:
+    """The checkpoint `path` a resume continues (agreed_checkpoint) and its state, checked
+    against this run (None: start at step 0)."""
     if path is None:
         progress.message(f"no complete checkpoint in {manager.root}; starting from step 0")
         return None
@@ -229,7 +259,7 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     collectives (FSDP's gathers, DDP's bucket sync) must come in the same order on every rank."""
     with autocast:
         out = batch_loss(model, batch, cfg.loss, forward) if batch.ids else None
-        idle = idle_loss(model.cfg, forward, device) if out is None else None
+        idle = idle_loss(model, forward, device) if out is None else None
     scale = 1.0
     if info.active:  # the count crosses to the host only when the ranks need it
         local = float(out.count.sum()) if out is not None else 0.0
@@ -248,14 +278,17 @@ def global_train_metrics(meter: AcceptanceMeter, tokens: int, seconds: float, dr
     return AcceptanceMeter.from_stacked(stats[:-1].view(len(rows), -1), rows).summary(), float(stats[-1]) / max(seconds, 1e-9)
 
 
-def idle_loss(drafter_cfg: DrafterConfig, forward, device: torch.device) -> torch.Tensor:
+def idle_loss(model: DFlashDrafter, forward, device: torch.device) -> torch.Tensor:
     """A zero loss through a whole forward, for a rank whose share of a global batch is empty: its
     backward joins the other ranks' collectives (DDP's all-reduce, FSDP's gathers and
-    reduce-scatters) in the same order, with zero gradients."""
+    reduce-scatters) in the same order, with zero gradients, for every trained weight: the
+    forward's and those only the loss reads (model.loss_weights, read after the forward as the
+    loss reads them: under FSDP2 the root unit's gathered copies)."""
+    drafter_cfg = model.cfg
     hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     outputs = forward(hidden, ids, torch.full((1, 1), -1, device=device), heads=True)
-    return sum(out.sum() for out in outputs if out is not None) * 0.0
+    return (sum(out.sum() for out in outputs if out is not None) + sum(w.sum() for w in model.loss_weights)) * 0.0
 
 
 # What a run folder may hold before its config.json exists: a sweep writes the run's log first,
@@ -348,7 +381,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: Progress | None = No
 def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, progress: Progress | None,
                   resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     bind_device(device)  # before the process group: NCCL, pinning and barriers use the current GPU
-    info = init_distributed(device, cfg.wrap_single_rank)
+    info = init_distributed(device, cfg.wrap_single_rank, cfg.collective_timeout, cfg.save_timeout)
     try:  # the session, and its DDP wrapper, is gone when shutdown runs
         return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
     except BaseException as err:
@@ -367,7 +400,7 @@ def _train_session(cfg: TrainConfig, cache, info: DistInfo, device: torch.device
     model_state = full_model_state(session.model)  # all ranks
     out = Path(cfg.out)
     export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
-    barrier(info)
+    wait_for_rank0(info, "the export")
     return TrainResult(steps=session.step, export_dir=Path(export_dir), before=before, after=after)
 
 
@@ -387,10 +420,9 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
                                   weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
     set_head_matmul(cfg.loss.head_matmul, device)
     manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
-    if not resume and manager.latest() is not None:
-        raise CheckpointError(f"{out} already holds checkpoints; pass --resume to continue that run or choose a new --out")
+    chosen = agreed_checkpoint(manager, resume, resume_from, info)
     checkpoint = (_checkpoint_to_resume(manager, cache.fingerprint, json.loads(json.dumps(cfg.to_dict())), progress,
-                                        resume_from) if resume else None)
+                                        chosen) if resume else None)
     loader_state, plan = plan_session(cfg, cache, info, LoaderState(**checkpoint[1]["trainer"]["loader"]) if checkpoint
                                       else LoaderState(manifest_fingerprint=cache.fingerprint), progress)
     steps = total_steps(cfg, plan, loader_state.partitions)
@@ -419,7 +451,7 @@ def held_out(s: Session, kind: str) -> dict:
     if result and s.info.is_main:
         s.metrics.write({"kind": "eval", "step": s.step, **result})
         s.progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
-    barrier(s.info)
+    wait_for_rank0(s.info, "the held-out evaluation")
     return result
 
 
@@ -505,7 +537,7 @@ def save_checkpoint(s: Session) -> None:
         state = trainer_state(s.step, optimizer_state, s.scheduler.state_dict(), s.loader_state.to_dict(),
                               s.model.cfg.to_hf_config())
         s.manager.save(s.step, model_state, state, s.cfg.to_dict())
-    barrier(s.info)
+    wait_for_rank0(s.info, f"saving checkpoint step {s.step}")
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
