@@ -37,10 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import bench_write as bw  # noqa: E402  (same folder)
 
-from dflash_cache import (
-    integrity,  # noqa: E402
-    open_cache,  # noqa: E402
-)
+from dflash_cache import open_cache  # noqa: E402
+from dflash_cache.format import integrity  # noqa: E402
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
