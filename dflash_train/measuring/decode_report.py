@@ -226,7 +226,8 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         base_results.append(base)
         spec_results.append(spec)
         row = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(prompt.ids),
-               "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "seconds": spec.seconds,
+               "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "verify_forwards": len(spec.accepted_lengths),
+               "seconds": spec.seconds,
                "teacher_new_tokens": len(base.tokens), "teacher_seconds": base.seconds,
                "matched_teacher": spec.tokens == base.tokens}
         if cfg.temperature == 0:
