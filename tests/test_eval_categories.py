@@ -145,3 +145,26 @@ def test_eval_warns_in_one_line_when_the_template_is_not_the_caches(tmp_path, tr
     assert "chat-template kwargs {\"style\": 1}" in warnings[0] and "with null" in warnings[0]
     assert "the teacher's chat template (hash" in warnings[1] and "pass the teacher the cache was built from" in warnings[1]
     assert json.loads((tmp_path / "eval.json").read_text())["warnings"] == warnings
+
+
+def test_vllm_group_summaries_from_the_workers_per_group_counters():
+    from dflash_train.measuring.serving import group_summaries
+
+    alone = {"outputs": [[1, 2], [3, 4, 5], [6]], "groups": [{"seconds": 2.0, "spec_decode": {}},
+                                                             {"seconds": 1.0, "spec_decode": {}}]}
+    spec = {"outputs": [[1, 2], [3, 4, 9], [6]],
+            "groups": [{"seconds": 1.0, "spec_decode": {"spec_decode_num_drafts": 4, "spec_decode_num_accepted_tokens": 6}},
+                       {"seconds": 1.0, "spec_decode": {"spec_decode_num_drafts": 0}}]}
+    out = group_summaries(alone, spec, {"math": [0, 1], "code": [2]}, block_size=4)
+    assert out["math"] == {"prompts": 2, "accepted_length": 2.5, "speedup": 2.0, "matched_teacher": False}
+    assert out["code"] == {"prompts": 1, "accepted_length": None, "speedup": 1.0, "matched_teacher": True}
+
+
+def test_sweep_decodings_pool_each_categorys_rounds():
+    from dflash_train.measuring.speculative import SpecResult
+    from dflash_train.sweep.measure import category_lengths
+
+    results = [SpecResult([0], [3, 1]), SpecResult([0], [4]), SpecResult([0], [2, 2, 2])]
+    lengths = category_lengths([{"category": "a"}, {"category": "b"}, {"category": "a"}], results)
+    assert lengths == {"a": pytest.approx(10 / 5), "b": 4.0}  # pooled over rounds, not a mean of prompt means
+    assert category_lengths([{}], results[:1]) == {"prompts": 2.0}  # a reference from before categories
