@@ -4,7 +4,8 @@
 #   1. the teacher runs once over that corpus into a cache      (dflash-cache build)
 #   2. a drafter trains from the cache                          (dflash-train run)
 #   3. the drafter is measured: offline and in real speculative decoding (dflash-train eval),
-#      in vLLM too when `make serving` has made .venv-vllm
+#      in vLLM too when `make serving` has made .venv-vllm; then per benchmark category at T=0 and
+#      T=1 on two shipped prompt files of different kinds (MT-Bench's format, GSM8K's format)
 # Run it with `make demo`; every step resumes if interrupted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,3 +38,9 @@ echo "== 3. dflash-train eval: held-out acceptance, offline and with the teacher
 dflash-train eval --checkpoint "$OUT/run/drafter" --cache "$OUT/cache" \
     --teacher examples/teacher --prompts examples/data/heldout_prompts.jsonl --max-prompts 40 \
     --max-new-tokens 128 --out "$OUT/run/eval.json" --engine "$ENGINE" --quiet
+
+echo
+echo "== 4. dflash-train eval per category: MT-Bench- and GSM8K-format prompt files, T=0 and T=1 (engine: $ENGINE) =="
+dflash-train eval --checkpoint "$OUT/run/drafter" --teacher examples/teacher \
+    --prompts examples/prompts/question.jsonl --prompts examples/prompts/gsm8k.jsonl \
+    --temperature 0 --temperature 1 --max-new-tokens 128 --out "$OUT/run/eval_categories.json" --engine "$ENGINE" --quiet

@@ -47,6 +47,13 @@ def thinking_teacher(tmp_path_factory, teacher_dir) -> str:
     return str(folder)
 
 
+def _template_hash(teacher: str) -> str:
+    """The hash of the chat template file itself, as eval and the build compute it (xxh64 of its text)."""
+    import xxhash
+
+    return xxhash.xxh64((Path(teacher) / "chat_template.jinja").read_text().encode()).hexdigest()
+
+
 def _build(teacher, data, out, *extra):
     result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher, "--data", data, "--out", str(out),
                                             "--dtype", "float32", "--layers", "0,2", "--top-k", "4", "--quiet", *extra])
@@ -60,6 +67,8 @@ def test_build_records_and_renders_with_the_kwargs(tmp_path, thinking_teacher):
                                                                      "--chat-template-kwargs", OFF)
     assert on.chat_template_kwargs is None and off.chat_template_kwargs == {"enable_thinking": False}
     assert off.manifest["content_options"]["chat_template_kwargs"] == {"enable_thinking": False}
+    # the template's hash beside the kwargs: what eval compares its teacher's template with
+    assert off.manifest["tokenizer"]["chat_template_hash"] == _template_hash(thinking_teacher)
     record_on, record_off = next(iter(on.sequences())), next(iter(off.sequences()))
     assert record_on.id == record_off.id
     assert len(record_on.input_ids) > len(record_off.input_ids)  # "think: " tokens only with thinking on
@@ -80,6 +89,7 @@ def test_regenerate_renders_with_the_kwargs_and_records_them(tmp_path, thinking_
         assert result.exit_code == 0, result.output
     settings = json.loads((tmp_path / "off.parts" / ".settings.json").read_text())
     assert settings["chat_template_kwargs"] == {"enable_thinking": False}
+    assert settings["tokenizer"]["chat_template_hash"] == _template_hash(thinking_teacher)
     # the teacher saw other prompts, so it wrote other answers
     assert outs["on"].read_text() != outs["off"].read_text()
     refused = CliRunner().invoke(cache_app, ["regenerate", "--teacher", thinking_teacher, "--data", data,

@@ -17,6 +17,15 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
+from dflash_train.measuring.statistics import (
+    interpolate,
+    paired_difference,
+    spearman,
+    t_interval,
+    t_quantile,
+    tokens_by_step,
+    tokens_to_reach,
+)
 from dflash_train.settings.measure_config import MeasureConfig
 from dflash_train.settings.train_config import TrainConfig
 from dflash_train.sweep import (
@@ -30,15 +39,6 @@ from dflash_train.sweep import (
     planned_combinations,
 )
 from dflash_train.sweep.recipe import RunOutcome, summarize, summary_markdown, tau_at_budget
-from dflash_train.sweep.statistics import (
-    interpolate,
-    paired_difference,
-    spearman,
-    t_interval,
-    t_quantile,
-    tokens_by_step,
-    tokens_to_reach,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 

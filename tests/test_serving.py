@@ -78,7 +78,8 @@ def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, 
     """`dflash-train eval --engine both` on a trained drafter: vLLM's output and accepted length are ours."""
     out = tmp_path / "eval.json"
     result = CliRunner().invoke(app, ["eval", "--checkpoint", str(drafters["trained"]), "--teacher", TEACHER,
-                                      "--prompts", PROMPTS, "--max-prompts", str(NUM_PROMPTS), "--max-new-tokens",
+                                      "--prompts", PROMPTS, "--prompts", str(EXAMPLES / "prompts" / "question.jsonl"),
+                                      "--max-prompts", str(NUM_PROMPTS), "--max-new-tokens",
                                       str(MAX_NEW), "--engine", "both", "--vllm-python", vllm_python,
                                       "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
@@ -92,6 +93,16 @@ def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, 
     assert len(vllm["acceptance_by_position"]) == BLOCK - 1
     assert "vLLM 0.32.0 accepted length" in result.output and "vLLM output equals vLLM teacher alone   yes" in result.output
     assert (tmp_path / "eval.vllm.log").stat().st_size > 0
+    # per category (one vLLM generate each): vLLM's counters agree with the built-in decoder's rounds
+    rows = {r["category"]: r for r in report["categories"]}
+    assert list(rows) == ["heldout_prompts", "world", "words", "overall"]
+    for name in ("heldout_prompts", "world", "words"):
+        mine = [p for p in builtin["per_prompt"] if p["category"] == name]
+        pooled = sum(p["accepted_length"] * p["verify_forwards"] for p in mine) / sum(p["verify_forwards"] for p in mine)
+        assert rows[name]["vllm"]["matched_teacher"] and rows[name]["decodings"][0]["matched_teacher"]
+        assert rows[name]["vllm"]["accepted_length"] == pytest.approx(pooled, rel=0.05), name
+    assert rows["overall"]["vllm"]["accepted_length"] == vllm["accepted_length"]
+    assert "vLLM T=0 accepted" in result.output
 
 
 def test_untrained_and_sliding_drafters_serve_as_decoded(drafters, vllm_python):

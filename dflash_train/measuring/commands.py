@@ -57,9 +57,14 @@ def report_path(cfg: EvalConfig) -> Path:
         raise ConfigError(f"--out {path} is a folder; pass the report's file name, e.g. {path / 'eval.json'}")
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         raise ConfigError(f"--out {path} lies under a file, not a folder; pass another path")
-    for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log")):
+    for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log"), categories_png(path)):
         refuse_links(written)
     return path
+
+
+def categories_png(path: Path) -> Path:
+    """The per-category plot beside a report: eval.json -> eval.categories.png."""
+    return path.with_suffix(".categories.png")
 
 
 def check_drafter(decoding: DecodingConfig) -> None:
@@ -96,12 +101,13 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
         report.update(offline(cfg, dev))
         lines += offline_lines(report)
     if cfg.real:
-        from dflash_train.measuring.decode_report import resolve_template_kwargs
+        from dflash_train.measuring.decode_report import cache_template, choose_template_kwargs
 
-        report["chat_template_kwargs"] = kwargs = resolve_template_kwargs(
-            cfg.decoding.checkpoint, cfg.cache, cfg.decoding.chat_template_kwargs, cfg.decoding.allow_template_mismatch,
-            cfg.storage_options)
-        real, real_lines = real_decoding(cfg, dev, kwargs, path.with_suffix(".vllm.log"), progress)
+        recorded = cache_template(cfg.decoding.checkpoint, cfg.cache, cfg.storage_options)
+        report["chat_template_kwargs"] = choose_template_kwargs(recorded, cfg.decoding.chat_template_kwargs,
+                                                                cfg.decoding.allow_template_mismatch)
+        real, real_lines = real_decoding(cfg, dev, recorded, report["chat_template_kwargs"],
+                                         path.with_suffix(".vllm.log"), progress)
         report.update(real)
         lines += real_lines
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +118,11 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
         o = report["offline"]
         plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
                         f"held-out acceptance, tau {o['tau']:.2f}")
+    if report.get("categories"):
+        from dflash_train.measuring.categories import plot_categories
+
+        plot_categories(report["categories"], categories_png(path), "accepted length by prompt category "
+                        "(mean over prompts, 95% interval)")
     return EvalResult(report, lines, path)
 
 
@@ -122,8 +133,14 @@ def eval_text(result: EvalResult) -> str:
     if offline_part:
         text += ["alpha_k  " + " ".join(f"{x:.3f}" for x in offline_part["alpha"]),
                  "greedy_k " + " ".join(f"{x:.3f}" for x in offline_part["greedy"])]
-    png = f" and {result.path.with_suffix('.png')}" if offline_part else ""
-    return "\n".join(text + [f"report: {result.path}{png}"])
+    pngs = ([result.path.with_suffix(".png")] if offline_part else []) + (
+        [categories_png(result.path)] if result.report.get("categories") else [])
+    if result.report.get("categories"):
+        from dflash_train.measuring.categories import category_table
+
+        text += ["", "per category: accepted length per teacher forward (mean over prompts ± 95% t-interval), "
+                 "speedup in tokens/s", category_table(result.report["categories"])]
+    return "\n".join(text + [f"report: {result.path}" + "".join(f" and {p}" for p in pngs)])
 
 
 def offline(cfg: EvalConfig, dev) -> dict:
@@ -146,23 +163,42 @@ def offline_lines(report: dict) -> Lines:
             ("held-out loss", f"{o['loss']:.4f}")]
 
 
-def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: Path, progress=None) -> tuple[dict, Lines]:
+def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, vllm_log: Path,
+                  progress=None) -> tuple[dict, Lines]:
     """Real decoding with the built-in decoder (at each temperature) and/or vLLM (greedy): the
-    report parts and their table lines."""
-    from dflash_train.measuring.decode_report import decode_report, load_pair, offline_accepted_length, read_prompts
+    report parts (with one row per prompt category) and their table lines."""
+    from dflash_train.measuring.categories import OVERALL, by_category
+    from dflash_train.measuring.decode_report import (
+        chat_template_hash,
+        decode_report,
+        load_pair,
+        offline_accepted_length,
+        template_warnings,
+        tokenize_prompts,
+    )
+    from dflash_train.measuring.prompt_files import read_prompt_files
 
     decoding = cfg.decoding
     if cfg.engine != "dflash":
         from dflash_common.vllm_env import find_vllm_python
 
         find_vllm_python(cfg.vllm_python)  # fail before loading anything
+    rows = read_prompt_files(cfg.prompts, cfg.max_prompts)  # a broken file fails before the teacher loads
     dtype = decoding.dtype(dev.type)
     t, drafter = load_pair(decoding.checkpoint, decoding.teacher, dtype, str(dev), decoding.trust_remote_code)
-    prompt_list = read_prompts(cfg.prompts, t.tokenizer, cfg.max_prompts, template_kwargs)
+    prompt_list = tokenize_prompts(rows, t.tokenizer, template_kwargs)
     specs = decoding.specs(t.stop_token_ids())
-    report: dict = {}
+    report: dict = {"chat_template_hash": chat_template_hash(t.tokenizer),
+                    "warnings": template_warnings(recorded, template_kwargs, chat_template_hash(t.tokenizer))}
+    if progress:
+        for warning in report["warnings"]:
+            progress.message(warning)
     lines: Lines = []
     reference = None
+    decodings: list[dict] = []
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompt_list):
+        groups.setdefault(prompt.category, []).append(i)
     if cfg.engine in ("dflash", "both"):
         decodings = [decode_report(t, drafter, prompt_list, s, progress) for s in specs]
         report["decoding"] = decodings[0]
@@ -176,7 +212,7 @@ def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: 
         # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter with its fp32
         # embedding and head leave it first, kept in host memory only when the estimate below needs them
         t, drafter = release_for_vllm(t, drafter, dev, keep=alone)
-        v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev)
+        v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev, groups)
         if alone:
             t.model.to(dev)
             drafter = drafter.to(dev)
@@ -184,6 +220,9 @@ def real_decoding(cfg: EvalConfig, dev, template_kwargs: dict | None, vllm_log: 
             else report["decoding"]["offline_accepted_length"]
         report["vllm"] = v
         lines += vllm_lines(v, alone="decoding" not in report)
+    vllm_groups = None if "vllm" not in report else {**report["vllm"]["categories"], OVERALL: {
+        "prompts": len(prompt_list), **{k: report["vllm"][k] for k in ("accepted_length", "speedup", "matched_teacher")}}}
+    report["categories"] = by_category(decodings, vllm_groups)
     return report, lines
 
 
@@ -270,7 +309,7 @@ def vllm_memory_share(free: int, total: int, wanted: float = VLLM_DEFAULT_SHARE,
 
 
 def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: str, vllm_log: Path, reference,
-                  dev=None) -> dict:
+                  dev=None, groups: dict[str, list[int]] | None = None) -> dict:
     """vLLM's report for a drafter; a checkpoint folder is exported first (vLLM loads exports only).
     On a GPU `dev`, vLLM runs on that GPU with the share of it that is free (vllm_memory_share)."""
     from dflash_train.measuring.serving import vllm_report
@@ -294,7 +333,7 @@ def vllm_decoding(cfg: EvalConfig, block_size: int, prompt_list, spec, dtype: st
     with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
         export_dir = export_checkpoint(checkpoint, Path(tmp) / "drafter") if (Path(checkpoint) / COMPLETE).exists() else checkpoint
         return vllm_report(cfg.decoding.teacher, str(export_dir), block_size, [p.ids for p in prompt_list],
-                           spec.max_new_tokens, spec.stop_token_ids, vllm_cfg, reference)
+                           spec.max_new_tokens, spec.stop_token_ids, vllm_cfg, reference, groups)
 
 
 @dataclass

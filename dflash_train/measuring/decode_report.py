@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from dflash_cache import SequenceRecord, from_storage
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.settings_files import load_settings_file, read_bounded
-from dflash_common.values import text_problem
+from dflash_common.settings_files import load_settings_file
 from dflash_teacher.chat_template import render_chat
-from dflash_teacher.teacher import Teacher, TeacherConfig, load_teacher
+from dflash_teacher.teacher import Teacher, TeacherConfig, load_teacher, tokenizer_hashes
 from dflash_train.measuring.replay import load_trained_drafter, replay_batch, replay_histogram
 from dflash_train.measuring.speculative import (
     SpecResult,
@@ -38,6 +38,8 @@ from dflash_train.training.model import DFlashDrafter
 class Prompt:
     id: str
     ids: list[int]
+    category: str = ""
+    """The benchmark category (the row's, else its file's name)."""
 
 
 def prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
@@ -46,41 +48,20 @@ def prompt_ids(tokenizer, messages: list[dict], chat_template_kwargs: dict | Non
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-PROMPTS_BYTES = 64 << 20  # a prompts file's bound: ~100,000 long prompts, far more than an eval needs
-
-
-def read_prompts(path: str, tokenizer, limit: int | None = None,
+def read_prompts(paths: str | Sequence[str], tokenizer, limit: int | None = None,
                  chat_template_kwargs: dict | None = None) -> list[Prompt]:
-    """Prompts from JSONL rows with `messages` (system/user turns; trailing assistant turns are
-    dropped) or `prompt` (plain text, wrapped as one user turn)."""
-    prompts = []
-    # bounded: a prompts file linked to /dev/zero, or a corpus passed by mistake, is one line, not all memory
-    data = read_bounded(lambda: open(path, "rb"), f"prompts file {path}", PROMPTS_BYTES,
-                        fix="pass a prompts file of JSON Lines, one prompt a line (a few thousand make a good eval set)")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"prompts file {path} is not UTF-8 text (byte {err.start}); pass a JSON Lines file") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"{path} row {number}: expected a JSON object with 'messages' or 'prompt'") from None
-        contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else [messages]
-        problem = next((text_problem(c) for c in contents if isinstance(c, str) and text_problem(c)), None)
-        if problem:
-            raise ConfigError(f"{path} row {number}: a prompt {problem}; fix the row")
-        while messages and messages[-1].get("role") == "assistant":
-            messages = messages[:-1]
-        prompts.append(Prompt(id=str(row.get("id", f"prompt-{number}")), ids=prompt_ids(tokenizer, messages, chat_template_kwargs)))
-        if limit and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ConfigError(f"{path} holds no prompts")
-    return prompts
+    """The prompts of one or more prompt files (dflash_train.measuring.prompt_files: our chat JSONL,
+    MT-Bench, SPEED-Bench, HumanEval, GSM8K), the first ``limit`` of each, tokenized with the chat template."""
+    from dflash_train.measuring.prompt_files import read_prompt_files
+
+    return tokenize_prompts(read_prompt_files([paths] if isinstance(paths, str) else list(paths), limit), tokenizer,
+                            chat_template_kwargs)
+
+
+def tokenize_prompts(rows, tokenizer, chat_template_kwargs: dict | None = None) -> list[Prompt]:
+    """PromptRows (prompt_files) as Prompts: rendered with the chat template and tokenized."""
+    return [Prompt(id=r.id, ids=prompt_ids(tokenizer, list(r.messages), chat_template_kwargs), category=r.category)
+            for r in rows]
 
 
 def run_config_of(checkpoint: str) -> dict | None:
@@ -109,37 +90,83 @@ def run_heldout_fraction(checkpoint: str, given: float | None) -> float:
     return float(fraction) if isinstance(fraction, (int, float)) else DataConfig().heldout_fraction
 
 
-def recorded_template_kwargs(checkpoint: str, cache_url: str | None, storage_options: dict | None = None
-                             ) -> tuple[dict | None, str | None]:
-    """The chat-template kwargs the drafter's cache was built with, and which cache said so:
-    --cache, else the cache named in the run's config.json (RUN/drafter or a step folder).
-    (None, None) when no cache can be found or opened."""
+@dataclass(frozen=True)
+class CacheTemplate:
+    """How the drafter's cache rendered its chats: what eval and generate render prompts with by default."""
+
+    kwargs: dict | None = None
+    """The chat-template kwargs the cache was built with (None: none)."""
+    template_hash: str | None = None
+    """The hash of the teacher's chat template the build rendered with (its manifest's tokenizer record)."""
+    source: str | None = None
+    """The cache that said so (None: no cache found; nothing is checked)."""
+
+
+def cache_template(checkpoint: str, cache_url: str | None, storage_options: dict | None = None) -> CacheTemplate:
+    """The drafter's cache's template settings: --cache, else the cache named in the run's
+    config.json (RUN/drafter or a step folder); empty when no cache can be found or opened."""
     from dflash_cache import open_cache
 
     if cache_url is None:
         run = run_config_of(checkpoint)
         cache_url = run["cache"] if run is not None and isinstance(run.get("cache"), str) else None
     if cache_url is None:
-        return None, None
+        return CacheTemplate()
     try:
         cache = open_cache(cache_url, storage_options)
     except DFlashError:
-        return None, None
-    return cache.chat_template_kwargs, cache_url
+        return CacheTemplate()
+    tokenizer = cache.manifest.get("tokenizer")
+    template_hash = tokenizer.get("chat_template_hash") if isinstance(tokenizer, dict) else None
+    return CacheTemplate(cache.chat_template_kwargs, template_hash if isinstance(template_hash, str) else None, cache_url)
+
+
+def recorded_template_kwargs(checkpoint: str, cache_url: str | None, storage_options: dict | None = None
+                             ) -> tuple[dict | None, str | None]:
+    """The chat-template kwargs the drafter's cache was built with, and which cache said so
+    ((None, None) when no cache can be found or opened)."""
+    recorded = cache_template(checkpoint, cache_url, storage_options)
+    return recorded.kwargs, recorded.source
+
+
+def choose_template_kwargs(recorded: CacheTemplate, given: dict | None, allow_mismatch: bool) -> dict | None:
+    """The kwargs to render prompts with: the cache's by default; a different --chat-template-kwargs
+    only with allow_mismatch, since the drafter learned prompts rendered the cache's way."""
+    if given is None:
+        return recorded.kwargs
+    if recorded.source is not None and (given or None) != (recorded.kwargs or None) and not allow_mismatch:
+        raise ConfigError(f"--chat-template-kwargs {json.dumps(given)} differs from {json.dumps(recorded.kwargs)}, which "
+                          f"the cache {recorded.source} was built with, so the drafter is measured on prompts it never "
+                          "learned; drop the option (the cache's setting is the default) or pass --allow-template-mismatch")
+    return given
 
 
 def resolve_template_kwargs(checkpoint: str, cache_url: str | None, given: dict | None, allow_mismatch: bool,
                             storage_options: dict | None = None) -> dict | None:
-    """The kwargs to render prompts with: the cache's by default; a different --chat-template-kwargs
-    only with allow_mismatch, since the drafter learned prompts rendered the cache's way."""
-    recorded, source = recorded_template_kwargs(checkpoint, cache_url, storage_options)
-    if given is None:
-        return recorded
-    if source is not None and (given or None) != (recorded or None) and not allow_mismatch:
-        raise ConfigError(f"--chat-template-kwargs {json.dumps(given)} differs from {json.dumps(recorded)}, which the "
-                          f"cache {source} was built with, so the drafter is measured on prompts it never learned; drop "
-                          "the option (the cache's setting is the default) or pass --allow-template-mismatch")
-    return given
+    """choose_template_kwargs with the drafter's cache found as cache_template finds it."""
+    return choose_template_kwargs(cache_template(checkpoint, cache_url, storage_options), given, allow_mismatch)
+
+
+def template_warnings(recorded: CacheTemplate, used: dict | None, teacher_template_hash: str | None) -> list[str]:
+    """One line per way the prompts are rendered otherwise than the cache's chats were (pure):
+    other kwargs (given with --allow-template-mismatch), another chat template in the teacher's folder."""
+    if recorded.source is None:
+        return []
+    out = []
+    if (used or None) != (recorded.kwargs or None):
+        out.append(f"warning: prompts rendered with chat-template kwargs {json.dumps(used)}, the cache {recorded.source} "
+                   f"with {json.dumps(recorded.kwargs)}: the drafter is measured on prompts rendered otherwise than it "
+                   "learned (expect lower acceptance)")
+    if recorded.template_hash and teacher_template_hash and recorded.template_hash != teacher_template_hash:
+        out.append(f"warning: the teacher's chat template (hash {teacher_template_hash}) is not the one the cache "
+                   f"{recorded.source} was built with ({recorded.template_hash}): the drafter is measured on prompts "
+                   "rendered otherwise than it learned; pass the teacher the cache was built from")
+    return out
+
+
+def chat_template_hash(tokenizer) -> str:
+    """The hash a build records of a tokenizer's chat template (its manifest's tokenizer.chat_template_hash)."""
+    return tokenizer_hashes(tokenizer)["chat_template_hash"]
 
 
 def load_pair(checkpoint: str, teacher_path: str, dtype: str, device: str,
@@ -197,7 +224,10 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         spec = speculative_generate(teacher.model, drafter, prompt.ids, cfg)
         base_results.append(base)
         spec_results.append(spec)
-        row = {"id": prompt.id, "prompt_tokens": len(prompt.ids), "new_tokens": len(spec.tokens), "accepted_length": _mean(spec),
+        row = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(prompt.ids),
+               "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "verify_forwards": len(spec.accepted_lengths),
+               "seconds": spec.seconds,
+               "teacher_new_tokens": len(base.tokens), "teacher_seconds": base.seconds,
                "matched_teacher": spec.tokens == base.tokens}
         if cfg.temperature == 0:
             p, r = offline_estimate(teacher, drafter, prompt, base.tokens)
@@ -212,6 +242,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
     forwards, base_forwards = sum(r.teacher_forwards for r in spec_results), sum(r.teacher_forwards for r in base_results)
     report = {
         "mode": "greedy" if cfg.temperature == 0 else f"sampling (temperature {cfg.temperature}, top_p {cfg.top_p})",
+        "temperature": cfg.temperature,
         "prompts": len(prompts),
         "block_size": drafter.cfg.block_size,
         "confidence_threshold": cfg.confidence_threshold,

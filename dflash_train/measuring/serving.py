@@ -48,8 +48,11 @@ class EngineRun:
 
 
 def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             stop_token_ids: Sequence[int], runs: Sequence[EngineRun]) -> dict:
-    """Run the worker once for all `runs` (one engine after the other); returns its result JSON."""
+             stop_token_ids: Sequence[int], runs: Sequence[EngineRun],
+             groups: Sequence[Sequence[int]] | None = None) -> dict:
+    """Run the worker once for all `runs` (one engine after the other); returns its result JSON.
+    With `groups` (prompt indices, a partition), each run generates group by group and reports
+    each group's seconds and spec-decode counters."""
     python = find_vllm_python(cfg.python)
     longest = max(len(p) for p in prompts)
     spec = max((r.num_speculative_tokens for r in runs), default=0)
@@ -64,6 +67,7 @@ def run_vllm(cfg: VllmConfig, teacher: str, prompts: Sequence[Sequence[int]], ma
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "runs": [{"name": r.name, "drafter": str(Path(r.drafter).resolve()) if r.drafter else None,
                   "num_speculative_tokens": r.num_speculative_tokens, "method": r.method} for r in runs],
+        "groups": [list(map(int, g)) for g in groups] if groups else None,
     }
     env = vllm_environment(cfg.kv_cache_gib)  # the worker's environment is vLLM's, not ours
     if cfg.cuda_visible_devices is not None:
@@ -138,20 +142,37 @@ def spec_summary(run: dict, block_size: int) -> dict:
     }
 
 
+def group_summaries(alone: dict, spec: dict, groups: dict[str, Sequence[int]], block_size: int) -> dict[str, dict]:
+    """Per named group of prompts (a category), vLLM's accepted length (None when it made no draft
+    step there), speedup and whether its output equals the teacher alone, from the runs' groups."""
+    out = {}
+    for (name, indices), a, s in zip(groups.items(), alone.get("groups", []), spec.get("groups", [])):
+        drafts = int(s["spec_decode"].get("spec_decode_num_drafts", 0))
+        tokens, alone_tokens = (sum(len(run["outputs"][i]) for i in indices) for run in (spec, alone))
+        out[name] = {"prompts": len(indices),
+                     "accepted_length": spec_summary(s, block_size)["accepted_length"] if drafts else None,
+                     "speedup": (tokens / s["seconds"]) / (alone_tokens / a["seconds"])
+                     if s["seconds"] > 0 and a["seconds"] > 0 and alone_tokens else None,
+                     "matched_teacher": all(spec["outputs"][i] == alone["outputs"][i] for i in indices)}
+    return out
+
+
 def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequence[Sequence[int]],
                 max_new_tokens: int, stop_token_ids: Sequence[int], cfg: VllmConfig,
-                reference: Sequence[Sequence[int]] | None = None) -> dict:
+                reference: Sequence[Sequence[int]] | None = None, groups: dict[str, Sequence[int]] | None = None) -> dict:
     """Greedy decoding in vLLM with and without the drafter: accepted length, tokens/s, equality.
 
     `reference`, when given, is another engine's greedy output (transformers') for the same
-    prompts; the report says whether vLLM's teacher-alone output equals it.
+    prompts; the report says whether vLLM's teacher-alone output equals it. `groups` (name ->
+    prompt indices, e.g. categories) adds each group's numbers (group_summaries).
     """
     from dflash_train.training.export import read_export_config
 
     drafter_cfg = read_export_config(drafter_dir)
     result = run_vllm(cfg, teacher, prompts, max_new_tokens, stop_token_ids,
                       [EngineRun("teacher"), EngineRun("drafter", drafter_dir, drafter_cfg.num_draft_positions,
-                                                       speculative_method(drafter_cfg))])
+                                                       speculative_method(drafter_cfg))],
+                      list(groups.values()) if groups else None)
     alone, spec = result["runs"]
     tokens = sum(len(o) for o in spec["outputs"])
     report = {
@@ -171,6 +192,8 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
         "teacher_outputs": alone["outputs"],
     }
     report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
+    if groups:
+        report["categories"] = group_summaries(alone, spec, groups, block_size)
     return report
 
 

@@ -23,6 +23,16 @@ DATA_OPTIONS = ("batch_tokens", "num_anchors", "heldout_fraction", "skip_shards"
 """DataConfig's fields that an offline evaluation takes."""
 
 
+def prompt_paths(value) -> tuple[str, ...]:
+    """Prompt files as a tuple: one path (str) or several; None or empty is none."""
+    if value is None:
+        return ()
+    paths = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(f"--prompts takes file paths, got {paths!r}; e.g. --prompts a.jsonl --prompts b.jsonl")
+    return paths
+
+
 @dataclass(frozen=True)
 class DecodingConfig:
     """A drafter decoding with its teacher: what eval's real mode and generate share."""
@@ -86,8 +96,10 @@ class EvalConfig:
     cache: str | None = None
     """Offline mode: a cache URL; evaluates on its held-out split."""
 
-    prompts: str | None = None
-    """Real mode: JSONL prompts ('messages' without the answer, or 'prompt')."""
+    prompts: tuple[str, ...] = field(default=(), metadata={"repeat": True})
+    """Real mode: prompt files, repeat for several: our chat JSONL ('messages' or 'prompt'), MT-Bench's
+    question.jsonl and SPEED-Bench (first turn; 'category' per row), HumanEval, GSM8K (.jsonl, .jsonl.gz,
+    .parquet). Each prompt's category is its row's 'category', else its file's name."""
 
     split: str = "heldout"
     """Offline mode: only 'heldout' (the split training never sees)."""
@@ -99,7 +111,7 @@ class EvalConfig:
     """Offline mode: held-out sequences to evaluate."""
 
     max_prompts: int | None = None
-    """Real mode: use the first N prompts."""
+    """Real mode: use the first N prompts of each file."""
 
     engine: str = "dflash"
     """Real mode: dflash (the built-in decoder), vllm (vLLM's engine and DFlash proposer, greedy)
@@ -121,6 +133,7 @@ class EvalConfig:
         return bool(self.decoding.teacher and self.prompts)
 
     def __post_init__(self):
+        object.__setattr__(self, "prompts", prompt_paths(self.prompts))
         threshold = self.decoding.spec.confidence_threshold
         if not self.cache and not self.real:
             raise ConfigError("give --cache (offline) and/or --teacher with --prompts (real decoding)")

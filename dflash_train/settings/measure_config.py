@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_real
@@ -20,11 +20,12 @@ class MeasureConfig:
     """Teacher folder for real greedy decoding of held-out prompts with each run's drafter
     (None: no decoding)."""
 
-    prompts: str | None = None
-    """JSONL prompts for the decoding (the rows `dflash-train eval --prompts` reads)."""
+    prompts: tuple[str, ...] = field(default=(), metadata={"repeat": True})
+    """Prompt files for the decoding, repeat for several (the files `dflash-train eval --prompts`
+    reads); the summary gives the accepted length per category too."""
 
     max_prompts: int = 24
-    """Prompts decoded per run (the first ones of the file)."""
+    """Prompts decoded per run (the first ones of each file)."""
 
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
@@ -34,9 +35,12 @@ class MeasureConfig:
     run's seed) and report its accepted length beside greedy's; 0: greedy only."""
 
     def __post_init__(self):
+        from dflash_train.settings.eval_config import prompt_paths
+
+        object.__setattr__(self, "prompts", prompt_paths(self.prompts))
         if isinstance(self.curve_points, bool) or not isinstance(self.curve_points, int) or self.curve_points < 0:
             raise ConfigError(f"--curve-points must be 0 or more, got {self.curve_points!r}; e.g. --curve-points 3")
-        if (self.teacher is None) != (self.prompts is None):
+        if (self.teacher is None) != (not self.prompts):
             raise ConfigError("real decoding in a sweep needs both --teacher and --prompts (got only "
                               f"{'--teacher' if self.teacher else '--prompts'}); give both or neither")
         if not is_real(self.sample_temperature, finite=True) or self.sample_temperature < 0:

@@ -107,7 +107,7 @@ def _sweep_locked(cfg: SweepConfig, runs: list[SweepRun], out: Path, progress: P
     statuses = {run.name: run_status(run) for run in runs}  # refuses mismatched folders before writing
     write_file_atomic(out / SWEEP_RECORD, (json.dumps(sweep_record(cfg, runs), indent=1) + "\n").encode())
     if cfg.measure.teacher is not None and any(not s.finished for s in statuses.values()):
-        progress.message(f"teacher's own greedy outputs for {cfg.measure.prompts} (once per sweep)")
+        progress.message(f"teacher's own greedy outputs for {', '.join(cfg.measure.prompts)} (once per sweep)")
         reference_outputs(cfg.measure, out, open_cache(cfg.base.cache, cfg.base.storage_options).chat_template_kwargs)
     todo = [run for run in runs if not statuses[run.name].finished]
     progress.message(f"sweep of {len(runs)} runs in {out}: {len(runs) - len(todo)} finished, {len(todo)} to train")

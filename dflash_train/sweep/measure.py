@@ -19,8 +19,8 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
+from dflash_train.measuring.statistics import tokens_by_step
 from dflash_train.settings.measure_config import MeasureConfig
-from dflash_train.sweep.statistics import tokens_by_step
 
 MEASURE_FILE = "measure.json"
 """A run's curve and decoding measurements, in its folder."""
@@ -47,7 +47,7 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     from dflash_train.measuring.speculative import teacher_generate
 
     path = Path(sweep_dir) / REFERENCE_FILE
-    key = {"teacher": str(Path(measure.teacher).resolve()), "prompts": str(Path(measure.prompts).resolve()),
+    key = {"teacher": str(Path(measure.teacher).resolve()), "prompts": [str(Path(p).resolve()) for p in measure.prompts],
            "max_prompts": measure.max_prompts, "max_new_tokens": measure.max_new_tokens,
            "chat_template_kwargs": template_kwargs}
     if path.exists():
@@ -57,8 +57,8 @@ def reference_outputs(measure: MeasureConfig, sweep_dir: str | Path, template_kw
     teacher = load_teacher(TeacherConfig(name_or_path=measure.teacher, dtype="float32", device="cpu", top_k=1))
     prompts = read_prompts(measure.prompts, teacher.tokenizer, measure.max_prompts, template_kwargs)
     spec = _spec(teacher.tokenizer, measure.max_new_tokens)
-    record = {"key": key, "prompts": [{"id": p.id, "ids": p.ids, "output": teacher_generate(teacher.model, p.ids, spec).tokens}
-                                      for p in prompts]}
+    record = {"key": key, "prompts": [{"id": p.id, "category": p.category, "ids": p.ids,
+                                       "output": teacher_generate(teacher.model, p.ids, spec).tokens} for p in prompts]}
     write_file_atomic(path, (json.dumps(record) + "\n").encode(), Path(sweep_dir))
     return record
 
@@ -112,8 +112,21 @@ def decode_heldout(drafter_dir: str | Path, measure: MeasureConfig, reference: d
             "accepted_histogram": [lengths.count(n) for n in range(max(lengths, default=0) + 1)],
             "matched_teacher": all(matched) if spec.greedy else None,
             "prompts": len(results), "mismatched": [p["id"] for p, ok in zip(reference["prompts"], matched) if not ok],
+            # per category (the prompt's file or row): accepted tokens over rounds, as accepted_length
+            "categories": category_lengths(reference["prompts"], results),
             # DFlash2: how often its selector left the drafter's top-1, and how often that was accepted
             **({"selector": changes} if (changes := selector_changes(results)) else {})}
+
+
+def category_lengths(prompts: list[dict], results) -> dict[str, float]:
+    """The accepted length of each category's prompts (total over rounds, as mean_accepted_length);
+    prompts of a reference written before categories count as "prompts"."""
+    from dflash_train.measuring.speculative import mean_accepted_length
+
+    groups: dict[str, list] = {}
+    for prompt, result in zip(prompts, results):
+        groups.setdefault(prompt.get("category") or "prompts", []).append(result)
+    return {name: mean_accepted_length(chosen) for name, chosen in groups.items()}
 
 
 def run_tokens(config, steps: int) -> list[int]:

@@ -3,7 +3,7 @@ grid value but the seed) and writes ``summary.md``/``summary.csv`` and ``tau_vs_
 configuration the mean and a 95% t-interval over seeds (``t_interval``), the difference from the
 reference configuration paired by seed (``paired_difference``), tau at fixed fractions of the
 run, and the tokens a configuration needs to reach the reference's final tau
-(``tokens_to_reach``). The statistics themselves are dflash_train.sweep.statistics' pure
+(``tokens_to_reach``). The statistics themselves are dflash_train.measuring.statistics' pure
 functions; what each run measured is dflash_train.sweep.measure's measure.json.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_train.sweep.statistics import (
+from dflash_train.measuring.statistics import (
     Interval,
     interpolate,
     paired_difference,
@@ -60,6 +60,31 @@ def _sampled(o: RunOutcome) -> float | None:
     return _accepted(o, "sampling")
 
 
+def categories(outcomes: Sequence[RunOutcome]) -> list[str]:
+    """The prompt categories the runs' real decodings report, in first-seen order (none: [])."""
+    names: dict[str, None] = {}
+    for o in outcomes:
+        names.update(dict.fromkeys(((o.measure or {}).get("decoding") or {}).get("categories") or {}))
+    return list(names) if len(names) > 1 else []
+
+
+def category_key(kind: str, category: str) -> str:
+    """The summary row's key of a category's real accepted length: "accepted_length[math]"."""
+    return f"{'accepted_length' if kind == 'decoding' else 'accepted_length_sampled'}[{category}]"
+
+
+def _category_intervals(outcomes: Sequence[RunOutcome], names: Sequence[str]) -> dict[str, dict[str, Interval | None]]:
+    """configuration -> {category_key: interval over seeds} of the per-category accepted lengths."""
+    out: dict[str, dict[str, Interval | None]] = {}
+    for kind in ("decoding", "sampling"):
+        for name in names:
+            per_seed = _per_seed(outcomes, lambda o: (((o.measure or {}).get(kind) or {}).get("categories") or {}).get(name))
+            for configuration, values in per_seed.items():
+                out.setdefault(configuration, {})[category_key(kind, name)] = (t_interval(list(values.values()))
+                                                                               if values else None)
+    return out
+
+
 def _curve(o: RunOutcome) -> list[tuple[float, float]]:
     return [(p["tokens"], p["tau"]) for p in (o.measure or {}).get("curve", []) if p.get("tau") is not None]
 
@@ -102,6 +127,9 @@ class Summary:
     ranking_note: str
     sample_temperature: float | None = None
     """The temperature of the sampled decodings (None: greedy only)."""
+    categories: tuple[str, ...] = ()
+    """The prompt categories with a real accepted length each (rows' category_key; none for one file
+    without categories)."""
 
 
 def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
@@ -113,6 +141,8 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
     loss = _per_seed(outcomes, lambda o: o.final.get("loss"))
     accepted = _per_seed(outcomes, _accepted)
     sampled = _per_seed(outcomes, _sampled)
+    names = categories(outcomes)
+    per_category = _category_intervals(outcomes, names)
     ref_curve = mean_curve(groups.get(reference, []))
     ref_final = ref_curve[-1][2] if ref_curve else (t_interval(list(tau[reference].values())).mean
                                                      if tau.get(reference) else None)
@@ -132,11 +162,12 @@ def summarize(outcomes: Sequence[RunOutcome], reference: str) -> Summary:
         reach = tokens_to_reach([(t, m) for _, t, m, _ in curve], ref_final) if ref_final is not None and curve else None
         row["tokens_to_reference_tau"] = reach
         row["run_tokens"] = curve[-1][1] if curve else None
+        row.update(per_category.get(c, {}))
         decodings = [(o.measure or {}).get("decoding") for o in groups[c]]
         row["matched_teacher"] = (all(d["matched_teacher"] for d in decodings) if decodings and all(decodings) else None)
         rows.append(row)
     temperatures = {(o.measure or {}).get("sampling", {}).get("temperature") for o in outcomes} - {None}
-    return Summary(tuple(rows), reference, ranking_note(rows), max(temperatures) if temperatures else None)
+    return Summary(tuple(rows), reference, ranking_note(rows), max(temperatures) if temperatures else None, tuple(names))
 
 
 def ranking_note(rows: Sequence[dict]) -> str:
@@ -197,6 +228,7 @@ def summary_markdown(summary: Summary) -> str:
                      f"{_fmt(r['tau_greedy'])} | {_signed(r['tau_greedy_vs_reference'])} | {_fmt(r['accepted_length'])} | "
                      f"{_signed(r['accepted_length_vs_reference'])} | {sampled}"
                      f"{_fmt(r['heldout_loss'], 4)} | {_fmt(r['matched_teacher'])} |")
+    lines += category_markdown(summary)
     budgets = [f"tau at {int(f * 100)}%" for f in BUDGETS]
     lines += ["", "### Sample efficiency", "",
               "Held-out tau (sampling estimate) at fractions of the run's training tokens (each seed's curve "
@@ -213,6 +245,23 @@ def summary_markdown(summary: Summary) -> str:
     return "\n".join(lines)
 
 
+def category_markdown(summary: Summary) -> list[str]:
+    """The per-category table of summary.md: the real accepted length of each category's prompts,
+    greedy and (when sampled) at the sampling temperature, over seeds (no lines without categories)."""
+    if not summary.categories:
+        return []
+    kinds = [("decoding", "T=0")] + ([("sampling", f"T={summary.sample_temperature:g}")] if summary.sample_temperature else [])
+    headers = [f"{name}, {label}" for kind, label in kinds for name in summary.categories]
+    lines = ["", "### Real accepted length per prompt category", "",
+             "Each category's prompts (its file, or its rows' category) decoded with each run's drafter: accepted "
+             "tokens per teacher forward, mean ± 95% t-interval over seeds.", "",
+             "| configuration | " + " | ".join(headers) + " |", "|---|" + "---:|" * len(headers)]
+    for r in summary.rows:
+        cells = [_fmt(r.get(category_key(kind, name))) for kind, _ in kinds for name in summary.categories]
+        lines.append(f"| {r['configuration']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary_csv(summary: Summary) -> str:
     import csv
     import io
@@ -222,7 +271,8 @@ def summary_csv(summary: Summary) -> str:
     header = ["configuration", "seeds", "reference"]
     for name in ("tau", "tau_greedy", "heldout_loss", "accepted_length", "accepted_length_sampled", "tau_vs_reference",
                  "tau_greedy_vs_reference", "accepted_length_vs_reference", "accepted_length_sampled_vs_reference",
-                 *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS)):
+                 *(f"tau_at_{int(f * 100)}pct" for f in BUDGETS),
+                 *(category_key(kind, name) for kind in ("decoding", "sampling") for name in summary.categories)):
         header += [f"{name}_mean", f"{name}_low", f"{name}_high"]
     header += ["tokens_to_reference_tau", "run_tokens", "matched_teacher"]
     writer.writerow(header)

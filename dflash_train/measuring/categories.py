@@ -1,0 +1,137 @@
+"""Real decoding per benchmark category, as the field reports it: pure functions from eval's
+per-prompt rows to one row per category and one overall.
+
+Per category and temperature: the accepted length per teacher forward as the mean over prompts
+with its 95% t-interval over prompts (dflash_train.measuring.statistics.t_interval), the speedup
+(tokens/s with the drafter over tokens/s of the teacher alone, both summed over the category's
+prompts) and, greedy, whether every output equals the teacher's. vLLM's counters are per engine
+call, so its per-category accepted length (one call per category) has no interval.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dflash_train.measuring.statistics import Interval, t_interval
+
+OVERALL = "overall"
+
+
+def categories_of(rows: Sequence[dict]) -> list[str]:
+    """The categories of per-prompt rows in first-seen order."""
+    return list(dict.fromkeys(r["category"] for r in rows))
+
+
+def _speedup(rows: Sequence[dict]) -> float | None:
+    seconds, teacher_seconds = sum(r["seconds"] for r in rows), sum(r["teacher_seconds"] for r in rows)
+    if seconds <= 0 or teacher_seconds <= 0:
+        return None
+    return (sum(r["new_tokens"] for r in rows) / seconds) / (sum(r["teacher_new_tokens"] for r in rows) / teacher_seconds)
+
+
+def summarize_prompts(rows: Sequence[dict], greedy: bool) -> dict:
+    """One decoding's numbers over some prompts: accepted length (interval over prompts), speedup,
+    output = teacher (greedy; None when sampled)."""
+    interval = t_interval([r["accepted_length"] for r in rows])
+    return {"prompts": len(rows), "accepted_length": interval_dict(interval), "speedup": _speedup(rows),
+            "matched_teacher": all(r["matched_teacher"] for r in rows) if greedy else None}
+
+
+def interval_dict(interval: Interval) -> dict:
+    return {"mean": interval.mean, "low": interval.low, "high": interval.high, "n": interval.n}
+
+
+def as_interval(record: dict) -> Interval:
+    return Interval(record["mean"], record["low"], record["high"], record["n"])
+
+
+def by_category(decodings: Sequence[dict], vllm_groups: dict | None = None) -> list[dict]:
+    """One row per category (first-seen order), then OVERALL: for each decoding (its "temperature"
+    and "per_prompt" rows, each with a "category"), summarize_prompts; with ``vllm_groups``
+    (category -> vLLM's summary of that category's call), vLLM's numbers beside them."""
+    first = decodings[0]["per_prompt"] if decodings else []
+    names = categories_of(first) if first else [n for n in vllm_groups or {} if n != OVERALL]
+    out = []
+    for name in names + [OVERALL]:
+        row: dict = {"category": name, "decodings": []}
+        for d in decodings:
+            chosen = [r for r in d["per_prompt"] if name == OVERALL or r["category"] == name]
+            row["decodings"].append({"temperature": d["temperature"],
+                                     **summarize_prompts(chosen, d["temperature"] == 0)})
+        if vllm_groups:
+            row["vllm"] = vllm_groups.get(name)
+        row["prompts"] = (row["decodings"][0]["prompts"] if row["decodings"] else
+                          (row["vllm"] or {}).get("prompts", 0))
+        out.append(row)
+    return out
+
+
+def _cell(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "interval":
+        interval = as_interval(value)
+        return f"{interval.mean:.2f}" if interval.n < 2 else f"{interval.mean:.2f} ± {interval.half_width:.2f}"
+    if kind == "speedup":
+        return f"{value:.2f}x"
+    if kind == "match":
+        return "yes" if value else "NO"
+    return f"{value:.2f}"
+
+
+def category_columns(rows: Sequence[dict]) -> list[tuple[str, list[str]]]:
+    """The per-category table's columns: (header, one cell per row)."""
+    columns = [("category", [r["category"] for r in rows]), ("prompts", [str(r["prompts"]) for r in rows])]
+    temperatures = [d["temperature"] for d in rows[0]["decodings"]] if rows else []
+    for i, t in enumerate(temperatures):
+        columns.append((f"T={t:g} accepted", [_cell(r["decodings"][i]["accepted_length"], "interval") for r in rows]))
+        columns.append((f"T={t:g} speedup", [_cell(r["decodings"][i]["speedup"], "speedup") for r in rows]))
+    if 0 in temperatures:
+        i = temperatures.index(0)
+        columns.append(("output = teacher", [_cell(r["decodings"][i]["matched_teacher"], "match") for r in rows]))
+    if rows and "vllm" in rows[0]:
+        columns += [("vLLM T=0 accepted", [_cell((r["vllm"] or {}).get("accepted_length"), "") for r in rows]),
+                    ("vLLM speedup", [_cell((r["vllm"] or {}).get("speedup"), "speedup") for r in rows]),
+                    ("vLLM = teacher", [_cell((r["vllm"] or {}).get("matched_teacher"), "match") for r in rows])]
+    return columns
+
+
+def category_table(rows: Sequence[dict]) -> str:
+    """The per-category table as aligned text (accepted length: mean over prompts ± 95% half-width)."""
+    columns = category_columns(rows)
+    widths = [max(len(header), *(len(c) for c in cells)) for header, cells in columns]
+    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(columns, widths)).rstrip()]
+    for i in range(len(rows)):
+        lines.append("  ".join(cells[i].ljust(w) for (_, cells), w in zip(columns, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def plot_categories(rows: Sequence[dict], path, title: str) -> None:
+    """Accepted length per category: one bar per temperature (and vLLM's greedy), 95% intervals over prompts."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from dflash_common.files import write_atomic
+
+    series = [(f"T={d['temperature']:g}", [as_interval(r["decodings"][i]["accepted_length"]) for r in rows])
+              for i, d in enumerate(rows[0]["decodings"])] if rows else []
+    if rows and "vllm" in rows[0]:
+        lengths = [(r["vllm"] or {}).get("accepted_length") for r in rows]
+        series.append(("vLLM T=0", [None if x is None else Interval(x, x, x, 1) for x in lengths]))
+    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) * max(len(series), 1) ** 0.5 + 2), 4.5))
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(series), 1)
+    for s, (label, values) in enumerate(series):
+        xs = [i + (s - (len(series) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
+        kept = [v for v in values if v is not None]
+        ax.bar(xs, [v.mean for v in kept], width, label=label, color=f"C{s}",
+               yerr=[[v.mean - v.low for v in kept], [v.high - v.mean for v in kept]], capsize=3)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["category"] for r in rows], rotation=20 if len(rows) > 5 else 0, ha="right" if len(rows) > 5 else "center")
+    ax.set_ylabel("accepted length per teacher forward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    if series:
+        ax.legend(fontsize="small")
+    FigureCanvasAgg(fig)  # Agg without touching pyplot's global backend, as the sweep's plots
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
