@@ -167,12 +167,11 @@ def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, 
                   progress=None) -> tuple[dict, Lines]:
     """Real decoding with the built-in decoder (at each temperature) and/or vLLM (greedy): the
     report parts (with one row per prompt category) and their table lines."""
-    from dflash_train.measuring.categories import OVERALL, by_category
+    from dflash_train.measuring.categories import by_category
     from dflash_train.measuring.decode_report import (
         chat_template_hash,
         decode_report,
         load_pair,
-        offline_accepted_length,
         template_warnings,
         tokenize_prompts,
     )
@@ -206,24 +205,35 @@ def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, 
             report["decodings"] = decodings
         reference = next((d["teacher_outputs"] for d, s in zip(decodings, specs) if s.greedy), None)
         lines += decoding_lines(specs, decodings, drafter.cfg.num_draft_positions)
+    vllm_groups = None
     if cfg.engine in ("vllm", "both"):
-        greedy = next(s for s in specs if s.greedy)
-        block_size, alone = drafter.cfg.block_size, "decoding" not in report
-        # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter with its fp32
-        # embedding and head leave it first, kept in host memory only when the estimate below needs them
-        t, drafter = release_for_vllm(t, drafter, dev, keep=alone)
-        v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev, groups)
-        if alone:
-            t.model.to(dev)
-            drafter = drafter.to(dev)
-        v["offline_accepted_length"] = offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"]) if alone \
-            else report["decoding"]["offline_accepted_length"]
-        report["vllm"] = v
-        lines += vllm_lines(v, alone="decoding" not in report)
-    vllm_groups = None if "vllm" not in report else {**report["vllm"]["categories"], OVERALL: {
-        "prompts": len(prompt_list), **{k: report["vllm"][k] for k in ("accepted_length", "speedup", "matched_teacher")}}}
+        vllm_groups = vllm_part(cfg, report, lines, t, drafter, prompt_list, next(s for s in specs if s.greedy), dtype,
+                                vllm_log, reference, dev, groups)
     report["categories"] = by_category(decodings, vllm_groups)
     return report, lines
+
+
+def vllm_part(cfg: EvalConfig, report: dict, lines: Lines, t, drafter, prompt_list, greedy, dtype: str, vllm_log: Path,
+              reference, dev, groups: dict[str, list[int]]) -> dict:
+    """vLLM's decoding of the prompts (greedy) added to ``report`` and ``lines``; returns its rows
+    per category, overall included."""
+    from dflash_train.measuring.categories import OVERALL
+    from dflash_train.measuring.decode_report import offline_accepted_length
+
+    block_size, alone = drafter.cfg.block_size, "decoding" not in report
+    # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter with its fp32
+    # embedding and head leave it first, kept in host memory only when the estimate below needs them
+    t, drafter = release_for_vllm(t, drafter, dev, keep=alone)
+    v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev, groups)
+    if alone:
+        t.model.to(dev)
+        drafter = drafter.to(dev)
+    v["offline_accepted_length"] = offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"]) if alone \
+        else report["decoding"]["offline_accepted_length"]
+    report["vllm"] = v
+    lines += vllm_lines(v, alone=alone)
+    return {**v["categories"], OVERALL: {"prompts": len(prompt_list),
+                                         **{k: v[k] for k in ("accepted_length", "speedup", "matched_teacher")}}}
 
 
 def decoding_lines(specs, decodings: list[dict], draft_positions: int) -> Lines:

@@ -434,6 +434,12 @@ def teacher_generate(teacher: torch.nn.Module, prompt_ids: Sequence[int], cfg: S
                       seconds=time.perf_counter() - start)
 
 
+def _check_inputs(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int], cfg: SpecConfig) -> None:
+    """Refuse a prompt, a teacher-drafter pair or a confidence threshold that cannot decode, in one line."""
+    _check_pair(teacher, drafter, _check_prompt(teacher, prompt_ids))
+    check_confidence_threshold(drafter.cfg, cfg.confidence_threshold)
+
+
 def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int],
                          cfg: SpecConfig) -> SpecResult:
     """Generate with DFlash block speculative decoding (see the module docstring for the rounds).
@@ -442,9 +448,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     Every verify forward runs a full block, also in the last round, as the reference decoder does
     (unless the confidence threshold ended the block early).
     """
-    vocab = _check_prompt(teacher, prompt_ids)
-    _check_pair(teacher, drafter, vocab)
-    check_confidence_threshold(drafter.cfg, cfg.confidence_threshold)
+    _check_inputs(teacher, drafter, prompt_ids, cfg)
     device, logits_device = _input_device(teacher), _output_device(teacher)
     drafter_device = drafter.fc.weight.device
     generator = torch.Generator(device=logits_device).manual_seed(cfg.seed)
