@@ -398,7 +398,9 @@ def check_confidence_threshold(drafter_cfg: DrafterConfig, threshold: float) -> 
                           "drop the threshold (or set it to 0), or train with --model-kind dspark")
 
 
-def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) -> None:
+def _check_inputs(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int], cfg: SpecConfig) -> None:
+    """Refuse a prompt, a teacher-drafter pair or a confidence threshold that cannot decode, in one line."""
+    vocab = _check_prompt(teacher, prompt_ids)
     if vocab != drafter.cfg.vocab_size:
         raise ConfigError(f"the teacher's vocabulary has {vocab} rows, the drafter expects "
                           f"{drafter.cfg.vocab_size}; use the drafter trained for this teacher")
@@ -406,6 +408,7 @@ def _check_pair(teacher: torch.nn.Module, drafter: DFlashDrafter, vocab: int) ->
     if max(drafter.cfg.target_layer_ids) >= num_layers:
         raise ConfigError(f"drafter taps layers {list(drafter.cfg.target_layer_ids)} but the teacher has "
                           f"{num_layers}; use the drafter trained for this teacher")
+    check_confidence_threshold(drafter.cfg, cfg.confidence_threshold)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,12 +435,6 @@ def teacher_generate(teacher: torch.nn.Module, prompt_ids: Sequence[int], cfg: S
                                      cfg.max_new_tokens)
     return SpecResult(tokens=tokens, accepted_lengths=[1] * forwards, teacher_forwards=forwards,
                       seconds=time.perf_counter() - start)
-
-
-def _check_inputs(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int], cfg: SpecConfig) -> None:
-    """Refuse a prompt, a teacher-drafter pair or a confidence threshold that cannot decode, in one line."""
-    _check_pair(teacher, drafter, _check_prompt(teacher, prompt_ids))
-    check_confidence_threshold(drafter.cfg, cfg.confidence_threshold)
 
 
 def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int],
