@@ -22,6 +22,14 @@ early and late layers; a broken capture is 0 or off by orders of magnitude."""
 ZERO_SHARE = 0.5
 """A layer with more than this share of exact zeros is flagged (real activations are almost never 0)."""
 
+MAX_RMS = 1e6
+"""A layer whose RMS is above this is broken: trained models' hidden states stay orders of magnitude
+below (Qwen's massive activations peak near 1e4 in single channels, layer RMS in the tens)."""
+
+MIN_SPREAD = 1e-4
+"""A layer whose tokens' states differ from their mean by less than this share of their RMS holds one
+vector for every token: the states do not depend on the input (a capture of a constant)."""
+
 
 class CaptureError(TeacherError):
     """The teacher's hidden states at a tapped layer are unusable (all zeros or constant over a shard)."""
@@ -32,6 +40,7 @@ def layer_stats(values: np.ndarray) -> dict[str, list]:
     ``zero_fraction``, ``nonfinite``, and (not stored) ``min``/``max`` of the finite values."""
     n, layers = values.shape[0], values.shape[1]
     squares = np.zeros(layers, np.float64)
+    sums = np.zeros(values.shape[1:], np.float64)  # per layer and feature: the tokens' mean, for the spread
     zeros = np.zeros(layers, np.int64)
     nonfinite = np.zeros(layers, np.int64)
     low = np.full(layers, np.inf)
@@ -42,16 +51,22 @@ def layer_stats(values: np.ndarray) -> dict[str, list]:
         nonfinite += (~finite).sum(axis=(0, 2))
         clean = np.where(finite, block, 0.0)
         squares += np.einsum("nlh,nlh->l", clean, clean, dtype=np.float64)
+        sums += clean.sum(axis=0, dtype=np.float64)
         zeros += (block == 0).sum(axis=(0, 2))
         low = np.minimum(low, np.where(finite, block, np.inf).min(axis=(0, 2)))
         high = np.maximum(high, np.where(finite, block, -np.inf).max(axis=(0, 2)))
     count = max(1, n * (values.shape[2] if values.ndim == 3 else 1))
-    return {"rms": [float(x) for x in np.sqrt(squares / count)], "zero_fraction": [float(x) for x in zeros / count],
-            "nonfinite": [int(x) for x in nonfinite], "min": low.tolist(), "max": high.tolist()}
+    # the tokens' spread around their mean vector: sum of squares less n times the mean's squares
+    spread = np.sqrt(np.maximum(squares - np.einsum("lh,lh->l", sums, sums) / max(n, 1), 0.0) / count)
+    rms = np.sqrt(squares / count)
+    return {"rms": [float(x) for x in rms], "zero_fraction": [float(x) for x in zeros / count],
+            "nonfinite": [int(x) for x in nonfinite], "min": low.tolist(), "max": high.tolist(),
+            "spread": [float(x) for x in spread / np.maximum(rms, 1e-30)]}
 
 
 def check_capture(stats: dict, layer_ids: list[int], shard: str, n_tokens: int) -> None:
-    """Refuse a shard whose tapped layer is all zeros or one constant value over its tokens."""
+    """Refuse a shard whose tapped layer is all zeros, one constant value, one vector for every token
+    (states that do not depend on the input) or of a magnitude no model produces."""
     if n_tokens == 0:
         return
     for i, layer in enumerate(layer_ids):
@@ -59,6 +74,10 @@ def check_capture(stats: dict, layer_ids: list[int], shard: str, n_tokens: int) 
             what = "all zeros"
         elif stats["min"][i] == stats["max"][i] and stats["nonfinite"][i] == 0:
             what = f"the constant {stats['min'][i]:g}"
+        elif stats["rms"][i] > MAX_RMS:
+            what = f"of RMS {stats['rms'][i]:.3g}, far above any model's hidden states (at most {MAX_RMS:g} here),"
+        elif n_tokens > 1 and stats["nonfinite"][i] == 0 and stats["spread"][i] < MIN_SPREAD:
+            what = "one vector for every token (states that do not depend on the input)"
         else:
             continue
         raise CaptureError(
@@ -93,6 +112,8 @@ def summary(rms: np.ndarray, zero_fraction: np.ndarray, nonfinite: np.ndarray, t
             flags.append(f"layer {x['layer']} holds {x['nonfinite']:,} NaN/Inf values")
         if x["zero_fraction"] > ZERO_SHARE:
             flags.append(f"layer {x['layer']} is {x['zero_fraction']:.0%} exact zeros")
+        if x["rms"] > MAX_RMS:
+            flags.append(f"layer {x['layer']} RMS {x['rms']:.3g} is above any model's hidden states ({MAX_RMS:g})")
         if not (median / FAR <= x["rms"] <= median * FAR):
             flags.append(f"layer {x['layer']} RMS {x['rms']:.3g} is far from the median layer's {median:.3g}")
     if names is not None:

@@ -27,7 +27,7 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache import health
-from dflash_cache.format.integrity import SIZES, damaged_shards_message
+from dflash_cache.format.integrity import SIZES, damaged_shards_message, refuse_outside_links
 from dflash_cache.format.manifest import ArraySpec
 from dflash_cache.format.store import CacheStore, reaching
 from dflash_cache.read_ahead import ReadAhead
@@ -218,7 +218,10 @@ class Cache:
     # --- the teacher's frozen pieces ------------------------------------------------------------
 
     def teacher_path(self, name: str) -> str:
-        return fmt.join(self.root, fmt.TEACHER_DIR, name)
+        """The path of ``name`` in the teacher folder, checked to be a regular file inside the cache
+        (``name`` empty: the folder, whose files ``load_tokenizer`` checks)."""
+        path = fmt.join(self.root, fmt.TEACHER_DIR, name)
+        return self.store.regular(path) if name else path
 
     @property
     def chat_template_kwargs(self) -> dict | None:
@@ -243,6 +246,9 @@ class Cache:
         fix = "rebuild the cache with `dflash-cache build ... --overwrite` (or restore the file)"
         if not self.fs.exists(path):
             raise CacheError(f"{where} (the teacher head) is missing; {fix}")
+        record, size = self.manifest.get("teacher_head"), self.fs.size(path)
+        if isinstance(record, dict) and size != record.get("bytes"):  # refused before it is read whole
+            raise CacheError(f"{where} is {size:,} bytes, the manifest records {record.get('bytes')!r}; {fix}")
         data = self.fs.cat_file(path)
         problem = fmt.teacher_head_problem(data, self.manifest.get("teacher_head")) or fmt.head_tensor_problem(data)
         if problem:
@@ -270,7 +276,9 @@ class Cache:
         from transformers import AutoTokenizer
 
         if fmt.is_local(self.fs):
-            # a cache may come from anyone: its tokenizer folder never runs code
+            # a cache may come from anyone: its tokenizer folder never runs code, and none of its
+            # files is a link out of the cache or a FIFO
+            refuse_outside_links(self.store, self.teacher_path(""))
             return AutoTokenizer.from_pretrained(self.teacher_path(""), trust_remote_code=False)
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(self.teacher_path("") + "/", tmp + "/", recursive=True)

@@ -21,7 +21,6 @@ from dflash_cache.format.integrity import (
     refuse_outside_links,
     size_problems,
 )
-from dflash_cache.format.store import open_ipc
 from dflash_cache.reader import Cache
 from dflash_cache.shard import Shard
 from dflash_common.errors import CacheError, shown
@@ -186,7 +185,7 @@ def check_shard(cache: Cache, shard) -> list[str]:
     if problems:
         return problems
     try:
-        tokens = open_ipc(fs, fmt.join(shard_dir, fmt.TOKENS))
+        tokens = cache.store.open_ipc(fmt.join(shard_dir, fmt.TOKENS))
         logprobs = tokens.column("topk_logprobs").combine_chunks().values.to_numpy()
         if not np.isfinite(logprobs).all():
             problems.append("top-k log-probs contain NaN/Inf")
@@ -215,7 +214,7 @@ def check_shard(cache: Cache, shard) -> list[str]:
 def _index_rows_problems(shard) -> list[str]:
     """The shard's sequences.arrow against the sequences the reader hands out (format 2: its rows of
     the index's sequence table; format 1: the file itself, so nothing can differ)."""
-    table = open_ipc(shard.cache.fs, fmt.join(shard.path, fmt.SEQUENCES))
+    table = shard.cache.store.open_ipc(fmt.join(shard.path, fmt.SEQUENCES))
     if table.column("id").to_pylist() != shard.ids:
         return ["sequence ids differ from the index"]
     if not (np.array_equal(table.column("length").to_numpy(), shard.lengths)

@@ -96,7 +96,19 @@ def rows_out(shape: tuple, dtype: np.dtype, start: int, stop: int, out: np.ndarr
                          f"got {out.dtype} {out.shape}")
     return out
 
-EMPTY = 2**64 - 1  # an inner chunk never written (zarr's marker); a build writes every one
+ZARR_JSON_BYTES = 1 << 20
+"""The most of a hidden.zarr/zarr.json a reader takes (the writer's are under 2 KB)."""
+EMPTY = 2**64 - 1
+
+
+def read_zarr_json(path: str) -> bytes:
+    """An array's zarr.json, refused unread past ZARR_JSON_BYTES (Zarr itself would read it whole)."""
+    with open(os.path.join(path, "zarr.json"), "rb") as f:
+        data = f.read(ZARR_JSON_BYTES + 1)
+    if len(data) > ZARR_JSON_BYTES:
+        raise CacheError(f"{path}/zarr.json is larger than {ZARR_JSON_BYTES >> 20} MiB (a writer's is under 2 KB), so it "
+                         "was not read; the shard was edited: run `dflash-cache verify`, then rebuild or skip the shard")
+    return data  # an inner chunk never written (zarr's marker); a build writes every one
 
 
 class HiddenChecksumError(CacheError):
@@ -132,8 +144,23 @@ def write_hidden(store, hidden: np.ndarray, attributes: dict, chunk_bytes: int, 
     return digest.result(), chunk_tokens
 
 
+def zstd_content_size(frame) -> int | None:
+    """The decompressed size a zstd frame's header declares (None: it declares none, or this is no
+    zstd frame); read before anything is decompressed, so a frame claiming 64 GiB allocates nothing."""
+    head = bytes(frame[:18])
+    if len(head) < 6 or int.from_bytes(head[:4], "little") != 0xFD2FB528:
+        return None
+    descriptor = head[4]
+    flag, single = descriptor >> 6, (descriptor >> 5) & 1
+    size = (1 if single else 0, 2, 4, 8)[flag]
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+    if size == 0 or len(head) < at + size:
+        return None
+    return int.from_bytes(head[at:at + size], "little") + (256 if size == 2 else 0)
+
+
 def _plain_sharded(meta: dict) -> dict | None:
-    """The parameters of the layout ``write_hidden`` makes without compression, or None."""
+    """The parameters of the layout ``write_hidden`` makes (with or without zstd), or None."""
     codecs = meta.get("codecs") or []
     grid = meta.get("chunk_grid") or {}
     keys = meta.get("chunk_key_encoding") or {}
@@ -148,13 +175,17 @@ def _plain_sharded(meta: dict) -> dict | None:
     shard_shape = grid.get("configuration", {}).get("chunk_shape")
     inner = config.get("chunk_shape")
     little = {"name": "bytes", "configuration": {"endian": "little"}}
-    if (config.get("codecs") != [little, {"name": "crc32c"}] or config.get("index_codecs") != [little, {"name": "crc32c"}]
+    codecs = config.get("codecs") or []
+    zstd = len(codecs) == 3 and isinstance(codecs[1], dict) and codecs[1].get("name") == "zstd"
+    if zstd:
+        codecs = [codecs[0], codecs[2]]
+    if (codecs != [little, {"name": "crc32c"}] or config.get("index_codecs") != [little, {"name": "crc32c"}]
             or config.get("index_location", "end") != "end" or not isinstance(shard_shape, list)
             or not isinstance(inner, list) or len(inner) != 3 or shard_shape[1:] != shape[1:] or inner[1:] != shape[1:]
             or shard_shape[0] < shape[0] or inner[0] < 1 or shard_shape[0] % inner[0]):
         return None
     return {"shape": tuple(shape), "shard_rows": int(shard_shape[0]), "chunk_rows": int(inner[0]),
-            "dtype": np.dtype(meta["data_type"])}
+            "dtype": np.dtype(meta["data_type"]), "zstd": zstd}
 
 
 _VERIFIED: set[tuple] = set()  # (path, inode, size, mtime_ns, inner chunk) whose crc32c matched
@@ -162,11 +193,15 @@ _VERIFIED_LOCK = threading.Lock()
 
 
 class ShardedHidden:
-    """Rows of an uncompressed format-2 hidden-state array on local disk, read straight from its
-    memory-mapped shard object (see the module's docstring)."""
+    """Rows of a format-2 hidden-state array on local disk, read straight from its memory-mapped
+    shard object (see the module's docstring). zstd inner chunks are decompressed here into a buffer
+    of exactly the chunk's size, after their crc32c and their frame's declared size are checked:
+    nothing a shard claims is allocated before it is checked against the array's shape."""
 
-    def __init__(self, path: str, shape: tuple[int, ...], shard_rows: int, chunk_rows: int, dtype: np.dtype):
-        self.path, self.shape, self.chunk_rows, self.dtype = path, shape, chunk_rows, dtype
+    def __init__(self, path: str, shape: tuple[int, ...], shard_rows: int, chunk_rows: int, dtype: np.dtype,
+                 zstd: bool = False):
+        self.path, self.shape, self.chunk_rows, self.dtype, self.zstd = path, shape, chunk_rows, dtype, zstd
+        self._decoded: tuple[tuple, np.ndarray] | None = None  # the last zstd chunk decoded: (key, rows)
         self.data_path = os.path.join(path, "c", "0", "0", "0")
         self.n_chunks = shard_rows // chunk_rows
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
@@ -176,14 +211,13 @@ class ShardedHidden:
     @classmethod
     def open(cls, path: str) -> "ShardedHidden | None":
         try:
-            with open(os.path.join(path, "zarr.json"), "rb") as f:
-                meta = json.loads(f.read())
+            meta = json.loads(read_zarr_json(path))
         except (OSError, ValueError):
             return None  # Zarr gives the precise error on the slow path
         layout = _plain_sharded(meta) if isinstance(meta, dict) else None
         if layout is None:
             return None
-        return cls(path, layout["shape"], layout["shard_rows"], layout["chunk_rows"], layout["dtype"])
+        return cls(path, layout["shape"], layout["shard_rows"], layout["chunk_rows"], layout["dtype"], layout["zstd"])
 
     def _damaged(self, problem: str) -> HiddenChecksumError:
         return HiddenChecksumError(self.data_path, problem)
@@ -210,9 +244,12 @@ class ShardedHidden:
                 raise self._damaged("shard index crc32c mismatch")
             index = raw[:-4].view("<u8").reshape(self.n_chunks, 2).astype(np.int64, copy=False)
             want = self.chunk_rows * self.row_bytes + 4
-            bad = np.flatnonzero((index[:, 1] != want) | (index[:, 0] < 0) | (index[:, 0] + want > info.st_size - index_bytes))
+            lengths = index[:, 1]
+            wrong = ((lengths < 5) | (lengths > want + (want >> 4) + 1024)) if self.zstd else lengths != want
+            bad = np.flatnonzero(wrong | (index[:, 0] < 0) | (index[:, 0] + lengths > info.st_size - index_bytes))
             if len(bad):
-                raise self._damaged(f"shard index entry {int(bad[0])} is not an inner chunk of {want} bytes inside the file")
+                what = "a compressed inner chunk" if self.zstd else f"an inner chunk of {want} bytes"
+                raise self._damaged(f"shard index entry {int(bad[0])} is not {what} inside the file")
             self._mapped = (identity, data, index)
             return self._mapped
 
@@ -227,7 +264,28 @@ class ShardedHidden:
                 raise self._damaged(f"inner chunk {number} (token rows {number * self.chunk_rows}..) crc32c mismatch")
             with _VERIFIED_LOCK:
                 _VERIFIED.add(key)
-        return payload
+        return self._decompress(payload, key) if self.zstd else payload
+
+    def _decompress(self, payload: np.ndarray, key: tuple) -> np.ndarray:
+        """A zstd inner chunk's rows, decompressed into exactly the chunk's bytes (its frame must
+        declare that size); the last one decoded is kept for the next read of the same chunk."""
+        from numcodecs import Zstd
+
+        decoded = self._decoded
+        if decoded is not None and decoded[0] == key:
+            return decoded[1]
+        size = self.chunk_rows * self.row_bytes
+        declared = zstd_content_size(payload)
+        if declared != size:
+            raise self._damaged(f"inner chunk {key[-1]} declares {declared if declared is not None else 'no'} "
+                                f"decompressed bytes, not the chunk's {size:,}")
+        out = np.empty(size, np.uint8)
+        try:
+            Zstd().decode(payload, out=out)
+        except (RuntimeError, ValueError) as err:
+            raise self._damaged(f"inner chunk {key[-1]} does not decompress ({str(err)[:80]})") from None
+        self._decoded = (key, out)
+        return out
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a

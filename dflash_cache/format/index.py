@@ -82,6 +82,20 @@ def sequence_rows(sequences: pa.Table, shard: int) -> pa.Table:
                      "row": sequences.column("row")}, schema=sequence_schema())
 
 
+def skipped_counts(text: str, shard: str) -> dict[str, int]:
+    """A shard's ``skipped`` column (JSON: corpus rows skipped, by reason) as counts; anything else
+    is a CacheError naming the shard."""
+    try:
+        counts = json.loads(text)
+        if isinstance(counts, dict) and all(isinstance(k, str) and type(n) is int and n >= 0 for k, n in counts.items()):
+            return counts
+    except ValueError:
+        pass
+    raise CacheError(f"the index's skipped counts of shard {shard} are {quoted(text, 60)}, not counts by reason; the "
+                     "cache is damaged or edited: run `dflash-cache verify`, then rebuild it (or restore index/ and "
+                     "manifest.json)")
+
+
 class ShardTable:
     """The shard table, read: columns converted to Python or numpy once, on first use; ``record(i)``
     is row i as a commit record (the dict a format-1 manifest lists)."""
@@ -115,9 +129,9 @@ class ShardTable:
         """The per-shard counters summed (as manifest.totals sums commit records)."""
         out = {k: int(self.numpy(k).sum()) if len(self) else 0 for k in ("sequences", "tokens", "loss_tokens", "bytes")}
         skipped: dict[str, int] = {}
-        for text in self.column("skipped"):
-            for reason, n in json.loads(text).items():
-                skipped[reason] = skipped.get(reason, 0) + int(n)
+        for i, text in enumerate(self.column("skipped")):
+            for reason, n in skipped_counts(text, self.column("name")[i]).items():
+                skipped[reason] = skipped.get(reason, 0) + n
         return dict(out, skipped=skipped, shards=len(self))
 
     def record(self, i: int) -> dict:
@@ -132,7 +146,7 @@ class ShardTable:
             "bytes": row["bytes"], "hidden_shape": list(row["hidden_shape"]), "chunk_tokens": row["chunk_tokens"],
             "checksums": {"hidden": row["checksum_hidden"], layout.TOKENS: row["checksum_tokens"],
                           layout.SEQUENCES: row["checksum_sequences"]},
-            "files": files, "skipped": json.loads(row["skipped"]),
+            "files": files, "skipped": skipped_counts(row["skipped"], row["name"]),
             **({"health": health} if health["rms"] else {}),
         }
 
@@ -183,8 +197,10 @@ def read_table(store, entry: Any, key: str, schema: pa.Schema) -> pa.Table:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not _INDEX_PATH.match(entry["path"]) \
             or not isinstance(entry.get("rows"), int) or entry["rows"] < 0:
         raise _damaged(url, f"entry {key!r} of manifest.json is {quoted(entry)}, not a table of the index")
-    path = store.path(entry["path"])
+    path = store.regular(store.path(entry["path"]))
     try:
+        if "bytes" in entry and store.fs.size(path) != entry["bytes"]:  # refused before it is read
+            raise _damaged(url, f"file {entry['path']} differs from its size or checksum in manifest.json")
         if store.local:
             data = pa.memory_map(path, "r").read_buffer()
         else:
@@ -208,7 +224,15 @@ def read_table(store, entry: Any, key: str, schema: pa.Schema) -> pa.Table:
 def check_tables(url: str, manifest: dict, shards: pa.Table, sequences: pa.Table) -> None:
     """The tables agree with each other and the manifest: plain shard names, hidden shapes of the
     manifest's width, each shard's sequences where its count says. Vectorised: O(rows) in numpy."""
+    for table, key in ((shards, SHARDS), (sequences, SEQUENCES)):
+        nulls = [name for name in table.column_names if table.column(name).null_count]
+        if nulls:
+            raise _damaged(url, f"{key} table has empty (null) values in its column {nulls[0]!r}")
     names = shards.column("name")
+    if pc.count_distinct(names).as_py() != shards.num_rows:
+        counts = pc.value_counts(names)
+        twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+        raise _damaged(url, f"lists the shard {quoted(twice)} more than once")
     plain = pc.match_substring_regex(names, f"^{layout.SHARD_NAME}$")
     if shards.num_rows and not pc.all(plain).as_py():
         bad = names.filter(pc.invert(plain))[0].as_py()

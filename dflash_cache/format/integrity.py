@@ -7,6 +7,7 @@ Each takes a shard's ``ShardFiles`` (its store and record), never a reader's obj
 from __future__ import annotations
 
 import os
+import stat
 import threading
 
 import numpy as np
@@ -25,7 +26,7 @@ from dflash_cache.format.cache_layout import (
 )
 from dflash_cache.format.hidden import HiddenChecksumError
 from dflash_cache.format.record import ShardFiles
-from dflash_cache.format.store import CacheStore, file_identity, mapped_file, open_ipc, read_json
+from dflash_cache.format.store import CacheStore, file_identity, file_kind, mapped_file
 from dflash_cache.format.token_tables import list_width_problem
 from dflash_common.errors import CacheError, quoted
 
@@ -150,9 +151,13 @@ def _local_files(store: CacheStore, path: str) -> list[tuple]:
                     inside_cache(root, entry.path, store.url)
                 if entry.is_dir():
                     folders.append(entry.path)
-                else:
-                    info = entry.stat()
-                    found.append((entry.path, info.st_ino, info.st_size, info.st_mtime_ns))
+                    continue
+                info = entry.stat()
+                if not stat.S_ISREG(info.st_mode):
+                    raise CacheError(f"{store.url}: {os.path.relpath(entry.path, store.root)} is a {file_kind(info.st_mode)}, "
+                                     "not a regular file; a cache holds only regular files (this one was edited): restore "
+                                     "the file or rebuild the cache with `dflash-cache build ... --overwrite`")
+                found.append((entry.path, info.st_ino, info.st_size, info.st_mtime_ns))
     return sorted(found)
 
 
@@ -185,7 +190,7 @@ def record_problems(shard: ShardFiles, part: str) -> list[str]:
             if not store.fs.exists(record_path):
                 return ["commit record missing"]
             try:
-                on_disk = read_json(store.fs, record_path)
+                on_disk = store.read_json(record_path)
             except (ValueError, CacheError):
                 return ["commit record is not readable JSON"]
             check_shard_paths(on_disk, store.url, f"{SHARDS_DIR}/{shard.name}.json")
@@ -195,7 +200,7 @@ def record_problems(shard: ShardFiles, part: str) -> list[str]:
                 return [f"commit record differs from the manifest ({shown}"
                         + (f", +{len(differ) - 5:,} more" if len(differ) > 5 else "") + ")"]
         elif part == SEQUENCES:
-            sequences = open_ipc(store.fs, join(shard.path, SEQUENCES))
+            sequences = store.open_ipc(join(shard.path, SEQUENCES))
             if sequences.num_rows != record["sequences"]:
                 return [f"{SEQUENCES} holds {sequences.num_rows} sequences, the record {record['sequences']}"]
             lengths = sequences.column("length").to_numpy()
@@ -204,7 +209,7 @@ def record_problems(shard: ShardFiles, part: str) -> list[str]:
                                  or lengths.sum() != record["tokens"] or np.any(lengths < 0)):
                 return ["sequence offsets and lengths are inconsistent"]
         elif part == TOKENS:
-            tokens = open_ipc(store.fs, join(shard.path, TOKENS))
+            tokens = store.open_ipc(join(shard.path, TOKENS))
             if tokens.num_rows != record["tokens"]:
                 return [f"{TOKENS} holds {tokens.num_rows} tokens, the record {record['tokens']}"]
             for column in ("topk_ids", "topk_logprobs"):

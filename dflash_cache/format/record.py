@@ -38,13 +38,23 @@ class ShardFiles:
     def fast_hidden(self):
         """The fast local reader of the hidden states (format 1: chunk files; format 2: the shard
         object), or None: Zarr reads them (compressed, remote, or another layout)."""
-        return self.layout.open_hidden(join(self.path, HIDDEN)) if self.store.local else None
+        if not self.store.local:
+            return None
+        self._check_hidden_files()
+        return self.layout.open_hidden(join(self.path, HIDDEN))
+
+    def _check_hidden_files(self) -> None:
+        """The hidden-state files opened by name: regular files inside the cache (a FIFO would block
+        Zarr's read, a link to /dev/zero would never end)."""
+        for name in self.layout.hidden_files:
+            self.store.regular(join(self.path, HIDDEN, name))
 
     @cached_property
     def hidden_array(self):
         """The hidden-state array through Zarr (whose codecs check format 2's crc32c)."""
         import zarr
 
+        self._check_hidden_files()
         return zarr.open_array(self.store.zarr_store(join(self.path, HIDDEN), read_only=True), mode="r")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from dflash_cache.format.cache_layout import join
+from dflash_cache.format.cache_layout import inside_cache, join
 from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_common.faults import maybe_fault
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
@@ -97,6 +98,34 @@ def reaching(url: str):
                          "check the endpoint, the credentials and --storage-options") from None
 
 
+def file_kind(mode: int) -> str:
+    """What a file of this st_mode is, in words."""
+    for test, kind in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def regular_file(fs, root: str, path: str, url: str) -> str:
+    """``path`` of the cache at ``root``, refused (CacheError) on local storage when a link leads it
+    out of the cache or it is not a regular file (a FIFO would block the read, a device such as
+    /dev/zero would never end); a missing file is left to the reader (FileNotFoundError). Every file
+    a command opens in a cache passes through here first; object stores hold only objects."""
+    if not is_local(fs):
+        return path
+    inside_cache(os.path.realpath(root), path, url)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(mode):
+        raise CacheError(f"{url}: {os.path.relpath(path, root)} is a {file_kind(mode)}, not a regular file; a cache holds "
+                         "only regular files (this one was edited or is not a dflash cache): restore the file or rebuild "
+                         "the cache with `dflash-cache build ... --overwrite`")
+    return path
+
+
 def open_ipc(fs, path: str) -> pa.Table:
     """An Arrow IPC file: memory-mapped on local storage, fetched whole from an object store."""
     if is_local(fs):
@@ -142,11 +171,15 @@ class CacheStore:
         """The path of ``parts`` (relative, '/'-separated) under the root."""
         return join(self.root, *parts)
 
+    def regular(self, path: str) -> str:
+        """``path``, checked to be a regular file inside the cache (``regular_file``)."""
+        return regular_file(self.fs, self.root, path, self.url)
+
     def read_json(self, path: str, what: str | None = None) -> Any:
-        return read_json(self.fs, path, what)
+        return read_json(self.fs, self.regular(path), what)
 
     def open_ipc(self, path: str) -> pa.Table:
-        return open_ipc(self.fs, path)
+        return open_ipc(self.fs, self.regular(path))
 
     def zarr_store(self, path: str, read_only: bool):
         return zarr_store(self.fs, path, read_only)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import uuid
 
@@ -16,10 +17,10 @@ import pyarrow as pa
 
 from dflash_cache.format import index
 from dflash_cache.format.cache_layout import SEQUENCES, SHARDS_DIR, check_shard_paths, checksum, inside_cache, join
-from dflash_cache.format.hidden import rows_out
+from dflash_cache.format.hidden import read_zarr_json, rows_out
 from dflash_cache.format.integrity import CHECKSUMMED, size_check
 from dflash_cache.format.manifest import SHARD_RECORD_FIELDS, check_fields, record_shape_problem, totals
-from dflash_cache.format.store import CacheStore, mapped_file, open_ipc
+from dflash_cache.format.store import CacheStore, file_kind, mapped_file
 from dflash_common.errors import CacheError
 
 
@@ -47,8 +48,7 @@ class ChunkFiles:
     @classmethod
     def open(cls, path: str) -> "ChunkFiles | None":
         try:
-            with open(os.path.join(path, "zarr.json"), "rb") as f:
-                meta = json.loads(f.read())
+            meta = json.loads(read_zarr_json(path))
         except (OSError, ValueError):
             return None  # Zarr gives the precise error on the slow path
         codecs = meta.get("codecs", [])
@@ -86,6 +86,9 @@ class ChunkFiles:
             except FileNotFoundError:
                 raise CacheError(f"{path}: a chunk file of a committed shard is missing; the shard is damaged "
                                  "(run `dflash-cache verify --deep`, then rebuild or skip the shard)") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise CacheError(f"{path}: a chunk file of a committed shard is a {file_kind(info.st_mode)}, not a regular "
+                                 "file; the shard was edited (run `dflash-cache verify`, then rebuild or skip the shard)")
             data = mapped_file(path, info.st_ino, info.st_size, info.st_mtime_ns)
             first, last = lo * self.row_bytes, hi * self.row_bytes
             if len(data) < last:
@@ -128,6 +131,10 @@ class ManifestListing:
         for record in self.records:  # names become paths below: none may leave the cache
             check_shard_paths(record, store.url)
         self.names = [record["name"] for record in self.records]
+        if len(set(self.names)) != len(self.names):
+            twice = next(name for name in self.names if self.names.count(name) > 1)
+            raise CacheError(f"{store.url}: manifest.json lists the shard {twice} more than once; the manifest is not "
+                             "trustworthy (edited or damaged): rebuild the cache with `dflash-cache build ... --overwrite`")
         counts = np.array([int(r["sequences"]) for r in self.records], dtype=np.int64)
         self.first_sequence = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if store.local:
@@ -157,7 +164,7 @@ class ManifestListing:
 
     def shard_sequences(self, j: int) -> pa.Table:
         """Shard j's sequences (id, offset, length, row), from its own sequences.arrow."""
-        return open_ipc(self.store.fs, join(LAYOUT.shard_path(self.store.root, self.names[j]), SEQUENCES))
+        return self.store.open_ipc(join(LAYOUT.shard_path(self.store.root, self.names[j]), SEQUENCES))
 
     def sequence_table(self, keep: list[int]) -> pa.Table:
         """The sequence table (index.sequence_schema) of the shards at positions ``keep``: each
@@ -179,6 +186,8 @@ class Layout:
     plan_parts = (SEQUENCES,)
     """What a plan over the whole cache reads: every shard's sequences.arrow."""
     hidden_checked_as_read = False
+    hidden_files = ("zarr.json",)
+    """The files of a shard's hidden.zarr a reader opens by name (its chunk files are checked as read)."""
     """Format 1 holds one xxh64 of a shard's whole array: hashed before any of it is read."""
     ignored_entries = ()
 

@@ -78,6 +78,8 @@ class Layout:
     plan_parts = ()
     """A plan over the whole cache reads the index alone."""
     hidden_checked_as_read = True
+    hidden_files = ("zarr.json", "c/0/0/0")
+    """The files of a shard's hidden.zarr: its metadata and its one Zarr shard object."""
     """Each inner chunk's crc32c is checked as it is read: no whole-array hash before a read."""
     ignored_entries = (".tmp",)
     """A rank's work folder under shards/rRRRRR/ (emptied on resume), not a shard."""

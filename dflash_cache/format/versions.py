@@ -19,7 +19,7 @@ from typing import Any
 from dflash_cache.format import v1, v2
 from dflash_cache.format.cache_layout import MANIFEST, join
 from dflash_cache.format.manifest import FORMAT_VERSION, check_manifest, totals
-from dflash_cache.format.store import reaching, read_json, write_json_atomic
+from dflash_cache.format.store import reaching, read_json, regular_file, write_json_atomic
 from dflash_common.errors import CacheError
 
 LAYOUTS = {1: v1.LAYOUT, 2: v2.LAYOUT}
@@ -38,7 +38,7 @@ def shard_path(root: str, name: str, version: int) -> str:
 def read_manifest(fs, root: str, url: str | None = None) -> dict:
     """manifest.json of the cache at ``root``, checked: its header, then its version's part."""
     where = url or root
-    path = join(root, MANIFEST)
+    path = regular_file(fs, root, join(root, MANIFEST), where)
     with reaching(where):
         exists = fs.exists(path)
     if not exists:
