@@ -15,6 +15,7 @@ import fcntl
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,15 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from dflash_common.errors import OutputError
+
+
+def file_kind(mode: int) -> str:
+    """What a file of this st_mode is, in words (for "X is a FIFO, not a regular file")."""
+    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -206,7 +206,7 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
         "a lone surrogate in eval --prompts": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
                                                            teacher, "--prompts", str(root / "prompts-surrogate.jsonl"),
                                                            "--out", str(root / "sur-eval.json"), "--quiet"],
-                                               "prompts-surrogate.jsonl row 1: a prompt holds a lone surrogate"),
+                                               "prompts-surrogate.jsonl line 1: holds a lone surrogate"),
         # issue 34: the tokenizer raised these as a traceback
         "a lone surrogate in generate --prompt": (train_app, ["generate", "--checkpoint", str(root / "run" / "drafter"),
                                                              "--teacher", teacher, "--prompt", "a\ud800b"],
@@ -222,8 +222,8 @@ def _cases(s) -> dict[str, tuple[object, list[str], str]]:
         "eval --prompts linked to /dev/zero": (train_app, ["eval", "--checkpoint", str(root / "run" / "drafter"), "--teacher",
                                                           teacher, "--prompts", str(root / "zero-prompts.jsonl"), "--out",
                                                           str(root / "zero-eval.json"), "--quiet"],
-                                               "zero-prompts.jsonl is larger than 64 MiB (or never ends, like a link to "
-                                               "/dev/zero), so it was not read; pass a prompts file of JSON Lines"),
+                                               "zero-prompts.jsonl is a character device, not a regular file; pass a "
+                                               "prompts file of JSON Lines"),
         "dataset_dict.json linked to /dev/zero": (cache_app, ["build", "--teacher", teacher, "--data", str(root / "dataset-dict"),
                                                               "--out", str(root / "c-dd"), "--dry-run", "--quiet"],
                                                   "dataset-dict is a datasets DatasetDict with splits ?; point the corpus at "

@@ -26,9 +26,10 @@ from dflash_cache.format.cache_layout import (
 )
 from dflash_cache.format.hidden import HiddenChecksumError
 from dflash_cache.format.record import ShardFiles
-from dflash_cache.format.store import CacheStore, file_identity, file_kind, mapped_file
+from dflash_cache.format.store import CacheStore, file_identity, mapped_file
 from dflash_cache.format.token_tables import list_width_problem
 from dflash_common.errors import CacheError, quoted
+from dflash_common.files import file_kind
 
 SIZES = "sizes"
 """Not a file: every file's size against its commit record, from one listing (``quick_check``)."""

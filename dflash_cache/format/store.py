@@ -22,6 +22,7 @@ import pyarrow as pa
 from dflash_cache.format.cache_layout import inside_cache, join
 from dflash_common.errors import CacheError, ConfigError, DFlashError
 from dflash_common.faults import maybe_fault
+from dflash_common.files import file_kind
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
 
 
@@ -96,15 +97,6 @@ def reaching(url: str):
         first = str(err).splitlines()[0][:200] if str(err) else ""
         raise CacheError(f"{url}: the storage cannot be reached or refused the request ({type(err).__name__}: {first}); "
                          "check the endpoint, the credentials and --storage-options") from None
-
-
-def file_kind(mode: int) -> str:
-    """What a file of this st_mode is, in words."""
-    for test, kind in ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return kind
-    return "special file"
 
 
 def regular_file(fs, root: str, path: str, url: str) -> str:

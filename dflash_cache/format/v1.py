@@ -20,8 +20,9 @@ from dflash_cache.format.cache_layout import SEQUENCES, SHARDS_DIR, check_shard_
 from dflash_cache.format.hidden import read_zarr_json, rows_out
 from dflash_cache.format.integrity import CHECKSUMMED, size_check
 from dflash_cache.format.manifest import SHARD_RECORD_FIELDS, check_fields, record_shape_problem, totals
-from dflash_cache.format.store import CacheStore, file_kind, mapped_file
+from dflash_cache.format.store import CacheStore, mapped_file
 from dflash_common.errors import CacheError
+from dflash_common.files import file_kind
 
 
 class ChunkFiles:

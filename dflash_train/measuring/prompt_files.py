@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from dflash_common.errors import ConfigError, quoted
+from dflash_common.files import file_kind
 from dflash_common.settings_files import read_bounded
 from dflash_common.values import text_problem
 
@@ -130,8 +132,10 @@ def row_prompt(row, path: str, where: str, number: int) -> PromptRow:
 def _file_bytes(path: str) -> bytes:
     """A file's bytes within PROMPTS_BYTES, gunzipped when its name ends in .gz."""
     fix = "pass a prompts file of JSON Lines (or .jsonl.gz, .parquet), one prompt a row"
+    if not os.path.exists(path):
+        raise ConfigError(f"prompts file {path} does not exist; {fix}")
     if not Path(path).is_file():
-        raise ConfigError(f"prompts file {path} does not exist or is not a file; {fix}")
+        raise ConfigError(f"prompts file {path} is a {file_kind(os.stat(path).st_mode)}, not a regular file; {fix}")
     if not path.endswith(".gz"):
         return read_bounded(lambda: open(path, "rb"), f"prompts file {path}", PROMPTS_BYTES, fix=fix)
     try:
