@@ -250,6 +250,12 @@ class ShardedHidden:
             if len(bad):
                 what = "a compressed inner chunk" if self.zstd else f"an inner chunk of {want} bytes"
                 raise self._damaged(f"shard index entry {int(bad[0])} is not {what} inside the file")
+            if self.zstd:  # every frame must declare the chunk's size: nothing larger is ever allocated
+                declared = [zstd_content_size(data[offset:offset + 18]) for offset in index[:, 0].tolist()]
+                wrong = [i for i, size in enumerate(declared) if size != want - 4]
+                if wrong:
+                    raise self._damaged(f"inner chunk {wrong[0]} declares {declared[wrong[0]]} decompressed bytes, not "
+                                        f"the chunk's {want - 4:,}")
             self._mapped = (identity, data, index)
             return self._mapped
 
@@ -274,12 +280,7 @@ class ShardedHidden:
         decoded = self._decoded
         if decoded is not None and decoded[0] == key:
             return decoded[1]
-        size = self.chunk_rows * self.row_bytes
-        declared = zstd_content_size(payload)
-        if declared != size:
-            raise self._damaged(f"inner chunk {key[-1]} declares {declared if declared is not None else 'no'} "
-                                f"decompressed bytes, not the chunk's {size:,}")
-        out = np.empty(size, np.uint8)
+        out = np.empty(self.chunk_rows * self.row_bytes, np.uint8)  # each frame's size was checked by _map
         try:
             Zstd().decode(payload, out=out)
         except (RuntimeError, ValueError) as err:

@@ -233,6 +233,9 @@ def check_tables(url: str, manifest: dict, shards: pa.Table, sequences: pa.Table
         counts = pc.value_counts(names)
         twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
         raise _damaged(url, f"lists the shard {quoted(twice)} more than once")
+    skipped = shards.column("skipped")
+    for text in pc.unique(skipped).to_pylist():  # "{}" for almost every shard: one parse each
+        skipped_counts(text, names[pc.index(skipped, text).as_py()].as_py())
     plain = pc.match_substring_regex(names, f"^{layout.SHARD_NAME}$")
     if shards.num_rows and not pc.all(plain).as_py():
         bad = names.filter(pc.invert(plain))[0].as_py()

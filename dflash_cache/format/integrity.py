@@ -143,7 +143,7 @@ def _local_files(store: CacheStore, path: str) -> list[tuple]:
     if os.path.islink(path):
         inside_cache(root, path, store.url)
     if not os.path.isdir(path):
-        return [(path, *file_identity(path))]
+        return [(store.regular(path), *file_identity(path))]
     found, folders = [], [path]
     while folders:
         with os.scandir(folders.pop()) as entries:
