@@ -15,12 +15,12 @@ from dflash_cache import open_cache
 from dflash_common.errors import ConfigError
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.noise_config import NoiseConfig
-from dflash_train.training.data import (
+from dflash_train.training.batch import Batch
+from dflash_train.training.batch_objective import block_targets
+from dflash_train.training.data import LoaderState, TrainStream, train_loader
+from dflash_train.training.epoch_plan import (
     LANES,
-    Batch,
     EpochPlan,
-    LoaderState,
-    TrainStream,
     cut_batches,
     epoch_order,
     idle_ranks_warning,
@@ -30,9 +30,7 @@ from dflash_train.training.data import (
     plan_partitions,
     resolve_partitions,
     sample_anchors,
-    train_loader,
 )
-from dflash_train.training.loss import block_targets
 
 
 @pytest.fixture(scope="module")
@@ -324,9 +322,10 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, l
     """The trainer noises the batch on its device, padded or packed; the values are each
     sequence's own draws at that step, padding and the last tapped layer untouched."""
     from dflash_train.settings.train_config import TrainConfig
-    from dflash_train.training.data import collate, load_batch, sample_anchors
+    from dflash_train.training.batch import collate, load_batch
+    from dflash_train.training.epoch_plan import sample_anchors
     from dflash_train.training.noise import apply_noise
-    from dflash_train.training.trainer import on_device
+    from dflash_train.training.train_step import on_device
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),

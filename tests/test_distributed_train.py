@@ -23,9 +23,9 @@ from dflash_cache import open_cache
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.model_config import ModelConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.data import EpochPlan
 from dflash_train.training.distributed import shard_drafter
-from dflash_train.training.trainer import build_drafter
+from dflash_train.training.epoch_plan import EpochPlan
+from dflash_train.training.session import build_drafter
 
 # real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
 pytestmark = pytest.mark.slow
