@@ -26,6 +26,7 @@ from dflash_train.training.epoch_plan import (
     idle_ranks_warning,
     is_heldout,
     lanes_per_partition,
+    micro_batches_per_step,
     owned_partitions,
     plan_partitions,
     resolve_partitions,
@@ -273,14 +274,18 @@ def test_a_rank_without_sequences_is_named_in_one_line(small_cache):
 
 
 def _epoch_ids(url, cfg, state, world, steps=None):
-    """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or `steps` steps)."""
+    """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or
+    `steps` steps): each rank's micro-batches of a step (one per partition it owns), none over
+    batch_tokens unless it is one longer sequence."""
     streams = [iter(TrainStream(url, None, cfg, state, rank, world)) for rank in range(world)]
+    micro = micro_batches_per_step(state.partitions, world)
     out, after = [], state
     while after.epoch == state.epoch and (steps is None or len(out) < steps):
-        batches = [next(s) for s in streams]
-        assert len({json.dumps(b.state_after, sort_keys=True) for b in batches}) == 1  # every rank at the same step
-        out.append([i for b in batches for i in b.ids])
-        after = LoaderState(**batches[0].state_after)
+        batches = [[next(s) for _ in range(micro)] for s in streams]
+        assert len({json.dumps(b[-1].state_after, sort_keys=True) for b in batches}) == 1  # every rank at the same step
+        assert all(b.num_tokens <= cfg.batch_tokens or len(b.ids) == 1 for rank in batches for b in rank)
+        out.append([i for rank in batches for b in rank for i in b.ids])
+        after = LoaderState(**batches[0][-1].state_after)
     return out, after
 
 

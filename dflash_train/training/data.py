@@ -22,7 +22,7 @@ from dflash_common.errors import CacheError, DFlashError
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.batch import Batch, hidden_buffer, load_batch, make_batch
 from dflash_train.training.batch import collate as collate  # re-exported: measuring.decode_report imports it from here
-from dflash_train.training.epoch_plan import EpochPlan, cut_batches
+from dflash_train.training.epoch_plan import EpochPlan, cut_batches, micro_batches_per_step
 
 
 @dataclass
@@ -54,10 +54,14 @@ class TrainStream(torch.utils.data.IterableDataset):
     """This rank's batches from a loader state onwards, forever (epoch after epoch).
 
     The plan is over ``state.partitions`` partitions (the world size when the state has none);
-    this rank executes its own partitions' batch of every step, an empty batch once they ran out
-    (the epoch lasts as long as its longest partition, on every rank). Worker w of W executes
-    steps w, w+W, ...; the DataLoader interleaves workers in order, so the stream is the same for
-    any worker count, and a worker count dividing the plan's lanes reads disjoint shards.
+    this rank executes its own partitions' batch of every step, one Batch (a micro-batch) per
+    partition it owns, ``micro_batches_per_step`` of them every step on every rank (an empty Batch
+    for a partition that ran out or a rank owning fewer; the epoch lasts as long as its longest
+    partition). Worker w of W executes micro-batches w, w+W, ... of the stream; the DataLoader
+    interleaves workers in order, so the stream is the same for any worker count, and with one
+    partition a rank a worker count dividing the plan's lanes reads disjoint shards. A micro-batch's
+    ``state_after`` is the loader state once its whole step is done (its step's start for the
+    step's other micro-batches).
     """
 
     def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
@@ -73,23 +77,28 @@ class TrainStream(torch.utils.data.IterableDataset):
         self.pinned = pinned and cfg.num_workers == 0
 
     def _jobs(self, plan: EpochPlan, worker: int, workers: int):
-        """(this rank's batch, global step counter, epoch, loader state after it) of every step
-        this worker executes, in order."""
+        """(one micro-batch of this rank, epoch, loader state after it) of every micro-batch this
+        worker executes, in order."""
         epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
-        position = 0  # steps emitted by the whole stream (all workers)
+        micro = micro_batches_per_step(self.partitions, self.world_size)
+        position = 0  # micro-batches emitted by the whole stream (all workers)
         while True:
             steps = plan.steps(epoch, self.partitions)
             for b in range(start, steps):
-                if position % workers == worker:
-                    last = b + 1 == steps
-                    after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
-                                        batches_done=done + 1, seed=self.cfg.seed,
-                                        manifest_fingerprint=self.state.manifest_fingerprint,
-                                        partitions=self.partitions).to_dict()
-                    yield plan.rank_batch(epoch, self.partitions, self.rank, self.world_size, b), done, epoch, after
-                position += 1
+                if any((position + j) % workers == worker for j in range(micro)):
+                    before = self._state(epoch, b, done)
+                    after = self._state(epoch + 1, 0, done + 1) if b + 1 == steps else self._state(epoch, b + 1, done + 1)
+                    shares = plan.rank_micro_batches(epoch, self.partitions, self.rank, self.world_size, b)
+                    for j, share in enumerate(shares):
+                        if (position + j) % workers == worker:
+                            yield share, epoch, after if j + 1 == micro else before
+                position += micro
                 done += 1
             epoch, start = epoch + 1, 0
+
+    def _state(self, epoch: int, batch_in_epoch: int, done: int) -> dict:
+        return LoaderState(epoch=epoch, batch_in_epoch=batch_in_epoch, batches_done=done, seed=self.cfg.seed,
+                           manifest_fingerprint=self.state.manifest_fingerprint, partitions=self.partitions).to_dict()
 
     def __iter__(self):
         try:
@@ -124,7 +133,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         records = cache.read_ahead(rows(), read_ahead_budget(self.cfg, cache.hidden_bytes_per_token),
                                    self.cfg.read_threads, check=True)
         try:
-            for share, done, epoch, after in jobs:
+            for share, epoch, after in jobs:
                 shared = [next(records) for _ in share]  # a damaged shard: ShardIntegrityError, the one-line refusal
                 batch = make_batch(shared, self.cfg, epoch, filling.popleft()) if share else Batch.empty()
                 batch.state_after = after

@@ -194,6 +194,14 @@ def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
     return float(global_sum_tensor(torch.tensor([float(value)], dtype=torch.float64), info, device)[0])
 
 
+def global_sum_on_device(value: float, info: DistInfo, device: torch.device) -> torch.Tensor:
+    """Every rank's ``value`` summed, as a float64 tensor left on ``device`` (no host sync)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if info.active:
+        dist.all_reduce(t)
+    return t[0]
+
+
 def global_min(value: int, info: DistInfo, device: torch.device) -> int:
     """The smallest of every rank's ``value`` (every rank calls this at the same point)."""
     if not info.active:

@@ -220,6 +220,12 @@ def owned_partitions(partitions: int, rank: int, world_size: int) -> range:
     return range(rank * partitions // world_size, (rank + 1) * partitions // world_size)
 
 
+def micro_batches_per_step(partitions: int, world_size: int) -> int:
+    """Micro-batches every rank runs a step: the most partitions a rank owns (1 when the world
+    size equals the partitions; k when a run planned over k x W partitions resumes on W ranks)."""
+    return -(-partitions // world_size)
+
+
 def resolve_partitions(configured: int, world_size: int, saved: int = 0) -> int:
     """The partitions a session plans over: a resumed run's own (``saved``), else data.partitions,
     else the world size. Every rank must own at least one partition (ConfigError)."""
@@ -280,17 +286,26 @@ class EpochPlan:
         """Steps of the epoch: its longest partition's batches (every rank runs them all)."""
         return max(len(p) for p in self.partitions(epoch, partitions))
 
-    def rank_batch(self, epoch: int, partitions: int, rank: int, world_size: int, step: int) -> list[tuple[int, int]]:
-        """This rank's batch of (shard, sequence-in-shard) at one step of the epoch: that batch of
-        each partition it owns, together (empty once they ran out). Made when asked for, so an
+    def rank_micro_batches(self, epoch: int, partitions: int, rank: int, world_size: int,
+                           step: int) -> list[list[tuple[int, int]]]:
+        """This rank's micro-batches of (shard, sequence-in-shard) at one step of the epoch: that
+        batch of each partition it owns, one micro-batch per partition (so none is larger than
+        batch_tokens), an empty one for a partition that ran out, and empty ones up to
+        micro_batches_per_step (every rank runs as many forwards a step). Made when asked for, so an
         epoch of a million sequences starts without listing them all."""
-        batch = []
+        micro = []
         for p in owned_partitions(partitions, rank, world_size):
             part = self.partitions(epoch, partitions)[p]
             if step < len(part):
                 lo, hi = part.bounds[step], part.bounds[step + 1]
-                batch += self.refs(self._start[part.shard[lo:hi]] + part.position[lo:hi])
-        return batch
+                micro.append(self.refs(self._start[part.shard[lo:hi]] + part.position[lo:hi]))
+            else:
+                micro.append([])
+        return micro + [[] for _ in range(micro_batches_per_step(partitions, world_size) - len(micro))]
+
+    def rank_batch(self, epoch: int, partitions: int, rank: int, world_size: int, step: int) -> list[tuple[int, int]]:
+        """This rank's share of one step's global batch: its micro-batches' sequences together."""
+        return [ref for micro in self.rank_micro_batches(epoch, partitions, rank, world_size, step) for ref in micro]
 
     def rank_batches(self, epoch: int, partitions: int = 1, rank: int = 0, world_size: int = 1) -> list[list[tuple[int, int]]]:
         """rank_batch of every step of the epoch."""

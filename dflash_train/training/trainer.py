@@ -23,14 +23,13 @@ from dflash_train.training.checkpoint import (
     full_optimizer_state,
     trainer_state,
 )
-from dflash_train.training.data import LoaderState, train_loader
+from dflash_train.training.data import train_loader
 from dflash_train.training.distributed import (
     DistInfo,
     clip_gradients,
     dist_info_from_env,
     global_min,
     global_sum,
-    gradient_sync,
     init_distributed,
     release_gathered,
     shutdown,
@@ -41,7 +40,7 @@ from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, met
 from dflash_train.training.run_folder import check_run_folder
 from dflash_train.training.session import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported: the sweep reads it here
 from dflash_train.training.session import Session, setup
-from dflash_train.training.train_step import global_train_metrics, micro_step, on_device
+from dflash_train.training.train_step import global_train_metrics, step_gradients
 
 
 @dataclass
@@ -147,23 +146,15 @@ def run_steps(s: Session) -> None:
     batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, s.loader_state, info.rank, info.world_size,
                                 pin_memory=device.type == "cuda", plan=s.plan))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    meter, tokens, started, shown = AcceptanceMeter(), 0, time.perf_counter(), {}
+    meter, tokens, largest, started, shown = AcceptanceMeter(), 0, 0, time.perf_counter(), {}
     # the first step whose loss was NaN/Inf, kept on the device: a per-step check would make
     # the host wait for every step's loss; it is read at the log and save steps (stop_if_diverged)
     first_bad = torch.full((), FINITE, dtype=torch.long, device=device)
     s.progress.start(s.steps - s.step, "training", "step")
     s.model.train()
     while s.step < s.steps:
-        for index in range(cfg.optim.grad_accum):
-            batch = next(batches)
-            s.loader_state = LoaderState(**batch.state_after)
-            with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1):
-                result = micro_step(s.model, s.forward, on_device(batch, device, cfg, s.step, s.steps), cfg, info,
-                                    device, autocast)
-            if result is not None:
-                meter.add(result)
-                tokens += batch.num_tokens
-                first_bad = torch.where(torch.isfinite(result.loss.detach()), first_bad, first_bad.clamp(max=s.step + 1))
+        trained, micro_tokens, first_bad = step_gradients(s, batches, autocast, meter, first_bad)
+        tokens, largest = tokens + trained, max(largest, micro_tokens)
         grad_norm = clip_gradients(s.model, cfg.optim.grad_clip)
         s.optimizer.step()
         s.scheduler.step()
@@ -172,7 +163,7 @@ def run_steps(s: Session) -> None:
         if s.step % cfg.log_every == 0 or s.step % cfg.save_every == 0 or s.step == s.steps:
             stop_if_diverged(s, first_bad)  # before the metrics line and the save: neither gets NaN
         if s.step % cfg.log_every == 0 or s.step == s.steps:
-            summary, rate = global_train_metrics(meter, tokens, time.perf_counter() - started, s.model.cfg,
+            summary, rate = global_train_metrics(meter, tokens, largest, time.perf_counter() - started, s.model.cfg,
                                                  meter_rows(cfg.loss, s.model.cfg), info, device)
             if info.is_main:
                 norm = {} if grad_norm is None else {"grad_norm": float(grad_norm)}
@@ -180,7 +171,7 @@ def run_steps(s: Session) -> None:
                                  "tokens_per_s": rate, **norm, **summary})
                 shown = {"loss": f"{summary.get('loss', float('nan')):.4f}", "tau": f"{summary.get('tau', 0):.3f}",
                          "tok/s": f"{rate:,.0f}"}
-            meter = AcceptanceMeter()
+            meter, largest = AcceptanceMeter(), 0
         s.progress.advance(1, **shown)
         if s.step % cfg.save_every == 0 or s.step == s.steps:
             save_checkpoint(s)
