@@ -69,11 +69,12 @@ from dflash_train.settings.data_config import DataConfig  # noqa: E402
 from dflash_train.settings.drafter_config import DrafterConfig  # noqa: E402
 from dflash_train.settings.noise_config import NoiseConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
-from dflash_train.training.data import EpochPlan, LoaderState, train_loader  # noqa: E402
+from dflash_train.training.data import LoaderState, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.epoch_plan import EpochPlan  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.noise import add_noise_, noise_for  # noqa: E402
-from dflash_train.training.trainer import micro_step, on_device  # noqa: E402
+from dflash_train.training.train_step import micro_step, on_device  # noqa: E402
 
 
 @dataclass(frozen=True)

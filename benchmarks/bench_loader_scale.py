@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_train.training.data import cut_batches, epoch_order, owned_partitions, plan_partitions  # noqa: E402
+from dflash_train.training.epoch_plan import cut_batches, epoch_order, owned_partitions, plan_partitions  # noqa: E402
 
 BATCH_TOKENS = 8192
 

@@ -51,9 +51,12 @@ from dflash_teacher.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.settings.data_config import DataConfig  # noqa: E402
 from dflash_train.settings.model_config import ModelConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
-from dflash_train.training.data import EpochPlan, LoaderState, make_batch, train_loader  # noqa: E402
+from dflash_train.training.batch import make_batch  # noqa: E402
+from dflash_train.training.data import LoaderState, train_loader  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.trainer import build_drafter, micro_step, on_device  # noqa: E402
+from dflash_train.training.epoch_plan import EpochPlan  # noqa: E402
+from dflash_train.training.session import build_drafter  # noqa: E402
+from dflash_train.training.train_step import micro_step, on_device  # noqa: E402
 
 
 def build_scratch_cache(args, out: Path) -> str:

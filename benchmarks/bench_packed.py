@@ -42,11 +42,13 @@ from dflash_cache import open_cache  # noqa: E402
 from dflash_train.settings.data_config import LAYOUTS, DataConfig  # noqa: E402
 from dflash_train.settings.model_config import ModelConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
-from dflash_train.training.data import EpochPlan, cut_batches, epoch_order, load_batch  # noqa: E402
+from dflash_train.training.batch import load_batch  # noqa: E402
+from dflash_train.training.batch_objective import batch_loss  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
+from dflash_train.training.epoch_plan import EpochPlan, cut_batches, epoch_order  # noqa: E402
 from dflash_train.training.layout import padding_fraction  # noqa: E402
-from dflash_train.training.loss import batch_loss  # noqa: E402
-from dflash_train.training.trainer import build_drafter, micro_step  # noqa: E402
+from dflash_train.training.session import build_drafter  # noqa: E402
+from dflash_train.training.train_step import micro_step  # noqa: E402
 
 RESULT_TAG = "RESULT "
 SHAREGPT = dict(median=450, sigma=1.1, low=50, high=4096)  # log-normal lengths, clipped

@@ -42,9 +42,11 @@ from dflash_cache.format import integrity  # noqa: E402
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
-from dflash_train.training.data import EpochPlan, LoaderState, load_batch, train_loader
+from dflash_train.training.batch import load_batch
+from dflash_train.training.data import LoaderState, train_loader
+from dflash_train.training.epoch_plan import EpochPlan
 from dflash_train.training.noise import add_noise_
-from dflash_train.training.trainer import on_device  # noqa: E402
+from dflash_train.training.train_step import on_device  # noqa: E402
 
 BATCH_TOKENS = 8192  # DataConfig's default
 
@@ -87,7 +89,7 @@ def forget_checksums() -> None:
 
 def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,
                    zarr_only: bool = False, cold: bool = False) -> int:
-    """The package: dflash_train.training.data.load_batch (reader, anchors, padding, and the shards'
+    """The package: dflash_train.training.batch.load_batch (reader, anchors, padding, and the shards'
     checksums the first time this process reads them: every time with ``cold``), then with
     `train` the CPU trainer's float32 conversion and noise."""
     if cold:

@@ -1,7 +1,7 @@
 """Trainer memory and speed as the vocabulary and the anchors per sequence grow (issue #6, item 4).
 
 Each configuration runs a few real training steps: dflash_train's drafter, batches made by
-dflash_train.training.data's sample_anchors + collate, and `trainer.micro_step` (model forward,
+dflash_train.training.epoch_plan's sample_anchors, batch's collate, and `train_step.micro_step` (model forward,
 block_targets, the chunked loss, backward) followed by the trainer's clip and AdamW step. The
 baseline, in the same grid and on the same data, is a NAIVE loss written here (`naive_block_loss`):
 the same KL-with-tail objective, but full-vocabulary fp32 logits for every block position of the
@@ -44,11 +44,14 @@ from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_train.settings.drafter_config import DrafterConfig  # noqa: E402
 from dflash_train.settings.loss_config import LossConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
-from dflash_train.training.data import collate, sample_anchors  # noqa: E402
+from dflash_train.training.batch import collate  # noqa: E402
+from dflash_train.training.batch_objective import block_states  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.loss import LossOutput, block_states, bucket_kl  # noqa: E402
+from dflash_train.training.epoch_plan import sample_anchors  # noqa: E402
+from dflash_train.training.loss import LossOutput  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402
-from dflash_train.training.trainer import micro_step  # noqa: E402
+from dflash_train.training.objectives import bucket_kl  # noqa: E402
+from dflash_train.training.train_step import micro_step  # noqa: E402
 from dflash_train.training.weighting import position_weights  # noqa: E402
 
 PROMPT_TOKENS = 16  # leading tokens outside the loss mask, like a chat prompt

@@ -33,10 +33,10 @@ from dflash_train.settings.loss_config import LossConfig  # noqa: E402
 from dflash_train.settings.noise_config import NoiseConfig  # noqa: E402
 from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.loss import set_head_matmul  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.noise import add_noise_  # noqa: E402
-from dflash_train.training.trainer import micro_step  # noqa: E402
+from dflash_train.training.objectives import set_head_matmul  # noqa: E402
+from dflash_train.training.train_step import micro_step  # noqa: E402
 
 PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "eval", "bench",
          "drafter", "loader_width", "teacher_layers")
@@ -151,7 +151,7 @@ def part_step(out: Path):
         set_head_matmul(mode, dev)
         with torch.no_grad(), autocast:
             t = time.perf_counter()
-            from dflash_train.training.loss import batch_loss
+            from dflash_train.training.batch_objective import batch_loss
             value = batch_loss(model, batch, LossConfig(), model)
             sync(dev)
             head[mode] = (float(value.loss), time.perf_counter() - t)
@@ -471,7 +471,8 @@ def part_drafter(out: Path):
     batch: time and loss difference (CPU dry run: tiny sizes, sdpa, 3 batches of one budget)."""
     import torch._dynamo.utils
 
-    from dflash_train.training.loss import batch_loss, head_dtype
+    from dflash_train.training.batch_objective import batch_loss
+    from dflash_train.training.objectives import head_dtype
 
     s, dev = sizes(), device()
     count = 3 if on_cpu() else 40

@@ -15,24 +15,23 @@ from dflash_cache import open_cache
 from dflash_common.errors import ConfigError
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.noise_config import NoiseConfig
-from dflash_train.training.data import (
+from dflash_train.training.batch import Batch
+from dflash_train.training.batch_objective import block_targets
+from dflash_train.training.data import LoaderState, TrainStream, train_loader
+from dflash_train.training.epoch_plan import (
     LANES,
-    Batch,
     EpochPlan,
-    LoaderState,
-    TrainStream,
     cut_batches,
     epoch_order,
     idle_ranks_warning,
     is_heldout,
     lanes_per_partition,
+    micro_batches_per_step,
     owned_partitions,
     plan_partitions,
     resolve_partitions,
     sample_anchors,
-    train_loader,
 )
-from dflash_train.training.loss import block_targets
 
 
 @pytest.fixture(scope="module")
@@ -275,14 +274,18 @@ def test_a_rank_without_sequences_is_named_in_one_line(small_cache):
 
 
 def _epoch_ids(url, cfg, state, world, steps=None):
-    """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or `steps` steps)."""
+    """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or
+    `steps` steps): each rank's micro-batches of a step (one per partition it owns), none over
+    batch_tokens unless it is one longer sequence."""
     streams = [iter(TrainStream(url, None, cfg, state, rank, world)) for rank in range(world)]
+    micro = micro_batches_per_step(state.partitions, world)
     out, after = [], state
     while after.epoch == state.epoch and (steps is None or len(out) < steps):
-        batches = [next(s) for s in streams]
-        assert len({json.dumps(b.state_after, sort_keys=True) for b in batches}) == 1  # every rank at the same step
-        out.append([i for b in batches for i in b.ids])
-        after = LoaderState(**batches[0].state_after)
+        batches = [[next(s) for _ in range(micro)] for s in streams]
+        assert len({json.dumps(b[-1].state_after, sort_keys=True) for b in batches}) == 1  # every rank at the same step
+        assert all(b.num_tokens <= cfg.batch_tokens or len(b.ids) == 1 for rank in batches for b in rank)
+        out.append([i for rank in batches for b in rank for i in b.ids])
+        after = LoaderState(**batches[0][-1].state_after)
     return out, after
 
 
@@ -324,9 +327,10 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, l
     """The trainer noises the batch on its device, padded or packed; the values are each
     sequence's own draws at that step, padding and the last tapped layer untouched."""
     from dflash_train.settings.train_config import TrainConfig
-    from dflash_train.training.data import collate, load_batch, sample_anchors
+    from dflash_train.training.batch import collate, load_batch
+    from dflash_train.training.epoch_plan import sample_anchors
     from dflash_train.training.noise import apply_noise
-    from dflash_train.training.trainer import on_device
+    from dflash_train.training.train_step import on_device
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),

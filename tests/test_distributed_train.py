@@ -23,9 +23,9 @@ from dflash_cache import open_cache
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.model_config import ModelConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.data import EpochPlan
 from dflash_train.training.distributed import shard_drafter
-from dflash_train.training.trainer import build_drafter
+from dflash_train.training.epoch_plan import EpochPlan
+from dflash_train.training.session import build_drafter
 
 # real torchrun processes (~1 minute): `make test-slow`, which CI runs after `make test`
 pytestmark = pytest.mark.slow
@@ -41,9 +41,10 @@ ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-token
         "--noise", "cosine", "--grad-clip", "0.003", "--quiet"]
 
 
-def _torchrun(*args):
+def _torchrun(*args, ranks: int = 2):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python", CLI, *args],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--no-python",
+                           CLI, *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -172,6 +173,25 @@ def test_fsdp_equals_one_process_and_resumes_across_world_sizes_and_strategies(t
     one_then_fsdp = _resumed(single, tmp_path / "one_then_fsdp")
     _torchrun("run", "--cache", cache_url, "--out", str(one_then_fsdp), "--resume", "--strategy", "fsdp", *ARGS)
     _assert_continues(single, one_then_fsdp)
+
+
+def test_two_ranks_resumed_on_one_train_a_micro_batch_per_partition(tmp_path, cache_url):  # noqa: F811
+    """A two-rank run resumed under torchrun on one rank: that rank owns both partitions and trains
+    each one's batch as its own micro-batch (no forward over --batch-tokens, where one merged batch
+    was up to twice that), scaled so the step's gradient is the merged batch's: the same loader
+    state and weights as the two-rank run, and its losses step for step."""
+    two = tmp_path / "two"
+    _torchrun("run", "--cache", cache_url, "--out", str(two), *ARGS)
+    resumed = _resumed(two, tmp_path / "two_then_one")
+    _torchrun("run", "--cache", cache_url, "--out", str(resumed), "--resume", *ARGS, ranks=1)
+    after = _metrics(resumed, "train")[-3:]  # metrics.jsonl is the copied run's, continued
+    assert [r["step"] for r in after] == [4, 5, 6]
+    assert all(0 < r["micro_batch_tokens"] <= 100 for r in after), [r["micro_batch_tokens"] for r in after]
+    assert max(r["micro_batch_tokens"] for r in _metrics(two, "train")) <= 100
+    for a, b in zip(after, _metrics(two, "train")[3:]):
+        assert a["positions"] == b["positions"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    _assert_continues(two, resumed)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -21,8 +21,9 @@ from dflash_train.settings.loss_config import LossConfig
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.sweep.grid import expand_grid, parse_grid, run_overrides
 from dflash_train.training.export import load_drafter, read_export_config
-from dflash_train.training.loss import DraftHeads, block_loss, bucket_alpha
+from dflash_train.training.loss import DraftHeads, block_loss
 from dflash_train.training.model import DFlashDrafter
+from dflash_train.training.objectives import bucket_alpha
 
 
 @pytest.mark.parametrize("overrides", [

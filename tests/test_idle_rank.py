@@ -19,8 +19,9 @@ from helpers import qa_rows
 from dflash_cache import open_cache
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.loss_config import LossConfig
-from dflash_train.training.data import Batch, EpochPlan
-from dflash_train.training.loss import batch_loss
+from dflash_train.training.batch import Batch
+from dflash_train.training.batch_objective import batch_loss
+from dflash_train.training.epoch_plan import EpochPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-train"))

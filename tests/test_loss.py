@@ -479,7 +479,7 @@ def test_autocast_does_not_lower_logit_precision():
 def test_bf16_head_rounds_the_matmul_inputs_and_keeps_fp32_accumulation():
     """head_matmul bf16: the loss of bf16-rounded states and head accumulated in fp32 (what cuBLAS
     computes on CUDA), close to fp32's; CPU keeps the stored head in fp32, CUDA holds it in bf16."""
-    from dflash_train.training.loss import head_dtype, head_logits
+    from dflash_train.training.objectives import head_dtype, head_logits
 
     states, lm_head, targets, ids, logprobs, valid, b = random_batch(5)
     states = states.detach().requires_grad_()

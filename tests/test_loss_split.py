@@ -20,10 +20,10 @@ import torch
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.loss_config import WEIGHTINGS, LossConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.data import Batch
+from dflash_train.training.batch import Batch
 from dflash_train.training.distributed import DistInfo, data_parallel, gradient_sync, init_distributed, shutdown
 from dflash_train.training.model import DFlashDrafter
-from dflash_train.training.trainer import micro_step
+from dflash_train.training.train_step import micro_step
 
 # real torchrun processes: `make test-slow`
 pytestmark = pytest.mark.slow

@@ -23,13 +23,15 @@ from dflash_train.settings.dspark_config import DSparkConfig
 from dflash_train.settings.loss_config import LOSS_KINDS, WEIGHTINGS, LossConfig
 from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.data import EpochPlan, LoaderState, collate, hidden_buffer, load_batch, train_loader
+from dflash_train.training.batch import collate, hidden_buffer, load_batch
+from dflash_train.training.batch_objective import block_targets
+from dflash_train.training.data import LoaderState, train_loader
 from dflash_train.training.distributed import DistInfo
+from dflash_train.training.epoch_plan import EpochPlan
 from dflash_train.training.heldout import evaluate_heldout
 from dflash_train.training.layout import padding_fraction, sequence_starts, slots, token_positions
-from dflash_train.training.loss import block_targets
 from dflash_train.training.model import DFlashDrafter
-from dflash_train.training.trainer import micro_step, on_device
+from dflash_train.training.train_step import micro_step, on_device
 
 VOCAB, HIDDEN, K, LAYERS = 61, 32, 5, 2
 LENGTHS = (23, 9, 31, 14, 27)
@@ -185,7 +187,7 @@ def test_loader_reads_straight_into_the_packed_batch(cache_url):
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     buffer, views = hidden_buffer(cache, lengths, PACKED)
     assert buffer.shape[:2] == (1, sum(lengths)) and all(np.shares_memory(buffer, v) for v in views)
-    from dflash_train.training.data import make_batch
+    from dflash_train.training.batch import make_batch
 
     batch = make_batch([cache.shards[s].read(i, v) for (s, i), v in zip(refs, views)], cfg, 0, buffer)
     assert batch.hidden.data_ptr() == buffer.ctypes.data  # the tensor is the buffer read into

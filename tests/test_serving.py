@@ -32,7 +32,8 @@ from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.settings.train_config import TrainConfig
 from dflash_train.settings.vllm_config import VllmConfig
 from dflash_train.training.export import export_drafter
-from dflash_train.training.trainer import build_drafter, train
+from dflash_train.training.session import build_drafter
+from dflash_train.training.trainer import train
 
 pytestmark = pytest.mark.serving
 

@@ -26,9 +26,10 @@ from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.loss_config import LossConfig
 from dflash_train.settings.model_config import ModelConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.data import Batch, EpochPlan, load_batch
-from dflash_train.training.loss import batch_loss
-from dflash_train.training.trainer import build_drafter, lr_factor
+from dflash_train.training.batch import Batch, load_batch
+from dflash_train.training.batch_objective import batch_loss
+from dflash_train.training.epoch_plan import EpochPlan
+from dflash_train.training.session import build_drafter, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (0, 2)

@@ -26,7 +26,8 @@ from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError
 from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
-from dflash_train.training.data import EpochPlan, is_heldout, load_batch
+from dflash_train.training.batch import load_batch
+from dflash_train.training.epoch_plan import EpochPlan, is_heldout
 
 RUN = ["--steps", "2", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300", "--eval-sequences", "0",
        "--heldout-fraction", "0.05", "--quiet"]

@@ -83,7 +83,7 @@ class TrainConfig:
 
     grad_reduce_dtype: str = "fp32"
     """Dtype the gradients cross ranks in under torchrun: "fp32" (exact; a 2-process run equals
-    one process) or "bf16" (half the bytes: DDP's bf16 compression hook, FSDP2's reduce_dtype;
+    one process) or "bf16" (half the bytes: DDP's bf16 compression hook, FSDP2's bf16 reduce-scatter;
     each rank's gradient is rounded to bf16 before the sum). One reduction per optimizer step
     either way: gradient accumulation reduces only at its last batch."""
 

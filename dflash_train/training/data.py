@@ -1,18 +1,5 @@
-"""Streaming training data from a cache: deterministic epoch plans, anchors, batches.
-
-Everything that decides *what* a step sees is a pure function of (the split's lengths, seed,
-epoch, partitions, step): the held-out split, each epoch's cut of the sequences into partitions
-and lanes, their order and their batches, and each sequence's anchors (its noise, too, but the
-trainer adds that on its device: dflash_train.training.noise). The loader only executes that
-plan, so a run resumed from a checkpoint's loader state sees exactly the batches an
-uninterrupted run would, whatever the worker count.
-
-Each rank reads only its share (docs/design.md, "Per-rank epoch plans"): an epoch's sequences,
-shard after shard in a seeded order, are cut into ``partitions`` contiguous spans of equal tokens
-(whole shards, plus at most one shard split at each end), each span into lanes that the loader
-workers read. Global step s is batch s of every partition; a rank owns a contiguous block of
-partitions, so it reads 1/W of the cache per epoch, and a run resumes on any world size that owns
-at least one partition a rank with the same global batches.
+"""The training loader: this rank's planned batches (dflash_train.training.epoch_plan), read
+ahead from the cache and laid out (dflash_train.training.batch), step after step, epoch after epoch.
 
 Nothing of a shard is used before its bytes match the checksums of its commit record: the plan
 checks each shard's sequences.arrow, and the loader its tokens.arrow and hidden states before it
@@ -25,75 +12,17 @@ from __future__ import annotations
 
 import collections
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import torch
-import xxhash
 
 from dflash_cache import Cache, open_cache
-from dflash_common.errors import CacheError, ConfigError, DFlashError
-from dflash_train.settings.data_config import PACKED, PADDED, DataConfig
-from dflash_train.training.layout import sequence_starts, slots
-
-
-def _unit_hash(text: str, salt: int) -> float:
-    return xxhash.xxh64_intdigest(text.encode(), seed=salt) / 2.0**64
-
-
-def is_heldout(seq_id: str, fraction: float) -> bool:
-    """The held-out split depends on the id alone, so it is stable across rebuilds and seeds."""
-    return _unit_hash(seq_id, 0x5EED) < fraction
-
-
-def heldout_mask(ids: list[str], fraction: float) -> np.ndarray:
-    """is_heldout of each id (no hash at all when nothing is held out)."""
-    if fraction <= 0:
-        return np.zeros(len(ids), dtype=bool)
-    return np.fromiter((is_heldout(i, fraction) for i in ids), dtype=bool, count=len(ids))
-
-
-def _generator(key0: int, key1: int, counter0: int = 0, counter1: int = 0) -> np.random.Generator:
-    """A counter-based generator: draws depend only on these four numbers."""
-    key = np.array([key0 % 2**64, key1 % 2**64], dtype=np.uint64)
-    counter = np.array([counter0 % 2**64, counter1 % 2**64, 0, 0], dtype=np.uint64)
-    return np.random.Generator(np.random.Philox(key=key, counter=counter))
-
-
-def epoch_order(sizes: list[int], seed: int, epoch: int) -> list[tuple[int, int]]:
-    """(shard, sequence) pairs of one epoch: shards in a seeded order, sequences shuffled within
-    each shard, so reads stay local to a shard while every epoch differs."""
-    rng = _generator(seed, epoch, 1)
-    order = []
-    for shard in rng.permutation(len(sizes)):
-        order.extend((int(shard), int(i)) for i in rng.permutation(sizes[shard]))
-    return order
-
-
-def cut_batches(order: list[tuple[int, int]], lengths: list[np.ndarray], batch_tokens: int) -> list[list[tuple[int, int]]]:
-    """Cut an ordered list of sequences into consecutive batches of at most batch_tokens tokens."""
-    batches, current, tokens = [], [], 0
-    for shard, i in order:
-        n = int(lengths[shard][i])
-        if current and tokens + n > batch_tokens:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append((shard, i))
-        tokens += n
-    if current:
-        batches.append(current)
-    return batches
-
-
-def sample_anchors(loss_mask: np.ndarray, num_anchors: int, seed: int, epoch: int, seq_id: str) -> np.ndarray:
-    """Up to num_anchors positions a (sorted) with 1 <= a and loss_mask[a+1] = 1, drawn without
-    replacement; a pure function of (seed, epoch, sequence id)."""
-    eligible = np.flatnonzero(loss_mask[2:]) + 1  # a such that a + 1 is a loss position, a >= 1
-    if len(eligible) <= num_anchors:
-        return eligible.astype(np.int64)
-    rng = _generator(seed, xxhash.xxh64_intdigest(seq_id.encode()), epoch, 2)
-    return np.sort(rng.choice(eligible, size=num_anchors, replace=False)).astype(np.int64)
+from dflash_common.errors import CacheError, DFlashError
+from dflash_train.settings.data_config import DataConfig
+from dflash_train.training.batch import Batch, hidden_buffer, load_batch, make_batch
+from dflash_train.training.batch import collate as collate  # re-exported: measuring.decode_report imports it from here
+from dflash_train.training.epoch_plan import EpochPlan, cut_batches, micro_batches_per_step
 
 
 @dataclass
@@ -111,356 +40,6 @@ class LoaderState:
         return dict(self.__dict__)
 
 
-@dataclass
-class Batch:
-    """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.training.layout):
-    [N, T_max] padded, [1, sum T] packed; ``lengths`` and ``anchors`` are per sequence either way
-    (anchors in the sequence's own positions, -1 in unused slots). ``hidden`` leaves the loader in
-    the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``."""
-
-    ids: list[str]
-    hidden: torch.Tensor  # [R, W, L, H]
-    input_ids: torch.Tensor  # [R, W] long
-    loss_mask: torch.Tensor  # [R, W] bool
-    lengths: torch.Tensor  # [N]
-    topk_ids: torch.Tensor  # [R, W, k] long
-    topk_logprobs: torch.Tensor  # [R, W, k] float32
-    anchors: torch.Tensor  # [N, A] long
-    state_after: dict = field(default_factory=dict)
-    layout: str = PADDED
-
-    @property
-    def starts(self) -> torch.Tensor:
-        """Flat index [N] of each sequence's position 0 in the per-token tensors (flattened over
-        their first two dimensions)."""
-        return sequence_starts(self.lengths, self.layout, self.input_ids.shape[1])
-
-    @property
-    def packed_lengths(self) -> torch.Tensor | None:
-        """The lengths when packed (the drafter's ``packed_lengths``), None when padded."""
-        return self.lengths if self.layout == PACKED else None
-
-    def sequence(self, name: str, index: int) -> torch.Tensor:
-        """Sequence `index`'s own part [T, ...] of the per-token tensor `name`."""
-        start, length = int(self.starts[index]), int(self.lengths[index])
-        return getattr(self, name).flatten(0, 1)[start:start + length]
-
-    @classmethod
-    def empty(cls) -> "Batch":
-        """A rank's batch at a step where its partitions ran out (or never held a sequence)."""
-        none = torch.zeros(0)
-        return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
-                   topk_logprobs=none, anchors=none)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def pin_memory(self) -> "Batch":
-        """Page-locked copies of the tensors (the DataLoader calls this with pin_memory=True), so
-        the copy to the GPU can overlap the step."""
-        pinned = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return Batch(**pinned)
-
-    def to(self, device) -> "Batch":
-        """The batch on `device`, hidden states in float32 (converted there, after the copy)."""
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        moved["hidden"] = moved["hidden"].float()
-        return Batch(**moved)
-
-
-def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray,
-            layout: str = PADDED) -> Batch:
-    """Lay sequences out as one batch in ``layout`` (filled in numpy, handed to torch without a
-    copy). ``hidden`` is each sequence's hidden states, copied here in the first one's dtype, or
-    the batch's hidden states already filled (the loader reads into it: ``hidden_buffer``)."""
-    n = len(records)
-    shape, where = slots([len(r) for r in records], layout)
-    num_anchors = max(1, max(len(a) for a in anchors))
-    k = records[0].topk_ids.shape[1]
-    filled = isinstance(hidden, np.ndarray)
-    out_hidden = hidden if filled else np.zeros((*shape, *hidden[0].shape[1:]), dtype=hidden[0].dtype)
-    input_ids = np.zeros(shape, dtype=np.int64)
-    loss_mask = np.zeros(shape, dtype=bool)
-    topk_ids = np.zeros((*shape, k), dtype=np.int64)
-    topk_logprobs = np.zeros((*shape, k), dtype=np.float32)
-    anchor_ids = np.full((n, num_anchors), -1, dtype=np.int64)
-    for i, (record, a, (row, start)) in enumerate(zip(records, anchors, where)):
-        span = slice(start, start + len(record))
-        if not filled:
-            out_hidden[row, span] = hidden[i]
-        input_ids[row, span] = record.input_ids
-        loss_mask[row, span] = record.loss_mask
-        topk_ids[row, span] = record.topk_ids
-        topk_logprobs[row, span] = record.topk_logprobs
-        anchor_ids[i, : len(a)] = a
-    return Batch(ids=[r.id for r in records], hidden=_tensor(out_hidden),
-                 input_ids=torch.from_numpy(input_ids), loss_mask=torch.from_numpy(loss_mask),
-                 lengths=torch.tensor([len(r) for r in records]), topk_ids=torch.from_numpy(topk_ids),
-                 topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids), layout=layout)
-
-
-def hidden_buffer(cache: Cache, lengths: list[int], layout: str, pinned: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The zeroed hidden-state tensor of a batch of these sequence lengths in ``layout`` and each
-    sequence's view into it, for the reader to fill in place (no copy after the read). A packed
-    batch is ``Cache.padded_hidden`` of one row as long as all the sequences together."""
-    shape, where = slots(lengths, layout)
-    buffer = cache.padded_hidden([shape[1]] * shape[0], pinned=pinned)
-    return buffer, [buffer[row, start:start + t] for (row, start), t in zip(where, lengths)]
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """torch has no numpy bfloat16: ml_dtypes' bf16 crosses as its bit pattern."""
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-LANES = 8
-"""At most this many lanes per partition: loader workers read disjoint shards when their count
-divides the lanes (1, 2, 4 or 8)."""
-LANE_MIN_BATCHES = 64
-"""A partition is cut into more lanes only while each keeps at least this many batches: a lane's
-last batch is partial, so a small cache keeps one lane and packs its batches as one stream."""
-SHUFFLE_BLOCK = (2, 6)
-"""Shard pieces per shuffle block (drawn per block, inclusive): sequences are shuffled across the
-few consecutive shards of a block, so a batch mixes shards while reads stay local."""
-
-
-def lanes_per_partition(partition_tokens: float, batch_tokens: int) -> int:
-    """1, 2, 4 or 8 lanes: as many as keep LANE_MIN_BATCHES batches in each."""
-    lanes = 1
-    while lanes < LANES and partition_tokens >= 2 * lanes * LANE_MIN_BATCHES * batch_tokens:
-        lanes *= 2
-    return lanes
-
-
-@dataclass(frozen=True)
-class PartitionPlan:
-    """One partition's batches of an epoch: batch b is sequences ``bounds[b]:bounds[b + 1]`` of
-    (``shard``, ``position``): the shard's index and the sequence's position among the shard's
-    planned sequences."""
-
-    shard: np.ndarray
-    position: np.ndarray
-    bounds: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.bounds) - 1
-
-    def batch(self, b: int) -> list[tuple[int, int]]:
-        lo, hi = self.bounds[b], self.bounds[b + 1]
-        return list(zip(self.shard[lo:hi].tolist(), self.position[lo:hi].tolist()))
-
-
-def _cut_bounds(tokens: np.ndarray, batch_tokens: int) -> np.ndarray:
-    """Where consecutive batches of at most batch_tokens start (cut_batches' rule: a longer
-    sequence forms a batch alone), plus the end. Each sequence's furthest batch end is found at
-    once; only the batch starts are walked."""
-    cumulative = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
-    reach = np.searchsorted(cumulative, cumulative[:-1] + batch_tokens, side="right") - 1
-    reach = np.maximum(reach, np.arange(1, len(tokens) + 1)).tolist()
-    bounds, i = [0], 0
-    while i < len(tokens):
-        i = reach[i]
-        bounds.append(i)
-    return np.array(bounds, dtype=np.int64)
-
-
-def _take_in_turn(perms: list[np.ndarray], bounds: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Lanes' batches (lane l: batch k is perms[l][bounds[l][k]:bounds[l][k + 1]]) taken in turn,
-    batch 0 of every lane, then batch 1, ..., skipping lanes that ran out: the sequences in that
-    order and where each batch starts."""
-    offsets = np.cumsum([0] + [len(p) for p in perms])[:-1]
-    starts = np.concatenate([o + b[:-1] for o, b in zip(offsets, bounds)])
-    sizes = np.concatenate([np.diff(b) for b in bounds])
-    turn = np.concatenate([np.arange(len(b) - 1) for b in bounds]) * len(perms)
-    lane = np.repeat(np.arange(len(perms)), [len(b) - 1 for b in bounds])
-    order = np.argsort(turn + lane, kind="stable")
-    starts, sizes = starts[order], sizes[order]
-    ends = np.cumsum(sizes)
-    picked = np.concatenate(perms)[np.repeat(starts - (ends - sizes), sizes) + np.arange(int(ends[-1]) if len(ends) else 0)]
-    return picked, np.concatenate([[0], ends])
-
-
-def _block_order(pieces: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A permutation of a lane's sequences (``pieces``: each one's shard piece, nondecreasing)
-    shuffled within blocks of SHUFFLE_BLOCK consecutive pieces, blocks kept in order."""
-    count = int(pieces[-1]) + 1 if len(pieces) else 0
-    sizes = rng.integers(SHUFFLE_BLOCK[0], SHUFFLE_BLOCK[1] + 1, size=count // SHUFFLE_BLOCK[0] + 1)
-    block_of_piece = np.repeat(np.arange(len(sizes)), sizes)[:count]
-    key = (block_of_piece[pieces].astype(np.int64) << 32) | rng.integers(0, 2**32, size=len(pieces), dtype=np.int64)
-    return np.argsort(key)
-
-
-def plan_partitions(sizes: np.ndarray, tokens: np.ndarray, seed: int, epoch: int, partitions: int,
-                    batch_tokens: int) -> list[PartitionPlan]:
-    """The epoch's batches of every partition, a pure function of the split's shape (``sizes[s]``:
-    shard s's planned sequences; ``tokens``: their lengths, shard after shard), seed, epoch,
-    partition count and token budget.
-
-    Shards in a seeded order form one line of sequences; the line is cut into ``partitions`` x
-    lanes contiguous spans of equal tokens (by each sequence's token midpoint: balanced to a
-    sequence; a shard is split only where a span ends). Each span (a lane) is shuffled within
-    blocks of a few shard pieces, then cut into batches of at most ``batch_tokens`` tokens. A
-    partition's batches take its lanes in turn (lane b mod lanes while none has run out), so
-    loader worker w of a count dividing the lanes reads only its own lanes' shards. Array work
-    throughout: a 100k-shard split plans without a Python step per shard."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    order = _generator(seed, epoch, 1).permutation(len(sizes))
-    order = order[sizes[order] > 0]
-    counts = sizes[order]
-    total_seqs = int(counts.sum())
-    if total_seqs == 0:
-        return [PartitionPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64))] * partitions
-    shard = np.repeat(order, counts)
-    starts = np.cumsum(counts) - counts
-    position = np.arange(total_seqs) - np.repeat(starts, counts)
-    first = np.cumsum(sizes) - sizes  # each shard's first sequence in ``tokens``
-    tokens = np.asarray(tokens, dtype=np.int64)[first[shard] + position]
-    total = int(tokens.sum())
-    lanes = lanes_per_partition(total / partitions, batch_tokens)
-    spans = partitions * lanes
-    cumulative = np.cumsum(tokens)
-    span = np.minimum((2 * cumulative - tokens) * spans // (2 * total), spans - 1)  # by each sequence's midpoint
-    # a piece: a run of one shard's sequences in one span
-    piece = np.concatenate([[0], np.cumsum((shard[1:] != shard[:-1]) | (span[1:] != span[:-1]))])
-    edges = np.searchsorted(span, np.arange(spans + 1))
-    plans = []
-    for p in range(partitions):
-        perms, bounds = [], []
-        for j in range(p * lanes, (p + 1) * lanes):
-            lo, hi = edges[j], edges[j + 1]
-            perm = lo + _block_order(piece[lo:hi] - (piece[lo] if hi > lo else 0), _generator(seed, epoch, 3, j))
-            perms.append(perm)
-            bounds.append(_cut_bounds(tokens[perm], batch_tokens) if hi > lo else np.zeros(1, np.int64))
-        picked, batch_bounds = _take_in_turn(perms, bounds)
-        plans.append(PartitionPlan(shard[picked], position[picked], batch_bounds))
-    return plans
-
-
-def owned_partitions(partitions: int, rank: int, world_size: int) -> range:
-    """The contiguous block of partitions rank ``rank`` of ``world_size`` reads (sizes differ by
-    at most one when the world size does not divide the partitions)."""
-    return range(rank * partitions // world_size, (rank + 1) * partitions // world_size)
-
-
-def resolve_partitions(configured: int, world_size: int, saved: int = 0) -> int:
-    """The partitions a session plans over: a resumed run's own (``saved``), else data.partitions,
-    else the world size. Every rank must own at least one partition (ConfigError)."""
-    partitions = saved or configured or world_size
-    if configured and saved and configured != saved:
-        raise ConfigError(f"--data-partitions {configured} differs from the {saved} partitions this run was planned "
-                          f"over; resume with --data-partitions {saved} (or 0)")
-    if partitions < world_size:
-        where = "this run was planned over" if saved else "--data-partitions gives"
-        raise ConfigError(f"{world_size} ranks need at least {world_size} partitions, but {where} {partitions}; "
-                          f"run on at most {partitions} ranks (a divisor of {partitions} gives every rank equal "
-                          "shares)" + ("" if saved else f", or pass --data-partitions {world_size} or 0"))
-    return partitions
-
-
-class EpochPlan:
-    """The training split of a cache and its batches per epoch (pure functions of the split's
-    lengths), planned from the cache's sequence table at once: no object or file per shard."""
-
-    def __init__(self, cache: Cache, cfg: DataConfig, heldout: bool = False):
-        self.cache, self.cfg = cache, cfg
-        # a skipped shard keeps its place (shard indices stay those of the cache) but is never
-        # read: its files may be missing or damaged
-        table = cache.sequence_table(skip=cfg.skip_shards)
-        shard = table.column("shard").to_numpy().astype(np.int64)
-        lengths = table.column("length").to_numpy().astype(np.int64)
-        # rows come shard after shard, each shard's in its own order: row first[s] + i is
-        # sequence i of shard s
-        self.first = np.searchsorted(shard, np.arange(len(cache.shards)))
-        keep = heldout_mask(table.column("id").to_pylist(), cfg.heldout_fraction) == heldout
-        self.rows = np.flatnonzero(keep)  # the split's rows, shard after shard
-        self.lengths = lengths  # of every row read, for the loader's buffers
-        self.sizes = np.bincount(shard[self.rows], minlength=len(cache.shards))
-        self.num_sequences = len(self.rows)
-        if self.num_sequences == 0:
-            split = "held-out" if heldout else "training"
-            raise CacheError(f"the {split} split of {cache.url} is empty ({len(cache)} sequences, held-out fraction {cfg.heldout_fraction}); use a larger cache or change --heldout-fraction")
-        self._shard, self._within = shard[self.rows], self.rows - self.first[shard[self.rows]]
-        self._start = np.cumsum(self.sizes) - self.sizes  # each shard's first position in the split
-        self._planned: tuple[tuple[int, int], list[PartitionPlan]] | None = None
-
-    def refs(self, planned: np.ndarray) -> list[tuple[int, int]]:
-        """(shard, sequence-in-shard) of the split's sequences at these positions (0 = its first)."""
-        return list(zip(self._shard[planned].tolist(), self._within[planned].tolist()))
-
-    def length(self, shard: int, i: int) -> int:
-        """Tokens of sequence ``i`` of shard ``shard`` (one of the split's)."""
-        return int(self.lengths[self.first[shard] + i])
-
-    def partitions(self, epoch: int, partitions: int = 1) -> list[PartitionPlan]:
-        """Each partition's batches of the epoch (positions among the planned sequences)."""
-        if self._planned is None or self._planned[0] != (epoch, partitions):
-            self._planned = (epoch, partitions), plan_partitions(self.sizes, self.lengths[self.rows], self.cfg.seed,
-                                                                 epoch, partitions, self.cfg.batch_tokens)
-        return self._planned[1]
-
-    def steps(self, epoch: int, partitions: int = 1) -> int:
-        """Steps of the epoch: its longest partition's batches (every rank runs them all)."""
-        return max(len(p) for p in self.partitions(epoch, partitions))
-
-    def rank_batch(self, epoch: int, partitions: int, rank: int, world_size: int, step: int) -> list[tuple[int, int]]:
-        """This rank's batch of (shard, sequence-in-shard) at one step of the epoch: that batch of
-        each partition it owns, together (empty once they ran out). Made when asked for, so an
-        epoch of a million sequences starts without listing them all."""
-        batch = []
-        for p in owned_partitions(partitions, rank, world_size):
-            part = self.partitions(epoch, partitions)[p]
-            if step < len(part):
-                lo, hi = part.bounds[step], part.bounds[step + 1]
-                batch += self.refs(self._start[part.shard[lo:hi]] + part.position[lo:hi])
-        return batch
-
-    def rank_batches(self, epoch: int, partitions: int = 1, rank: int = 0, world_size: int = 1) -> list[list[tuple[int, int]]]:
-        """rank_batch of every step of the epoch."""
-        return [self.rank_batch(epoch, partitions, rank, world_size, b) for b in range(self.steps(epoch, partitions))]
-
-    def batches(self, epoch: int, partitions: int = 1) -> list[list[tuple[int, int]]]:
-        """The global batches of (shard, sequence-in-shard) for one epoch: every partition's batch
-        of each step."""
-        return self.rank_batches(epoch, partitions)
-
-    def idle_ranks(self, epoch: int, partitions: int, world_size: int) -> list[int]:
-        """Ranks whose partitions hold no sequence in this epoch."""
-        plans = self.partitions(epoch, partitions)
-        return [r for r in range(world_size)
-                if not any(len(plans[p]) for p in owned_partitions(partitions, r, world_size))]
-
-
-def idle_ranks_warning(plan: EpochPlan, epoch: int, partitions: int, world_size: int) -> str | None:
-    """The one line that says some rank gets no training sequence this epoch (it runs idle steps)."""
-    idle = plan.idle_ranks(epoch, partitions, world_size)
-    if not idle:
-        return None
-    filled = sum(len(p) > 0 for p in plan.partitions(epoch, partitions))
-    return (f"warning: {len(idle)} of {world_size} ranks get no training sequence in epoch {epoch} (rank(s) "
-            f"{', '.join(map(str, idle))}): the split's {plan.num_sequences} sequences fill {filled} of the {partitions} "
-            "partitions; those ranks run idle steps. Use fewer ranks or a larger cache")
-
-
-def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
-    """Anchor and lay out one planned batch of records in cfg.layout; the hidden states stay in
-    the cache's dtype. ``hidden``: the batch's hidden states the records were read into, if they were."""
-    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
-    return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden, cfg.layout)
-
-
-def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
-    """Read, anchor and lay out one planned batch, each sequence read straight into its place,
-    once the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
-    cache.ensure_intact(shards=[s for s, _ in refs])
-    lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
-    hidden, views = hidden_buffer(cache, lengths, cfg.layout)
-    records = [cache.shards[s].read(i, view) for (s, i), view in zip(refs, views)]
-    return make_batch(records, cfg, epoch, hidden)
-
-
 READ_AHEAD_BATCHES = 4
 
 
@@ -475,10 +54,14 @@ class TrainStream(torch.utils.data.IterableDataset):
     """This rank's batches from a loader state onwards, forever (epoch after epoch).
 
     The plan is over ``state.partitions`` partitions (the world size when the state has none);
-    this rank executes its own partitions' batch of every step, an empty batch once they ran out
-    (the epoch lasts as long as its longest partition, on every rank). Worker w of W executes
-    steps w, w+W, ...; the DataLoader interleaves workers in order, so the stream is the same for
-    any worker count, and a worker count dividing the plan's lanes reads disjoint shards.
+    this rank executes its own partitions' batch of every step, one Batch (a micro-batch) per
+    partition it owns, ``micro_batches_per_step`` of them every step on every rank (an empty Batch
+    for a partition that ran out or a rank owning fewer; the epoch lasts as long as its longest
+    partition). Worker w of W executes micro-batches w, w+W, ... of the stream; the DataLoader
+    interleaves workers in order, so the stream is the same for any worker count, and with one
+    partition a rank a worker count dividing the plan's lanes reads disjoint shards. A micro-batch's
+    ``state_after`` is the loader state once its whole step is done (its step's start for the
+    step's other micro-batches).
     """
 
     def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
@@ -494,23 +77,28 @@ class TrainStream(torch.utils.data.IterableDataset):
         self.pinned = pinned and cfg.num_workers == 0
 
     def _jobs(self, plan: EpochPlan, worker: int, workers: int):
-        """(this rank's batch, global step counter, epoch, loader state after it) of every step
-        this worker executes, in order."""
+        """(one micro-batch of this rank, epoch, loader state after it) of every micro-batch this
+        worker executes, in order."""
         epoch, start, done = self.state.epoch, self.state.batch_in_epoch, self.state.batches_done
-        position = 0  # steps emitted by the whole stream (all workers)
+        micro = micro_batches_per_step(self.partitions, self.world_size)
+        position = 0  # micro-batches emitted by the whole stream (all workers)
         while True:
             steps = plan.steps(epoch, self.partitions)
             for b in range(start, steps):
-                if position % workers == worker:
-                    last = b + 1 == steps
-                    after = LoaderState(epoch=epoch + 1 if last else epoch, batch_in_epoch=0 if last else b + 1,
-                                        batches_done=done + 1, seed=self.cfg.seed,
-                                        manifest_fingerprint=self.state.manifest_fingerprint,
-                                        partitions=self.partitions).to_dict()
-                    yield plan.rank_batch(epoch, self.partitions, self.rank, self.world_size, b), done, epoch, after
-                position += 1
+                if any((position + j) % workers == worker for j in range(micro)):
+                    before = self._state(epoch, b, done)
+                    after = self._state(epoch + 1, 0, done + 1) if b + 1 == steps else self._state(epoch, b + 1, done + 1)
+                    shares = plan.rank_micro_batches(epoch, self.partitions, self.rank, self.world_size, b)
+                    for j, share in enumerate(shares):
+                        if (position + j) % workers == worker:
+                            yield share, epoch, after if j + 1 == micro else before
+                position += micro
                 done += 1
             epoch, start = epoch + 1, 0
+
+    def _state(self, epoch: int, batch_in_epoch: int, done: int) -> dict:
+        return LoaderState(epoch=epoch, batch_in_epoch=batch_in_epoch, batches_done=done, seed=self.cfg.seed,
+                           manifest_fingerprint=self.state.manifest_fingerprint, partitions=self.partitions).to_dict()
 
     def __iter__(self):
         try:
@@ -545,7 +133,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         records = cache.read_ahead(rows(), read_ahead_budget(self.cfg, cache.hidden_bytes_per_token),
                                    self.cfg.read_threads, check=True)
         try:
-            for share, done, epoch, after in jobs:
+            for share, epoch, after in jobs:
                 shared = [next(records) for _ in share]  # a damaged shard: ShardIntegrityError, the one-line refusal
                 batch = make_batch(shared, self.cfg, epoch, filling.popleft()) if share else Batch.empty()
                 batch.state_after = after

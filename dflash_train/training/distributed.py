@@ -15,6 +15,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+try:  # FSDP2's custom reduce-scatter (torch 2.13 has it; not exported by name)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # an older torch: bf16 reduction through the policy's reduce_dtype
+    ReduceScatter = None
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -161,12 +166,32 @@ def shard_drafter(model: nn.Module, mesh, reduce_dtype: torch.dtype = torch.floa
     # The drafter returns its block states as a view; no caller changes them in place, which is
     # what FSDP warns about on every run.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPDFlashDrafter\) returned a view tensor")
-    # parameters stay in their dtype (autocast does the bf16 compute); only the reduce-scatter's may change
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    for layer in model.layers:
-        for unit in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # parameters and gradients stay fp32 (autocast does the bf16 compute). A bf16 reduction is
+    # the reduce-scatter's own (Bf16ReduceScatter), not the policy's reduce_dtype: with that, torch
+    # keeps the gradients it accumulates between micro-batches (gradient_sync) in bf16, rounding
+    # them once per micro-batch (FSDPParam.to_accumulated_grad_if_needed), where this way they
+    # accumulate in fp32 and are rounded once, at the step's reduction
+    units = [unit for layer in model.layers for unit in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp)]
+    own_comm = reduce_dtype == torch.bfloat16 and ReduceScatter is not None
+    policy = MixedPrecisionPolicy(reduce_dtype=None if own_comm else reduce_dtype)
+    for unit in [*units, model]:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+        if own_comm:
+            unit.set_custom_reduce_scatter(Bf16ReduceScatter())
+
+
+class Bf16ReduceScatter(ReduceScatter or object):
+    """FSDP2's reduce-scatter with the gradients crossing the ranks in bf16 (half the bytes) and
+    summed there, from and back to fp32 buffers."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        half = torch.empty_like(output_tensor, dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(half, input_tensor.to(torch.bfloat16), op=op, group=group)
+        output_tensor.copy_(half)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -192,6 +217,14 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor | None:
 
 def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
     return float(global_sum_tensor(torch.tensor([float(value)], dtype=torch.float64), info, device)[0])
+
+
+def global_sum_on_device(value: float, info: DistInfo, device: torch.device) -> torch.Tensor:
+    """Every rank's ``value`` summed, as a float64 tensor left on ``device`` (no host sync)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if info.active:
+        dist.all_reduce(t)
+    return t[0]
 
 
 def global_min(value: int, info: DistInfo, device: torch.device) -> int:

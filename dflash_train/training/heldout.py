@@ -9,9 +9,10 @@ from dflash_cache import Cache
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.loss_config import LossConfig
+from dflash_train.training.batch_objective import block_states
 from dflash_train.training.data import heldout_batches
 from dflash_train.training.dflash2 import unary_scores
-from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, block_states, tau_from_alpha
+from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, tau_from_alpha
 from dflash_train.training.model import DFlashDrafter
 
 SUMS = ("alpha", "greedy", "count", "loss")

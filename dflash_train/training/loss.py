@@ -1,16 +1,15 @@
-"""The drafter's training objective (docs/design.md, "The objective").
+"""A batch of blocks' loss (docs/design.md, "The objective"): ``block_loss`` assembles the
+per-position terms of dflash_train.training.objectives into the weighted loss, the acceptance
+sums the logs keep, DSpark's confidence BCE and DFlash2's selector term.
 
 Every function here is a pure tensor function over one batch of blocks laid out per draft
 position: column `p` of an `[M, P]` input is draft position `k = p + 1`, `P = block_size - 1`
 (DFlash) or `block_size` (DSpark's sample_from_anchor, where the anchor slot predicts too).
-The caller gathers, for every block and column, the drafter's final-norm output state of the
-slot that predicts `x_{a+k}`, that target token, the teacher's top-k at `t = a + k - 1`, and
-whether the position is valid; for DSpark also the Markov features and confidence logits
-(`DraftHeads`). This module turns that into the loss, the acceptance estimates and the
-confidence head's BCE term (the position weights it applies are dflash_train.training.weighting's).
-`batch_loss`, at the end, is the training objective of one batch: the batch's targets
-(`block_targets`, read from the loader's Batch here, so data flows loader -> model -> loss), the drafter's forward
-(`block_states`) gathered into those inputs, then the loss.
+The caller (dflash_train.training.batch_objective) gathers, for every block and column, the
+drafter's final-norm output state of the slot that predicts `x_{a+k}`, that target token, the
+teacher's top-k at `t = a + k - 1`, and whether the position is valid; for DSpark also the Markov
+features and confidence logits (`DraftHeads`). The position weights are
+dflash_train.training.weighting's.
 
 Full-vocabulary logits are the memory hazard (production: vocab 248,320), so they only ever
 exist for one chunk of valid positions at a time, and each chunk runs under activation
@@ -19,38 +18,17 @@ checkpointing so backward recomputes the chunk instead of keeping every chunk's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_train.settings.dflash2_config import DFlash2Config
-from dflash_train.settings.loss_config import (
-    LossConfig,
-)
-from dflash_train.training.dflash2 import training_candidates, unary_scores
-from dflash_train.training.weighting import (
-    position_weights,
-)
-
-if TYPE_CHECKING:
-    from dflash_train.training.data import Batch
-    from dflash_train.training.model import DFlashDrafter
-
-# -log(alpha) is floored here: a drafter that puts no mass on any of the teacher's buckets would
-# otherwise give an infinite loss and a NaN gradient.
-_NLA_FLOOR = 1e-5
-# log of a teacher bucket that holds no mass (a tail the top-k emptied), for the reverse
-# divergences, whose drafter-side mass there would otherwise cost infinitely.
-_LOG_EMPTY = math.log(1e-30)
-
-
-
-
+from dflash_train.settings.loss_config import LossConfig
+from dflash_train.training.objectives import chunk_terms, onpolicy_split
+from dflash_train.training.weighting import position_weights
 
 CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured")
 """The names of LossOutput.confidence_sums, in the order meters keep them."""
@@ -88,47 +66,6 @@ class DraftHeads:
 
     selector: DFlash2Config | None = None
     """DFlash2's settings: top-k, the unary scores' scale and cap, the selector loss's weight."""
-
-
-def set_head_matmul(head_matmul: str, device: torch.device) -> None:
-    """Let CUDA's fp32 matmuls (under bf16 autocast only the LM head in the loss) use TF32."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = head_matmul == "tf32"
-
-
-class _Bf16HeadLogits(torch.autograd.Function):
-    """fp32 logits of bf16 states and a bf16 head, accumulated in fp32 by cuBLAS (mm's out_dtype);
-    the head is frozen, so only the states get a gradient (bf16 inputs, fp32 accumulation too)."""
-
-    @staticmethod
-    def forward(ctx, states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        half = states.to(torch.bfloat16)
-        ctx.save_for_backward(head)
-        ctx.states_dtype = states.dtype
-        return torch.mm(half, head.to(torch.bfloat16).T, out_dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (head,) = ctx.saved_tensors
-        grad_states = torch.mm(grad.to(torch.bfloat16), head.to(torch.bfloat16), out_dtype=torch.float32)
-        return grad_states.to(ctx.states_dtype), None
-
-
-def head_logits(states: torch.Tensor, lm_head_weight: torch.Tensor, head_matmul: str = "fp32") -> torch.Tensor:
-    """fp32 logits [T, V] of states [T, H] through the frozen LM head [V, H] in the loss's
-    head_matmul precision (tf32 is fp32 here: set_head_matmul lets CUDA's fp32 matmuls use it).
-    bf16: on CUDA a bf16 GEMM with fp32 accumulation; elsewhere the same numbers computed in
-    fp32 from the bf16-rounded inputs (a product of two bf16 values is exact in fp32)."""
-    if head_matmul != "bf16":
-        return states.float() @ lm_head_weight.float().T
-    if states.is_cuda:
-        return _Bf16HeadLogits.apply(states, lm_head_weight)
-    return states.to(torch.bfloat16).float() @ lm_head_weight.to(torch.bfloat16).float().T
-
-
-def head_dtype(head_matmul: str, device: torch.device) -> torch.dtype:
-    """The dtype the frozen LM head is held in: bf16 for head_matmul "bf16" on CUDA, else fp32."""
-    return torch.bfloat16 if head_matmul == "bf16" and device.type == "cuda" else torch.float32
 
 
 @dataclass
@@ -173,126 +110,6 @@ def tau_from_alpha(alpha_mean: torch.Tensor | Sequence[float]) -> float:
     was, and the anchor's verified token always counts as one."""
     alpha = torch.as_tensor(alpha_mean, dtype=torch.float64).reshape(-1)
     return float(1.0 + torch.cumprod(alpha, dim=0).sum())
-
-
-def bucket_kl(
-    teacher_p: torch.Tensor,
-    log_q: torch.Tensor,
-    teacher_tail: torch.Tensor | None,
-    log_q_tail: torch.Tensor | None,
-) -> torch.Tensor:
-    """[n] KL(p || q) over the k top-k buckets plus the tail bucket (omitted when None).
-
-    teacher_p [n, k] and teacher_tail [n] are probabilities; log_q [n, k] and log_q_tail [n]
-    are the drafter's log-probabilities of the same buckets. 0 * log 0 counts as 0, and the
-    top-k is never renormalised: that would reward moving the tail's mass into the top-k.
-    """
-    kl = (torch.xlogy(teacher_p, teacher_p) - teacher_p * log_q).sum(-1)
-    if teacher_tail is not None:
-        kl = kl + torch.xlogy(teacher_tail, teacher_tail) - teacher_tail * log_q_tail
-    return kl
-
-
-def bucket_alpha(teacher_p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[n] acceptance rate alpha = sum_b min(p_b, q_b) over buckets [n, b] (the top-k ids, then
-    the tail): the one definition of alpha, which the offline tau, the position weights and the
-    tv, nla and lk_hybrid terms share. Within the tail mass may overlap token by token, so this
-    is a lower bound of the full-vocabulary overlap, exact when the top-k covers the vocabulary."""
-    return torch.minimum(teacher_p, q).sum(-1)
-
-
-def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch.Tensor, ce: torch.Tensor,
-                  lk_eta: float) -> dict[str, torch.Tensor]:
-    """[n] per-position values of the named terms from bucket log-probabilities [n, b] (the
-    top-k buckets, then the tail bucket if any) of the teacher and the drafter."""
-    p, q = teacher_logp.exp(), log_q.exp()
-    out: dict[str, torch.Tensor] = {}
-    alpha = bucket_alpha(p, q)
-    kl = bucket_kl(p, log_q, None, None)
-    for name in names:
-        if name == "ce":
-            out[name] = ce
-        elif name == "kl":
-            out[name] = kl
-        elif name == "tv":
-            out[name] = 1.0 - alpha
-        elif name == "nla":
-            out[name] = -torch.log(alpha.clamp(min=_NLA_FLOOR))
-        elif name == "lk_hybrid":
-            blend = torch.exp(-lk_eta * alpha.detach())
-            out[name] = blend * kl + (1.0 - blend) * (1.0 - alpha)
-        elif name == "rkl":
-            out[name] = (q * (log_q - teacher_logp.clamp(min=_LOG_EMPTY))).sum(-1)
-        elif name == "jsd":
-            log_m = torch.logaddexp(teacher_logp, log_q) - math.log(2.0)
-            out[name] = 0.5 * ((torch.xlogy(p, p) - p * log_m).sum(-1) + (q * (log_q - log_m)).sum(-1))
-    return out
-
-
-def _chunk_terms(
-    states: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    features: torch.Tensor | None,
-    bias_weight: torch.Tensor | None,
-    targets: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_logprobs: torch.Tensor,
-    names: tuple[str, ...],
-    lk_eta: float,
-    has_tail: bool,
-    head_matmul: str = "fp32",
-    selector_context: torch.Tensor | None = None,
-    successor_codebook: torch.Tensor | None = None,
-    selector: DFlash2Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence, selector
-    values [4, T] named by SELECTOR_SUMS, or [0, T] without a selector) for n gathered valid
-    positions; the only place full-vocabulary logits exist. Runs under checkpoint, so it must stay
-    deterministic. onpolicy_kl needs whole blocks, so it comes back as its two halves, kl and rkl,
-    which block_loss joins."""
-    # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
-    with torch.autocast(device_type=states.device.type, enabled=False):
-        logits = head_logits(states, lm_head_weight, head_matmul)
-        if features is not None:
-            logits = logits + features.float() @ bias_weight.float().T
-        log_norm = torch.logsumexp(logits, dim=-1)
-        log_q = logits.gather(1, topk_ids) - log_norm[:, None]
-        teacher_logp = topk_logprobs.float()
-        if has_tail:
-            teacher_tail = (1.0 - teacher_logp.exp().sum(-1)).clamp(min=0.0)
-            # log(1 - sum q) cancels catastrophically when the top-k holds nearly all the mass.
-            outside_topk = logits.scatter(1, topk_ids, float("-inf"))
-            log_q_tail = torch.logsumexp(outside_topk, dim=-1) - log_norm
-            log_q = torch.cat([log_q, log_q_tail[:, None]], dim=1)
-            # log(0) = -inf is what an empty tail is; xlogy and the clamps below handle it
-            teacher_logp = torch.cat([teacher_logp, torch.log(teacher_tail)[:, None]], dim=1)
-        ce = log_norm - logits.gather(1, targets[:, None]).squeeze(1)
-        terms = _bucket_terms(names, teacher_logp, log_q, ce, lk_eta)
-        per_term = torch.stack([terms[name] for name in names])
-
-        with torch.no_grad():
-            alpha = bucket_alpha(teacher_logp.exp(), log_q.exp())
-            greedy = (logits.argmax(dim=-1) == topk_ids[:, 0]).to(torch.float32)
-            confidence = torch.exp(-ce)
-        selected = (logits.new_zeros(0, logits.shape[0]) if selector is None
-                    else selector_terms(logits, selector_context, successor_codebook, topk_ids[:, 0], selector))
-    return per_term, alpha, greedy, confidence, selected
-
-
-def selector_terms(logits: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
-                   target_ids: torch.Tensor, selector: DFlash2Config) -> torch.Tensor:
-    """DFlash2's selector objective as speculators defines it, per position [4, T] (SELECTOR_SUMS'
-    order): the K-way cross-entropy of the teacher's top-1 among the drafter's top-k candidates
-    (put in the last slot where the top-k misses it), scored `unary + <context, S[candidate]>`,
-    then, without gradient, recall, the selector's hit and whether its choice left the top-1."""
-    candidates, index, contains = training_candidates(logits.topk(selector.selector_top_k, dim=-1).indices, target_ids)
-    unary = unary_scores(logits.gather(1, candidates), selector)
-    scores = unary + (successor_codebook[candidates].float() * context.float().unsqueeze(1)).sum(-1)
-    ce = F.cross_entropy(scores, index, reduction="none")
-    with torch.no_grad():
-        choice = scores.argmax(-1)
-        hit = (choice == index) & contains
-    return torch.stack([ce, contains.float(), hit.float(), (choice != 0).float()])
 
 
 def _check_inputs(states: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, topk_ids: torch.Tensor,
@@ -375,19 +192,10 @@ def block_loss(
     loss = (weights.reshape(-1).index_select(0, rows) * per_position).sum() / num_valid
 
     columns = rows % num_positions
-    confidence_sums = {}
-    if heads.confidence is not None:
-        bce, predicted, measured = _confidence_bce(heads, rows, alpha, greedy)
-        loss = loss + heads.confidence_alpha * bce.sum() / num_valid
-        confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
-                           zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
-    selector_sums = {}
-    if heads.selector is not None:
-        # weighted per position as the backbone's loss, as speculators weights its selector term
-        selected = weights.reshape(-1).index_select(0, rows) * selector[0]
-        loss = loss + heads.selector.selector_loss_alpha * selected.sum() / num_valid
-        selector_sums = {name: _sum_per_column(value, columns, num_positions)
-                         for name, value in zip(SELECTOR_SUMS, selector)}
+    extras, confidence_sums, selector_sums = _head_terms(heads, rows, columns, num_positions, alpha, greedy,
+                                                         weights.reshape(-1).index_select(0, rows), selector)
+    for extra in extras:
+        loss = loss + extra / num_valid
     return LossOutput(
         loss=loss,
         alpha_sum=_sum_per_column(alpha, columns, num_positions),
@@ -399,6 +207,27 @@ def block_loss(
         confidence_sums=confidence_sums,
         selector_sums=selector_sums,
     )
+
+
+def _head_terms(heads: DraftHeads, rows: torch.Tensor, columns: torch.Tensor, num_positions: int, alpha: torch.Tensor,
+                greedy: torch.Tensor, weights: torch.Tensor,
+                selector: torch.Tensor) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """What the heads add to block_loss: sums over valid positions (block_loss divides each by
+    their count) of DSpark's weighted confidence BCE and DFlash2's weighted selector term, and
+    their per-column sums (empty without the head). ``weights``: the valid positions' weights."""
+    extras = []
+    confidence_sums, selector_sums = {}, {}
+    if heads.confidence is not None:
+        bce, predicted, measured = _confidence_bce(heads, rows, alpha, greedy)
+        extras.append(heads.confidence_alpha * bce.sum())
+        confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
+                           zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
+    if heads.selector is not None:
+        # weighted per position as the backbone's loss, as speculators weights its selector term
+        extras.append(heads.selector.selector_loss_alpha * (weights * selector[0]).sum())
+        selector_sums = {name: _sum_per_column(value, columns, num_positions)
+                         for name, value in zip(SELECTOR_SUMS, selector)}
+    return extras, confidence_sums, selector_sums
 
 
 def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_positions: int) -> LossOutput:
@@ -432,7 +261,7 @@ def _valid_position_terms(
     cfg: LossConfig,
     names: tuple[str, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_chunk_terms over the valid positions (flat indices `rows` of the [M, P] grid), one chunk of
+    """chunk_terms over the valid positions (flat indices `rows` of the [M, P] grid), one chunk of
     full-vocabulary logits at a time: ([T, n] terms, alpha, greedy, confidence, [4 or 0, T]
     selector values), alpha and confidence detached."""
     num_blocks, num_positions, hidden = states.shape
@@ -458,7 +287,7 @@ def _valid_position_terms(
                 heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
                 float(cfg.lk_eta), has_tail, cfg.head_matmul, None if valid_context is None else valid_context[piece],
                 heads.successor_codebook, heads.selector)
-        parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
+        parts.append(checkpoint(chunk_terms, *args, use_reentrant=False) if recompute else chunk_terms(*args))
     per_term, alpha, greedy, confidence, selector = (torch.cat(piece, dim=-1) for piece in zip(*parts))
     return per_term, alpha.detach(), greedy, confidence.detach(), selector
 
@@ -483,7 +312,7 @@ def _confidence_bce(heads: DraftHeads, rows: torch.Tensor, alpha: torch.Tensor,
 
 
 def _computed_terms(weights_by_term: dict[str, float]) -> tuple[str, ...]:
-    """The terms _chunk_terms computes: the loss's own, onpolicy_kl as its kl and rkl halves."""
+    """The terms chunk_terms computes: the loss's own, onpolicy_kl as its kl and rkl halves."""
     names = set(weights_by_term) - {"onpolicy_kl"}
     if "onpolicy_kl" in weights_by_term:
         names |= {"kl", "rkl"}
@@ -496,17 +325,6 @@ def _on_grid(values: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int]) ->
     return flat.index_copy(0, rows, values.detach().float()).view(grid)
 
 
-def onpolicy_split(hits: torch.Tensor, valid: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The halves of onpolicy_kl on [M, P] greedy hits (drafter argmax == teacher top-1): which
-    positions the drafter's own greedy block gets accepted (every valid position up to them a hit;
-    invalid positions do not break the streak, as in streak_weights), and the reverse-KL weight
-    decay ** j of the j-th position after the first rejection (j = 0 at the rejected position)."""
-    accepted = torch.cumprod((hits | ~valid.bool()).long(), dim=1).bool()
-    since = (torch.cumsum((~accepted).long(), dim=1) - 1).clamp(min=0)
-    factor = torch.where(accepted, torch.zeros_like(since, dtype=torch.float32), float(decay) ** since.float())
-    return accepted, factor
-
-
 def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: int) -> torch.Tensor:
     """[P] detached float32 sums of per-valid-position values by block column."""
     totals = torch.zeros(num_positions, dtype=torch.float32, device=values.device)
@@ -514,55 +332,3 @@ def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: 
 
 
 # --- the objective of one batch: the drafter's forward, then the loss above ---------------------------
-
-
-def block_targets(batch: Batch, block_size: int, num_positions: int | None = None) -> dict[str, torch.Tensor]:
-    """Per draft position j = 1..P of every anchor a (P = num_positions, default block_size - 1;
-    block_size when the anchor slot predicts too): the token to predict (x_{a+j}), the teacher's
-    distribution of it (top-k at t = a+j-1) and whether the position counts (a+j < T, loss mask
-    set, anchor slot used). Shapes [N*A, P] (+ [k])."""
-    num_positions = block_size - 1 if num_positions is None else num_positions
-    n, a = batch.anchors.shape
-    k_offsets = torch.arange(1, num_positions + 1, device=batch.anchors.device)
-    pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
-    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
-    pos = torch.where(in_range, pos, torch.zeros_like(pos))
-    # both layouts: sequence i's position t is element starts[i] + t of the flattened tensors
-    starts = batch.starts.view(n, 1, 1)
-    flat, prev = starts + pos, starts + (pos - 1).clamp(min=0)
-    targets = batch.input_ids.flatten()[flat]
-    valid = in_range & batch.loss_mask.flatten()[flat]
-    k = batch.topk_ids.shape[-1]
-    topk_ids = batch.topk_ids.reshape(-1, k)[prev]
-    topk_logprobs = batch.topk_logprobs.reshape(-1, k)[prev]
-    return {
-        "targets": targets.view(n * a, -1),
-        "valid": valid.view(n * a, -1),
-        "topk_ids": topk_ids.view(n * a, num_positions, k),
-        "topk_logprobs": topk_logprobs.view(n * a, num_positions, k),
-    }
-
-
-def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor], DraftHeads]:
-    """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
-    (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
-    one must run the forward (DDP)."""
-    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
-                                                      packed_lengths=batch.packed_lengths)
-    targets = block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions)
-    if model.cfg.dflash2 is not None:  # the second output is the selector's context
-        return states, targets, DraftHeads(selector_context=features, selector=model.cfg.dflash2,
-                                           successor_codebook=model.candidate_selector.successor_codebook)
-    dspark = model.cfg.dspark
-    heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
-                       confidence=confidence)
-    if dspark is not None:
-        heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
-    return states, targets, heads
-
-
-def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
-    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
-    states, targets, heads = block_states(model, batch, forward)
-    return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads)

@@ -1,0 +1,137 @@
+"""One step's tensors: a planned batch of sequences read, anchored and laid out (padded or packed:
+dflash_train.training.layout) as a ``Batch``, and its trip to the training device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from dflash_cache import Cache
+from dflash_train.settings.data_config import PACKED, PADDED, DataConfig
+from dflash_train.training.epoch_plan import sample_anchors
+from dflash_train.training.layout import sequence_starts, slots
+
+
+@dataclass
+class Batch:
+    """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.training.layout):
+    [N, T_max] padded, [1, sum T] packed; ``lengths`` and ``anchors`` are per sequence either way
+    (anchors in the sequence's own positions, -1 in unused slots). ``hidden`` leaves the loader in
+    the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``."""
+
+    ids: list[str]
+    hidden: torch.Tensor  # [R, W, L, H]
+    input_ids: torch.Tensor  # [R, W] long
+    loss_mask: torch.Tensor  # [R, W] bool
+    lengths: torch.Tensor  # [N]
+    topk_ids: torch.Tensor  # [R, W, k] long
+    topk_logprobs: torch.Tensor  # [R, W, k] float32
+    anchors: torch.Tensor  # [N, A] long
+    state_after: dict = field(default_factory=dict)
+    layout: str = PADDED
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """Flat index [N] of each sequence's position 0 in the per-token tensors (flattened over
+        their first two dimensions)."""
+        return sequence_starts(self.lengths, self.layout, self.input_ids.shape[1])
+
+    @property
+    def packed_lengths(self) -> torch.Tensor | None:
+        """The lengths when packed (the drafter's ``packed_lengths``), None when padded."""
+        return self.lengths if self.layout == PACKED else None
+
+    def sequence(self, name: str, index: int) -> torch.Tensor:
+        """Sequence `index`'s own part [T, ...] of the per-token tensor `name`."""
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return getattr(self, name).flatten(0, 1)[start:start + length]
+
+    @classmethod
+    def empty(cls) -> "Batch":
+        """A rank's batch at a step where its partitions ran out (or never held a sequence)."""
+        none = torch.zeros(0)
+        return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
+                   topk_logprobs=none, anchors=none)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies of the tensors (the DataLoader calls this with pin_memory=True), so
+        the copy to the GPU can overlap the step."""
+        pinned = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**pinned)
+
+    def to(self, device) -> "Batch":
+        """The batch on `device`, hidden states in float32 (converted there, after the copy)."""
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        moved["hidden"] = moved["hidden"].float()
+        return Batch(**moved)
+
+
+def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray,
+            layout: str = PADDED) -> Batch:
+    """Lay sequences out as one batch in ``layout`` (filled in numpy, handed to torch without a
+    copy). ``hidden`` is each sequence's hidden states, copied here in the first one's dtype, or
+    the batch's hidden states already filled (the loader reads into it: ``hidden_buffer``)."""
+    n = len(records)
+    shape, where = slots([len(r) for r in records], layout)
+    num_anchors = max(1, max(len(a) for a in anchors))
+    k = records[0].topk_ids.shape[1]
+    filled = isinstance(hidden, np.ndarray)
+    out_hidden = hidden if filled else np.zeros((*shape, *hidden[0].shape[1:]), dtype=hidden[0].dtype)
+    input_ids = np.zeros(shape, dtype=np.int64)
+    loss_mask = np.zeros(shape, dtype=bool)
+    topk_ids = np.zeros((*shape, k), dtype=np.int64)
+    topk_logprobs = np.zeros((*shape, k), dtype=np.float32)
+    anchor_ids = np.full((n, num_anchors), -1, dtype=np.int64)
+    for i, (record, a, (row, start)) in enumerate(zip(records, anchors, where)):
+        span = slice(start, start + len(record))
+        if not filled:
+            out_hidden[row, span] = hidden[i]
+        input_ids[row, span] = record.input_ids
+        loss_mask[row, span] = record.loss_mask
+        topk_ids[row, span] = record.topk_ids
+        topk_logprobs[row, span] = record.topk_logprobs
+        anchor_ids[i, : len(a)] = a
+    return Batch(ids=[r.id for r in records], hidden=_tensor(out_hidden),
+                 input_ids=torch.from_numpy(input_ids), loss_mask=torch.from_numpy(loss_mask),
+                 lengths=torch.tensor([len(r) for r in records]), topk_ids=torch.from_numpy(topk_ids),
+                 topk_logprobs=torch.from_numpy(topk_logprobs), anchors=torch.from_numpy(anchor_ids), layout=layout)
+
+
+def hidden_buffer(cache: Cache, lengths: list[int], layout: str, pinned: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The zeroed hidden-state tensor of a batch of these sequence lengths in ``layout`` and each
+    sequence's view into it, for the reader to fill in place (no copy after the read). A packed
+    batch is ``Cache.padded_hidden`` of one row as long as all the sequences together."""
+    shape, where = slots(lengths, layout)
+    buffer = cache.padded_hidden([shape[1]] * shape[0], pinned=pinned)
+    return buffer, [buffer[row, start:start + t] for (row, start), t in zip(where, lengths)]
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """torch has no numpy bfloat16: ml_dtypes' bf16 crosses as its bit pattern."""
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
+    """Anchor and lay out one planned batch of records in cfg.layout; the hidden states stay in
+    the cache's dtype. ``hidden``: the batch's hidden states the records were read into, if they were."""
+    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
+    return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden, cfg.layout)
+
+
+def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
+    """Read, anchor and lay out one planned batch, each sequence read straight into its place,
+    once the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
+    cache.ensure_intact(shards=[s for s, _ in refs])
+    lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
+    hidden, views = hidden_buffer(cache, lengths, cfg.layout)
+    records = [cache.shards[s].read(i, view) for (s, i), view in zip(refs, views)]
+    return make_batch(records, cfg, epoch, hidden)

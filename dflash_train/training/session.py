@@ -1,0 +1,191 @@
+"""A training session's setup: the drafter (built for the cache, or started from an earlier
+run's weights), its data-parallel wrapper, optimizer and schedule, the epoch plan, and the
+checkpoint it resumes from."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_common.errors import ConfigError
+from dflash_common.files import write_file_atomic
+from dflash_common.progress import Progress
+from dflash_teacher.tapped_layers import check_servable_layers
+from dflash_train.settings.drafter_config import DrafterConfig
+from dflash_train.settings.train_config import TrainConfig
+from dflash_train.training.checkpoint import (
+    COMPLETE,
+    CheckpointManager,
+)
+from dflash_train.training.data import LoaderState
+from dflash_train.training.distributed import (
+    DistInfo,
+    data_parallel,
+    is_sharded,
+)
+from dflash_train.training.epoch_plan import EpochPlan, idle_ranks_warning, resolve_partitions
+from dflash_train.training.export import read_export
+from dflash_train.training.model import DFlashDrafter, attention_backend, mask_token_text, resolve_mask_token_id
+from dflash_train.training.objectives import head_dtype, set_head_matmul
+from dflash_train.training.resuming import agreed_checkpoint, checkpoint_to_resume, restore_checkpoint
+from dflash_train.training.run_folder import MetricsLog
+
+DEFAULT_STEPS = 1000
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to min_ratio at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafter:
+    """The drafter for this cache: shape from the saved teacher config, frozen head from the cache."""
+    head = cache.load_teacher_head()
+    # the embedding is a lookup and keeps the cache's dtype (bf16: half of 2.5 GB at production
+    # size); the LM head is fp32 because the loss's logits are, unless head_matmul bf16 on CUDA
+    embed = head["embed_tokens.weight"].to(device)
+    lm_head = head["lm_head.weight"].to(device).to(head_dtype(cfg.loss.head_matmul, device))
+    tokenizer = cache.load_tokenizer()
+    mask_id = resolve_mask_token_id(tokenizer, embed.shape[0], cfg.model.mask_token_id)
+    drafter_cfg = DrafterConfig.from_teacher(
+        cache.teacher_config(), tuple(cache.layer_ids), mask_id, block_size=cfg.model.block_size,
+        num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
+        sliding_layers=cfg.model.sliding_layers, mask_token=mask_token_text(tokenizer, mask_id), **cfg.model.overrides(),
+        dspark=cfg.dspark if cfg.model.kind == "dspark" else None,
+        dflash2=cfg.dflash2 if cfg.model.kind == "dflash2" else None,
+    )
+    check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
+                          f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
+    torch.manual_seed(cfg.seed)
+    return DFlashDrafter.build(drafter_cfg, embed, lm_head, device, attention_backend(cfg.model.attention_backend, device))
+
+
+def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter config and trained tensors of a checkpoint folder (step-NNNNNN) or an export folder."""
+    path = Path(path)
+    if (path / COMPLETE).exists():
+        state = CheckpointManager.load(path)
+        return DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path} is neither a checkpoint folder (checkpoints/step-NNNNNN, with its "
+                          f"{COMPLETE} marker) nor an exported drafter folder; pass one of those")
+    return read_export(path)
+
+
+def weights_mismatch(wanted: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
+    """The first difference between two drafters' tensor sets (names, then shapes), or None."""
+    for name in sorted(set(wanted) | set(given)):
+        if name not in given:
+            return f"it lacks {name} (this run's drafter has it, shape {tuple(wanted[name].shape)})"
+        if name not in wanted:
+            return f"it has {name}, which this run's drafter lacks"
+        if wanted[name].shape != given[name].shape:
+            return f"its {name} is {tuple(given[name].shape)}, this run's is {tuple(wanted[name].shape)}"
+    return None
+
+
+def init_weights(model: DFlashDrafter, path: str | Path) -> None:
+    """Replace the drafter's initial weights by those of an earlier run (cfg.init_from), refusing
+    one of another shape or of other tapped teacher layers in one line."""
+    saved_cfg, state = drafter_weights(path)
+    problem = weights_mismatch(model.state_dict(), state)
+    if problem is None and tuple(saved_cfg.target_layer_ids) != tuple(model.cfg.target_layer_ids):
+        problem = (f"it reads teacher layers {list(saved_cfg.target_layer_ids)}, this run's cache "
+                   f"{list(model.cfg.target_layer_ids)}")
+    if problem:
+        raise ConfigError(f"--init-from {path} is not a drafter of this run's shape: {problem}; pass the drafter of a "
+                          "run with the same drafter options (--num-layers, --model-kind, ...) on a cache of the same teacher")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state[name])
+
+
+def total_steps(cfg: TrainConfig, plan: EpochPlan, partitions: int = 1) -> int:
+    if cfg.epochs is None:
+        return cfg.steps or DEFAULT_STEPS
+    return max(1, math.ceil(cfg.epochs * plan.steps(0, partitions) / cfg.optim.grad_accum))
+
+
+def plan_session(cfg: TrainConfig, cache, info: DistInfo, state: LoaderState, progress: Progress) -> tuple[LoaderState, EpochPlan]:
+    """The loader state this session starts from, with the partitions its epochs are planned
+    over (a resumed run's own), and the epoch plan; one line when a rank gets no sequence."""
+    if not state.partitions and state.batch_in_epoch:
+        progress.message(f"the checkpoint's loader state predates per-rank epoch plans: epoch {state.epoch} restarts "
+                         f"from its first batch ({state.batch_in_epoch} of its batches were trained on)")
+        state = replace(state, batch_in_epoch=0)
+    state = replace(state, partitions=resolve_partitions(cfg.data.partitions, info.world_size, state.partitions))
+    plan = EpochPlan(cache, cfg.data)
+    warning = idle_ranks_warning(plan, state.epoch, state.partitions, info.world_size)
+    if warning:
+        progress.message(warning)
+    return state, plan
+
+
+@dataclass
+class Session:
+    """One training process between setup and finish: what the loop reads and advances."""
+
+    cfg: TrainConfig
+    cache: Any
+    info: DistInfo
+    device: torch.device
+    model: DFlashDrafter
+    forward: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    manager: CheckpointManager
+    metrics: MetricsLog | None
+    progress: Progress
+    steps: int
+    step: int
+    loader_state: LoaderState
+    plan: EpochPlan | None = None  # the training split's epoch plan, made at setup
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.model)
+
+
+def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume: bool,
+          resume_from: str | Path | None, progress: Progress, skipped_sequences: int) -> Session:
+    """The drafter, optimizer, schedule and checkpoint manager of a run, resumed when asked;
+    writes the run's config.json (rank 0)."""
+    progress = progress if info.is_main else Progress()
+    out = Path(cfg.out)
+    model = build_drafter(cfg, cache, device)
+    if cfg.init_from is not None:  # before the wrapper: DDP and FSDP take the weights they find
+        init_weights(model, cfg.init_from)
+        progress.message(f"starting from the drafter weights of {cfg.init_from} (optimizer and schedule fresh)")
+    forward = data_parallel(model, info, cfg.strategy, device, cfg.grad_reduce_dtype)
+    # fused: one kernel for all parameters instead of several per tensor (CUDA only)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
+    set_head_matmul(cfg.loss.head_matmul, device)
+    manager = CheckpointManager(out / "checkpoints", keep=cfg.keep_checkpoints)
+    chosen = agreed_checkpoint(manager, resume, resume_from, info)
+    checkpoint = (checkpoint_to_resume(manager, cache.fingerprint, json.loads(json.dumps(cfg.to_dict())), progress,
+                                        chosen) if resume else None)
+    loader_state, plan = plan_session(cfg, cache, info, LoaderState(**checkpoint[1]["trainer"]["loader"]) if checkpoint
+                                      else LoaderState(manifest_fingerprint=cache.fingerprint), progress)
+    steps = total_steps(cfg, plan, loader_state.partitions)
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else max(1, steps // 25)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, cfg.optim.min_lr_ratio))
+    step = restore_checkpoint(checkpoint, model, optimizer, scheduler, progress) if checkpoint else 0
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
+    metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
+    if cfg.data.skip_shards and info.is_main:
+        progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")
+        metrics.write({"kind": "data", "skipped_shards": list(cfg.data.skip_shards), "skipped_sequences": skipped_sequences})
+    return Session(cfg=cfg, cache=cache, info=info, device=device, model=model, forward=forward, optimizer=optimizer,
+                   scheduler=scheduler, manager=manager, metrics=metrics, progress=progress, steps=steps, step=step,
+                   loader_state=loader_state, plan=plan)
