@@ -75,8 +75,9 @@ from dflash_cache import open_cache
 from dflash_cache.format.integrity import SIZES
 from dflash_train.settings.data_config import DataConfig
 import numpy as np
-from dflash_train.training.data import (EpochPlan, LoaderState, idle_ranks_warning, is_heldout, plan_partitions,
-                                        resolve_partitions, train_loader)
+from dflash_train.training.data import LoaderState, train_loader
+from dflash_train.training.epoch_plan import (EpochPlan, idle_ranks_warning, is_heldout, plan_partitions,
+                                              resolve_partitions)
 
 
 # The baseline: the plan as EpochPlan made it before it read the index's columns at once (a

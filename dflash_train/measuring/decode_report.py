@@ -30,7 +30,7 @@ from dflash_train.measuring.speculative import (
     teacher_generate,
 )
 from dflash_train.settings.spec_config import SpecConfig
-from dflash_train.training.data import collate
+from dflash_train.training.batch import collate
 from dflash_train.training.model import DFlashDrafter
 
 

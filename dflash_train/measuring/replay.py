@@ -8,7 +8,8 @@ import torch
 
 from dflash_cache import Cache
 from dflash_train.settings.data_config import DataConfig
-from dflash_train.training.data import Batch, heldout_batches
+from dflash_train.training.batch import Batch
+from dflash_train.training.data import heldout_batches
 from dflash_train.training.heldout import argmax_chunks, streak_lengths
 from dflash_train.training.model import DFlashDrafter
 

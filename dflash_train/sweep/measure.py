@@ -132,7 +132,7 @@ def category_lengths(prompts: list[dict], results) -> dict[str, float]:
 def run_tokens(config, steps: int) -> list[int]:
     """Training tokens after each step of a run, from its epoch plan (what its loader reads)."""
     from dflash_cache import open_cache
-    from dflash_train.training.data import EpochPlan
+    from dflash_train.training.epoch_plan import EpochPlan
 
     cache = open_cache(config.cache, config.storage_options)
     plan = EpochPlan(cache, config.data)

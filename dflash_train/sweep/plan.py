@@ -158,7 +158,7 @@ def plan_runs(cfg: SweepConfig) -> list[SweepRun]:
         check_device(device)
     base = cfg.base.to_dict()
     if cfg.measure.curve_points:
-        from dflash_train.training.trainer import DEFAULT_STEPS
+        from dflash_train.training.session import DEFAULT_STEPS
 
         # operational: where checkpoints fall changes nothing the run learns
         base["save_every"] = cfg.measure.save_every(cfg.base.steps or DEFAULT_STEPS)

@@ -93,7 +93,7 @@ def run_status(run: SweepRun) -> RunStatus:
     reported under the wrong name)."""
     from dflash_train.training.checkpoint import CheckpointManager
     from dflash_train.training.export import CONFIG_FILE, WEIGHTS_FILE
-    from dflash_train.training.trainer import check_run_folder
+    from dflash_train.training.run_folder import check_run_folder
 
     folder = Path(run.config.out)
     refuse_links(folder, sweep_folder(run))  # a run folder linked elsewhere would be written there

@@ -21,7 +21,6 @@ from dflash_cache import Cache, open_cache
 from dflash_common.errors import CacheError, DFlashError
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.batch import Batch, hidden_buffer, load_batch, make_batch
-from dflash_train.training.batch import collate as collate  # re-exported: measuring.decode_report imports it from here
 from dflash_train.training.epoch_plan import EpochPlan, cut_batches, micro_batches_per_step
 
 

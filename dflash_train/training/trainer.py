@@ -38,7 +38,6 @@ from dflash_train.training.distributed import (
 from dflash_train.training.export import check_export_folder, export_weights
 from dflash_train.training.heldout import AcceptanceMeter, evaluate_heldout, meter_rows
 from dflash_train.training.run_folder import check_run_folder
-from dflash_train.training.session import DEFAULT_STEPS as DEFAULT_STEPS  # re-exported: the sweep reads it here
 from dflash_train.training.session import Session, setup
 from dflash_train.training.train_step import global_train_metrics, step_gradients
 
