@@ -22,7 +22,7 @@ import pyarrow as pa
 from dflash_cache import format as fmt
 from dflash_cache.format.cache_layout import inside_cache
 from dflash_cache.format.hidden import HiddenChecksumError
-from dflash_cache.format.integrity import RECORD, ShardIntegrityError, part_problems, record_problems
+from dflash_cache.format.integrity import RECORD, ShardIntegrityError, layout_problems, part_problems, record_problems
 from dflash_cache.format.record import ShardFiles
 from dflash_cache.format.token_tables import decode_tokens
 
@@ -85,6 +85,16 @@ class Shard:
                                            or part_problems(self.files, part) or record_problems(self.files, part))
                 problems += self._checked[part]
         return problems
+
+    def ensure_layout(self) -> None:
+        """Raise ShardIntegrityError unless the hidden-state array holds the rows its record and the
+        index promise (``integrity.layout_problems``): what a loader checks before it sizes a buffer
+        from the index's lengths. Once per shard object."""
+        with self._check_lock:
+            if "layout" not in self._checked:
+                self._checked["layout"] = layout_problems(self.files)
+        if self._checked["layout"]:
+            raise ShardIntegrityError(self.cache.url, self.name, self._checked["layout"])
 
     def ensure_intact(self, parts: Sequence[str] | None = None) -> None:
         """Raise ShardIntegrityError when ``checksum_problems(parts)`` finds any."""

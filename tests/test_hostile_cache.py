@@ -222,3 +222,30 @@ def test_capture_health_refuses_states_that_ignore_the_input_or_no_model_produce
     layers, flags = health.summary(np.array([[1.0, 1.9e28, 1.0]]), np.zeros((1, 3)), np.zeros((1, 3), int),
                                    np.array([64]), [1, 2, 3])
     assert any("layer 2 RMS 1.9e+28 is above any model's hidden states" in f for f in flags), flags
+
+
+def test_an_index_claiming_a_sequence_of_2_31_tokens_is_refused_before_a_buffer_is_sized(built, tmp_path):
+    """Before, the loader allocated the batch (512 GiB here) before it checked the shard."""
+    import pyarrow as pa
+
+    from dflash_cache.format import index
+    from dflash_cache.format.store import CacheStore
+
+    cache = _copy(built, tmp_path)
+    opened = open_cache(str(cache))
+    rows = [shard.record for shard in opened.shards]
+    huge = 2**31 - 1
+    table = opened.sequence_table().select(index.sequence_schema().names).cast(index.sequence_schema())
+    lengths, offsets = table.column("length").to_numpy().copy(), table.column("offset").to_numpy().copy()
+    first = int(np.flatnonzero(table.column("shard").to_numpy() == 1)[0])  # shard 1's first sequence
+    grow = huge - int(lengths[first])
+    lengths[first] = huge
+    later = (table.column("shard").to_numpy() == 1) & (np.arange(len(lengths)) > first)
+    offsets[later] += grow
+    table = table.set_column(3, "length", pa.array(lengths, pa.int32())).set_column(2, "offset", pa.array(offsets))
+    rows[1] = dict(rows[1], tokens=rows[1]["tokens"] + grow, hidden_shape=[rows[1]["tokens"] + grow, *rows[1]["hidden_shape"][1:]])
+    manifest = json.loads((cache / fmt.MANIFEST).read_text())
+    manifest["index"] = index.write_tables(CacheStore.open(str(cache)), index.MERGED, index.shard_table(rows), table,
+                                           complete=True)
+    (cache / fmt.MANIFEST).write_text(json.dumps(manifest))
+    _refused_by_run(cache, rows[1]["name"], "hidden shape")

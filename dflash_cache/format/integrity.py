@@ -283,6 +283,18 @@ def _shape_problems(shard: ShardFiles) -> tuple[list[str], object, tuple]:
     return [], files, shape
 
 
+def layout_problems(shard: ShardFiles) -> list[str]:
+    """The hidden-state array's shape and dtype against the record (and, format 2, its shard index
+    against its crc32c and the file): what holds the rows the index promises, checked before a
+    reader sizes a buffer from the index's lengths. Errors become problems."""
+    try:
+        return _hidden_layout(shard)
+    except CacheError:
+        raise
+    except Exception as err:  # a damaged zarr.json can fail in any decoder; name it, do not crash
+        return [error_problem(err, "unreadable hidden states")]
+
+
 def _hidden_layout(shard: ShardFiles) -> list[str]:
     """A format-2 hidden-state array's shape and dtype against the record, and its shard index
     against its crc32c (local): what a reader must trust before it reads inner chunks, each
@@ -290,7 +302,7 @@ def _hidden_layout(shard: ShardFiles) -> list[str]:
     problems, files, shape = _shape_problems(shard)
     if problems:
         return problems
-    if files is not None and shape[0]:
+    if files is not None and shape[0] and hasattr(files, "_map"):
         try:
             files._map()
         except HiddenChecksumError as err:

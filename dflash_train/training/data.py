@@ -122,6 +122,8 @@ class TrainStream(torch.utils.data.IterableDataset):
         def rows():
             for share, *_ in ahead:
                 if share:
+                    for s in dict.fromkeys(s for s, _ in share):  # the rows exist before a buffer is sized for them
+                        cache.shards[s].ensure_layout()
                     lengths = [plan.length(s, i) for s, i in share]
                     hidden, views = hidden_buffer(cache, lengths, self.cfg.layout, pinned=self.pinned)
                     filling.append(hidden)
