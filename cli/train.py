@@ -26,8 +26,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _train_config(config, resume, knob_values, sets):
     """The run's TrainConfig: a config file (or, on resume, the run's saved config.json), then the
     options given, then --set."""
-    from dflash_common.errors import ConfigError
-    from dflash_common.files import regular_file_inside
     from dflash_common.settings_files import load_settings_file
     from dflash_train.config import config_from_dict, merge, read_config_file
     from dflash_train.options import option_overrides, set_overrides
@@ -35,10 +33,20 @@ def _train_config(config, resume, knob_values, sets):
     saved = Path(knob_values["out"]) / "config.json"
     fix = "pass --config, or start a new --out"
     base = read_config_file(config) if config else (
-        load_settings_file(regular_file_inside(saved.parent, saved.name, "--resume", ConfigError, fix),
+        load_settings_file(_saved_config(saved, fix),
                            f"the run's saved config {saved}", fix=fix)
         if resume and os.path.lexists(saved) else {})
     return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
+
+
+def _saved_config(saved: Path, fix: str) -> str:
+    """A run's saved config.json to resume from: refused when a link (the run folder is an output,
+    see refuse_links) or a FIFO or device (regular_file_inside), which would block or never end."""
+    from dflash_common.errors import ConfigError
+    from dflash_common.files import refuse_links, regular_file_inside
+
+    refuse_links(saved)
+    return regular_file_inside(saved.parent, saved.name, "--resume", ConfigError, fix)
 
 
 @app.command("run")
