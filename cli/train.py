@@ -46,7 +46,7 @@ def _saved_config(saved: Path, fix: str) -> str:
     from dflash_common.files import refuse_links, regular_file_inside
 
     refuse_links(saved)
-    return regular_file_inside(saved.parent, saved.name, "--resume", ConfigError, fix)
+    return regular_file_inside(saved.parent, saved.name, f"--resume: run {saved.parent}", ConfigError, fix)
 
 
 @app.command("run")

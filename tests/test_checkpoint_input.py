@@ -85,7 +85,8 @@ def test_a_checkpoint_file_linked_out_of_its_folder_is_refused_unread(runs, tmp_
     shutil.move(inside / "config.json", inside / "config-real.json")
     os.symlink("config-real.json", inside / "config.json")
     for step in (zero, outside):
-        why = [f"checkpoint {step}: {step}/", "outside", "dflash reads only the folder's own files"]
+        name = "config.json" if step == zero else "model.safetensors"
+        why = [f"checkpoint {step}: {name} is a symlink to ", "outside the folder; dflash reads only the folder's own files"]
         _one_line(["export", str(step), str(tmp_path / f"exp-{step.name}")], why)
         _one_line(["eval", "--checkpoint", str(step), "--cache", runs["cache"], "--out", str(tmp_path / "e.json"),
                    "--quiet"], why)
@@ -101,12 +102,13 @@ def test_an_export_file_linked_to_dev_zero_is_refused(runs, tmp_path):
     (export / "config.json").unlink()
     os.symlink("/dev/zero", export / "config.json")
     _one_line(["eval", "--checkpoint", str(export), "--cache", runs["cache"], "--out", str(tmp_path / "e.json"),
-               "--quiet"], [f"drafter export {export}: {export}/config.json is a symlink to /dev/zero, outside"])
+               "--quiet"], [f"drafter export {export}: config.json is a symlink to /dev/zero, outside the folder"])
     _one_line(["run", "--cache", runs["cache"], "--out", str(tmp_path / "init"), "--steps", "1", "--init-from",
                str(export), *SMALL], "config.json is a symlink to /dev/zero, outside")
 
 
 @pytest.mark.parametrize("name", ["trainer.pt", "config.json", "model.safetensors"])
+@pytest.mark.fast_cases(1)  # a process each: the others run in make test-slow
 def test_a_fifo_in_a_checkpoint_ends_at_once(runs, tmp_path, name):
     """A FIFO in place of a checkpoint's file blocked its reader forever (waiting for a writer):
     a real `dflash-train export` process now ends in one line within seconds."""
@@ -121,7 +123,8 @@ def test_a_fifo_in_a_checkpoint_ends_at_once(runs, tmp_path, name):
         pytest.fail(f"export blocked on the FIFO {name} for 120 s")
     lines = proc.stderr.strip().splitlines() + proc.stdout.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, (proc.stdout, proc.stderr)
-    assert f"{step}/{name} is a FIFO (reading it would wait for a writer forever), not a regular file" in lines[0]
+    assert (f"checkpoint {step}: {name} is a FIFO (reading it would wait for a writer forever), not a regular file, so "
+            "it was not read" in lines[0])
     assert time.monotonic() - start < 60
 
 
@@ -135,7 +138,7 @@ def test_a_fifo_in_an_export_or_as_the_runs_saved_config_is_refused(runs, tmp_pa
     (run / "config.json").unlink()
     os.mkfifo(run / "config.json")
     _one_line(["run", "--cache", runs["cache"], "--out", str(run), "--resume", "--steps", "3"],
-              f"{run}/config.json is a FIFO")
+              f"--resume: run {run}: config.json is a FIFO")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -419,9 +419,8 @@ def test_deep_verify_passes_a_bfloat16_cache_within_rounding(tmp_path, teacher_d
 @pytest.mark.parametrize("damage", ["model.safetensors:garbage", "model.safetensors:truncate",
                                     "trainer.pt:garbage", "trainer.pt:truncate", "config.json:garbage"])
 def test_damaged_checkpoint_file_is_one_typed_error(tmp_path, damage):
-    from dflash_train.training.checkpoint import CheckpointError, CheckpointManager
-
     from dflash_train.settings.drafter_config import DrafterConfig
+    from dflash_train.training.checkpoint import CheckpointError, CheckpointManager
     from dflash_train.training.model import DFlashDrafter
 
     manager = CheckpointManager(tmp_path / "checkpoints")

@@ -186,6 +186,8 @@ class CheckpointManager:
                 # state (~22 GB at production size) into its own memory, and an FSDP rank reads
                 # only the slices of its shards
                 "trainer": torch.load(files["trainer.pt"], weights_only=True, map_location="cpu", mmap=True),
+                "config": load_settings_file(files["config.json"], f"checkpoint {path}: config.json",
+                                             error=CheckpointError, fix=_fix(path)),
             }
         except pickle.UnpicklingError as err:
             raise _unpickling_refusal(path, err) from None
@@ -194,8 +196,6 @@ class CheckpointManager:
             if "mmap can only be used" in detail:
                 detail = "trainer.pt is not in the zip format torch.save writes, which dflash-train uses"
             raise CheckpointError(f"checkpoint {path} cannot be read ({detail[:200]}); {_fix(path)}") from None
-        state["config"] = load_settings_file(files["config.json"], f"checkpoint {path}: config.json",
-                                             error=CheckpointError, fix=_fix(path))
         trainer = state["trainer"]
         missing = [k for k in TRAINER_KEYS if not isinstance(trainer, dict) or k not in trainer]
         if missing:
