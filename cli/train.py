@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -30,10 +31,22 @@ def _train_config(config, resume, knob_values, sets):
     from dflash_train.options import option_overrides, set_overrides
 
     saved = Path(knob_values["out"]) / "config.json"
+    fix = "pass --config, or start a new --out"
     base = read_config_file(config) if config else (
-        load_settings_file(str(saved), f"the run's saved config {saved}", fix="pass --config, or start a new --out")
-        if resume and saved.exists() else {})
+        load_settings_file(_saved_config(saved, fix),
+                           f"the run's saved config {saved}", fix=fix)
+        if resume and os.path.lexists(saved) else {})
     return config_from_dict(merge(merge(base, option_overrides(knob_values)), set_overrides(sets)))
+
+
+def _saved_config(saved: Path, fix: str) -> str:
+    """A run's saved config.json to resume from: refused when a link (the run folder is an output,
+    see refuse_links) or a FIFO or device (regular_file_inside), which would block or never end."""
+    from dflash_common.errors import ConfigError
+    from dflash_common.files import refuse_links, regular_file_inside
+
+    refuse_links(saved)
+    return regular_file_inside(saved.parent, saved.name, f"--resume: run {saved.parent}", ConfigError, fix)
 
 
 @app.command("run")

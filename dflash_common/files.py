@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from dflash_common.errors import OutputError
+from dflash_common.errors import DFlashError, OutputError
 
 
 def file_kind(mode: int) -> str:
@@ -69,6 +69,34 @@ def refuse_links(path: str | os.PathLike, root: str | os.PathLike | None = None)
             raise OutputError(f"{part} is a symlink (to {os.readlink(part)}); dflash writes and deletes only real files "
                               f"and folders in its output and never follows a link out of it, so nothing was written "
                               f"or deleted: replace the link with a real {kind} (or remove it), or choose another output folder")
+
+
+def regular_file_inside(folder: str | os.PathLike, name: str, what: str, error: type[DFlashError] = OutputError,
+                        fix: str = "replace it with the file it stands for") -> str:
+    """The path of `name` in `folder` for reading, refused in one line (`error`: `what`, which
+    names the folder, then the file and why, then `fix`) unless it is a regular file inside the folder: no link leading
+    out of it (a link to another file of the folder is fine), no FIFO (its reader blocks until
+    someone writes), device (/dev/zero never ends), socket or folder. Checked before the reader
+    opens it, so a file given by someone else is never read outside the folder it came in."""
+    path = os.path.join(folder, name)
+    root = os.path.realpath(folder)
+    target = os.path.realpath(path)
+    if os.path.islink(path) and os.path.commonpath([root, target]) != root:
+        raise error(f"{what}: {name} is a symlink to {target}, outside the folder; dflash reads only the folder's own "
+                    f"files: {fix}")
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        raise error(f"{what}: {name} is missing, so it cannot be read; {fix}") from None
+    except OSError as err:
+        raise error(f"{what}: {name} cannot be read ({err.strerror}); {fix}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO (reading it would wait for a writer forever)" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        link = f" (a symlink to {target})" if os.path.islink(path) else ""
+        raise error(f"{what}: {name}{link} is {kind}, not a regular file, so it was not read; {fix}")
+    return path
 
 
 def write_file_atomic(path: str | os.PathLike, data: bytes, root: str | os.PathLike | None = None) -> None:

@@ -213,9 +213,9 @@ def broken_exports(tmp_path, model):
         (rewrite(fresh("missing"), lambda t: t.pop("layers.1.mlp.up_proj.weight")),
          "lacks tensor 'layers.1.mlp.up_proj.weight'"),
         (rewrite(fresh("extra"), lambda t: t.update({"embed_tokens.weight": torch.zeros(VOCAB, HIDDEN)})),
-         "unexpected tensor 'embed_tokens.weight'"),
+         "has tensor 'embed_tokens.weight', which a drafter of that config lacks"),
         (rewrite(fresh("shape"), lambda t: t.update({"fc.weight": torch.zeros(HIDDEN, HIDDEN)})),
-         r"'fc.weight' has shape \(64, 64\), config.json implies \(64, 128\)"),
+         r"does not match config.json beside it: tensor 'fc.weight' has shape \(64, 64\), the config implies \(64, 128\)"),
     ]
 
 

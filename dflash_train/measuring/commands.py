@@ -67,6 +67,22 @@ def categories_png(path: Path) -> Path:
     return path.with_suffix(".categories.png")
 
 
+def check_fits_context(teacher, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt plus --max-new-tokens past the teacher's context (its max_position_embeddings),
+    checked once the teacher is loaded and before any decoding: positions beyond it were never
+    trained, and a billion new tokens would decode for days."""
+    from dflash_common.values import is_int
+
+    config = getattr(teacher, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if is_int(limit) and limit > 0 and prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        fix = f"pass --max-new-tokens {room:,} or less" if room > 0 else "shorten the prompt: it fills the context alone"
+        raise ConfigError(f"--max-new-tokens {max_new_tokens:,} after a prompt of {prompt_tokens:,} tokens runs past the "
+                          f"teacher's context of {limit:,} positions (max_position_embeddings); {fix}")
+
+
 def check_drafter(decoding: DecodingConfig) -> None:
     """What needs only the drafter, checked before minutes of loading the teacher: a confidence
     threshold needs a drafter with a confidence head."""
@@ -147,11 +163,13 @@ def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
     from dflash_train.measuring.replay import greedy_replay, load_drafter_for
+    from dflash_train.settings.drafter_config import check_block_tokens
     from dflash_train.settings.loss_config import LossConfig
     from dflash_train.training.heldout import evaluate_heldout
 
     cache = open_cache(cfg.cache, cfg.storage_options)
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
+    check_block_tokens(model.cfg.block_size, cfg.data.num_anchors)
     return {"cache": cfg.cache, "offline": evaluate_heldout(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
             "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev)}
 
@@ -186,6 +204,7 @@ def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, 
     dtype = decoding.dtype(dev.type)
     t, drafter = load_pair(decoding.checkpoint, decoding.teacher, dtype, str(dev), decoding.trust_remote_code)
     prompt_list = tokenize_prompts(rows, t.tokenizer, template_kwargs)
+    check_fits_context(t.model, max((len(p.ids) for p in prompt_list), default=0), decoding.spec.max_new_tokens)
     specs = decoding.specs(t.stop_token_ids())
     report: dict = {"chat_template_hash": chat_template_hash(t.tokenizer),
                     "warnings": template_warnings(recorded, template_kwargs, chat_template_hash(t.tokenizer))}
@@ -368,6 +387,7 @@ def run_generate(cfg: GenerateConfig) -> list[Answer]:
     dev = resolve_device(decoding.device)
     t, drafter = load_pair(decoding.checkpoint, decoding.teacher, decoding.dtype(dev.type), str(dev), decoding.trust_remote_code)
     ids = prompt_ids(t.tokenizer, [{"role": "user", "content": cfg.prompt}], kwargs)
+    check_fits_context(t.model, len(ids), decoding.spec.max_new_tokens)
     answers = []
     for spec in decoding.specs(t.stop_token_ids()):
         result = speculative_generate(t.model, drafter, list(ids), spec)

@@ -69,6 +69,8 @@ def run_config_of(checkpoint: str) -> dict | None:
     (RUN/drafter) comes from, or None for a drafter that travelled without its run."""
     folder = Path(checkpoint)
     for candidate in (folder / "config.json", folder.parent / "config.json", folder.parent.parent / "config.json"):
+        if candidate.is_symlink() or not candidate.is_file():  # a link out of the run, or a FIFO, is not its config
+            continue
         try:
             values = load_settings_file(str(candidate))
         except (OSError, DFlashError):

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
+from dflash_train.settings.drafter_config import MAX_BLOCK_TOKENS, check_at_most
 
 PACKED, PADDED = "packed", "padded"
+MAX_BATCH_TOKENS = 1 << 20
+MAX_PARTITIONS = 1 << 20
+MAX_LOADER_THREADS = 256
 LAYOUTS = (PACKED, PADDED)
 
 
@@ -22,7 +26,8 @@ class DataConfig:
     and every rank gets whole sequences at any world size. Precisely it is the budget of one plan
     partition (data.partitions, one per rank by default). Growing the world k-fold grows the
     global batch k-fold: keep the learning rate by lowering this (or grad_accum) k-fold, or raise
-    --lr about sqrt(k)-fold for AdamW (linear scaling overshoots) and keep the warmup."""
+    --lr about sqrt(k)-fold for AdamW (linear scaling overshoots) and keep the warmup. At most
+    1,048,576 (51 GB of hidden states at production width, more than any GPU holds)."""
 
     partitions: int = field(default=0, metadata={"name": "data_partitions"})
     """Partitions each epoch is planned over (0: the world size of the run's first session). An
@@ -31,10 +36,13 @@ class DataConfig:
     epoch). A resume keeps the run's partitions, so on any world size up to it (a divisor gives
     equal shares; each rank then takes partitions/world batches a step) no sequence of the epoch is
     lost or repeated and the global batches stay the same. Set it above the world size to leave
-    room to resume on more ranks, or on one process to reproduce a multi-rank run's batches."""
+    room to resume on more ranks, or on one process to reproduce a multi-rank run's batches. At
+    most 1,048,576 (the plan holds a list per partition)."""
 
     num_anchors: int = 8
-    """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors)."""
+    """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors).
+    model.block_size x num_anchors is at most 65,536 block tokens (8x 16 x 512, the most in use):
+    the attention mask grows with its square."""
 
     heldout_fraction: float = 0.02
     """Fraction of sequences (chosen by a hash of the id) kept out of training for evaluation."""
@@ -44,7 +52,7 @@ class DataConfig:
 
     num_workers: int = 0
     """DataLoader worker processes reading shards (0 = in the training process); the batch stream is the same
-    for any count."""
+    for any count. At most 256 (each is a process holding its own read-ahead)."""
 
     read_ahead_bytes: int = 2**30
     """Hidden-state bytes each loader process reads ahead of the batch it is building, on
@@ -54,7 +62,7 @@ class DataConfig:
     0 reads each sequence when it is needed."""
 
     read_threads: int = 4
-    """Threads per loader process that read ahead (more help on high-latency object stores)."""
+    """Threads per loader process that read ahead (more help on high-latency object stores); at most 256."""
 
     layout: str = field(default=PACKED, metadata={"name": "batch_layout"})
     """How a batch lays out its sequences: "packed" (end to end in one row: the drafter's context
@@ -83,6 +91,14 @@ class DataConfig:
             raise ConfigError(f"data.read_ahead_bytes must be >= 0, got {self.read_ahead_bytes}; pass e.g. 1073741824 (1 GiB)")
         if self.read_threads < 1:
             raise ConfigError(f"data.read_threads must be >= 1, got {self.read_threads}; pass e.g. 4")
+        for option, value, limit, why in (
+                ("--batch-tokens", self.batch_tokens, MAX_BATCH_TOKENS, "51 GB of hidden states at production width"),
+                ("--data-partitions", self.partitions, MAX_PARTITIONS, "a million ranks"),
+                ("--num-anchors", self.num_anchors, MAX_BLOCK_TOKENS // 2, "the block tokens one forward may hold at "
+                                                                           "block size 2"),
+                ("--num-workers", self.num_workers, MAX_LOADER_THREADS, "each is a process with its own read-ahead"),
+                ("data.read_threads", self.read_threads, MAX_LOADER_THREADS, "far more than any storage needs")):
+            check_at_most(option, value, limit, why)
         check_choice("--batch-layout", self.layout, LAYOUTS)
         if not all(isinstance(n, str) and n for n in self.skip_shards):
             raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")

@@ -13,6 +13,14 @@ ARCHITECTURE = "DFlash2DraftModel"
 
 # Read by vLLM from dflash_config; the defaults are speculators' (conv 2 taps in groups of 16,
 # selector rank 256 over the top 16) and vLLM's (the three scales).
+# Upper bounds, far above any DFlash2 drafter (speculators' defaults: 2 taps, rank 256, top 16):
+# the codebooks are vocabulary x rank x 2 (at rank 10^9, petabytes), the selector scores
+# candidates x rank per position, and a tap reaches within one block (256 tokens at most).
+MAX_LIMITS = {"conv_kernel_size": (256, "the largest block size, since a tap reaches within one block"),
+              "conv_group_size": (1 << 16, "wider than any model's hidden size divides into"),
+              "selector_rank": (4096, "16x the default 256; the two codebooks are vocabulary x rank"),
+              "selector_top_k": (1024, "64x the default 16; the selector scores candidates x rank per position")}
+
 EXPORTED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
             "output_multiplier", "final_logit_softcapping")
 
@@ -25,20 +33,21 @@ class DFlash2Config:
     conv_kernel_size: int = 2
     """Taps of each layer's grouped dynamic convolution along the block: block position k mixes
     its own state with those of positions k-1 .. k-taps+1 of the same block (1: no mixing, a
-    per-channel gate). Two convolutions per layer, around attention and around the MLP."""
+    per-channel gate). Two convolutions per layer, around attention and around the MLP. At most
+    256, the largest block size."""
 
     conv_group_size: int = 16
     """Channels sharing one token-dependent kernel coefficient (the dynamic part is predicted per
-    group of this many channels from the state); divides the hidden size."""
+    group of this many channels from the state); divides the hidden size; at most 65,536."""
 
     selector_rank: int = 256
     """Rank r of the candidate selector: each candidate's score gains
     <predecessor_codebook[previous token] * hidden_projection(state), successor_codebook[candidate]>,
-    codebooks vocabulary x r."""
+    codebooks vocabulary x r. At most 4,096 (16x the default; two codebooks of vocabulary x r)."""
 
     selector_top_k: int = 16
     """Candidates per draft position the selector chooses among: the top-k of the drafter's own
-    logits (its unary scores)."""
+    logits (its unary scores). At most 1,024 (64x the default)."""
 
     selector_loss_alpha: float = 1.0
     """Weight of the selector's K-way cross-entropy in the loss (training only; not exported)."""
@@ -58,6 +67,10 @@ class DFlash2Config:
             if not is_int(value) or value < 1:
                 raise ConfigError(f"dflash2.{name} {value!r} is not an integer >= 1 (default "
                                   f"{getattr(DFlash2Config, name)})")
+            limit, why = MAX_LIMITS[name]
+            if value > limit:
+                raise ConfigError(f"dflash2.{name} {value:,} is more than {limit:,}, {why}; pass a smaller one "
+                                  f"(default {getattr(DFlash2Config, name)})")
         for name, positive in (("selector_loss_alpha", False), ("input_embedding_scale", True),
                                ("output_multiplier", True), ("final_logit_softcapping", False)):
             value = getattr(self, name)

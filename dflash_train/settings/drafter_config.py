@@ -24,6 +24,42 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
 # with it (a block size of 100,000 asked for 640 GB).
 MAX_BLOCK_SIZE = 256
 
+# Bounds on the sizes a user types, each far above every real model, so that a slip (an extra
+# zero, 1e9) is refused when the config is built instead of allocating for minutes. The widest
+# and deepest teachers known: Llama 3.1 405B (126 layers, 128 heads, MLP 53,248), Nemotron-4 340B
+# (MLP 73,728), Gemma (head_dim 256); drafters have 1 to 8 layers.
+MAX_DRAFTER_LAYERS = 256
+"""Most drafter layers: twice the deepest known teacher (126); drafters have 1 to 8."""
+MAX_HEADS = 1024
+"""Most attention (or key/value) heads: 8x the most of any known model (128)."""
+MAX_HEAD_DIM = 1024
+"""Widest attention head: 4x the widest of any known model (256)."""
+MAX_INTERMEDIATE_SIZE = 1 << 18
+"""Widest MLP (262,144): over 3x the widest known (Nemotron-4 340B's 73,728)."""
+MAX_BLOCK_TOKENS = 1 << 16
+"""Most block tokens of one sequence in one forward, block_size x num_anchors (65,536): the
+attention mask and the block states grow with it (256 x 1,000 asked for a 13.7 GB mask); 8x
+16 x 512, the most anchors known in use."""
+MAX_DRAFTER_PARAMETERS = 32 * 10**9
+"""Most weights a drafter may have: 10x a 5-layer drafter at DeepSeek-V3's width (~3 billion);
+its training state is 16 bytes a weight, so more fits no node."""
+
+
+def check_block_tokens(block_size: int, num_anchors: int) -> None:
+    """Refuse block_size x num_anchors above MAX_BLOCK_TOKENS (the blocks of one sequence run in
+    one forward, and its attention mask grows with their square)."""
+    if is_int(block_size) and is_int(num_anchors) and block_size * num_anchors > MAX_BLOCK_TOKENS:
+        raise ConfigError(f"--block-size {block_size} x --num-anchors {num_anchors:,} is {block_size * num_anchors:,} "
+                          f"block tokens per sequence in one forward, more than {MAX_BLOCK_TOKENS:,} (8x the most in "
+                          "use; the attention mask grows with its square); pass fewer --num-anchors")
+
+
+def check_at_most(option: str, value: object, limit: int, why: str) -> None:
+    """Refuse a whole number above `limit` in one line naming the option, the value, the limit
+    and why there is one (the caller checks the lower bound)."""
+    if is_int(value) and value > limit:
+        raise ConfigError(f"{option} {value:,} is more than {limit:,}, {why}; pass a smaller one")
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -120,6 +156,7 @@ class DrafterConfig:
         if self.dflash2 is not None:
             self._check_dflash2()
 
+        self._check_size()
         if self.any_sliding:
             if self.sliding_window is None:
                 raise ConfigError("a layer is sliding_attention but sliding_window is None; set a window")
@@ -128,6 +165,16 @@ class DrafterConfig:
             raise ConfigError(
                 f"sliding_window={self.sliding_window} is set but no layer is sliding_attention; "
                 "choose sliding layers or drop the window")
+
+    def _check_size(self) -> None:
+        """Refuse a drafter whose weights would not fit any node (see MAX_DRAFTER_PARAMETERS)."""
+        h, heads, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        layer = h * self.head_dim * (2 * heads + 2 * kv) + 3 * h * self.intermediate_size
+        total = self.num_hidden_layers * layer + h * h * self.num_context_layers
+        if total > MAX_DRAFTER_PARAMETERS:
+            raise ConfigError(f"the drafter would have {total:,} weights ({self.num_hidden_layers} layers of width "
+                              f"{h:,}, MLP {self.intermediate_size:,}), more than {MAX_DRAFTER_PARAMETERS:,} (10x the "
+                              "largest real drafter); pass fewer layers or a narrower MLP or heads")
 
     def _check_dflash2(self) -> None:
         conv = self.dflash2

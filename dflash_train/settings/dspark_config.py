@@ -11,6 +11,8 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIDENCE_TARGETS = ("alpha", "greedy")
 DRAFTER_KINDS = ("dflash", "dspark", "dflash2")
 ARCHITECTURE = "DSparkDraftModel"
+MAX_MARKOV_RANK = 4096
+"""Largest Markov rank: 16x the reference's 256; W1 and W2 are vocabulary x rank each."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,8 @@ class DSparkConfig:
 
     markov_rank: int = 256
     """Rank r of the Markov logit bias B = W1 W2 (W1: target vocabulary x r, W2: r x draft
-    vocabulary); 0 drops the Markov head (plain DFlash drafting in DSpark's layout)."""
+    vocabulary); 0 drops the Markov head (plain DFlash drafting in DSpark's layout). At most
+    4,096 (16x the reference's; W1 and W2 are vocabulary x r each)."""
 
     markov_head_type: str = "vanilla"
     """Markov head variant: "vanilla" (bias from the previous token alone), "gated" (its
@@ -51,6 +54,9 @@ class DSparkConfig:
         if not is_int(self.markov_rank) or self.markov_rank < 0:
             raise ConfigError(f"dspark.markov_rank {self.markov_rank!r} is not an integer >= 0 (pass e.g. 256, or 0 "
                               "for no Markov head)")
+        if self.markov_rank > MAX_MARKOV_RANK:
+            raise ConfigError(f"dspark.markov_rank {self.markov_rank:,} is more than {MAX_MARKOV_RANK:,}, 16x the "
+                              "reference's 256 (W1 and W2 are vocabulary x rank); pass a smaller one")
         check_choice("dspark.markov_head_type", self.markov_head_type, MARKOV_HEAD_TYPES)
         for name in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
             if not isinstance(getattr(self, name), bool):

@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
-from dflash_train.settings.drafter_config import ATTENTION_CHOICES, MAX_BLOCK_SIZE
+from dflash_train.settings.drafter_config import (
+    ATTENTION_CHOICES,
+    MAX_BLOCK_SIZE,
+    MAX_DRAFTER_LAYERS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_INTERMEDIATE_SIZE,
+    check_at_most,
+)
 from dflash_train.settings.dspark_config import DRAFTER_KINDS
 
 
@@ -21,7 +29,8 @@ class ModelConfig:
     top-k, set up by the dflash2 section)."""
 
     num_layers: int = 5
-    """Drafter decoder layers."""
+    """Drafter decoder layers (at most 256: twice the deepest known teacher's 126; drafters have
+    1 to 8)."""
 
     block_size: int = 16
     """Tokens per block: the anchor plus block_size - 1 predicted positions."""
@@ -36,16 +45,17 @@ class ModelConfig:
     """Drafter layers that use the sliding window."""
 
     num_attention_heads: int | None = None
-    """Query heads (default: the teacher's)."""
+    """Query heads (default: the teacher's; at most 1,024, 8x any known model's 128)."""
 
     num_key_value_heads: int | None = None
-    """Key/value heads (default: the teacher's)."""
+    """Key/value heads (default: the teacher's; at most 1,024)."""
 
     head_dim: int | None = None
-    """Per-head width (default: the teacher's)."""
+    """Per-head width (default: the teacher's; at most 1,024, 4x any known model's 256)."""
 
     intermediate_size: int | None = None
-    """MLP width (default: the teacher's)."""
+    """MLP width (default: the teacher's; at most 262,144, over 3x the widest known, Nemotron-4
+    340B's 73,728)."""
 
     attention_backend: str = "auto"
     """Attention kernel of training: "sdpa" (dense boolean mask), "flex" (flex_attention with a
@@ -61,6 +71,17 @@ class ModelConfig:
         if self.block_size > MAX_BLOCK_SIZE:  # the attention mask grows with it: 100,000 asked for 640 GB
             raise ConfigError(f"--block-size {self.block_size} is larger than {MAX_BLOCK_SIZE}; a block is one draft "
                               "step (16 is typical), pass a smaller one")
+        check_at_most("--num-layers", self.num_layers, MAX_DRAFTER_LAYERS,
+                      "twice the deepest known teacher (126 layers; drafters have 1 to 8)")
+        for name, limit, why in (("num_attention_heads", MAX_HEADS, "8x the most heads of any known model (128)"),
+                                 ("num_key_value_heads", MAX_HEADS, "8x the most heads of any known model (128)"),
+                                 ("head_dim", MAX_HEAD_DIM, "4x the widest head of any known model (256)"),
+                                 ("intermediate_size", MAX_INTERMEDIATE_SIZE,
+                                  "over 3x the widest MLP known (Nemotron-4 340B's 73,728)")):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            check_at_most(f"--{name.replace('_', '-')}", value, limit, why)
         check_choice("model.attention_backend", self.attention_backend, ATTENTION_CHOICES)
 
     def overrides(self) -> dict:

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dflash_common.errors import DFlashError
 from dflash_common.faults import maybe_fault
-from dflash_common.files import fsync_path, give_plain_mode, refuse_links, remove_tree
+from dflash_common.files import fsync_path, give_plain_mode, refuse_links, regular_file_inside, remove_tree
+from dflash_common.settings_files import load_settings_file
 from dflash_train.training.distributed import is_sharded
 
 COMPLETE = "COMPLETE"
@@ -166,13 +167,17 @@ class CheckpointManager:
 
     @staticmethod
     def load(path: str | Path) -> dict:
-        """{'model': state_dict, 'trainer': trainer_state, 'config': dict} of a complete checkpoint."""
+        """{'model': state_dict, 'trainer': trainer_state, 'config': dict} of a complete checkpoint,
+        each file a regular one inside the folder (no link out of it, FIFO or device), config.json
+        read bounded, and the weights checked against the drafter config they were saved with."""
         path = Path(path)
         if not (path / COMPLETE).exists():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); pick another step-* folder")
+        files = {name: regular_file_inside(path, name, f"checkpoint {path}", CheckpointError, _fix(path))
+                 for name in CHECKPOINT_FILES}
         try:
             state = {
-                "model": safetensors.torch.load_file(str(path / "model.safetensors")),
+                "model": safetensors.torch.load_file(files["model.safetensors"]),
                 # weights_only: a checkpoint is shared like any download, and unpickling arbitrary
                 # objects runs code; ours holds only tensors and plain values. map_location: one
                 # saved on a GPU must load on a CPU node, and under DDP not all onto cuda:0.
@@ -180,26 +185,75 @@ class CheckpointManager:
                 # of a node share one copy in the page cache instead of each reading the whole
                 # state (~22 GB at production size) into its own memory, and an FSDP rank reads
                 # only the slices of its shards
-                "trainer": torch.load(path / "trainer.pt", weights_only=True, map_location="cpu", mmap=True),
-                "config": json.loads((path / "config.json").read_text()),
+                "trainer": torch.load(files["trainer.pt"], weights_only=True, map_location="cpu", mmap=True),
+                "config": load_settings_file(files["config.json"], f"checkpoint {path}: config.json",
+                                             error=CheckpointError, fix=_fix(path)),
             }
         except pickle.UnpicklingError as err:
-            detail = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line
-                           or line.strip().startswith("Unsupported")), str(err).splitlines()[0] if str(err) else "")
-            if "Unsupported global" not in str(err):  # not a refused object: damaged bytes
-                raise CheckpointError(f"checkpoint {path} cannot be read ({detail[:200]}); resume from an older one "
-                                      f"with --resume-from {path.parent}/step-NNNNNN") from None
-            reason = detail.split("Unsupported global:", 1)[-1].split(" was not", 1)[0].strip()
-            raise CheckpointError(f"checkpoint {path} holds {path / 'trainer.pt'} with objects other than tensors and "
-                                  f"plain values (it names {reason[:120]}); it was not loaded, since unpickling them could run "
-                                  "code: use a checkpoint written by dflash-train") from None
+            raise _unpickling_refusal(path, err) from None
         except (OSError, RuntimeError, ValueError, EOFError, SafetensorError) as err:
-            raise CheckpointError(f"checkpoint {path} cannot be read ({err}); resume from an older one with "
-                                  f"--resume-from {path.parent}/step-NNNNNN") from None
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if "mmap can only be used" in detail:
+                detail = "trainer.pt is not in the zip format torch.save writes, which dflash-train uses"
+            raise CheckpointError(f"checkpoint {path} cannot be read ({detail[:200]}); {_fix(path)}") from None
         trainer = state["trainer"]
         missing = [k for k in TRAINER_KEYS if not isinstance(trainer, dict) or k not in trainer]
         if missing:
             raise CheckpointError(f"checkpoint {path}: trainer.pt lacks {missing[0]!r} (it holds "
                                   f"{type(trainer).__name__}{' ' + str(sorted(trainer))[:120] if isinstance(trainer, dict) else ''}), "
                                   "so dflash-train did not write it; use another step-* folder")
+        check_checkpoint_weights(path, trainer["drafter"], state["model"])
         return state
+
+
+CHECKPOINT_FILES = ("model.safetensors", "trainer.pt", "config.json")
+"""The files CheckpointManager.load reads from a step folder (COMPLETE is only looked for)."""
+
+
+def _fix(path: Path) -> str:
+    """What to do about a checkpoint that cannot be used: an older complete one beside it when
+    there is one (named), else train again; never a folder without checkpoints."""
+    others = []
+    try:
+        others = sorted(p for p in path.parent.glob("step-*") if p != path and not p.is_symlink()
+                        and (p / COMPLETE).is_file())
+    except OSError:
+        pass
+    if others:
+        return f"use another checkpoint of that run (with --resume: --resume-from {others[-1]}) or delete {path}"
+    return (f"there is no other complete checkpoint beside it in {path.parent}: use a checkpoint dflash-train wrote, "
+            f"or delete {path} and train again")
+
+
+def _unpickling_refusal(path: Path, err: pickle.UnpicklingError) -> CheckpointError:
+    """torch's weights_only refusal in our words: what the file holds and what to do, without
+    torch's advice to load it with weights_only=False (which would run its code)."""
+    import re
+
+    text = str(err)
+    named = re.search(r"GLOBAL ([\w.]+)", text)
+    operand = re.search(r"Unsupported operand (\d+)", text)
+    what = (f"it names {named.group(1)[:120]}" if named else
+            f"pickle instruction {operand.group(1)}" if operand else "objects dflash does not load")
+    return CheckpointError(f"checkpoint {path}: trainer.pt holds Python objects other than tensors and plain values "
+                           f"({what}), which dflash never loads since loading them could run code; it was not written "
+                           f"by dflash-train or was tampered with, so it was not loaded: {_fix(path)}")
+
+
+def check_checkpoint_weights(path: Path, drafter: object, model_state: dict) -> None:
+    """Refuse a checkpoint whose weights are not those of the drafter config it records (a
+    trainer.pt edited to another kind or size, weights swapped in), naming the first mismatch."""
+    from dflash_train.settings.drafter_config import DrafterConfig
+    from dflash_train.training.export import weights_problem
+
+    if not isinstance(drafter, dict):
+        raise CheckpointError(f"checkpoint {path}: trainer.pt's drafter config is a {type(drafter).__name__}, not an "
+                              f"object, so dflash-train did not write it; {_fix(path)}")
+    try:
+        cfg = DrafterConfig.from_hf_config(drafter)
+    except DFlashError as err:
+        raise CheckpointError(f"checkpoint {path}: trainer.pt's {str(err).split('; ')[0]}; {_fix(path)}") from None
+    problem = weights_problem(cfg, model_state)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: model.safetensors does not match the drafter config in trainer.pt: "
+                              f"{problem}; {_fix(path)}")

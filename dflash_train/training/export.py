@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.files import foreign_entries, give_plain_mode, holds, refuse_links, remove_tree
+from dflash_common.files import foreign_entries, give_plain_mode, holds, refuse_links, regular_file_inside, remove_tree
 from dflash_common.settings_files import load_settings_file
 from dflash_train.settings.drafter_config import EXPORT_ARCHITECTURES, DrafterConfig
 from dflash_train.training.model import DFlashDrafter
@@ -41,6 +41,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _is_export_config(path: Path) -> bool:
     """Whether `path` is a config.json an export wrote: a DFlash or DSpark drafter's, not a model's."""
+    if path.is_symlink() or not path.is_file():  # a FIFO there would block the read
+        return False
     try:
         values = load_settings_file(str(path))
     except (OSError, DFlashError):
@@ -91,6 +93,10 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
     """
     out_dir = Path(out_dir)
     check_export_folder(out_dir)
+    problem = weights_problem(cfg, state_dict)
+    if problem:  # an export whose config.json disagrees with its weights loads nowhere
+        raise ExportError(f"the drafter's weights do not match its config, so nothing was exported to {out_dir}: "
+                          f"{problem}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     staging = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
@@ -117,11 +123,15 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
     return out_dir
 
 
+def _export_file(export_dir: str | os.PathLike[str], name: str) -> str:
+    """A file of an export folder, refused unless a regular file inside it (regular_file_inside)."""
+    return regular_file_inside(export_dir, name, f"drafter export {export_dir}", ExportError,
+                               "pass a folder written by dflash-train export (or export the drafter again)")
+
+
 def read_export_config(export_dir: str | os.PathLike[str]) -> DrafterConfig:
     """The DrafterConfig of an export folder."""
-    path = Path(export_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ExportError(f"{path} is missing; pass a folder written by export_drafter")
+    path = Path(_export_file(export_dir, CONFIG_FILE))
     try:
         raw = load_settings_file(str(path), error=ExportError, fix="export the drafter again")
     except OSError as err:
@@ -134,20 +144,31 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> DrafterConfig:
         raise ExportError(f"{path}: {err}") from err
 
 
-def _check_tensors(path: Path, loaded: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
-    missing = sorted(set(expected) - set(loaded))
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every trained tensor's name and shape that a drafter of `cfg` has, from the model built on
+    the meta device (no memory, whatever sizes the config gives)."""
+    hidden = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in DFlashDrafter(cfg, hidden, hidden).state_dict().items()}
+
+
+def weights_problem(cfg: DrafterConfig, tensors: dict[str, Tensor]) -> str | None:
+    """The first way `tensors` are not the weights of a drafter of `cfg` (a missing or an extra
+    name, a shape, a tensor that is not floating point), or None."""
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ExportError(f"{path} lacks tensor {missing[0]!r} ({len(missing)} missing); export the drafter again")
-    extra = sorted(set(loaded) - set(expected))
+        return f"it lacks tensor {missing[0]!r} of shape {expected[missing[0]]} ({len(missing)} missing)"
+    extra = sorted(set(tensors) - set(expected))
     if extra:
-        raise ExportError(
-            f"{path} has unexpected tensor {extra[0]!r} ({len(extra)} extra); it does not match config.json")
-    for name, tensor in loaded.items():
-        want = tuple(expected[name].shape)
-        if tuple(tensor.shape) != want:
-            raise ExportError(
-                f"{path} tensor {name!r} has shape {tuple(tensor.shape)}, config.json implies {want}; "
-                "export the drafter again")
+        return f"it has tensor {extra[0]!r}, which a drafter of that config lacks ({len(extra)} extra)"
+    for name in sorted(tensors):
+        shape = tuple(tensors[name].shape)
+        if shape != expected[name]:
+            return f"tensor {name!r} has shape {shape}, the config implies {expected[name]}"
+        if not tensors[name].is_floating_point():
+            return f"tensor {name!r} is {_dtype_name(tensors[name].dtype)}, not floating point"
+    return None
 
 
 def load_drafter(export_dir: str | os.PathLike[str], embed_weight: Tensor, lm_head_weight: Tensor,
@@ -160,15 +181,12 @@ def load_drafter(export_dir: str | os.PathLike[str], embed_weight: Tensor, lm_he
 def read_export(export_dir: str | os.PathLike[str]) -> tuple[DrafterConfig, dict[str, Tensor]]:
     """An export folder's DrafterConfig and its trained tensors, checked against each other."""
     cfg = read_export_config(export_dir)
-    path = Path(export_dir) / WEIGHTS_FILE
-    if not path.is_file():
-        raise ExportError(f"{path} is missing; pass a folder written by export_drafter")
+    path = Path(_export_file(export_dir, WEIGHTS_FILE))
     try:
         loaded = load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise ExportError(f"{path} is not a readable safetensors file ({err}); export the drafter again") from err
-    hidden = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
-    with torch.device("meta"):
-        expected = DFlashDrafter(cfg, hidden, hidden).state_dict()
-    _check_tensors(path, loaded, expected)
+    problem = weights_problem(cfg, loaded)
+    if problem:
+        raise ExportError(f"{path} does not match {CONFIG_FILE} beside it: {problem}; export the drafter again")
     return cfg, loaded

@@ -74,7 +74,7 @@ def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Te
     if (path / COMPLETE).exists():
         state = CheckpointManager.load(path)
         return DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_symlink() and not (path / "config.json").is_file():  # read_export names a link
         raise ConfigError(f"--init-from {path} is neither a checkpoint folder (checkpoints/step-NNNNNN, with its "
                           f"{COMPLETE} marker) nor an exported drafter folder; pass one of those")
     return read_export(path)
