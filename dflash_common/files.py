@@ -27,7 +27,7 @@ from dflash_common.errors import DFlashError, OutputError
 
 def file_kind(mode: int) -> str:
     """What a file of this st_mode is, in words (for "X is a FIFO, not a regular file")."""
-    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO (reading it would wait for a writer forever)"),
                        (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
         if test(mode):
             return kind
@@ -91,11 +91,8 @@ def regular_file_inside(folder: str | os.PathLike, name: str, what: str, error: 
     except OSError as err:
         raise error(f"{what}: {name} cannot be read ({err.strerror}); {fix}") from None
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO (reading it would wait for a writer forever)" if stat.S_ISFIFO(mode) else
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a folder" if stat.S_ISDIR(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
         link = f" (a symlink to {target})" if os.path.islink(path) else ""
-        raise error(f"{what}: {name}{link} is {kind}, not a regular file, so it was not read; {fix}")
+        raise error(f"{what}: {name}{link} is a {file_kind(mode)}, not a regular file, so it was not read; {fix}")
     return path
 
 

@@ -82,7 +82,7 @@ def test_a_fifo_in_place_of_the_manifest_or_the_index_ends_at_once(built, tmp_pa
     (cache / name).unlink()
     os.mkfifo(cache / name)
     done = _command("info", str(cache))
-    assert done.returncode == 1 and "is a FIFO (named pipe), not a regular file" in done.stderr, done.stderr
+    assert done.returncode == 1 and "is a FIFO (reading it would wait for a writer forever), not a regular file" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("name", [f"{fmt.HIDDEN}/zarr.json", fmt.TOKENS])
@@ -92,7 +92,7 @@ def test_a_fifo_in_a_shard_is_named_not_read(built, tmp_path, name):
     shard = Path(fmt.shard_path(str(cache), open_cache(str(cache)).shard_names()[1], 2))
     (shard / name).unlink()
     os.mkfifo(shard / name)
-    _refused_by_run(cache, "is a FIFO (named pipe), not a regular file")
+    _refused_by_run(cache, "is a FIFO (reading it would wait for a writer forever), not a regular file")
     verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
     assert verified.exit_code == 1 and "FIFO" in verified.output and "missing" not in verified.output, verified.output
 
