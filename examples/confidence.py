@@ -58,7 +58,7 @@ def decode_run(run: Path, sweep_dir: Path, measure, thresholds: tuple[float, ...
 def table(groups: dict[str, dict[int, dict]], thresholds: tuple[float, ...]) -> tuple[str, dict]:
     """Markdown over seeds (records by configuration, then seed) and the accepted-length intervals
     it shows, by (configuration, decoding, threshold), for the plot."""
-    from dflash_train.measuring.statistics import paired_difference, t_interval
+    from dflash_train.measuring.summary_statistics import paired_difference, t_interval
     from dflash_train.sweep.recipe import _signed
 
     lines = ["| configuration | decoding | threshold | accepted length | Δ vs no threshold | drafts verified per forward | "

@@ -110,7 +110,7 @@ def train_and_measure(settings: PhaseSettings, values: dict, teacher: Path, prom
 
 def summary_markdown(records: dict[str, dict[int, dict]], settings: PhaseSettings) -> str:
     """Means ± 95% intervals over seeds and differences from kl paired by seed."""
-    from dflash_train.measuring.statistics import paired_difference, t_interval
+    from dflash_train.measuring.summary_statistics import paired_difference, t_interval
 
     def cell(arm: str, key: str) -> str:
         values = {s: r[key] for s, r in records[arm].items() if r.get(key) is not None}

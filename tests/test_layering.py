@@ -303,3 +303,23 @@ def test_the_size_check_sees_a_long_function_and_file(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(60))
     (tmp_path / "cli" / "long.py").write_text("def f():\n" + body + "\n" * 440)
     assert size_problems(tmp_path) == ["cli/long.py: 501 lines", "cli/long.py:1 f: 61 lines"]
+
+
+# vLLM runs dflash_train/measuring/vllm_worker.py and dflash_cache's vllm_extract scripts with their
+# own folder first on sys.path, so a module of ours named like a standard one (statistics.py did)
+# is what vLLM's own `import statistics` finds: no product module may take a standard module's name.
+def stdlib_name_problems(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)} takes the name of the standard module {path.stem}"
+            for package in ALLOWED for path in sorted((root / package).rglob("*.py"))
+            if path.stem in sys.stdlib_module_names]
+
+
+def test_no_product_module_shadows_a_standard_module():
+    assert stdlib_name_problems(ROOT) == []
+
+
+def test_the_shadow_check_sees_one(tmp_path):
+    (tmp_path / "dflash_train" / "measuring").mkdir(parents=True)
+    (tmp_path / "dflash_train" / "measuring" / "statistics.py").write_text("")
+    assert stdlib_name_problems(tmp_path) == [
+        "dflash_train/measuring/statistics.py takes the name of the standard module statistics"]

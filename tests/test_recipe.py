@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from cli.train import app
 from dflash_common.errors import ConfigError
-from dflash_train.measuring.statistics import (
+from dflash_train.measuring.summary_statistics import (
     interpolate,
     paired_difference,
     spearman,

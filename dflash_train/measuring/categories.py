@@ -2,7 +2,7 @@
 per-prompt rows to one row per category and one overall.
 
 Per category and temperature: the accepted length per teacher forward as the mean over prompts
-with its 95% t-interval over prompts (dflash_train.measuring.statistics.t_interval), the speedup
+with its 95% t-interval over prompts (dflash_train.measuring.summary_statistics.t_interval), the speedup
 (tokens/s with the drafter over tokens/s of the teacher alone, both summed over the category's
 prompts) and, greedy, whether every output equals the teacher's. vLLM's counters are per engine
 call, so its per-category accepted length (one call per category) has no interval.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dflash_train.measuring.statistics import Interval, t_interval
+from dflash_train.measuring.summary_statistics import Interval, t_interval
 
 OVERALL = "overall"
 

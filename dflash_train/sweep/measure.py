@@ -19,7 +19,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.settings_files import MANIFEST_BYTES, load_settings_file
-from dflash_train.measuring.statistics import tokens_by_step
+from dflash_train.measuring.summary_statistics import tokens_by_step
 from dflash_train.settings.measure_config import MeasureConfig
 
 MEASURE_FILE = "measure.json"

@@ -3,7 +3,7 @@ grid value but the seed) and writes ``summary.md``/``summary.csv`` and ``tau_vs_
 configuration the mean and a 95% t-interval over seeds (``t_interval``), the difference from the
 reference configuration paired by seed (``paired_difference``), tau at fixed fractions of the
 run, and the tokens a configuration needs to reach the reference's final tau
-(``tokens_to_reach``). The statistics themselves are dflash_train.measuring.statistics' pure
+(``tokens_to_reach``). The statistics themselves are dflash_train.measuring.summary_statistics' pure
 functions; what each run measured is dflash_train.sweep.measure's measure.json.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_train.measuring.statistics import (
+from dflash_train.measuring.summary_statistics import (
     Interval,
     interpolate,
     paired_difference,
