@@ -280,7 +280,7 @@ def test_too_few_gpus_for_a_ranks_engine_is_one_line(env, tp, named):
 
 RANK_ENGINE = """
 import json, os, sys
-from dflash_cache.settings.vllm_args import VllmArgs
+from dflash_teacher.settings.vllm_args import VllmArgs
 from dflash_teacher.vllm_engine import worker_environment
 env = worker_environment(VllmArgs())
 with open(os.path.join(sys.argv[1], "rank-" + os.environ["LOCAL_RANK"] + ".json"), "w") as f:

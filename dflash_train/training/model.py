@@ -187,7 +187,7 @@ def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window:
     # compiled on CUDA too: eager, it materialises the whole [B, Q, KV] mask first (0.1-2 GB
     # transient a forward at production lengths); compiled, only the block tiles
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
-                                   device=anchors.device, _compile=anchors.device.type in COMPILE_FLEX_ON)
+                                   device=anchors.device, _compile=anchors.device.type == "cuda")
     if anchors.device.type in COMPILE_FLEX_ON:
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
