@@ -289,3 +289,21 @@ def test_fp8_cache_on_object_storage_reads_like_the_local_one(built, request):
         np.testing.assert_array_equal(a.hidden.view(np.uint16), b.hidden.view(np.uint16))
     ok = CliRunner().invoke(cache_app, ["verify", url, "--quiet"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_the_numpy_and_torch_decodings_give_the_same_bits():
+    """info and verify decode in numpy (no torch loaded), training in torch: the same values (the NaN
+    codes' payload bits may differ; a cache holds none, quantize refuses NaN)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, sys\nfrom dflash_cache.format import fp8\n"
+            "rng = np.random.default_rng(0)\ncodes = rng.integers(0, 256, (300, 4, 32), dtype=np.uint8)\n"
+            "exps = rng.integers(fp8.MIN_EXP, fp8.MAX_EXP + 1, (300, 4)).astype(np.int8)\n"
+            "exps[0] = fp8.MIN_EXP\nexps[1] = fp8.MAX_EXP\n"
+            "a = [fp8.dequantize(codes, exps, d).astype(np.float64) for d in ('bfloat16', 'float32')]\n"
+            "assert 'torch' not in sys.modules\nimport torch\n"
+            "b = [fp8.dequantize(codes, exps, d).astype(np.float64) for d in ('bfloat16', 'float32')]\n"
+            "print(all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a, b)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True", done.stderr
