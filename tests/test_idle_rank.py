@@ -28,7 +28,8 @@ CLI = str(Path(sys.executable).with_name("dflash-train"))
 # 36-58-token sequences in 60-token batches: one sequence a partition a step
 ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", "--num-anchors", "4",
         "--heldout-fraction", "0", "--save-every", "3", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
-KINDS = {"dspark": ["--model-kind", "dspark", "--markov-rank", "4"], "dflash2": ["--model-kind", "dflash2"]}
+KINDS = {"dflash": ["--model-kind", "dflash"], "dspark": ["--model-kind", "dspark", "--markov-rank", "4"],
+         "dflash2": ["--model-kind", "dflash2"]}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_the_caches_leave_a_rank_idle(caches):
 @pytest.mark.fast_cases(2)
 @pytest.mark.parametrize(("strategy", "kind", "ranks"), [
     ("ddp", "dspark", 2), ("fsdp", "dflash2", 2), ("ddp", "dflash2", 2), ("fsdp", "dspark", 2),
-    ("ddp", "dspark", 3), ("fsdp", "dflash2", 3),
+    ("ddp", "dspark", 3), ("fsdp", "dflash2", 3), ("ddp", "dflash2", 3), ("fsdp", "dspark", 3),
+    ("ddp", "dflash", 2), ("fsdp", "dflash", 2), ("ddp", "dflash", 3), ("fsdp", "dflash", 3),
 ])
 def test_an_idle_rank_joins_the_gradient_reduction(tmp_path, caches, strategy, kind, ranks):
     out = tmp_path / "run"
