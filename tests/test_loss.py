@@ -142,7 +142,7 @@ def test_dpace_weights_on_hand_case():
     assert out.loss.item() == pytest.approx(math.log(4) * ((c + c * c) + c * c) / 2, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl"])
+@pytest.mark.parametrize("kind", ["tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl", "chain"])
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_objective_gradients_equal_float64_reference(kind, weighting):
     states, lm_head, targets, ids, logprobs, valid, b = random_batch(3)
@@ -208,9 +208,22 @@ def brute_force_loss(states, lm_head, targets, ids, logprobs, valid, cfg, block_
             onpolicy[block, k] = 0.0 if missed_at is None else cfg.onpolicy_decay ** (k - missed_at)
     factor = onpolicy.reshape(-1)[rows]
     terms["onpolicy_kl"] = torch.where(factor > 0, factor * terms["rkl"], terms["kl"])
-    per_position = sum(w * terms[name] for name, w in cfg.term_weights().items())
+    # chain by its definition, block by block: 1 - the product of alpha up to each position, an
+    # invalid position ending the product
+    row_of = {int(r): i for i, r in enumerate(rows)}
+    chain = [None] * rows.numel()
+    for block in range(m):
+        reach = torch.ones((), dtype=torch.float64)
+        for k in range(p):
+            reach = reach * alpha[row_of[block * p + k]] if valid[block, k] else reach * 0.0
+            if valid[block, k]:
+                chain[row_of[block * p + k]] = 1.0 - reach
+    terms["chain"] = torch.stack(chain)
+    weighted = sum(w * terms[name] for name, w in cfg.term_weights().items() if name != "chain")
+    unweighted = cfg.term_weights().get("chain", 0.0) * terms["chain"]
     weights = position_weights(grid(alpha), valid, cfg, block_size, grid(confidence)).double().reshape(-1)[rows]
-    return (weights * per_position).sum() / rows.numel(), per_position, alpha, greedy, rows
+    loss = (weights * weighted + unweighted).sum() / rows.numel()
+    return loss, weighted + unweighted, alpha, greedy, rows
 
 
 def random_batch(seed, m=5, block_size=8, hidden=12, vocab=97, k=6, valid_fraction=0.75):

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 VOCAB, HIDDEN, K = 61, 32, 5
 LOSSES = [LossConfig(weighting=w) for w in WEIGHTINGS] + [
     LossConfig(kind="onpolicy_kl", weighting="dpace"), LossConfig(terms={"ce": 0.1, "tv": 0.9}, weighting="streak"),
-    LossConfig(kind="lk_hybrid", weighting="decay")]
+    LossConfig(kind="lk_hybrid", weighting="decay"), LossConfig(terms={"kl": 1.0, "chain": 0.5}, weighting="first_error"),
+    LossConfig(kind="mix", temperature=2.0, weighting="streak")]
 
 
 def drafter() -> DFlashDrafter:

@@ -114,7 +114,8 @@ def drafter(kind: str, seed=0) -> DFlashDrafter:
 
 
 LOSSES = [LossConfig(kind=k, weighting=w) for k in LOSS_KINDS for w in WEIGHTINGS] + [
-    LossConfig(terms={"ce": 0.1, "tv": 0.9}, weighting="dpace"), LossConfig(weighting="streak", streak_decay=True)]
+    LossConfig(terms={"ce": 0.1, "tv": 0.9}, weighting="dpace"), LossConfig(weighting="streak", streak_decay=True),
+    LossConfig(terms={"kl": 1.0, "chain": 0.5, "ce": 0.1}, temperature=2.0, weighting="first_error")]
 
 
 def step(model, batch, loss: LossConfig) -> tuple[torch.Tensor, dict]:

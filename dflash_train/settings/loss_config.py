@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
 
-TERMS = ("kl", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl")
+TERMS = ("kl", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl", "chain")
 """Per-position terms a loss sums (docs/design.md, "The objective"): each is a function of the
 teacher's top-k buckets plus its tail, the drafter's distribution and, for ce, the true token."""
 LOSS_KINDS = (*TERMS, "mix")
 # Settings that bound memory without changing what is learned: a run may resume with other values.
 OPERATIONAL_FIELDS = ("chunk_positions", "chunk_bytes")
-WEIGHTINGS = ("streak", "decay", "dpace", "none")
+WEIGHTINGS = ("streak", "decay", "dpace", "first_error", "none")
+# Terms with a divergence of their own that temperature would leave at T = 1: refused beside a temperature.
+UNTEMPERED_DIVERGENCES = ("lk_hybrid", "rkl", "jsd", "onpolicy_kl")
 HEAD_MATMULS = ("fp32", "tf32", "bf16")
 
 
@@ -27,8 +29,12 @@ class LossConfig:
     on the true next token, "tv" = 1 - alpha, "nla" = -log(alpha), "lk_hybrid" = l * kl + (1 - l)
     * tv with l = exp(-lk_eta * alpha) detached (the LK losses), "rkl" = KL(q || p), "jsd" =
     Jensen-Shannon, "onpolicy_kl" = kl on the positions the drafter's own greedy block gets
-    accepted, rkl decayed by onpolicy_decay after its first rejection (on-policy replay),
-    "mix" = mix_lambda * kl + (1 - mix_lambda) * ce. Ignored when terms is set."""
+    accepted, rkl decayed by onpolicy_decay after its first rejection (on-policy replay), "chain" =
+    minus the block's expected accepted length, differentiable: at its k-th valid position 1 -
+    prod over i <= k of alpha_i (an invalid position ends the chain), so a block's sum is its valid
+    positions minus E[accepted] and the loss, divided by the valid positions as every term is, is
+    in [0, 1] per position (tv at k = 1); the position weights do not multiply it (the product is
+    its own weighting), "mix" = mix_lambda * kl + (1 - mix_lambda) * ce. Ignored when terms is set."""
 
     terms: dict[str, float] | None = field(default=None, metadata={"name": "loss_terms"})
     """A weighted sum of per-position losses instead of kind, as a JSON object of kind names to
@@ -49,7 +55,10 @@ class LossConfig:
     """Position weights: "streak" = stop-gradient estimated probability that the accepted
     streak reaches the position, "decay" = exp(-(k - 1) / gamma), "dpace" = the drafter's own
     confidence (D-PACE): sum over j >= k of prod over i <= j of c~_i, c~ = s + (1 - s) *
-    q(true token), s = dpace_smoothing, detached; "none" = 1."""
+    q(true token), s = dpace_smoothing, detached; "first_error" = the probability that the block's
+    first rejection is at the position, (prod over i < k of alpha_i) * (1 - alpha_k), detached
+    (our reading of the first-error focal weights of arXiv 2606.11552; min_weight floors it);
+    "none" = 1. The chain term is never weighted."""
 
     dpace_smoothing: float = 0.5
     """s of the dpace weights' smoothed confidence c~ = s + (1 - s) * c, in (0, 1]."""
@@ -68,6 +77,13 @@ class LossConfig:
     min_weight: float = 0.0
     """Floor of every position weight, in [0, 1]: late block positions keep at least this share of
     the training signal however small decay or streak makes their weight (0 = no floor)."""
+
+    temperature: float = field(default=1.0, metadata={"name": "kl_temperature"})
+    """Temperature T of the kl term (1 = unchanged): KL(p_T || q_T) * T^2 (Hinton's factor keeps the
+    gradient's scale), q_T = softmax(logits / T), p_T prop. to p^(1/T) on the cached top-k and, for the
+    tail bucket, assuming its mass is spread evenly over the V - k other tokens, tail^(1/T) *
+    (V - k)^(1 - 1/T). Only kl is tempered; ce, tv, nla and chain stay at T = 1 beside it, and a
+    temperature other than 1 is refused without kl or with lk_hybrid, rkl, jsd or onpolicy_kl."""
 
     chunk_positions: int | None = None
     """Valid positions whose full-vocabulary fp32 logits exist at once; None sizes chunks by
@@ -126,6 +142,7 @@ class LossConfig:
             raise ConfigError(
                 f"chunk_positions {self.chunk_positions!r} is not a positive integer or None (pass e.g. 256)"
             )
+        check_temperature(self.temperature, self.term_weights())
         if self.head_matmul not in HEAD_MATMULS:
             raise ConfigError(f"loss head_matmul {self.head_matmul!r} is unknown (use one of {', '.join(HEAD_MATMULS)})")
         if not is_int(self.chunk_bytes) or self.chunk_bytes < 1:
@@ -161,3 +178,19 @@ def check_terms(terms) -> None:
         raise ConfigError(f"loss term {bad[0]!r} has weight {terms[bad[0]]!r}, not a number >= 0 (e.g. {example})")
     if not any(weight > 0 for weight in terms.values()):
         raise ConfigError(f"loss terms {terms!r} weigh every term 0; give one a positive weight (e.g. {example})")
+
+
+def check_temperature(temperature, weights: dict[str, float]) -> None:
+    """Refuse a temperature that is not > 0, or other than 1 for a loss with no kl term to temper
+    or with a divergence that would stay untempered beside it."""
+    if not is_real(temperature, finite=True) or temperature <= 0:
+        raise ConfigError(f"kl_temperature {temperature!r} is not a number > 0 (pass e.g. 2, or 1 for none)")
+    if temperature == 1:
+        return
+    if "kl" not in weights:
+        raise ConfigError(f"kl_temperature {temperature!r} tempers the kl term, and the loss {sorted(weights)} has "
+                          "none (use --loss kl or a kl term, or kl_temperature 1)")
+    untempered = [name for name in weights if name in UNTEMPERED_DIVERGENCES]
+    if untempered:
+        raise ConfigError(f"kl_temperature {temperature!r} would leave {untempered[0]!r}'s divergence at T = 1; "
+                          "use it without a temperature, or drop that term")

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.loss_config import LossConfig
-from dflash_train.training.objectives import chunk_terms, onpolicy_split
+from dflash_train.training.objectives import chain_term, chunk_terms, onpolicy_split
 from dflash_train.training.weighting import position_weights
 
 CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured")
@@ -183,13 +183,14 @@ def block_loss(
     per_term, alpha, greedy, confidence, selector = _valid_position_terms(
         states, lm_head_weight, targets, topk_ids, topk_logprobs, rows, heads, cfg, names)
     grid = (num_blocks, num_positions)
-    terms = dict(zip(names, per_term))
-    if "onpolicy_kl" in weights_by_term:
-        terms["onpolicy_kl"] = _onpolicy_kl(terms, greedy, rows, valid, cfg.onpolicy_decay)
-    per_position = sum(weight * terms[name] for name, weight in weights_by_term.items())
+    terms = _block_terms(dict(zip(names, per_term)), weights_by_term, greedy, rows, valid, cfg)
+    # the chain is its own weighting (a product along the block): the position weights skip it
+    weighted = sum(weight * terms[name] for name, weight in weights_by_term.items() if name != "chain")
+    unweighted = weights_by_term["chain"] * terms["chain"] if "chain" in weights_by_term else 0.0
+    per_position = weighted + unweighted
 
     weights = position_weights(_on_grid(alpha, rows, grid), valid, cfg, block_size, _on_grid(confidence, rows, grid))
-    loss = (weights.reshape(-1).index_select(0, rows) * per_position).sum() / num_valid
+    loss = (weights.reshape(-1).index_select(0, rows) * weighted + unweighted).sum() / num_valid
 
     columns = rows % num_positions
     extras, confidence_sums, selector_sums = _head_terms(heads, rows, columns, num_positions, alpha, greedy,
@@ -286,10 +287,22 @@ def _valid_position_terms(
         args = (valid_states[piece], lm_head_weight, None if valid_features is None else valid_features[piece],
                 heads.bias_weight, valid_targets[piece], valid_ids[piece], valid_logprobs[piece], names,
                 float(cfg.lk_eta), has_tail, cfg.head_matmul, None if valid_context is None else valid_context[piece],
-                heads.successor_codebook, heads.selector)
+                heads.successor_codebook, heads.selector, float(cfg.temperature))
         parts.append(checkpoint(chunk_terms, *args, use_reentrant=False) if recompute else chunk_terms(*args))
     per_term, alpha, greedy, confidence, selector = (torch.cat(piece, dim=-1) for piece in zip(*parts))
     return per_term, alpha.detach(), greedy, confidence.detach(), selector
+
+
+def _block_terms(terms: dict[str, torch.Tensor], weights_by_term: dict[str, float], greedy: torch.Tensor,
+                 rows: torch.Tensor, valid: torch.Tensor, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """The per-valid-position terms with those that need whole blocks joined from chunk_terms'
+    parts: onpolicy_kl from its kl and rkl halves, chain from its per-position alphas."""
+    if "onpolicy_kl" in weights_by_term:
+        terms["onpolicy_kl"] = _onpolicy_kl(terms, greedy, rows, valid, cfg.onpolicy_decay)
+    if "chain" in weights_by_term:
+        alpha = _on_grid(terms["chain"], rows, tuple(valid.shape), detach=False)
+        terms["chain"] = chain_term(alpha, valid).reshape(-1).index_select(0, rows)
+    return terms
 
 
 def _onpolicy_kl(terms: dict[str, torch.Tensor], greedy: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
@@ -319,10 +332,11 @@ def _computed_terms(weights_by_term: dict[str, float]) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def _on_grid(values: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """[M, P] float32 grid holding per-valid-position values at their rows, 0 elsewhere."""
+def _on_grid(values: torch.Tensor, rows: torch.Tensor, grid: tuple[int, int], detach: bool = True) -> torch.Tensor:
+    """[M, P] float32 grid holding per-valid-position values at their rows, 0 elsewhere (with their
+    gradient when not detach)."""
     flat = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=values.device)
-    return flat.index_copy(0, rows, values.detach().float()).view(grid)
+    return flat.index_copy(0, rows, (values.detach() if detach else values).float()).view(grid)
 
 
 def _sum_per_column(values: torch.Tensor, columns: torch.Tensor, num_positions: int) -> torch.Tensor:

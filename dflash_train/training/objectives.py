@@ -1,8 +1,8 @@
 """The objective's per-position terms (docs/design.md, "The objective"): the full-vocabulary
 logits of one chunk of valid positions through the frozen LM head, in the loss's head_matmul
-precision, and from them the bucket terms (ce, kl, tv, nla, lk_hybrid, rkl, jsd), the
-acceptance alpha and, for DFlash2, the selector's terms. dflash_train.training.loss assembles
-these into a batch's loss.
+precision, and from them the bucket terms (ce, kl, tv, nla, lk_hybrid, rkl, jsd; chain's
+per-position alpha), the acceptance alpha and, for DFlash2, the selector's terms.
+dflash_train.training.loss assembles these into a batch's loss.
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch
             out[name] = blend * kl + (1.0 - blend) * (1.0 - alpha)
         elif name == "rkl":
             out[name] = (q * (log_q - teacher_logp.clamp(min=_LOG_EMPTY))).sum(-1)
+        elif name == "chain":  # alpha itself, with its gradient: chain_term joins a block's positions
+            out[name] = alpha
         elif name == "jsd":
             log_m = torch.logaddexp(teacher_logp, log_q) - math.log(2.0)
             out[name] = 0.5 * ((torch.xlogy(p, p) - p * log_m).sum(-1) + (q * (log_q - log_m)).sum(-1))
@@ -136,30 +138,25 @@ def chunk_terms(
     selector_context: torch.Tensor | None = None,
     successor_codebook: torch.Tensor | None = None,
     selector: DFlash2Config | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position ([T, n] terms in the order of `names`, alpha, greedy, confidence, selector
     values [4, T] named by SELECTOR_SUMS, or [0, T] without a selector) for n gathered valid
     positions; the only place full-vocabulary logits exist. Runs under checkpoint, so it must stay
     deterministic. onpolicy_kl needs whole blocks, so it comes back as its two halves, kl and rkl,
-    which block_loss joins."""
+    which block_loss joins; chain as its per-position alpha, which block_loss chains per block.
+    temperature tempers kl alone (LossConfig.temperature)."""
     # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
     with torch.autocast(device_type=states.device.type, enabled=False):
         logits = head_logits(states, lm_head_weight, head_matmul)
         if features is not None:
             logits = logits + features.float() @ bias_weight.float().T
-        log_norm = torch.logsumexp(logits, dim=-1)
-        log_q = logits.gather(1, topk_ids) - log_norm[:, None]
-        teacher_logp = topk_logprobs.float()
-        if has_tail:
-            teacher_tail = (1.0 - teacher_logp.exp().sum(-1)).clamp(min=0.0)
-            # log(1 - sum q) cancels catastrophically when the top-k holds nearly all the mass.
-            outside_topk = logits.scatter(1, topk_ids, float("-inf"))
-            log_q_tail = torch.logsumexp(outside_topk, dim=-1) - log_norm
-            log_q = torch.cat([log_q, log_q_tail[:, None]], dim=1)
-            # log(0) = -inf is what an empty tail is; xlogy and the clamps below handle it
-            teacher_logp = torch.cat([teacher_logp, torch.log(teacher_tail)[:, None]], dim=1)
+        log_norm, log_q = bucket_log_probs(logits, topk_ids, has_tail)
+        teacher_logp = teacher_bucket_log_probs(topk_logprobs.float(), has_tail)
         ce = log_norm - logits.gather(1, targets[:, None]).squeeze(1)
         terms = _bucket_terms(names, teacher_logp, log_q, ce, lk_eta)
+        if temperature != 1.0 and "kl" in names:
+            terms["kl"] = tempered_kl(logits, topk_ids, teacher_logp, has_tail, temperature)
         per_term = torch.stack([terms[name] for name in names])
 
         with torch.no_grad():
@@ -169,6 +166,52 @@ def chunk_terms(
         selected = (logits.new_zeros(0, logits.shape[0]) if selector is None
                     else selector_terms(logits, selector_context, successor_codebook, topk_ids[:, 0], selector))
     return per_term, alpha, greedy, confidence, selected
+
+
+def bucket_log_probs(logits: torch.Tensor, topk_ids: torch.Tensor, has_tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-normaliser [n], log-probabilities [n, b]) of the drafter's softmax of logits [n, V] over
+    the top-k buckets, then its tail bucket when has_tail."""
+    log_norm = torch.logsumexp(logits, dim=-1)
+    log_q = logits.gather(1, topk_ids) - log_norm[:, None]
+    if has_tail:
+        # log(1 - sum q) cancels catastrophically when the top-k holds nearly all the mass.
+        outside_topk = logits.scatter(1, topk_ids, float("-inf"))
+        log_q = torch.cat([log_q, (torch.logsumexp(outside_topk, dim=-1) - log_norm)[:, None]], dim=1)
+    return log_norm, log_q
+
+
+def teacher_bucket_log_probs(topk_logprobs: torch.Tensor, has_tail: bool) -> torch.Tensor:
+    """[n, b] the teacher's log-probabilities of its top-k buckets, then its tail bucket (1 - the
+    top-k's mass; log 0 = -inf is what an empty tail is, which xlogy and the clamps handle)."""
+    if not has_tail:
+        return topk_logprobs
+    teacher_tail = (1.0 - topk_logprobs.exp().sum(-1)).clamp(min=0.0)
+    return torch.cat([topk_logprobs, torch.log(teacher_tail)[:, None]], dim=1)
+
+
+def tempered_teacher_buckets(teacher_logp: torch.Tensor, has_tail: bool, vocab_size: int,
+                             temperature: float) -> torch.Tensor:
+    """[n, b] log p_T of the teacher's buckets at a temperature: p_T(i) prop. to p(i)^(1/T) on the top-k
+    ids; the tail bucket's tokens are not cached, so its mass is taken as spread evenly over the
+    V - k other tokens, whose tempered sum is tail^(1/T) * (V - k)^(1 - 1/T). Exact when the top-k
+    covers the vocabulary (no tail) or the tail is uniform; renormalised to sum to 1."""
+    scaled = teacher_logp / temperature
+    if has_tail:
+        others = vocab_size - (teacher_logp.shape[1] - 1)
+        spread = torch.zeros_like(scaled)
+        spread[:, -1] = (1.0 - 1.0 / temperature) * math.log(others)
+        scaled = scaled + spread
+    return scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+
+
+def tempered_kl(logits: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor, has_tail: bool,
+                temperature: float) -> torch.Tensor:
+    """[n] T^2 * KL(p_T || q_T) over the buckets: q_T the drafter's softmax(logits / T) read at the
+    buckets (exact, from the full logits), p_T the tempered teacher (tempered_teacher_buckets); the
+    T^2 keeps the gradient's scale across temperatures (Hinton et al.'s distillation)."""
+    _, log_q = bucket_log_probs(logits / temperature, topk_ids, has_tail)
+    log_p = tempered_teacher_buckets(teacher_logp, has_tail, logits.shape[1], temperature)
+    return temperature**2 * bucket_kl(log_p.exp(), log_q, None, None)
 
 
 def selector_terms(logits: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
@@ -196,3 +239,14 @@ def onpolicy_split(hits: torch.Tensor, valid: torch.Tensor, decay: float) -> tup
     since = (torch.cumsum((~accepted).long(), dim=1) - 1).clamp(min=0)
     factor = torch.where(accepted, torch.zeros_like(since, dtype=torch.float32), float(decay) ** since.float())
     return accepted, factor
+
+
+def chain_term(alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[M, P] the chain loss per position of blocks of acceptance rates alpha [M, P] (with their
+    gradient): 1 - prod over i <= k of alpha_i, so that a block's sum over its valid positions is
+    their number minus the expected accepted length sum_k prod_{i<=k} alpha_i. An invalid position
+    ends the chain (it counts as alpha = 0: no acceptance is known through a token the drafter is
+    not trained on, and past the sequence's end every later position is invalid anyway); unlike
+    streak_weights, where it is neutral, since here the product is what is trained."""
+    reach = torch.cumprod(torch.where(valid.bool(), alpha, torch.zeros_like(alpha)), dim=1)
+    return 1.0 - reach

@@ -1,7 +1,8 @@
 """The position weightings of the drafter's loss (docs/design.md, "The objective"): how much each
 draft position of a block counts, per LossConfig.weighting. "decay" discounts later positions
 by a fixed length gamma, "streak" by the drafter's estimated chance of reaching them, "dpace" by
-how much the expected accepted length moves with them; all are detached, so they steer the
+how much the expected accepted length moves with them, "first_error" by the chance that the
+block's first rejection falls on them; all are detached, so they steer the
 gradient without being trained through.
 """
 
@@ -69,6 +70,17 @@ def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, smoothing: floa
     return reach.flip(1).cumsum(1).flip(1) * mask
 
 
+def first_error_weights(alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[M, P] detached weights `(prod_{i<k} alpha_i) * (1 - alpha_k)`: the probability that the
+    block's first rejection is at position k, so the loss concentrates where the block is first
+    likely to break (our reading of arXiv 2606.11552's first-error focal weighting: the paper was
+    not at hand, and it has no smoothing or exponent here; LossConfig.min_weight floors it). An
+    invalid position is neutral on the way, as in streak_weights, and its own weight is 0."""
+    alpha = alpha.detach().to(torch.float32)
+    miss = torch.where(valid.bool(), 1.0 - alpha, torch.zeros_like(alpha))
+    return streak_weights(alpha, valid, 0.0) * miss
+
+
 def position_weights(
     alpha: torch.Tensor, valid: torch.Tensor, cfg: LossConfig, block_size: int,
     confidence: torch.Tensor | None = None,
@@ -83,6 +95,8 @@ def position_weights(
         if confidence is None:
             raise ValueError("dpace weights need the drafter's confidence per position")
         weights = dpace_weights(confidence, valid, cfg.dpace_smoothing)
+    elif cfg.weighting == "first_error":
+        weights = first_error_weights(alpha, valid)
     else:
         decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
         if cfg.weighting == "decay":
