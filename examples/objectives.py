@@ -55,6 +55,22 @@ KINDS: dict[str, dict] = {**DRAFTERS, "dflash2": {"model.kind": "dflash2"}}
 """`--study kinds` (issue 35): DFlash, DSpark and DFlash2 (grouped convolutions of 2 taps in groups of
 16, the selector of rank 256 over the top 16) under the default objective, at equal training tokens."""
 
+FIELD: dict[str, dict] = {
+    **KINDS,
+    "dflash+chain": {"model.kind": "dflash", "loss.terms": {"kl": 1.0, "chain": 1.0}},
+    "dflash+first_error": {"model.kind": "dflash", "loss.weighting": "first_error"},
+    "dflash+kl_t2": {"model.kind": "dflash", "loss.temperature": 2.0},
+    "dflash+causal": {"model.kind": "dflash", "model.causal": True},
+}
+"""`--study field` (issue 46): what the field trains with now, each arm against DFlash under the
+default objective (kl + streak) at equal training tokens: DSpark, DFlash2, and DFlash with the
+chain loss, the first-error weights, the kl at temperature 2 (times 4) and causal attention inside
+the block. The chain is a term beside kl, not alone: its gradient is a product of alphas, which
+vanishes where acceptance starts near 0, as tv's did (tv alone stalled at 1.22 on the quickstart
+cache, benchmarks/RESULTS.md), while kl trains a drafter from scratch; weight 1 keeps both terms
+on the per-position scale. An arm whose settings name a field this checkout lacks (model.causal,
+until the causal-blocks option lands under that name: edit the key here) is skipped with a message."""
+
 STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
@@ -64,7 +80,8 @@ STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": (
            "confidence": ("drafter", {"dspark": DRAFTERS["dspark"],
                                       "dspark-greedy": {**DRAFTERS["dspark"], "dspark.confidence_target": "greedy"}},
                           "dspark", "_confidence"),
-           "kinds": ("drafter", KINDS, "dflash", "_kinds")}
+           "kinds": ("drafter", KINDS, "dflash", "_kinds"),
+           "field": ("arm", FIELD, "dflash", "_field")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
 (`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
 confidence thresholds examples/confidence.py decodes)."""
@@ -77,10 +94,33 @@ def bundle_axis(key: str, bundles: dict[str, dict]):
     return GridAxis(key, (), tuple(bundles), extras=tuple(tuple(settings.items()) for settings in bundles.values()))
 
 
+def available(bundles: dict[str, dict], chosen: tuple[str, ...] | None, reference: str, say=print) -> dict[str, dict]:
+    """The configurations to run: those named in chosen (all when None; the reference always), less
+    any whose settings name a field this checkout does not have, each skipped with a message."""
+    from dflash_train.options import find_knob
+
+    unknown = sorted(set(chosen or ()) - set(bundles))
+    if unknown:
+        raise SystemExit(f"--arms {unknown[0]!r} is not a configuration of this study (use some of {', '.join(bundles)})")
+    kept = {}
+    for name, settings in bundles.items():
+        if chosen is not None and name not in chosen and name != reference:
+            continue
+        missing = [key for key in settings if find_knob(key) is None]
+        if missing:
+            say(f"skipping {name}: this checkout has no config field {missing[0]} (set the arm's settings in "
+                "examples/objectives.py once it exists)")
+            continue
+        kept[name] = settings
+    return kept
+
+
 def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress=None,
-              study: str = "objectives") -> dict[str, object]:
-    """One sweep per cache; returns {cache name: SweepResult}."""
+              study: str = "objectives", arms: tuple[str, ...] | None = None) -> dict[str, object]:
+    """One sweep per cache (of the study's configurations named in arms, all when None, the
+    reference always); returns {cache name: SweepResult}."""
     key, bundles, reference, suffix = STUDIES[study]
+    bundles = available(bundles, arms, reference)
     results = {}
     for spec in (recipe.QUICKSTART, recipe.MANPAGES):
         if spec.name not in caches:
@@ -101,6 +141,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (2 steps a run) and a 2-step teacher under --out")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--arms", default=None,
+                        help="comma-separated configurations of the study to run (default all; the reference always)")
 
 
 def study_settings(args: argparse.Namespace) -> recipe.RecipeSettings:
@@ -118,12 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study", choices=tuple(STUDIES), default="objectives",
                         help="objectives (issue 23), drafters: DFlash against DSpark (OUT/<cache>_drafters), "
                              "confidence: DSpark's two confidence targets (examples/confidence.py decodes their thresholds), "
-                             "or kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds)")
+                             "kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds), or field (issue 46): those and "
+                             "DFlash with the chain loss, first-error weights, kl at T = 2 and causal blocks "
+                             "(OUT/<cache>_field)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 
+    arms = None if args.arms is None else tuple(a.strip() for a in args.arms.split(",") if a.strip())
     results = run_study(study_settings(args), tuple(c.strip() for c in args.caches.split(",")),
-                        BarProgress(enabled=not args.quiet), args.study)
+                        BarProgress(enabled=not args.quiet), args.study, arms)
     key = STUDIES[args.study][0]
     for name, result in results.items():
         table = position_table(result.out, key) + selector_table(result.out, key)
