@@ -19,7 +19,11 @@ seed, the real accepted length at T=0 and T=1) and its plots. Everything resumes
 the same command skips finished runs. `--tiny` runs the same pipeline at toy size.
 `--study drafters` compares DFlash with DSpark the same way (OUT/<cache>_drafters), `--study kinds`
 DFlash, DSpark and DFlash2 (OUT/<cache>_kinds; positions.md also gets the DFlash2 selector's share of
-drafts where it left the drafter's top-1 and how often those were accepted).
+drafts where it left the drafter's top-1 and how often those were accepted). `--study field`
+(issue 46) runs DFlash, DSpark, DFlash2 and DFlash with the chain loss, first-error weights, the kl
+at T = 2 and causal blocks (OUT/<cache>_field; see FIELD), the study's sizes as above: one command
+for both caches and 3 seeds, resumed by rerunning it. `--arms a,b` runs only some configurations
+(the reference always), e.g. to add an arm later.
 """
 
 from __future__ import annotations

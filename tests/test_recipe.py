@@ -382,3 +382,43 @@ def test_tiny_objectives_study_decodes_greedy_and_sampled_for_every_objective(tm
         assert all(r["matched_teacher"] == "True" for r in csv.DictReader(f))
     table = objectives.position_table(tmp_path / "obj" / "quickstart_drafters", "drafter")
     assert "| dflash | greedy |" in table and "| dspark | T=1.0 |" in table
+
+
+def test_field_study_skips_an_arm_whose_field_this_checkout_lacks():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import objectives
+
+    said = []
+    arms = {"dflash": {"model.kind": "dflash"}, "later": {"model.no_such_field": True},
+            "chain": {"loss.terms": {"kl": 1.0, "chain": 1.0}}}
+    assert list(objectives.available(arms, None, "dflash", said.append)) == ["dflash", "chain"]
+    assert said == ["skipping later: this checkout has no config field model.no_such_field (set the arm's settings "
+                    "in examples/objectives.py once it exists)"]
+    assert list(objectives.available(arms, ("chain",), "dflash", said.append)) == ["dflash", "chain"]
+    with pytest.raises(SystemExit, match="'chains' is not a configuration"):
+        objectives.available(arms, ("chains",), "dflash")
+
+
+@pytest.mark.slow
+def test_tiny_field_study_decodes_every_arm_losslessly_and_resumes(tmp_path, one_thread):
+    """Issue 46's study at toy size: every arm this checkout has trains and decodes greedy (output =
+    the teacher's) and at T = 1; a second call trains nothing."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import objectives
+    import recipe
+
+    settings = recipe.RecipeSettings(out=tmp_path / "obj", manpage_teacher=tmp_path / "obj" / "manpage_teacher",
+                                     **{**recipe.TINY, "seeds": 1, "curve_points": 0}, sample_temperature=1.0)
+    objectives.run_study(settings, ("quickstart",), study="field")
+    kept = objectives.available(objectives.FIELD, None, "dflash", lambda _: None)
+    assert {"dflash", "dspark", "dflash2", "dflash+chain", "dflash+first_error", "dflash+kl_t2"} <= set(kept)
+    with open(tmp_path / "obj" / "quickstart_field" / "summary.csv", newline="") as f:
+        rows = {r["configuration"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {f"arm={name}" for name in kept}
+    for row in rows.values():
+        assert row["matched_teacher"] == "True" and float(row["accepted_length_sampled_mean"]) >= 1.0
+    runs = tmp_path / "obj" / "quickstart_field" / "runs"
+    assert json.loads((runs / "arm-dflash+kl_t2_seed-0" / "config.json").read_text())["loss"]["temperature"] == 2.0
+    before = {p: p.stat().st_mtime_ns for p in runs.glob("*/measure.json")}
+    objectives.run_study(settings, ("quickstart",), study="field")
+    assert {p: p.stat().st_mtime_ns for p in runs.glob("*/measure.json")} == before
