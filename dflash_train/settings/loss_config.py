@@ -83,7 +83,8 @@ class LossConfig:
     gradient's scale), q_T = softmax(logits / T), p_T prop. to p^(1/T) on the cached top-k and, for the
     tail bucket, assuming its mass is spread evenly over the V - k other tokens, tail^(1/T) *
     (V - k)^(1 - 1/T). Only kl is tempered; ce, tv, nla and chain stay at T = 1 beside it, and a
-    temperature other than 1 is refused without kl or with lk_hybrid, rkl, jsd or onpolicy_kl."""
+    temperature other than 1 is refused without kl or with lk_hybrid, rkl, jsd or onpolicy_kl. Each
+    loss chunk then holds about two more [positions, vocab] fp32 tensors (lower chunk_bytes to match)."""
 
     chunk_positions: int | None = None
     """Valid positions whose full-vocabulary fp32 logits exist at once; None sizes chunks by
