@@ -154,12 +154,7 @@ class DrafterConfig:
         if bad:
             raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
         object.__setattr__(self, "layer_types", types)
-        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
-            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
-        if self.dflash2 is not None:
-            self._check_dflash2()
-        if not isinstance(self.causal, bool):
-            raise ConfigError(f"causal={self.causal!r} is not a bool; pass True or False")
+        self._check_variants()
 
         self._check_size()
         if self.any_sliding:
@@ -180,6 +175,15 @@ class DrafterConfig:
             raise ConfigError(f"the drafter would have {total:,} weights ({self.num_hidden_layers} layers of width "
                               f"{h:,}, MLP {self.intermediate_size:,}), more than {MAX_DRAFTER_PARAMETERS:,} (10x the "
                               "largest real drafter); pass fewer layers or a narrower MLP or heads")
+
+    def _check_variants(self) -> None:
+        """Refuse a DSpark, DFlash2 or causal setting of the wrong type, or a DFlash2 that does not fit."""
+        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
+            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
+        if self.dflash2 is not None:
+            self._check_dflash2()
+        if not isinstance(self.causal, bool):
+            raise ConfigError(f"causal={self.causal!r} is not a bool; pass True or False")
 
     def _check_dflash2(self) -> None:
         conv = self.dflash2
