@@ -240,7 +240,7 @@ def test_exported_drafters_forward_equals_speculators(vllm_python, tmp_path):
             torch.testing.assert_close(ours["confidence"], peers[name]["confidence"], atol=1e-4, rtol=1e-4, msg=name)
 
 
-def _speculators_window_rule(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window):
+def _speculators_window_rule(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window, causal=False):
     """speculators 0.9's sliding visibility (dflash/attention.py, causal in the block): context keys
     p with a - window <= p < a for every query of the block anchored at a; the block unwindowed."""
     in_context = kv_idx < seq_len

@@ -56,7 +56,7 @@ def make_batch(cfg, lengths=(20, 13, 9), seed=1):
 # The mask
 
 
-def brute_force_mask(anchors, seq_len, block_size, window):
+def brute_force_mask(anchors, seq_len, block_size, window, causal=False):
     n, a = anchors.shape
     mask = torch.zeros(n, a * block_size, seq_len + a * block_size, dtype=torch.bool)
     for row in range(n):
@@ -69,18 +69,20 @@ def brute_force_mask(anchors, seq_len, block_size, window):
                     mask[row, query, t] = t < anchor and (window is None or t > query_pos - window)
                 for k2 in range(block_size):
                     key_pos = anchor + k2
-                    # sliding layers: causal inside the block and windowed; full layers: the whole block
-                    mask[row, query, seq_len + j * block_size + k2] = window is None or (
+                    # sliding layers: causal inside the block and windowed; full layers: the whole block,
+                    # or up to the query's own position for a causal drafter
+                    mask[row, query, seq_len + j * block_size + k2] = (k2 <= k or not causal) if window is None else (
                         k2 <= k and key_pos > query_pos - window)
     return mask
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, 3, 6])
-def test_block_attention_mask_matches_brute_force(window):
+def test_block_attention_mask_matches_brute_force(window, causal):
     anchors = torch.tensor([[5, 1, -1], [2, 9, 7]])
-    got = block_attention_mask(anchors, 11, 4, window)
+    got = block_attention_mask(anchors, 11, 4, window, causal)
     assert got.dtype == torch.bool and got.shape == (2, 12, 11 + 12)
-    assert torch.equal(got, brute_force_mask(anchors, 11, 4, window))
+    assert torch.equal(got, brute_force_mask(anchors, 11, 4, window, causal))
     # Every query sees at least one key, so no softmax row is empty (no NaN), unused slots included.
     assert got.any(-1).all()
 
@@ -91,11 +93,16 @@ def test_sliding_layers_are_causal_inside_the_block():
     sliding = block_attention_mask(anchors, 6, 4, 100)[0, :, 6:]
     assert full.all()  # full attention: every block position sees the whole block
     assert torch.equal(sliding, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    # a causal drafter's full layer: the whole context (vLLM's causal attention over context + block)
+    causal = block_attention_mask(anchors, 6, 4, None, causal=True)[0]
+    assert torch.equal(causal[:, 6:], torch.tril(torch.ones(4, 4, dtype=torch.bool))) and causal[:, :4].all()
 
 
-@pytest.mark.parametrize("layer_types, causal", [(("sliding_attention",) * 2, True), (None, False)])
-def test_block_position_sees_later_positions_only_on_full_layers(layer_types, causal):
-    cfg = make_cfg(layer_types=layer_types, sliding_window=None if layer_types is None else 64)
+@pytest.mark.parametrize("layer_types, causal, causal_drafter", [
+    (("sliding_attention",) * 2, True, False), (None, False, False), (None, True, True),
+    (("sliding_attention", "full_attention"), True, True)])
+def test_block_position_sees_later_positions_only_on_full_layers(layer_types, causal, causal_drafter):
+    cfg = make_cfg(layer_types=layer_types, sliding_window=None if layer_types is None else 64, causal=causal_drafter)
     model = make_model(cfg)
     hidden, _ = make_batch(cfg, lengths=(12,))
     block = torch.full((1, cfg.block_size), cfg.mask_token_id)
@@ -166,12 +173,14 @@ def test_sliding_window_hides_old_context():
 # Training path == inference path
 
 
-@pytest.mark.parametrize("layer_types, window", [
-    (None, None),
-    (("sliding_attention", "full_attention"), 6),
+@pytest.mark.parametrize("layer_types, window, causal", [
+    (None, None, False),
+    (("sliding_attention", "full_attention"), 6, False),
+    (None, None, True),
+    (("sliding_attention", "full_attention"), 6, True),
 ])
-def test_many_anchor_forward_equals_forward_block(layer_types, window):
-    cfg = make_cfg(layer_types=layer_types, sliding_window=window)
+def test_many_anchor_forward_equals_forward_block(layer_types, window, causal):
+    cfg = make_cfg(layer_types=layer_types, sliding_window=window, causal=causal)
     model = make_model(cfg)
     lengths = (20, 13, 9)
     hidden, ids = make_batch(cfg, lengths)
@@ -213,8 +222,9 @@ def test_forward_block_accepts_incrementally_cached_context():
         assert not torch.allclose(model.forward_block(None, block, context_kv=wrong_start), direct)
 
 
-def test_flex_backend_equals_sdpa():
-    cfg = make_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=6)
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_backend_equals_sdpa(causal):
+    cfg = make_cfg(layer_types=("sliding_attention", "full_attention"), sliding_window=6, causal=causal)
     sdpa = make_model(cfg)
     flex = make_model(cfg, backend="flex")
     hidden, ids = make_batch(cfg)
@@ -323,6 +333,7 @@ def test_mismatched_context_layers_are_a_config_error():
     (dict(layer_types=("full_attention", "linear_attention")), "unknown"),
     (dict(layer_types=("sliding_attention", "full_attention")), "sliding_window is None"),
     (dict(sliding_window=8), "no layer is sliding"),
+    (dict(causal=1), "causal=1 is not a bool"),
     (dict(hidden_size=0), "hidden_size=0"),
     (dict(rms_norm_eps=0.0), "rms_norm_eps"),
 ])
@@ -332,7 +343,8 @@ def test_config_validation(overrides, message):
 
 
 def test_hf_config_round_trip():
-    for cfg in (make_cfg(), make_cfg(layer_types=("full_attention", "sliding_attention"), sliding_window=7)):
+    for cfg in (make_cfg(), make_cfg(layer_types=("full_attention", "sliding_attention"), sliding_window=7),
+                make_cfg(causal=True)):
         assert DrafterConfig.from_hf_config(cfg.to_hf_config()) == cfg
     cfg = make_cfg(target_layer_ids=[3, 1])
     assert cfg.target_layer_ids == (3, 1)

@@ -104,7 +104,7 @@ def drafter(kind: str, seed=0) -> DFlashDrafter:
                         intermediate_size=48, vocab_size=VOCAB, mask_token_id=VOCAB - 1, target_layer_ids=(0, 2),
                         num_target_layers=3, num_hidden_layers=2, block_size=4, max_position_embeddings=128,
                         layer_types=(SLIDING_ATTENTION, FULL_ATTENTION) if sliding else None,
-                        sliding_window=5 if sliding else None, dspark=dspark,
+                        sliding_window=5 if sliding else None, dspark=dspark, causal=kind == "causal",
                         dflash2=DFlash2Config(conv_group_size=4, selector_rank=8, selector_top_k=4)
                         if kind == "dflash2" else None)
     gen = torch.Generator().manual_seed(seed)
@@ -127,7 +127,7 @@ def step(model, batch, loss: LossConfig) -> tuple[torch.Tensor, dict]:
 
 
 # the DSpark heads and DFlash2 run in make test-slow (~20 s each): make test stays under its 10 minutes
-@pytest.mark.parametrize("kind", ["dflash", "sliding", *(pytest.param(f"dspark-{head}", marks=pytest.mark.slow)
+@pytest.mark.parametrize("kind", ["dflash", "sliding", "causal", *(pytest.param(f"dspark-{head}", marks=pytest.mark.slow)
                                                          for head in ("rnn", "gated", "vanilla")),
                                   pytest.param("dflash2", marks=pytest.mark.slow)])
 def test_packed_loss_and_gradients_equal_padded(kind):

@@ -7,6 +7,7 @@ serves several drafters.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -75,6 +76,13 @@ def drafters(example_cache, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def causal_drafter(example_cache, tmp_path_factory) -> Path:
+    """A trained drafter with causal blocks (its own fixture: one more training stays out of the
+    setup of the tests that do not serve it, each test's setup being under the 600 s limit)."""
+    return _train(example_cache, tmp_path_factory.mktemp("causal") / "causal", causal=True)
+
+
 def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, tmp_path):
     """`dflash-train eval --engine both` on a trained drafter: vLLM's output and accepted length are ours."""
     out = tmp_path / "eval.json"
@@ -106,29 +114,38 @@ def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, 
     assert "vLLM T=0 accepted" in result.output
 
 
-def test_untrained_and_sliding_drafters_serve_as_decoded(drafters, vllm_python):
-    """One vLLM process: the teacher alone, an untrained drafter and an all-sliding one, against ours."""
+def test_untrained_sliding_and_causal_drafters_serve_as_decoded(drafters, causal_drafter, vllm_python):
+    """One vLLM process: the teacher alone, an untrained drafter, an all-sliding one and a causal one
+    (dflash_config.causal = true, which vLLM reads), against ours."""
     teacher = load_teacher(TeacherConfig(name_or_path=TEACHER, dtype="float32", device="cpu", top_k=1))
     prompts = read_prompts(PROMPTS, teacher.tokenizer, NUM_PROMPTS)
     spec = SpecConfig(max_new_tokens=MAX_NEW, stop_token_ids=teacher.stop_token_ids())
-    names = ("untrained", "sliding")
+    names = ("untrained", "sliding", "causal")
+    drafters = {**drafters, "causal": causal_drafter}
     result = run_vllm(VllmConfig(python=vllm_python), TEACHER, [p.ids for p in prompts], MAX_NEW, spec.stop_token_ids,
                       [EngineRun("teacher")] + [EngineRun(n, str(drafters[n]), BLOCK - 1) for n in names])
     runs = {run["name"]: run for run in result["runs"]}
     reference = [teacher_generate(teacher.model, p.ids, spec).tokens for p in prompts]
     assert runs["teacher"]["outputs"] == reference  # vLLM's teacher alone == transformers' greedy
     model = teacher.model
+    served, ours = {}, {}
     for name in names:
         drafter = load_trained_drafter(str(drafters[name]), model.get_input_embeddings().weight.detach(),
                                        model.get_output_embeddings().weight.detach(), teacher.device)
-        ours = [speculative_generate(model, drafter, p.ids, spec) for p in prompts]
-        assert [r.tokens for r in ours] == reference
+        decoded = [speculative_generate(model, drafter, p.ids, spec) for p in prompts]
+        assert [r.tokens for r in decoded] == reference
         assert runs[name]["outputs"] == reference, name
-        served = spec_summary(runs[name], BLOCK)["accepted_length"]
-        assert served == pytest.approx(mean_accepted_length(ours), rel=0.02), name
-    assert drafter.cfg.layer_types == ("sliding_attention",) * 3 and drafter.cfg.sliding_window == SLIDING_WINDOW
-    # the sliding drafter learned something, so agreement is tested where acceptance varies
-    assert spec_summary(runs["sliding"], BLOCK)["accepted_length"] > 1.3
+        served[name], ours[name] = spec_summary(runs[name], BLOCK)["accepted_length"], mean_accepted_length(decoded)
+        assert served[name] == pytest.approx(ours[name], rel=0.02), name
+        if name == "sliding":
+            assert drafter.cfg.layer_types == ("sliding_attention",) * 3 and drafter.cfg.sliding_window == SLIDING_WINDOW
+    assert drafter.cfg.causal and drafter.cfg.layer_types == ("full_attention",) * 3
+    # the sliding and causal drafters learned something, so agreement is tested where acceptance varies
+    assert served["sliding"] > 1.3 and served["causal"] > 1.3
+    # the test has power: the causal drafter's weights decoded bidirectionally propose other blocks
+    drafter.cfg = dataclasses.replace(drafter.cfg, causal=False)
+    other = mean_accepted_length([speculative_generate(model, drafter, p.ids, spec) for p in prompts])
+    assert other != pytest.approx(served["causal"], rel=0.02), (other, served["causal"])
 
 
 def test_bench_serving_quick_runs(drafters, vllm_python, tmp_path):

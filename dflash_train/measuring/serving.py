@@ -203,6 +203,12 @@ def speculative_method(cfg: DrafterConfig) -> str:
     return "dspark" if cfg.dspark is not None else "dflash"
 
 
+SGLANG_NO_CAUSAL = ("not available: SGLang's DFlash ignores dflash_config.causal and attends bidirectionally on "
+                    "full-attention layers, so it would decode this causal drafter differently than it was trained")
+"""What export says of SGLang for a causal drafter (SGLang's models/dflash.py: full-attention layers
+are ENCODER_ONLY, only sliding ones causal; dflash_utils reads no causal key)."""
+
+
 def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teacher: str = "TEACHER") -> dict[str, str]:
     """The vLLM and SGLang command lines that serve an exported drafter next to its teacher.
 
@@ -211,7 +217,8 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
     DSPARK algorithm loads DeepSpec's checkpoint layout instead (docs/design.md, "DSpark"), so no
     SGLang command is claimed for it. A DFlash2 drafter is served with method "dflash" by vLLM's V2
     model runner only (its V1 runner, the one on CPU, refuses candidate-head drafts), so on a GPU
-    with VLLM_USE_V2_MODEL_RUNNER=1; its conv block is 1 + num_speculative_tokens = block_size."""
+    with VLLM_USE_V2_MODEL_RUNNER=1; its conv block is 1 + num_speculative_tokens = block_size. A
+    causal drafter is served by vLLM (its DFlash layers read dflash_config.causal), not by SGLang."""
     drafter = str(export_dir)
     spec = json.dumps({"method": speculative_method(cfg), "model": drafter,
                        "num_speculative_tokens": cfg.num_draft_positions})
@@ -226,6 +233,8 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
                         "  # DFlash2 runs only in vLLM's V2 model runner, on GPU (V1 refuses candidate-head drafts)",
                 "sglang": "not checked: this toolkit has not run SGLang's DFlash2 path against this export"}
     block_size = cfg.block_size
+    if cfg.causal:
+        return {"vllm": f"vllm serve {teacher} --speculative-config '{spec}'", "sglang": SGLANG_NO_CAUSAL}
     return {
         "vllm": f"vllm serve {teacher} --speculative-config '{spec}'",
         "sglang": (f"python -m sglang.launch_server --model-path {teacher} --speculative-algorithm DFLASH "

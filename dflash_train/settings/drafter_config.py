@@ -104,6 +104,9 @@ class DrafterConfig:
     """DSpark's heads and layout; None is a DFlash (or DFlash2) drafter."""
     dflash2: DFlash2Config | None = None
     """DFlash2's convolutions and candidate selector; None is a DFlash (or DSpark) drafter."""
+    causal: bool = False
+    """Causal attention inside the block on every layer (JetSpec's): exported as
+    dflash_config.causal = true, which vLLM's DFlash, DSpark and DFlash2 layers read."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -151,10 +154,7 @@ class DrafterConfig:
         if bad:
             raise ConfigError(f"layer type {bad[0]!r} is unknown; use one of {list(LAYER_TYPES)}")
         object.__setattr__(self, "layer_types", types)
-        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
-            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
-        if self.dflash2 is not None:
-            self._check_dflash2()
+        self._check_variants()
 
         self._check_size()
         if self.any_sliding:
@@ -175,6 +175,15 @@ class DrafterConfig:
             raise ConfigError(f"the drafter would have {total:,} weights ({self.num_hidden_layers} layers of width "
                               f"{h:,}, MLP {self.intermediate_size:,}), more than {MAX_DRAFTER_PARAMETERS:,} (10x the "
                               "largest real drafter); pass fewer layers or a narrower MLP or heads")
+
+    def _check_variants(self) -> None:
+        """Refuse a DSpark, DFlash2 or causal setting of the wrong type, or a DFlash2 that does not fit."""
+        if self.dspark is not None and not isinstance(self.dspark, DSparkConfig):
+            raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
+        if self.dflash2 is not None:
+            self._check_dflash2()
+        if not isinstance(self.causal, bool):
+            raise ConfigError(f"causal={self.causal!r} is not a bool; pass True or False")
 
     def _check_dflash2(self) -> None:
         conv = self.dflash2
@@ -326,6 +335,9 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
             "target_layer_ids": list(cfg.target_layer_ids),
             "block_size": cfg.block_size,
             **({"mask_token": cfg.mask_token} if cfg.mask_token is not None else {}),
+            # written only when true: vLLM lets an explicit false override every layer, the sliding
+            # layers' causal default too, so false would serve them bidirectionally
+            **({"causal": True} if cfg.causal else {}),
         },
         "layer_types": list(cfg.layer_types),
         # transformers 4.x drops sliding_window unless use_sliding_window is true.
@@ -381,6 +393,7 @@ def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
         # A Qwen3 config may carry an unused window; it only matters when a layer slides.
         sliding_window=int(config["sliding_window"]) if sliding and config.get("sliding_window") else None,
         mask_token=dflash.get("mask_token"),
+        causal=dflash.get("causal", False),
         dspark=DSparkConfig.from_export(config) if DSPARK_ARCHITECTURE in (config.get("architectures") or ()) else None,
         dflash2=DFlash2Config.from_export(dflash) if DFLASH2_ARCHITECTURE in (config.get("architectures") or ()) else None,
     )
@@ -414,6 +427,8 @@ def check_export_types(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> 
     for key in ("num_hidden_layers", "num_target_layers"):
         whole(key, config.get(key), MAX_EXPORT_LAYERS)
     whole("dflash_config.mask_token_id", dflash.get("mask_token_id"), MAX_EXPORT_INT)
+    if not isinstance(dflash.get("causal", False), bool):
+        refuse("dflash_config.causal", dflash["causal"], "true or false")
     ids = dflash.get("target_layer_ids")
     if not isinstance(ids, (list, tuple)) or len(ids) > MAX_EXPORT_LAYERS or not all(is_int(i) for i in ids):
         refuse("dflash_config.target_layer_ids", ids, f"a list of at most {MAX_EXPORT_LAYERS} layer ids")

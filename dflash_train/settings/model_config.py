@@ -62,6 +62,11 @@ class ModelConfig:
     block mask; CUDA only for training) or "auto" (flex on CUDA, sdpa elsewhere). Both compute the
     same attention; export and serving do not depend on it."""
 
+    causal: bool = False
+    """Causal attention inside the block on every layer (JetSpec's): a block position sees the
+    context and the block's positions up to its own, not the later ones; exported as
+    dflash_config.causal = true, which vLLM 0.32 serves (SGLang's DFlash does not read it)."""
+
     def __post_init__(self):
         check_choice("model.kind", self.kind, DRAFTER_KINDS)
         if self.num_layers < 1:
@@ -83,6 +88,8 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
             check_at_most(f"--{name.replace('_', '-')}", value, limit, why)
         check_choice("model.attention_backend", self.attention_backend, ATTENTION_CHOICES)
+        if not isinstance(self.causal, bool):
+            raise ConfigError(f"model.causal {self.causal!r} is not a bool; pass true or false")
 
     def overrides(self) -> dict:
         names = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")

@@ -4,7 +4,8 @@ Contract (see docs/design.md, "The drafter"): context features `c = hidden_norm(
 layers' hidden states))`; every layer attends from the block states to keys/values
 `[proj(c) ; proj(block)]`; a block anchored at `a` is `[x_a, MASK, ..., MASK]`, sits at rotary
 positions `a..a+B-1`, sees context positions `< a` and its own block (bidirectionally on
-full-attention layers, causally on sliding-window layers, as the serving engines run them).
+full-attention layers, causally on sliding-window layers, as the serving engines run them; causally
+on every layer for a `causal` drafter, as vLLM serves `dflash_config.causal = true`).
 
 Parameter names are exactly the export names, so `state_dict()` is the exported tensor set; the
 teacher's embedding and LM head are non-persistent buffers and never part of it.
@@ -91,24 +92,27 @@ def attention_backend(choice: str, device: torch.device, training: bool = True) 
 
 
 def _visible(query_anchor: Tensor, q_idx: Tensor, kv_idx: Tensor, seq_len: int, block_size: int,
-             sliding_window: int | None) -> Tensor:
+             sliding_window: int | None, causal: bool = False) -> Tensor:
     """Whether block query `q_idx` may attend to key `kv_idx` (broadcasting elementwise predicate).
 
     Keys are [seq_len context positions ; the blocks' positions]; `query_anchor` is the anchor of
     the query's block (-1 for an unused slot, which then sees only its own block). Shared by the
-    dense mask and the flex_attention mask_mod so both paths agree by construction.
+    dense mask and the flex_attention mask_mod so both paths agree by construction. `causal`: the
+    block's queries see the block's keys up to their own position only, on a full layer too (the
+    context stays wholly visible), which is vLLM's causal attention over context + block.
     """
     in_context = kv_idx < seq_len
     block_offset = kv_idx - seq_len
     same_block = torch.div(block_offset, block_size, rounding_mode="floor") == torch.div(
         q_idx, block_size, rounding_mode="floor")
     visible = (in_context & (kv_idx < query_anchor)) | (~in_context & same_block)
-    if sliding_window is not None:
+    query_offset = q_idx % block_size
+    key_offset = block_offset % block_size
+    if causal or sliding_window is not None:
         # Sliding layers are causal inside the block, as vLLM, SGLang, SpecForge and speculators
         # serve them; a drafter trained bidirectionally there would be served attention it never saw.
-        query_offset = q_idx % block_size
-        key_offset = block_offset % block_size
         visible = visible & (in_context | (key_offset <= query_offset))
+    if sliding_window is not None:
         query_pos = query_anchor + query_offset
         key_pos = torch.where(in_context, kv_idx, query_anchor + key_offset)
         visible = visible & (key_pos > query_pos - sliding_window)
@@ -116,12 +120,13 @@ def _visible(query_anchor: Tensor, q_idx: Tensor, kv_idx: Tensor, seq_len: int, 
 
 
 def block_attention_mask(anchors: Tensor, seq_len: int, block_size: int,
-                         sliding_window: int | None = None) -> Tensor:
+                         sliding_window: int | None = None, causal: bool = False) -> Tensor:
     """Boolean attention mask [N, A*B, T + A*B] (True = may attend) for many blocks per sequence.
 
     anchors: [N, A] long, -1 for unused slots. Block j's queries see context positions t < a_j and
-    all of block j; sliding layers see only the block positions up to their own (causal inside
-    the block) and require key position > query position - sliding_window.
+    all of block j; sliding layers, and every layer when `causal`, see only the block positions up
+    to their own (causal inside the block); sliding layers require key position > query position -
+    sliding_window.
     """
     num_anchors = anchors.shape[1]
     num_queries = num_anchors * block_size
@@ -129,13 +134,17 @@ def block_attention_mask(anchors: Tensor, seq_len: int, block_size: int,
     q_idx = torch.arange(num_queries, device=device).view(1, num_queries, 1)
     kv_idx = torch.arange(seq_len + num_queries, device=device).view(1, 1, -1)
     query_anchor = anchors.repeat_interleave(block_size, dim=1).unsqueeze(-1)
-    return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window)
+    return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window, causal)
 
 
-def _single_block_mask(context_len: int, block_size: int, sliding_window: int, device: torch.device) -> Tensor:
-    """Mask [B, a + B] of one block anchored right after its context, for a sliding layer."""
+def _single_block_mask(context_len: int, block_size: int, sliding_window: int | None, causal: bool,
+                       device: torch.device) -> Tensor | None:
+    """Mask [B, a + B] of one block anchored right after its context, None where the layer sees it all
+    (a full, non-causal layer)."""
+    if sliding_window is None and not causal:
+        return None
     anchor = torch.tensor([[context_len]], device=device)
-    mask = block_attention_mask(anchor, context_len, block_size, sliding_window)
+    mask = block_attention_mask(anchor, context_len, block_size, sliding_window, causal)
     return mask[0]
 
 
@@ -159,21 +168,23 @@ COMPILE_FLEX_ON = {"cuda"}
 tests: CPU has no flex backward, and its forward compiles in tens of seconds)."""
 
 
-def flex_mask_mod(anchors: Tensor, seq_len: Tensor, block_size: int, sliding_window: int | None):
+def flex_mask_mod(anchors: Tensor, seq_len: Tensor, block_size: int, sliding_window: int | None,
+                  causal: bool = False):
     """The flex_attention mask_mod of `block_attention_mask`, reading the batch from tensors
     (anchors [N, A], seq_len a 0-d tensor): compiled code guards on their shapes, not on their
     values, so batches of other lengths and anchors reuse one dynamic-shape graph instead of
     recompiling per batch (a Python int closed over was a constant, and a recompile, per value).
-    block_size and the window are the drafter's, the same for every batch."""
+    block_size, the window and causal are the drafter's, the same for every batch."""
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         query_anchor = anchors[b, torch.div(q_idx, block_size, rounding_mode="floor")]
-        return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window)
+        return _visible(query_anchor, q_idx, kv_idx, seq_len, block_size, sliding_window, causal)
 
     return mask_mod
 
 
-def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window: int | None) -> AttendFn:
+def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window: int | None,
+                 causal: bool) -> AttendFn:
     """flex_attention with a BlockMask built from the same predicate as `block_attention_mask`.
 
     Compiled on CUDA (where it skips fully masked tiles), with dynamic shapes: the batch's
@@ -183,7 +194,7 @@ def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window:
 
     global _compiled_flex_attention
     num_queries = anchors.shape[1] * block_size
-    mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window)
+    mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window, causal)
     # compiled on CUDA too: eager, it materialises the whole [B, Q, KV] mask first (0.1-2 GB
     # transient a forward at production lengths); compiled, only the block tiles
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
@@ -407,8 +418,8 @@ class DFlashDrafter(nn.Module):
 
     def _many_block_attend(self, anchors: Tensor, seq_len: int, window: int | None) -> AttendFn:
         if self.attention_backend == "flex":
-            return _flex_attend(anchors, seq_len, self.cfg.block_size, window)
-        mask = block_attention_mask(anchors, seq_len, self.cfg.block_size, window)
+            return _flex_attend(anchors, seq_len, self.cfg.block_size, window, self.cfg.causal)
+        mask = block_attention_mask(anchors, seq_len, self.cfg.block_size, window, self.cfg.causal)
         return _sdpa_attend(mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
 
     def forward_block(self, context_hidden: Tensor | None, block_ids: Tensor,
@@ -430,10 +441,9 @@ class DFlashDrafter(nn.Module):
         kv_groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         x = self.embed(block_ids)
         for index, layer in enumerate(self.layers):
-            window = self.cfg.layer_window(index)
-            mask = None if window is None else _single_block_mask(
-                context_len, block_size, window, block_ids.device).unsqueeze(0)
-            x = layer(x, context_kv[index], cos, sin, _sdpa_attend(mask, kv_groups))
+            mask = _single_block_mask(context_len, block_size, self.cfg.layer_window(index), self.cfg.causal,
+                                      block_ids.device)
+            x = layer(x, context_kv[index], cos, sin, _sdpa_attend(None if mask is None else mask.unsqueeze(0), kv_groups))
         return self.norm(x)
 
     def logits(self, states: Tensor, features: Tensor | None = None) -> Tensor:

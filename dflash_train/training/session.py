@@ -60,7 +60,7 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
         num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
         sliding_layers=cfg.model.sliding_layers, mask_token=mask_token_text(tokenizer, mask_id), **cfg.model.overrides(),
         dspark=cfg.dspark if cfg.model.kind == "dspark" else None,
-        dflash2=cfg.dflash2 if cfg.model.kind == "dflash2" else None,
+        dflash2=cfg.dflash2 if cfg.model.kind == "dflash2" else None, causal=cfg.model.causal,
     )
     check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
