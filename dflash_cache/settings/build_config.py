@@ -47,7 +47,8 @@ class BuildConfig:
     """What runs the teacher forward: 'transformers' (here, in padded batches) or 'vllm' (vLLM's
     engine in its own environment, dflash_teacher.vllm_engine). Either writes the same cache: ids,
     masks and everything but the forward come from the same code, and a build may resume with
-    the other engine."""
+    the other engine when it sends one shard per generate (--vllm-args generate_tokens 1; the
+    transformers engine always does)."""
 
     vllm: VllmArgs = field(default_factory=VllmArgs,
                            metadata={"name": "vllm_args", "parse": parse_vllm_args, "show": vllm_args_text})
