@@ -75,13 +75,13 @@ def _content_options(cfg: BuildConfig, group: int) -> dict:
     return options
 
 
-def generate_group(cfg: BuildConfig, teacher: Teacher) -> int:
-    """Shards per engine generate of this build: vLLM's from --vllm-args generate_tokens, one for
-    the transformers engine (it plans its own batches per shard)."""
+def generate_group(cfg: BuildConfig, taps: int, hidden_size: int) -> int:
+    """Shards per engine generate of this build (a teacher of ``taps`` tapped layers of
+    ``hidden_size``): vLLM's from --vllm-args generate_tokens, one for the transformers engine (it
+    plans its own batches per shard)."""
     if cfg.engine != "vllm":
         return 1
-    per_token = fmt.hidden_bytes_per_token(len(teacher.layer_ids), teacher.hidden_size, cfg.teacher.dtype,
-                                           cfg.storage.hidden_format)
+    per_token = fmt.hidden_bytes_per_token(taps, hidden_size, cfg.teacher.dtype, cfg.storage.hidden_format)
     return shards_per_generate(cfg.vllm.generate_tokens, shard_tokens(cfg.storage.shard_bytes, per_token))
 
 
@@ -156,7 +156,8 @@ def _header(cfg: BuildConfig, teacher: Teacher, files: list[str], recorded_teach
         teacher.layer_ids, teacher.hidden_size, cfg.teacher.dtype, cfg.teacher.top_k, cfg.storage.hidden_format,
         teacher=identity_like(teacher, recorded_teacher), tokenizer=tokenizer_hashes(teacher.tokenizer),
         corpus={"fingerprint": corpus_fingerprint(files), "files": len(files)},
-        content_options=_content_options(cfg, generate_group(cfg, teacher)), build=cfg.to_dict(),
+        content_options=_content_options(cfg, generate_group(cfg, len(teacher.layer_ids), teacher.hidden_size)),
+        build=cfg.to_dict(),
     )
 
 
@@ -166,8 +167,14 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     files = list_corpus_files(cfg.corpus.data)
     total_rows = require_rows(files, cfg.corpus.data)
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
-    # the layer choice is refused from the config alone, before a large teacher is loaded
-    resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
+    # the layer choice and a resume's other generate group are refused from the config alone,
+    # before a large teacher (or vLLM's engine) is loaded
+    config = load_config(cfg.teacher)
+    layers = resolve_layers(cfg.teacher, int(config.num_hidden_layers), exact_count=True)
+    if not cfg.overwrite:
+        with fmt.reaching(cfg.out):
+            existing = existing_manifest(fs, root, cfg.out)
+        refuse_other_group(existing, generate_group(cfg, len(layers), int(config.hidden_size)), cfg.out)
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher
     with ExitStack() as held:
@@ -199,7 +206,6 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
                 teacher: Teacher) -> dict:
     with fmt.reaching(cfg.out):
         existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
-    refuse_other_group(existing, generate_group(cfg, teacher), cfg.out)
     header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
         version = prepare_output(fs, root, cfg.out, header, cfg.overwrite, cfg.storage.format_version)
@@ -212,6 +218,7 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
     with ExitStack() as held:
         cross_check = _cross_check(cfg, teacher, held)
         _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version, cross_check)
+    stats.seconds.update(getattr(teacher, "seconds", {}))  # the engine's parts (vLLM: engine, receive, head)
     last_run = stats.last_run()
     if cross_check is not None and cross_check.checked:
         last_run["cross_check"] = cross_check.record()
@@ -261,14 +268,14 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
     layer_ids = list(teacher.layer_ids)
     per_token_hidden = fmt.hidden_bytes_per_token(len(layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
-    group = generate_group(cfg, teacher)
+    group = generate_group(cfg, len(teacher.layer_ids), teacher.hidden_size)
     first_index, start_row = group_start(resume.records, group, total_rows)
     # the rows cut again as context are read again: their ids are not duplicates of themselves
     seen = {i: row for i, row in resume.seen(fs, root).items() if row < start_row}
     cut = ShardCut(cfg.rank, first_index, start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden),
                    committed=len(resume.records))
     shards = ShardQueue(TeacherPass(teacher, stats, progress, resume.keeper, cross_check),
-                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids),
+                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids, stats.seconds),
                         resume.keeper.commit, group)
     progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = start_row

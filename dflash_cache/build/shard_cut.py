@@ -31,7 +31,7 @@ def group_start(records: list[dict], group: int, total_rows: int) -> tuple[int, 
     at a group boundary, or once they reach the corpus's end: nothing is left to compute)."""
     first = len(records) // group * group
     if first == len(records) or records[-1]["rows"][1] >= total_rows:
-        return first, records[-1]["rows"][1] if records else 0
+        return len(records), records[-1]["rows"][1] if records else 0
     return first, records[first]["rows"][0]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,9 +34,11 @@ class Committed:
 
 
 def write_committed(fs, root: str, storage: StorageConfig, hidden_dtype: str, version: int, layer_ids: list[int],
-                    shard: ShardData) -> Committed:
-    """Write and commit one finished shard; what the manifest keeper is told of it."""
-    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids), sequences_table(shard))
+                    seconds: Counter | None, shard: ShardData) -> Committed:
+    """Write and commit one finished shard (adding the seconds of its parts to ``seconds``); what
+    the manifest keeper is told of it."""
+    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids, seconds),
+                     sequences_table(shard))
 
 
 class BackgroundWriter:

@@ -5,6 +5,7 @@ counts what the teacher computed."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,8 @@ class BuildStats:
     """Sequence tokens the teacher ran on."""
     padded: int = 0
     """Tokens it computed, padding included (`tokens` for an engine that does not pad)."""
+    seconds: Counter = field(default_factory=Counter)
+    """Seconds of the writer's parts (writer.write_shard: health, hidden, tables, commit)."""
 
     def add_batch(self, lengths: np.ndarray, padded: bool) -> None:
         self.tokens += int(lengths.sum())
@@ -41,6 +44,7 @@ class BuildStats:
             "seconds": round(time.perf_counter() - self.started, 3),
             "tokens": self.tokens,
             "padding_fraction": round(1 - self.tokens / self.padded, 4) if self.padded else 0.0,
+            **({"seconds_by_part": {k: round(v, 3) for k, v in sorted(self.seconds.items())}} if self.seconds else {}),
         }
 
 
