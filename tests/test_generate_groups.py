@@ -51,6 +51,7 @@ def test_a_resume_with_another_generate_group_is_refused_in_one_line_before_any_
 
     manifest = build_cache(config("transformers"))
     assert "shards_per_generate" not in manifest["content_options"]  # one shard per generate: as before groups
+    assert set(manifest["last_run"]["seconds_by_part"]) == {"health", "hidden", "tables", "commit"}  # the writer's parts
     with pytest.raises(ConfigError) as refused:  # refused before the engine's python is even looked for
         build_cache(config("vllm"))
     message = str(refused.value)

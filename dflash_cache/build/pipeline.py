@@ -270,6 +270,9 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
                                                   cfg.storage.hidden_format)
     group = generate_group(cfg, len(teacher.layer_ids), teacher.hidden_size)
     first_index, start_row = group_start(resume.records, group, total_rows)
+    if first_index < len(resume.records):
+        progress.message(f"the generate group of shards from {first_index} on is computed again from corpus row {start_row}: "
+                         f"its {len(resume.records) - first_index} committed shard(s) are sent as context, not rewritten")
     # the rows cut again as context are read again: their ids are not duplicates of themselves
     seen = {i: row for i, row in resume.seen(fs, root).items() if row < start_row}
     cut = ShardCut(cfg.rank, first_index, start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden),
