@@ -15,9 +15,10 @@ import pytest
 from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
 from test_build_vllm import ARGS, corpus, dtype_args, teacher_dir  # noqa: F401  (module fixtures)
 
+from dflash_cache import format as fmt
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.build.shard_cut import group_start, shards_per_generate
+from dflash_cache.build.shard_cut import group_start, shard_tokens, shards_per_generate
 from dflash_cache.corpus import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import ConfigError
@@ -77,8 +78,10 @@ def one_per_generate(corpus, teacher_dir, vllm_python, tmp_path_factory) -> Path
 
 
 def _shard_tokens(out: Path) -> int:
+    """The cut's token budget of a shard (shard_cut.shard_tokens) of the cache at ``out``."""
     manifest = json.loads((out / "manifest.json").read_text())
-    return max(s["tokens"] for s in manifest["shards"])
+    per_token = fmt.hidden_bytes_per_token(len(manifest["layer_ids"]), manifest["hidden_size"], manifest["hidden_dtype"])
+    return shard_tokens(manifest["content_options"]["shard_bytes"], per_token)
 
 
 @pytest.mark.serving
@@ -90,7 +93,8 @@ def test_a_grouped_build_killed_inside_a_group_resumes_to_the_uninterrupted_grou
     done = _build(teacher, corpus, clean, vllm_python, generate_tokens)
     assert done.returncode == 0, done.stderr
     manifest = json.loads((clean / "manifest.json").read_text())
-    assert manifest["content_options"]["shards_per_generate"] == GROUP and len(manifest["shards"]) >= 2 * GROUP
+    shards = [s.record for s in open_cache(str(clean)).shards]
+    assert manifest["content_options"]["shards_per_generate"] == GROUP and len(shards) >= 2 * GROUP
     # SIGKILL at the 4th commit: group 0 (shards 0-2) and shard 3 of group 1 are committed
     killed = tmp_path / "killed"
     proc = _build(teacher, corpus, killed, vllm_python, generate_tokens, {"DFLASH_FAULT": "after_commit_record:4"})
@@ -100,7 +104,7 @@ def test_a_grouped_build_killed_inside_a_group_resumes_to_the_uninterrupted_grou
     assert "resuming: 4 committed shard(s) kept" in rerun.stderr
     resumed = json.loads((killed / "manifest.json").read_text())
     # the engine ran group 1 again from its first shard (shard 3, context) and nothing of group 0
-    assert resumed["last_run"]["tokens"] == sum(s["tokens"] for s in manifest["shards"][GROUP:])
+    assert resumed["last_run"]["tokens"] == sum(s["tokens"] for s in shards[GROUP:])
     assert open_cache(str(killed)).complete
     assert_same_content(cache_content(clean), cache_content(killed))
     refused = _build(teacher, corpus, killed, vllm_python, 1)
