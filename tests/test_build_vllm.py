@@ -442,8 +442,7 @@ def test_a_foreign_process_can_neither_stop_nor_feed_a_build(built, corpus, teac
     out = tmp_path / "attacked"
     build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
                               "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
-                              *dtype_args("qwen3"), "--vllm-args", '{"generate_tokens": 1}'],  # commits from the first generate on
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     attacker = subprocess.Popen([shutil.which("python3", path="/usr/bin:/bin") or "python3", "-c", ATTACKER, str(build.pid)],
                                 user="nobody", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
     try:
