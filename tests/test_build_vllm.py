@@ -153,8 +153,8 @@ def test_a_killed_vllm_build_resumes_to_the_uninterrupted_cache(built, corpus, t
 def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus, teacher_dir, vllm_python, tmp_path,
                                                                          monkeypatch):
     """The build sends shard k + 1 to the engine before it takes shard k's states (the engine runs
-    it while the build receives, checks and writes shard k); each shard is still one generate of
-    its own, so the cache is byte for byte the one built a shard at a time."""
+    it while the build receives, checks and writes shard k); with one shard per generate
+    (generate_tokens 1) the cache is byte for byte the one built a shard at a time."""
     from dflash_teacher.vllm_engine import VllmTeacher
     from dflash_teacher.vllm_process import VllmWorker
 
@@ -168,7 +168,7 @@ def test_the_engine_gets_the_next_shard_first_and_the_cache_is_unchanged(corpus,
     def build(out: Path) -> Path:
         result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", corpus, "--out",
                                                 str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
-                                                *dtype_args("qwen3")])
+                                                *dtype_args("qwen3"), "--vllm-args", '{"generate_tokens": 1}'])
         assert result.exit_code == 0, result.output
         return out
 
@@ -370,7 +370,8 @@ def test_a_worker_or_build_killed_mid_build_takes_its_engine_with_it(teacher_dir
     out = tmp_path / "cache"
     build = subprocess.Popen([sys.executable, "-m", "cli.cache", "build", "--teacher", teacher_dir("qwen3"), "--data", corpus,
                               "--out", str(out), "--engine", "vllm", "--vllm-python", vllm_python, *ARGS,
-                              *dtype_args("qwen3")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              *dtype_args("qwen3"), "--vllm-args", '{"generate_tokens": 1}'],  # commits from the first generate on
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 540
         while not list((out / "shards").rglob("shard-*.json")) and build.poll() is None and time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from dflash_cache import format as fmt
 from dflash_cache.build.cross_check import CrossCheck
 from dflash_cache.build.output import existing_manifest, lock_name, prepare_output
 from dflash_cache.build.resume import Resume, complete_rank, open_output
-from dflash_cache.build.shard_cut import ShardCut, shard_tokens
+from dflash_cache.build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
 from dflash_cache.build.shard_queue import ShardQueue, write_committed
 from dflash_cache.build.teacher_pass import BuildStats, TeacherPass
 from dflash_cache.corpus import (
@@ -35,7 +35,7 @@ from dflash_cache.corpus import (
 )
 from dflash_cache.settings.build_config import BuildConfig
 from dflash_cache.writer import write_teacher_files
-from dflash_common.errors import BadRowError
+from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.vllm_env import find_vllm_python
@@ -64,13 +64,38 @@ class DryRunEstimate:
     shards: int
 
 
-def _content_options(cfg: BuildConfig) -> dict:
+def _content_options(cfg: BuildConfig, group: int) -> dict:
     c = cfg.corpus
     options = {"max_length": c.max_length, "overlong": c.overlong, "min_length": c.min_length,
                "shard_bytes": cfg.storage.shard_bytes, "world_size": cfg.world_size}
     if c.chat_template_kwargs:  # absent for caches built before it existed and for none given
         options["chat_template_kwargs"] = c.chat_template_kwargs
+    if group > 1:  # absent for one shard per generate, as in caches built before groups existed
+        options["shards_per_generate"] = group
     return options
+
+
+def generate_group(cfg: BuildConfig, taps: int, hidden_size: int) -> int:
+    """Shards per engine generate of this build (a teacher of ``taps`` tapped layers of
+    ``hidden_size``): vLLM's from --vllm-args generate_tokens, one for the transformers engine (it
+    plans its own batches per shard)."""
+    if cfg.engine != "vllm":
+        return 1
+    per_token = fmt.hidden_bytes_per_token(taps, hidden_size, cfg.teacher.dtype, cfg.storage.hidden_format)
+    return shards_per_generate(cfg.vllm.generate_tokens, shard_tokens(cfg.storage.shard_bytes, per_token))
+
+
+def refuse_other_group(existing: dict | None, group: int, url: str) -> None:
+    """A cache resumes only with the shards per generate it was built with (a vLLM sequence's
+    states may depend on the sequences sharing its engine steps): one line naming the fix."""
+    if existing is None:
+        return
+    recorded = int((existing.get("content_options") or {}).get("shards_per_generate", 1))
+    if recorded != group:
+        given = ((existing.get("build") or {}).get("vllm") or {}).get("generate_tokens") if recorded > 1 else 1
+        raise ConfigError(f"{url} was built with {recorded} shard(s) per vLLM generate, this build would send {group}; "
+                          f"resume with --engine vllm --vllm-args '{{\"generate_tokens\": {given}}}' as it was built, "
+                          "or rebuild with --overwrite")
 
 
 def _sequence_or_skip(row, tokenizer, cfg: CorpusConfig, seen: dict[str, int]):
@@ -131,7 +156,8 @@ def _header(cfg: BuildConfig, teacher: Teacher, files: list[str], recorded_teach
         teacher.layer_ids, teacher.hidden_size, cfg.teacher.dtype, cfg.teacher.top_k, cfg.storage.hidden_format,
         teacher=identity_like(teacher, recorded_teacher), tokenizer=tokenizer_hashes(teacher.tokenizer),
         corpus={"fingerprint": corpus_fingerprint(files), "files": len(files)},
-        content_options=_content_options(cfg), build=cfg.to_dict(),
+        content_options=_content_options(cfg, generate_group(cfg, len(teacher.layer_ids), teacher.hidden_size)),
+        build=cfg.to_dict(),
     )
 
 
@@ -141,8 +167,14 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     files = list_corpus_files(cfg.corpus.data)
     total_rows = require_rows(files, cfg.corpus.data)
     fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
-    # the layer choice is refused from the config alone, before a large teacher is loaded
-    resolve_layers(cfg.teacher, int(load_config(cfg.teacher).num_hidden_layers), exact_count=True)
+    # the layer choice and a resume's other generate group are refused from the config alone,
+    # before a large teacher (or vLLM's engine) is loaded
+    config = load_config(cfg.teacher)
+    layers = resolve_layers(cfg.teacher, int(config.num_hidden_layers), exact_count=True)
+    if not cfg.overwrite:
+        with fmt.reaching(cfg.out):
+            existing = existing_manifest(fs, root, cfg.out)
+        refuse_other_group(existing, generate_group(cfg, len(layers), int(config.hidden_size)), cfg.out)
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher
     with ExitStack() as held:
@@ -186,6 +218,7 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
     with ExitStack() as held:
         cross_check = _cross_check(cfg, teacher, held)
         _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version, cross_check)
+    stats.seconds.update(getattr(teacher, "seconds", {}))  # the engine's parts (vLLM: engine, receive, head)
     last_run = stats.last_run()
     if cross_check is not None and cross_check.checked:
         last_run["cross_check"] = cross_check.record()
@@ -232,18 +265,25 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
     """The build's loop, from the resume point to the corpus's end: rows -> sequences -> the cut
     (ShardCut) -> each cut shard to the teacher, then to the writer thread, which writes and commits
     it and tells the manifest keeper (ShardQueue). Returns once every shard is committed."""
-    seen = resume.seen(fs, root)
     layer_ids = list(teacher.layer_ids)
     per_token_hidden = fmt.hidden_bytes_per_token(len(layer_ids), teacher.hidden_size, cfg.teacher.dtype,
                                                   cfg.storage.hidden_format)
-    cut = ShardCut(cfg.rank, len(resume.records), resume.start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden))
+    group = generate_group(cfg, len(teacher.layer_ids), teacher.hidden_size)
+    first_index, start_row = group_start(resume.records, group, total_rows)
+    if first_index < len(resume.records):
+        progress.message(f"the generate group of shards from {first_index} on is computed again from corpus row {start_row}: "
+                         f"its {len(resume.records) - first_index} committed shard(s) are sent as context, not rewritten")
+    # the rows cut again as context are read again: their ids are not duplicates of themselves
+    seen = {i: row for i, row in resume.seen(fs, root).items() if row < start_row}
+    cut = ShardCut(cfg.rank, first_index, start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden),
+                   committed=len(resume.records))
     shards = ShardQueue(TeacherPass(teacher, stats, progress, resume.keeper, cross_check),
-                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids),
-                        resume.keeper.commit)
-    progress.start(max(total_rows - resume.start_row, 0) // cfg.world_size, "sequences", "seq")
-    end_row = resume.start_row
+                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids, stats.seconds),
+                        resume.keeper.commit, group)
+    progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
+    end_row = start_row
     try:
-        for row in iter_rows(cfg.corpus, start_row=resume.start_row, files=files):
+        for row in iter_rows(cfg.corpus, start_row=start_row, files=files):
             end_row = row.index + 1
             if row.index % cfg.world_size != cfg.rank:
                 continue

@@ -1,7 +1,8 @@
 """The queue a cut shard goes through: the teacher, then the writer thread, then the commit.
 
-Up to ``TeacherPass.in_flight`` cut shards are with the teacher at once: a shard's outputs are taken
-(and it goes to the writer) once the next shard is submitted, so an engine in another process never
+Cut shards go to the teacher in generate groups (shard_cut.shards_per_generate: one vLLM generate
+fills several engine steps), up to ``TeacherPass.in_flight`` groups at once: a group's outputs are
+taken (and its shards go to the writer) once the next group is submitted, so an engine in another process never
 waits while the build receives, checks and writes. Shards still go to the writer, and commit, in
 order. The writer thread writes each finished shard whole (``writer.write_shard``) and hands its
 commit to the manifest keeper.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,9 +34,11 @@ class Committed:
 
 
 def write_committed(fs, root: str, storage: StorageConfig, hidden_dtype: str, version: int, layer_ids: list[int],
-                    shard: ShardData) -> Committed:
-    """Write and commit one finished shard; what the manifest keeper is told of it."""
-    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids), sequences_table(shard))
+                    seconds: Counter | None, shard: ShardData) -> Committed:
+    """Write and commit one finished shard (adding the seconds of its parts to ``seconds``); what
+    the manifest keeper is told of it."""
+    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids, seconds),
+                     sequences_table(shard))
 
 
 class BackgroundWriter:
@@ -83,30 +86,46 @@ class BackgroundWriter:
 
 
 class ShardQueue:
-    """Cut shards to the teacher (``teacher.in_flight`` at once), their data to the background
-    writer, in order; ``on_commit`` is told of each committed shard, on the writer's thread."""
+    """Cut shards to the teacher in generate groups of ``group`` shards (group g: shards
+    [g * group, (g + 1) * group), ``teacher.in_flight`` groups at once), their data to the
+    background writer, in order; ``on_commit`` is told of each committed shard, on the writer's
+    thread."""
 
     def __init__(self, teacher: TeacherPass, write: Callable[[ShardData], Committed],
-                 on_commit: Callable[[Committed], None]):
-        self._teacher = teacher
-        self._in_flight: deque[Callable[[], ShardData]] = deque()
+                 on_commit: Callable[[Committed], None], group: int = 1):
+        self._teacher, self._group_size = teacher, group
+        self._group: list[PendingShard] = []  # the group being cut
+        self._in_flight: deque[Callable[[], list[ShardData]]] = deque()
         self._background = BackgroundWriter(write, on_commit)
 
     def put(self, pending: PendingShard) -> None:
-        """Submit a cut shard to the teacher; hand the oldest shards' data to the writer while
-        more than the teacher's share are in flight."""
-        self._in_flight.append(self._teacher.start(pending))
+        """Add a cut shard to its group; a complete group goes to the teacher."""
+        self._group.append(pending)
+        if (pending.index + 1) % self._group_size == 0:
+            self._submit_group()
+
+    def _submit_group(self) -> None:
+        """Submit the group being cut to the teacher; hand the oldest groups' shards to the writer
+        while more than the teacher's share are in flight."""
+        self._in_flight.append(self._teacher.start(self._group))
+        self._group = []
         while len(self._in_flight) >= max(1, self._teacher.in_flight):
-            self._background.submit(self._in_flight.popleft()())
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        for shard in self._in_flight.popleft()():
+            self._background.submit(shard)
 
     def close(self, last: PendingShard | None) -> None:
-        """Submit the ``last`` shard (if any) and wait until every shard is committed; raises the
-        first failure."""
+        """Submit the ``last`` shard (if any) and the group it ends, and wait until every shard is
+        committed; raises the first failure."""
         try:
             if last is not None:
-                self.put(last)
+                self._group.append(last)
+            if self._group:
+                self._submit_group()
             while self._in_flight:
-                self._background.submit(self._in_flight.popleft()())
+                self._write_oldest()
         except BaseException:
             self.abort()
             raise
@@ -117,6 +136,7 @@ class ShardQueue:
         work), without raising a failure of theirs over the one being handled. Shards still with
         the teacher are dropped (never committed: a rerun computes them again)."""
         self._in_flight.clear()
+        self._group = []
         try:
             self._background.close()
         except Exception:

@@ -5,6 +5,7 @@ counts what the teacher computed."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,8 @@ class BuildStats:
     """Sequence tokens the teacher ran on."""
     padded: int = 0
     """Tokens it computed, padding included (`tokens` for an engine that does not pad)."""
+    seconds: Counter = field(default_factory=Counter)
+    """Seconds of the writer's parts (writer.write_shard: health, hidden, tables, commit)."""
 
     def add_batch(self, lengths: np.ndarray, padded: bool) -> None:
         self.tokens += int(lengths.sum())
@@ -41,6 +44,7 @@ class BuildStats:
             "seconds": round(time.perf_counter() - self.started, 3),
             "tokens": self.tokens,
             "padding_fraction": round(1 - self.tokens / self.padded, 4) if self.padded else 0.0,
+            **({"seconds_by_part": {k: round(v, 3) for k, v in sorted(self.seconds.items())}} if self.seconds else {}),
         }
 
 
@@ -75,10 +79,10 @@ def _teacher_outputs(teacher: Teacher, sequences: list, lengths: np.ndarray, on_
 
 
 class TeacherPass:
-    """Runs the teacher over one cut shard's sequences (bucketed batches) and packs the results;
-    counts what it computed in ``stats`` and shows each batch on ``progress``. ``start(pending)``
-    submits the shard's forwards and returns the function that waits for them and makes the
-    ShardData (shard_queue.ShardQueue keeps ``in_flight`` shards started at once)."""
+    """Runs the teacher over a generate group of cut shards (bucketed batches) and packs the results
+    per shard; counts what it computed in ``stats`` and shows each batch on ``progress``.
+    ``start(group)`` submits the group's forwards and returns the function that waits for them and makes the
+    ShardData (shard_queue.ShardQueue keeps ``in_flight`` generate groups started at once)."""
 
     def __init__(self, teacher: Teacher, stats: BuildStats, progress: Progress, keeper: ManifestKeeper,
                  cross_check: CrossCheck | None = None):
@@ -91,10 +95,27 @@ class TeacherPass:
         self.progress.advance(len(lengths), **{"tok/s": f"{self.stats.tokens_per_s():,.0f}",
                                                "written": f"{self.keeper.bytes / 1e6:,.1f}MB"})
 
-    def start(self, pending: PendingShard):
-        lengths = np.array([len(s.input_ids) for s in pending.sequences], dtype=np.int32)
-        outputs = _teacher_outputs(self.teacher, pending.sequences, lengths, self._batch_done)
-        return lambda: self._finish(pending, lengths, *outputs())
+    def start(self, group: list[PendingShard]):
+        """Submit the forwards of a generate group's shards (one plan over all their sequences);
+        returns the function that waits for them and makes the ShardData of each shard that is not
+        context (those committed before a resume are computed again, then dropped)."""
+        sequences = [s for pending in group for s in pending.sequences]
+        lengths = np.array([len(s.input_ids) for s in sequences], dtype=np.int32)
+        outputs = _teacher_outputs(self.teacher, sequences, lengths, self._batch_done)
+
+        def finish() -> list[ShardData]:
+            hidden, topk_ids, topk_logprobs, finite = outputs()
+            shards, seq, tok = [], 0, 0
+            for pending in group:
+                s_end = seq + len(pending.sequences)
+                t_end = tok + int(lengths[seq:s_end].sum())
+                if not pending.context:
+                    shards.append(self._finish(pending, lengths[seq:s_end], hidden[tok:t_end], topk_ids[tok:t_end],
+                                               topk_logprobs[tok:t_end], finite[seq:s_end]))
+                seq, tok = s_end, t_end
+            return shards
+
+        return finish
 
     def _finish(self, pending: PendingShard, lengths: np.ndarray, hidden, topk_ids, topk_logprobs, finite) -> ShardData:
         sequences = pending.sequences

@@ -47,7 +47,8 @@ class BuildConfig:
     """What runs the teacher forward: 'transformers' (here, in padded batches) or 'vllm' (vLLM's
     engine in its own environment, dflash_teacher.vllm_engine). Either writes the same cache: ids,
     masks and everything but the forward come from the same code, and a build may resume with
-    the other engine."""
+    the other engine when it sends one shard per generate (--vllm-args generate_tokens 1; the
+    transformers engine always does)."""
 
     vllm: VllmArgs = field(default_factory=VllmArgs,
                            metadata={"name": "vllm_args", "parse": parse_vllm_args, "show": vllm_args_text})
@@ -56,7 +57,8 @@ class BuildConfig:
     engine per process; run one build process per GPU under torchrun),
     gpu_memory_utilization, max_model_len (default max_length + 1), enable_prefix_caching (default
     off: the states are read from each request's own KV blocks), enforce_eager (default on: a build
-    only prefills), max_num_batched_tokens."""
+    only prefills), max_num_batched_tokens, generate_tokens (default 65536: whole shards sent to the
+    engine in one generate, recorded in the cache; 1: one shard per generate)."""
 
     vllm_python: str | None = None
     """With engine 'vllm': the python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else

@@ -49,7 +49,17 @@ class VllmArgs:
     max_num_batched_tokens: int | None = None
     """Tokens per engine step (chunked prefill splits longer prompts); None: vLLM's default."""
 
+    generate_tokens: int = 65536
+    """Tokens of the corpus sent to the engine in one generate: whole shards, as many as fit (at
+    least one); the build's states of a sequence may depend on the others in its engine steps, so
+    the grouping is a rule of token counts alone and is recorded in the cache (a resume uses the
+    same). Several engine steps' worth (16,384 tokens a step on an H200) keep the engine's steps
+    full; a shard per generate (1) leaves part of each step empty."""
+
     def __post_init__(self):
+        if not is_int(self.generate_tokens) or self.generate_tokens < 1:
+            raise ConfigError(f"--vllm-args generate_tokens={self.generate_tokens!r} must be a whole number >= 1, "
+                              "e.g. 65536")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
