@@ -234,3 +234,21 @@ def test_a_flipped_byte_in_a_chunk_several_sequences_share_is_refused_for_each(f
         list(reopened.sequences())
     outside = [i for i in range(len(shard)) if i not in set(inside.tolist())]
     assert outside and all(len(reopened.shards[0][i]) == shard.lengths[i] for i in outside)
+
+
+def _read_all_bits(root: str) -> list[bytes]:
+    return [record.hidden.view(np.uint16).tobytes() for record in open_cache(root).sequences()]
+
+
+def test_a_forked_child_checks_chunks_with_threads_of_its_own(format2, tmp_path):
+    """Chunks are checked on checker threads; a process forked after its parent started them (a
+    DataLoader worker) has none of those threads and must start its own, not wait forever."""
+    import multiprocessing
+    import shutil
+
+    copy = tmp_path / "cold"
+    shutil.copytree(format2, copy)  # chunks no process has checked yet
+    expected = _read_all_bits(format2)  # the parent's checker threads exist now
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_read_all_bits, (str(copy),)).get(timeout=120)
+    assert got == expected
