@@ -10,8 +10,14 @@ hidden-state bytes as stored (bf16). One more row adds what a CPU trainer then d
 The loader checks each shard's checksums before it hands out the shard's first sequence, once per
 process (`Shard.checksum_problems`). The "load_batch" rows after the first round find the shards
 already checked in this process; the "checksums hashed" row forgets them before every round, as a
-new training process starts, and so do the steady-state loader rows.
+new training process starts (format 2: each inner chunk's crc32c too), and so do the
+steady-state loader rows and the format-1 row (the same rows written in format 1).
 
+Two more tables time the public reader, each record's hidden states to a contiguous tensor:
+`open_cache(url).sequences()` in order and `cache[id]` in a random order, format 2 and format 1,
+each against a raw np.memmap copied into a tensor a sequence in the same order (issue 48).
+
+    .venv/bin/python benchmarks/bench_read.py --hidden 4096 --tokens 10000   # issue 48's width (40 KB a token)
     .venv/bin/python benchmarks/bench_read.py             # ~12k tokens (0.6 GB of hidden states), 3 rounds
     .venv/bin/python benchmarks/bench_read.py --quick     # ~3k tokens, 1 round: a smoke test
     .venv/bin/python benchmarks/bench_read.py --workers 0,1,2   # DataLoader worker counts for the loader rows
@@ -38,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import bench_write as bw  # noqa: E402  (same folder)
 
 from dflash_cache import open_cache  # noqa: E402
+from dflash_cache.format import hidden as hidden_format  # noqa: E402
 from dflash_cache.format import integrity  # noqa: E402
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.noise_config import NoiseConfig
@@ -82,9 +89,41 @@ def batches_torch(torch_dir: Path, shards, plan: list) -> int:
 
 
 def forget_checksums() -> None:
-    """Forget which shards this process has hashed, as a new training process starts."""
+    """Forget which shards this process has hashed and (format 2) which inner chunks' crc32c it
+    checked, as a new process starts: every reader row below pays for its checks."""
     with integrity._VERIFIED_LOCK:
         integrity._VERIFIED.clear()
+    with hidden_format._VERIFIED_LOCK:
+        hidden_format._VERIFIED.clear()
+
+
+def tensor(bits: np.ndarray) -> torch.Tensor:
+    """A record's hidden states as a contiguous bf16 tensor (a copy only where they are not contiguous)."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.uint16)).view(torch.bfloat16)
+
+
+def records_memmap(shards, raw: Path, order: list[tuple[int, int]]) -> int:
+    """Baseline of the public reader: each sequence's bytes copied from a raw memory map into a
+    tensor of its own, in ``order``."""
+    maps = [np.memmap(raw / f"{s.name}.bin", dtype=np.uint16, mode="r", shape=s.hidden.shape) for s in shards]
+    offsets = [np.concatenate([[0], np.cumsum(s.lengths)]) for s in shards]
+    n = 0
+    for s, i in order:
+        n += len(tensor(np.array(maps[s][offsets[s][i]:offsets[s][i + 1]])))
+    return n
+
+
+def records_sequential(url: str) -> int:
+    """The public reader in order: open_cache(url).sequences(), each record's hidden states to a tensor."""
+    forget_checksums()
+    return sum(len(tensor(r.hidden)) for r in open_cache(url).sequences())
+
+
+def records_by_id(url: str, ids: list[str]) -> int:
+    """The public reader by id (cache[id]) in ``ids``' order, each record's hidden states to a tensor."""
+    forget_checksums()
+    cache = open_cache(url)
+    return sum(len(tensor(cache[i].hidden)) for i in ids)
 
 
 def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | None = None,
@@ -154,11 +193,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="3,000 tokens, one round: a smoke test")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds; the table shows the best and the median")
     ap.add_argument("--workers", default="0,2", help="DataLoader worker counts for the loader rows")
+    ap.add_argument("--hidden", type=int, default=bw.HIDDEN, help="hidden size of the 5 tapped layers (issue 48's check: 4096)")
     ap.add_argument("--tmp", default=str(Path(__file__).resolve().parents[1] / ".bench-tmp"),
                     help="scratch folder on the disk to measure; deleted at the end")
     args = ap.parse_args(argv)
     tokens, repeat = (3_000, 1) if args.quick else (args.tokens, args.repeat)
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    bw.HIDDEN, bw.HIDDEN_BPT = args.hidden, len(bw.LAYERS) * args.hidden * 2  # bench_write's data at this width
 
     tmp = Path(args.tmp) / f"read-{os.getpid()}"
     tmp.mkdir(parents=True)
@@ -168,6 +209,8 @@ def main(argv=None) -> None:
         hidden_bytes = n_tokens * bw.HIDDEN_BPT
         bw.write_cache(shards, tmp / "cache", sync=False, compression="none")
         bw.write_manifest(tmp / "cache")
+        bw.write_cache(shards, tmp / "v1", sync=False, compression="none", version=1)  # the same rows in format 1
+        bw.write_manifest(tmp / "v1", version=1)
         bw.write_raw(shards, tmp / "raw", sync=False)
         bw.write_torch(bw.sample_dicts(shards), tmp / "torch", sync=False)
         url = str(tmp / "cache")
@@ -185,14 +228,29 @@ def main(argv=None) -> None:
             ("dflash load_batch", lambda: batches_reader(url, cfg, plan, None)),
             ("dflash load_batch, checksums hashed", lambda: batches_reader(url, cfg, plan, None, cold=True)),
             ("dflash load_batch + float32 + noise (CPU)", lambda: batches_reader(url, cfg, plan, train)),
+            ("dflash load_batch, format 1", lambda: batches_reader(str(tmp / "v1"), cfg, plan, None, cold=True)),
         ]
+        in_order = [(s, i) for s, shard in enumerate(shards) for i in range(len(shard.ids))]
+        shuffled = [in_order[k] for k in np.random.default_rng(1).permutation(len(in_order))]
+        ids = [shards[s].ids[i] for s, i in shuffled]
+        sequential = [("raw np.memmap -> a tensor a sequence", lambda: records_memmap(shards, tmp / "raw", in_order)),
+                      ("format 2 sequences()", lambda: records_sequential(url)),
+                      ("format 1 sequences()", lambda: records_sequential(str(tmp / "v1")))]
+        by_id = [("raw np.memmap, random order", lambda: records_memmap(shards, tmp / "raw", shuffled)),
+                 ("format 2 cache[id], random order", lambda: records_by_id(url, ids)),
+                 ("format 1 cache[id], random order", lambda: records_by_id(str(tmp / "v1"), ids))]
+        everything = methods + sequential + by_id
         times: dict[str, list[tuple[float, float]]] = {}
         for r in range(repeat):
-            for label, fn in methods[r % len(methods):] + methods[:r % len(methods)]:
+            for label, fn in everything[r % len(everything):] + everything[:r % len(everything)]:
                 wall, cpu, n = timed(fn)
                 assert n == n_tokens, (label, n, n_tokens)
                 times.setdefault(label, []).append((wall, cpu))
         print_table(times, methods, n_tokens, hidden_bytes)
+        print("\nthe public reader, each record's hidden states to a contiguous tensor (every reader row checks "
+              "its crc32c / checksums afresh, as a new process does)")
+        print_table(times, sequential, n_tokens, hidden_bytes)
+        print_table(times, by_id, n_tokens, hidden_bytes)
 
         # the loader over 4 epochs, first batch excluded (worker start-up), as tokens/s against memmap's
         memmap_tps = n_tokens / min(w for w, _ in times[methods[0][0]])

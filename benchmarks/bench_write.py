@@ -129,13 +129,13 @@ def touch(a: np.ndarray) -> int:
 # --- the write methods: each writes all shards under `out`, fsyncing the data when `sync` ----
 
 
-def write_cache(shards, out: Path, sync: bool, compression: str) -> None:
+def write_cache(shards, out: Path, sync: bool, compression: str, version: int = fmt.FORMAT_VERSION) -> None:
     fs, root = fmt.url_to_fs(str(out))
     storage = StorageConfig(compression=compression)
     for shard in shards:
-        write_shard(fs, root, shard, storage, "bfloat16")  # includes its fsynced commit record
+        write_shard(fs, root, shard, storage, "bfloat16", version=version)  # includes its fsynced commit record
         if sync:  # the writer fsyncs only its record; syncing the data is what a durable commit costs
-            fsync_tree(Path(fmt.shard_path(str(out), shard.name, storage.format_version)))
+            fsync_tree(Path(fmt.shard_path(str(out), shard.name, version)))
 
 
 def write_raw(shards, out: Path, sync: bool) -> None:
@@ -172,14 +172,15 @@ def write_torch(items, out: Path, sync: bool) -> None:
                 os.fsync(f.fileno())
 
 
-def write_manifest(shards_dir_root: Path) -> None:
+def write_manifest(shards_dir_root: Path, version: int = fmt.FORMAT_VERSION) -> None:
     """The minimal manifest open_cache needs (build.py writes the full one; not timed)."""
     fs, root = fmt.url_to_fs(str(shards_dir_root))
     # a commit record sits next to its shard folder: shards/<name>.json (format 1) or
     # shards/r<rank>/<name>.json (format 2)
     records = [fmt.read_json(fs, str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).rglob("shard-*.json"),
                                                          key=lambda p: p.name)]
-    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), records, complete=True)
+    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K, format_version=version), records,
+                       complete=True)
 
 
 # --- the read methods: each touches every array of every sequence; returns tokens read --------

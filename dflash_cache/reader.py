@@ -127,8 +127,11 @@ class Cache:
         return self.listing.sequence_table(keep).select(["shard", "offset", "length", "id", "row"])
 
     def sequences(self) -> Iterator[SequenceRecord]:
+        """Every sequence, shard by shard, in order (``Shard.records``; one set of read buffers
+        reused across shards)."""
+        spares: list[np.ndarray] = []
         for shard in self.shards:
-            yield from shard.records()
+            yield from shard.records(spares=spares)
 
     def read_ahead(self, refs: Iterable[tuple], max_bytes: int = 256 * 2**20, threads: int = 4,
                    check: bool = False) -> ReadAhead:

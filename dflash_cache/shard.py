@@ -11,6 +11,7 @@ hands out anything of a shard); the checks are dflash_cache.format.integrity's.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -190,11 +191,15 @@ class Shard:
         start, length = int(self.offsets[i]), int(self.lengths[i])
         return self._record(i, self.read_hidden(start, start + length, out))
 
-    def records(self, window_bytes: int = 64 * 2**20) -> Iterator[SequenceRecord]:
-        """All sequences in order, reading hidden states in large windows rather than per sequence."""
+    def records(self, window_bytes: int = 64 * 2**20, spares: list[np.ndarray] | None = None) -> Iterator[SequenceRecord]:
+        """All sequences in order, reading hidden states in large windows rather than per sequence.
+        Each window is read into a buffer of ``spares`` that no record or tensor views any more
+        (``idle_buffer``), so a caller that lets go of its records reads into memory it already
+        faulted in instead of fresh pages; ``Cache.sequences`` passes one list for every shard."""
         n = len(self)
         if n == 0:
             return
+        spares = [] if spares is None else spares
         window_tokens = max(1, window_bytes // max(1, self.cache.hidden_bytes_per_token))
         offsets, lengths = self.offsets, self.lengths
         i = 0
@@ -204,8 +209,38 @@ class Shard:
             while j < n and int(offsets[j] + lengths[j]) - start <= window_tokens:
                 j += 1
             stop = int(offsets[j - 1] + lengths[j - 1])
-            window = self.read_hidden(start, stop)
+            window = self.read_hidden(start, stop, self._window_out(spares, stop - start, window_bytes))
             for s in range(i, j):
                 lo = int(offsets[s]) - start
                 yield self._record(s, window[lo:lo + int(lengths[s])])
+            del window  # the records alone keep its buffer busy
             i = j
+
+    def _window_out(self, spares: list[np.ndarray], tokens: int, window_bytes: int) -> np.ndarray:
+        """Where ``tokens`` rows of hidden states are read: the front of an idle buffer of ``spares``."""
+        cache = self.cache
+        per_token = cache.hidden_bytes_per_token
+        buffer = idle_buffer(spares, max(tokens * per_token, window_bytes))
+        dtype = fmt.HIDDEN_NUMPY[cache.hidden_dtype]
+        return buffer[:tokens * per_token].view(dtype).reshape(tokens, len(cache.layer_ids), cache.hidden_size)
+
+
+SPARE_BUFFERS = 3
+"""Read buffers a sequential read keeps for reuse: the window being handed out, the one before it
+(records a caller still holds while it takes the next) and one more."""
+
+
+def idle_buffer(spares: list[np.ndarray], nbytes: int) -> np.ndarray:
+    """A uint8 buffer of at least ``nbytes`` from ``spares`` that nothing else references any more
+    (no record, array view or tensor made from it: CPython's reference count shows only the list's),
+    else a new one put in ``spares`` in place of the oldest beyond SPARE_BUFFERS (a buffer still
+    in use stays alive for its users, only the list lets go of it). Reusing a buffer skips the
+    page faults of fresh memory, which on a VM cost about as much as the copy itself."""
+    for k in range(len(spares)):
+        if spares[k].nbytes >= nbytes and sys.getrefcount(spares[k]) == 2:  # the list's and the argument's
+            return spares[k]
+    buffer = np.empty(nbytes, np.uint8)
+    spares.append(buffer)
+    if len(spares) > SPARE_BUFFERS:
+        del spares[0]
+    return buffer

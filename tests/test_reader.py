@@ -161,3 +161,94 @@ def test_format1_shard_folder_linked_outside_is_refused(tmp_path):
     os.symlink(outside, root / "shards" / "shard-r00000-000001")
     with pytest.raises(CacheError, match="outside the cache"):
         open_cache(str(root))
+
+
+@pytest.fixture(scope="module")
+def format2(tiny_cache):
+    """A format-2 bf16 cache whose inner chunks each hold rows of several sequences."""
+    sentences = english_like_sentences(80, seed=5)
+    rows = [{"id": f"f{i:03d}", "messages": [{"role": "user", "content": sentences[2 * i]},
+                                              {"role": "assistant", "content": sentences[2 * i + 1]}]}
+            for i in range(40)]
+    return tiny_cache(rows=rows, dtype="bfloat16", layers=(0, 1, 2), top_k=4, shard_bytes=200_000,
+                      chunk_bytes=40_000, format_version=2)
+
+
+def _bits(hidden: np.ndarray) -> np.ndarray:
+    return hidden.view(np.uint16).copy()
+
+
+def test_sequential_reads_reuse_a_buffer_only_once_no_record_holds_it(format2):
+    """Cache.sequences reads each window into a buffer nothing views any more: a caller that lets
+    its records go reads into the same two buffers over and over, one that keeps them keeps
+    their values (each window then gets a buffer of its own)."""
+    cache = open_cache(format2)
+    shard = max(cache.shards, key=len)
+    expected = {shard.ids[i]: _bits(shard[i].hidden) for i in range(len(shard))}
+    window = 3 * int(shard.lengths.max()) * cache.hidden_bytes_per_token  # several windows in the shard
+    spares: list[np.ndarray] = []
+    for record in shard.records(window_bytes=window, spares=spares):
+        assert np.array_equal(record.hidden.view(np.uint16), expected[record.id])
+        assert any(record.hidden.base is buffer for buffer in spares)
+    assert len(spares) == 2  # the window handed out and the one whose last record the caller still held
+    held = list(shard.records(window_bytes=window, spares=[]))
+    assert len({id(r.hidden.base) for r in held}) > 3  # more windows than SPARE_BUFFERS, none reused
+    for record in held:
+        assert np.array_equal(record.hidden.view(np.uint16), expected[record.id]), record.id
+    every = list(cache.sequences())
+    assert len(every) == len(cache) and all(np.array_equal(r.hidden.view(np.uint16), _bits(cache[r.id].hidden))
+                                            for r in every)
+
+
+def test_a_flipped_byte_in_a_chunk_several_sequences_share_is_refused_for_each(format2, tmp_path):
+    """Each inner chunk's crc32c is checked when it is read, and a chunk that failed is never taken
+    as checked: every sequence with a row in it is refused, by id, into a batch row and in order,
+    while the sequences outside it still read."""
+    import shutil
+
+    from dflash_cache.format.integrity import ShardIntegrityError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(format2, copy)
+    cache = open_cache(str(copy))
+    shard = cache.shards[0]
+    files = shard.files.fast_hidden
+    starts, stops = shard.offsets, shard.offsets + shard.lengths
+    chunk = next(c for c in range(files.n_chunks)
+                 if np.sum((starts < (c + 1) * files.chunk_rows) & (stops > c * files.chunk_rows)) >= 2)
+    inside = np.flatnonzero((starts < (chunk + 1) * files.chunk_rows) & (stops > chunk * files.chunk_rows))
+    offset = int(files._map()[2][chunk, 0])
+    with open(files.data_path, "r+b") as f:  # one byte of the chunk's payload
+        f.seek(offset + 7)
+        byte = f.read(1)
+        f.seek(offset + 7)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    reopened = open_cache(str(copy))
+    for i in inside.tolist():
+        with pytest.raises(ShardIntegrityError, match=f"inner chunk {chunk} .*crc32c mismatch"):
+            reopened.shards[0][i]
+        row = reopened.padded_hidden([int(shard.lengths[i])])[0]
+        with pytest.raises(ShardIntegrityError, match="crc32c mismatch"):
+            reopened.shards[0].read(i, out=row)
+    with pytest.raises(ShardIntegrityError, match="crc32c mismatch"):
+        list(reopened.sequences())
+    outside = [i for i in range(len(shard)) if i not in set(inside.tolist())]
+    assert outside and all(len(reopened.shards[0][i]) == shard.lengths[i] for i in outside)
+
+
+def _read_all_bits(root: str) -> list[bytes]:
+    return [record.hidden.view(np.uint16).tobytes() for record in open_cache(root).sequences()]
+
+
+def test_a_forked_child_checks_chunks_with_threads_of_its_own(format2, tmp_path):
+    """Chunks are checked on checker threads; a process forked after its parent started them (a
+    DataLoader worker) has none of those threads and must start its own, not wait forever."""
+    import multiprocessing
+    import shutil
+
+    copy = tmp_path / "cold"
+    shutil.copytree(format2, copy)  # chunks no process has checked yet
+    expected = _read_all_bits(format2)  # the parent's checker threads exist now
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(_read_all_bits, (str(copy),)).get(timeout=120)
+    assert got == expected

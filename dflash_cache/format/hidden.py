@@ -10,7 +10,9 @@ object) carries its own crc32c: a reader checks exactly the bytes it reads, as i
 ``ShardedHidden`` is the fast local path (the format-2 twin of format 1's ChunkFiles): it reads the
 shard index once, memory-maps the shard object and copies inner-chunk byte ranges into the
 caller's buffer, verifying each inner chunk's crc32c the first time this process reads it (while
-the file keeps its identity: inode, size, mtime). Anything else (compressed, remote, another
+the file keeps its identity: inode, size, mtime), on a thread of its own while the bytes are
+copied (the crc32c package releases the GIL), so a first read costs about one copy, not a copy
+plus a checksum pass. Anything else (compressed, remote, another
 layout) goes through Zarr, whose crc32c codec checks each chunk it decodes.
 """
 
@@ -23,7 +25,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import google_crc32c
+import crc32c
 import ml_dtypes
 import numpy as np
 
@@ -190,6 +192,17 @@ def _plain_sharded(meta: dict) -> dict | None:
 
 _VERIFIED: set[tuple] = set()  # (path, inode, size, mtime_ns, inner chunk) whose crc32c matched
 _VERIFIED_LOCK = threading.Lock()
+CHECK_THREADS = 2
+"""Threads that check inner chunks' crc32c while reads copy them (per process)."""
+_CHECKERS: dict[int, ThreadPoolExecutor] = {}  # pid -> its checker threads: a forked child has none of its parent's
+
+
+def _checker() -> ThreadPoolExecutor:
+    pid = os.getpid()
+    with _VERIFIED_LOCK:
+        if pid not in _CHECKERS:
+            _CHECKERS[pid] = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="crc32c")
+        return _CHECKERS[pid]
 
 
 class ShardedHidden:
@@ -240,7 +253,7 @@ class ShardedHidden:
             with open(self.data_path, "rb") as f:
                 data = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
             raw = data[info.st_size - index_bytes:]
-            if google_crc32c.value(raw[:-4]) != int(raw[-4:].view("<u4")[0]):
+            if crc32c.crc32c(raw[:-4]) != int(raw[-4:].view("<u4")[0]):
                 raise self._damaged("shard index crc32c mismatch")
             index = raw[:-4].view("<u8").reshape(self.n_chunks, 2).astype(np.int64, copy=False)
             want = self.chunk_rows * self.row_bytes + 4
@@ -261,16 +274,26 @@ class ShardedHidden:
 
     def _chunk(self, number: int, mapped: tuple, force: bool = False) -> np.ndarray:
         """Inner chunk ``number``'s payload, its crc32c checked (once per file identity unless ``force``)."""
+        payload, key = self._payload(number, mapped)
+        if force or key not in _VERIFIED:
+            self._check(number, mapped)
+        return self._decompress(payload, key) if self.zstd else payload
+
+    def _payload(self, number: int, mapped: tuple) -> tuple[np.ndarray, tuple]:
+        """(inner chunk ``number``'s stored bytes, unchecked; its key in _VERIFIED)."""
         identity, data, index = mapped
         offset, length = int(index[number, 0]), int(index[number, 1])
-        key = (*identity, number)
-        payload = data[offset:offset + length - 4]
-        if force or key not in _VERIFIED:
-            if google_crc32c.value(payload) != int(data[offset + length - 4:offset + length].view("<u4")[0]):
-                raise self._damaged(f"inner chunk {number} (token rows {number * self.chunk_rows}..) crc32c mismatch")
-            with _VERIFIED_LOCK:
-                _VERIFIED.add(key)
-        return self._decompress(payload, key) if self.zstd else payload
+        return data[offset:offset + length - 4], (*identity, number)
+
+    def _check(self, number: int, mapped: tuple) -> None:
+        """Raise HiddenChecksumError unless inner chunk ``number``'s bytes match their crc32c."""
+        identity, data, index = mapped
+        end = int(index[number, 0]) + int(index[number, 1])
+        payload, key = self._payload(number, mapped)
+        if crc32c.crc32c(payload) != int(data[end - 4:end].view("<u4")[0]):
+            raise self._damaged(f"inner chunk {number} (token rows {number * self.chunk_rows}..) crc32c mismatch")
+        with _VERIFIED_LOCK:
+            _VERIFIED.add(key)
 
     def _decompress(self, payload: np.ndarray, key: tuple) -> np.ndarray:
         """A zstd inner chunk's rows, decompressed into exactly the chunk's bytes (its frame must
@@ -290,21 +313,31 @@ class ShardedHidden:
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
-        C-contiguous array of those rows' shape and this array's item size)."""
+        C-contiguous array of those rows' shape and this array's item size). Plain chunks not yet
+        checked are checked on the checker threads while their rows are copied, and nothing returns
+        before every check passed (a damaged chunk raises, whatever ``out`` already received)."""
         start, stop = max(0, start), min(stop, self.shape[0])
         out = rows_out(self.shape, self.dtype, start, stop, out)
         if stop <= start:
             return out
         dest = out.reshape(-1).view(np.uint8)
         mapped = self._map()
+        checks = []
         row = start
         while row < stop:
             number, lo = divmod(row, self.chunk_rows)
             hi = min(self.chunk_rows, lo + stop - row)
-            payload = self._chunk(number, mapped)
+            if self.zstd:  # checked before it is decompressed
+                payload = self._chunk(number, mapped)
+            else:
+                payload, key = self._payload(number, mapped)
+                if key not in _VERIFIED:
+                    checks.append(_checker().submit(self._check, number, mapped))
             dest[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes] = \
                 payload[lo * self.row_bytes:hi * self.row_bytes]
             row += hi - lo
+        for check in checks:
+            check.result()
         return out
 
     def check_all(self):
