@@ -242,13 +242,19 @@ def _read_all_bits(root: str) -> list[bytes]:
 
 def test_a_forked_child_checks_chunks_with_threads_of_its_own(format2, tmp_path):
     """Chunks are checked on checker threads; a process forked after its parent started them (a
-    DataLoader worker) has none of those threads and must start its own, not wait forever."""
+    DataLoader worker, a rank) has none of those threads, and a lock a parent's reader thread held
+    at the fork would never be released there: the child must start afresh, not wait forever."""
     import multiprocessing
     import shutil
+
+    from dflash_cache.format import hidden
 
     copy = tmp_path / "cold"
     shutil.copytree(format2, copy)  # chunks no process has checked yet
     expected = _read_all_bits(format2)  # the parent's checker threads exist now
-    with multiprocessing.get_context("fork").Pool(1) as pool:
+    context = multiprocessing.get_context("fork")
+    with hidden._VERIFIED_LOCK:  # as a parent's read-ahead thread holds it while it records a check
+        pool = context.Pool(1)
+    with pool:
         got = pool.apply_async(_read_all_bits, (str(copy),)).get(timeout=120)
     assert got == expected

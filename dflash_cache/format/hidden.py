@@ -194,15 +194,25 @@ _VERIFIED: set[tuple] = set()  # (path, inode, size, mtime_ns, inner chunk) whos
 _VERIFIED_LOCK = threading.Lock()
 CHECK_THREADS = 2
 """Threads that check inner chunks' crc32c while reads copy them (per process)."""
-_CHECKERS: dict[int, ThreadPoolExecutor] = {}  # pid -> its checker threads: a forked child has none of its parent's
+_CHECKER: ThreadPoolExecutor | None = None
 
 
 def _checker() -> ThreadPoolExecutor:
-    pid = os.getpid()
+    global _CHECKER
     with _VERIFIED_LOCK:
-        if pid not in _CHECKERS:
-            _CHECKERS[pid] = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="crc32c")
-        return _CHECKERS[pid]
+        if _CHECKER is None:
+            _CHECKER = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="crc32c")
+        return _CHECKER
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a rank) has none of its parent's threads: a lock one of
+    them held at the fork would stay held forever, and the checker threads are gone."""
+    global _VERIFIED_LOCK, _CHECKER
+    _VERIFIED_LOCK, _CHECKER = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShardedHidden:

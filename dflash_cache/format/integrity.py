@@ -171,6 +171,15 @@ _VERIFIED: dict[tuple, list[str]] = {}
 _VERIFIED_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A lock a parent's read-ahead thread held at a fork would stay held in the child for ever."""
+    global _VERIFIED_LOCK
+    _VERIFIED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 HASH_WINDOW = 64 * 2**20  # bytes hashed at a time when the hidden states go through Zarr
 
 
