@@ -236,6 +236,36 @@ def test_a_flipped_byte_in_a_chunk_several_sequences_share_is_refused_for_each(f
     assert outside and all(len(reopened.shards[0][i]) == shard.lengths[i] for i in outside)
 
 
+def test_a_read_of_many_chunks_raises_only_after_every_copy_ended(format2, tmp_path):
+    """A read of several inner chunks copies them on the checker threads: when one is damaged the
+    read raises, but only once every other copy has ended, so nothing writes into a caller's
+    buffer after the error reached it (a recycled buffer would be overwritten behind its back)."""
+    import shutil
+
+    from dflash_cache.format.hidden import HiddenChecksumError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(format2, copy)
+    shard = open_cache(str(copy)).shards[0]
+    files = shard.files.fast_hidden
+    n = files.shape[0]
+    expected = shard.hidden_array[0:n].reshape(n, -1).view(np.uint8)
+    assert files.n_chunks >= 4
+    offset = int(files._map()[2][0, 0])
+    with open(files.data_path, "r+b") as f:  # the first chunk: the error arrives before the others are copied
+        f.seek(offset + 3)
+        byte = f.read(1)
+        f.seek(offset + 3)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    damaged = open_cache(str(copy)).shards[0].files.fast_hidden
+    for _ in range(20):
+        out = np.zeros((n, *files.shape[1:]), dtype=files.dtype)
+        with pytest.raises(HiddenChecksumError, match="inner chunk 0 .*crc32c mismatch"):
+            damaged.read(0, n, out=out)
+        got = out.reshape(n, -1).view(np.uint8)
+        assert np.array_equal(got[files.chunk_rows:], expected[files.chunk_rows:])  # every other copy done
+
+
 def _read_all_bits(root: str) -> list[bytes]:
     return [record.hidden.view(np.uint16).tobytes() for record in open_cache(root).sequences()]
 

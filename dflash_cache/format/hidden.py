@@ -10,9 +10,10 @@ object) carries its own crc32c: a reader checks exactly the bytes it reads, as i
 ``ShardedHidden`` is the fast local path (the format-2 twin of format 1's ChunkFiles): it reads the
 shard index once, memory-maps the shard object and copies inner-chunk byte ranges into the
 caller's buffer, verifying each inner chunk's crc32c the first time this process reads it (while
-the file keeps its identity: inode, size, mtime), on a thread of its own while the bytes are
-copied (the crc32c package releases the GIL), so a first read costs about one copy, not a copy
-plus a checksum pass. Anything else (compressed, remote, another
+the file keeps its identity: inode, size, mtime). A read of several inner chunks copies them on
+the reader's threads, each chunk checked by the thread that copies it, just before, while its
+bytes are in the CPU's cache (crc32c and numpy's copy release the GIL): a first read costs about
+one copy spread over the cores, not a copy plus a checksum pass. Anything else (compressed, remote, another
 layout) goes through Zarr, whose crc32c codec checks each chunk it decodes.
 """
 
@@ -23,7 +24,7 @@ import mmap
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import crc32c
 import ml_dtypes
@@ -193,7 +194,7 @@ def _plain_sharded(meta: dict) -> dict | None:
 _VERIFIED: set[tuple] = set()  # (path, inode, size, mtime_ns, inner chunk) whose crc32c matched
 _VERIFIED_LOCK = threading.Lock()
 CHECK_THREADS = 2
-"""Threads that check inner chunks' crc32c while reads copy them (per process)."""
+"""Threads that copy a read's inner chunks, checking each chunk's crc32c first (per process)."""
 _CHECKER: ThreadPoolExecutor | None = None
 
 
@@ -323,32 +324,39 @@ class ShardedHidden:
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop (clipped to the array, as a slice is), into ``out`` when given (a
-        C-contiguous array of those rows' shape and this array's item size). Plain chunks not yet
-        checked are checked on the checker threads while their rows are copied, and nothing returns
-        before every check passed (a damaged chunk raises, whatever ``out`` already received)."""
+        C-contiguous array of those rows' shape and this array's item size). Several plain chunks are
+        copied on the checker threads, each checked first if this process has not checked it yet,
+        and nothing returns before every check passed (a damaged chunk raises, whatever ``out``
+        already received)."""
         start, stop = max(0, start), min(stop, self.shape[0])
         out = rows_out(self.shape, self.dtype, start, stop, out)
         if stop <= start:
             return out
         dest = out.reshape(-1).view(np.uint8)
         mapped = self._map()
-        checks = []
+        pieces = []  # per inner chunk: (number, its first and last row + 1 read, the row in out)
         row = start
         while row < stop:
             number, lo = divmod(row, self.chunk_rows)
             hi = min(self.chunk_rows, lo + stop - row)
-            if self.zstd:  # checked before it is decompressed
-                payload = self._chunk(number, mapped)
-            else:
-                payload, key = self._payload(number, mapped)
-                if key not in _VERIFIED:
-                    checks.append(_checker().submit(self._check, number, mapped))
-            dest[(row - start) * self.row_bytes:(row - start + hi - lo) * self.row_bytes] = \
-                payload[lo * self.row_bytes:hi * self.row_bytes]
+            pieces.append((number, lo, hi, row - start))
             row += hi - lo
-        for check in checks:
-            check.result()
+        if self.zstd or len(pieces) < 2:  # one decoded zstd chunk is kept: decode them in turn
+            for piece in pieces:
+                self._copy(piece, mapped, dest)
+            return out
+        copies = [_checker().submit(self._copy, piece, mapped, dest) for piece in pieces]
+        wait(copies)  # every copy ends before a damaged chunk raises: none writes into ``out`` after
+        for copy in copies:
+            copy.result()
         return out
+
+    def _copy(self, piece: tuple, mapped: tuple, dest: np.ndarray) -> None:
+        """Inner chunk ``number``'s rows lo..hi into the bytes ``dest`` from row ``at`` on, the
+        chunk checked first unless this process checked it already."""
+        number, lo, hi, at = piece
+        rows = self._chunk(number, mapped)
+        dest[at * self.row_bytes:(at + hi - lo) * self.row_bytes] = rows[lo * self.row_bytes:hi * self.row_bytes]
 
     def check_all(self):
         """Every inner chunk's crc32c, checked now (``verify``); yields each chunk's logical rows as
