@@ -217,12 +217,7 @@ def test_a_flipped_byte_in_a_chunk_several_sequences_share_is_refused_for_each(f
     chunk = next(c for c in range(files.n_chunks)
                  if np.sum((starts < (c + 1) * files.chunk_rows) & (stops > c * files.chunk_rows)) >= 2)
     inside = np.flatnonzero((starts < (chunk + 1) * files.chunk_rows) & (stops > chunk * files.chunk_rows))
-    offset = int(files._map()[2][chunk, 0])
-    with open(files.data_path, "r+b") as f:  # one byte of the chunk's payload
-        f.seek(offset + 7)
-        byte = f.read(1)
-        f.seek(offset + 7)
-        f.write(bytes([byte[0] ^ 0x5A]))
+    _flip_byte(files.data_path, int(files._map()[2][chunk, 0]) + 7)  # one byte of the chunk's payload
     reopened = open_cache(str(copy))
     for i in inside.tolist():
         with pytest.raises(ShardIntegrityError, match=f"inner chunk {chunk} .*crc32c mismatch"):
@@ -251,12 +246,7 @@ def test_a_read_of_many_chunks_raises_only_after_every_copy_ended(format2, tmp_p
     n = files.shape[0]
     expected = shard.hidden_array[0:n].reshape(n, -1).view(np.uint8)
     assert files.n_chunks >= 4
-    offset = int(files._map()[2][0, 0])
-    with open(files.data_path, "r+b") as f:  # the first chunk: the error arrives before the others are copied
-        f.seek(offset + 3)
-        byte = f.read(1)
-        f.seek(offset + 3)
-        f.write(bytes([byte[0] ^ 0x5A]))
+    _flip_byte(files.data_path, int(files._map()[2][0, 0]) + 3)  # chunk 0: its error comes before the others are copied
     damaged = open_cache(str(copy)).shards[0].files.fast_hidden
     for _ in range(20):
         out = np.zeros((n, *files.shape[1:]), dtype=files.dtype)
@@ -264,6 +254,14 @@ def test_a_read_of_many_chunks_raises_only_after_every_copy_ended(format2, tmp_p
             damaged.read(0, n, out=out)
         got = out.reshape(n, -1).view(np.uint8)
         assert np.array_equal(got[files.chunk_rows:], expected[files.chunk_rows:])  # every other copy done
+
+
+def _flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x5A]))
 
 
 def _read_all_bits(root: str) -> list[bytes]:

@@ -13,8 +13,8 @@ caller's buffer, verifying each inner chunk's crc32c the first time this process
 the file keeps its identity: inode, size, mtime). A read of several inner chunks copies them on
 the reader's threads, each chunk checked by the thread that copies it, just before, while its
 bytes are in the CPU's cache (crc32c and numpy's copy release the GIL): a first read costs about
-one copy spread over the cores, not a copy plus a checksum pass. Anything else (compressed, remote, another
-layout) goes through Zarr, whose crc32c codec checks each chunk it decodes.
+one copy spread over the cores, not a copy plus a checksum pass. Anything else (compressed,
+remote, another layout) goes through Zarr, whose crc32c codec checks each chunk it decodes.
 """
 
 from __future__ import annotations
