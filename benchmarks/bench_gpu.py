@@ -259,7 +259,7 @@ def bench_loader(s: Sizes, device: torch.device, tmp: Path, workers: int, budget
         url, gigabytes = write_synthetic_cache(s, root)
         written = time.perf_counter() - t0
         cache = open_cache(url)
-        data = DataConfig(batch_tokens=s.batch_tokens, num_anchors=s.num_anchors, heldout_fraction=0.0,
+        data = DataConfig(batch_tokens=s.batch_tokens, anchors="random", num_anchors=s.num_anchors, heldout_fraction=0.0,
                           num_workers=workers)
         epoch_batches = len(EpochPlan(cache, data).batches(0))
         train_cfg = TrainConfig(cache=url, out="", data=data, noise=NoiseConfig(schedule="cosine"))  # noise on: its cost is measured

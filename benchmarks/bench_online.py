@@ -168,7 +168,7 @@ def main(argv=None) -> None:
         total = args.rounds * args.steps
         cfg = TrainConfig(cache=url, out=str(scratch / "unused"), steps=total,
                           model=ModelConfig(num_layers=args.num_layers, block_size=args.block_size),
-                          data=DataConfig(batch_tokens=args.batch_tokens, num_anchors=args.num_anchors,
+                          data=DataConfig(batch_tokens=args.batch_tokens, anchors="random", num_anchors=args.num_anchors,
                                           heldout_fraction=0.0))
         teacher = load_teacher(TeacherConfig(name_or_path=args.teacher, dtype=args.dtype, device=str(device),
                                              layers=tuple(cache.layer_ids), top_k=cache.top_k))

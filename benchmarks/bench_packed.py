@@ -103,7 +103,7 @@ def padding_table(sources: list[tuple[str, np.ndarray, dict[int, list[list[int]]
 def quickstart_setup(args):
     cache = open_cache(args.quickstart_cache)
     cfg = TrainConfig(cache=args.quickstart_cache, out="", model=ModelConfig(num_layers=3, block_size=8),
-                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))
+                      data=DataConfig(batch_tokens=1600, anchors="random", num_anchors=8, heldout_fraction=0.05))
     model = build_drafter(cfg, cache, torch.device("cpu"))
     refs = EpochPlan(cache, cfg.data).batches(0)[: args.batches]
     return cfg, model, {layout: [load_batch(cache, replace(cfg.data, layout=layout), r, 0) for r in refs]

@@ -92,7 +92,7 @@ def per_shard_plan(cache, cfg, partitions):
 
 
 def rank_run(url, rank, world, mode, batch_tokens):
-    cfg = DataConfig(batch_tokens=batch_tokens)
+    cfg = DataConfig(batch_tokens=batch_tokens, anchors="random")
     start = time.perf_counter()
     clock = [time.monotonic()]  # the phases' ends, on the clock the S3 server's request log uses
     cache = open_cache(url)

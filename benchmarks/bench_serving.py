@@ -59,7 +59,7 @@ def quick_drafter(work: Path, steps: int) -> Path:
                             teacher=TeacherConfig(name_or_path=str(TEACHER), dtype="float32", num_tapped_layers=3, top_k=16)))
     cfg = TrainConfig(cache=str(work / "cache"), out=str(work / "run"), steps=steps, eval_sequences=0, save_every=steps,
                       model=ModelConfig(num_layers=3, block_size=8), optim=OptimConfig(lr=1e-3),
-                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05))
+                      data=DataConfig(batch_tokens=1600, anchors="random", num_anchors=8, heldout_fraction=0.05))
     return train(cfg).export_dir
 
 

@@ -47,7 +47,7 @@ from dflash_train.settings.train_config import TrainConfig  # noqa: E402
 from dflash_train.training.batch import collate  # noqa: E402
 from dflash_train.training.batch_objective import block_states  # noqa: E402
 from dflash_train.training.distributed import DistInfo  # noqa: E402
-from dflash_train.training.epoch_plan import sample_anchors  # noqa: E402
+from dflash_train.training.epoch_plan import cover_anchors, sample_anchors  # noqa: E402
 from dflash_train.training.loss import LossOutput  # noqa: E402
 from dflash_train.training.model import DFlashDrafter  # noqa: E402
 from dflash_train.training.objectives import bucket_kl  # noqa: E402
@@ -69,8 +69,9 @@ def synthetic_batch(num_seqs: int, seq_len: int, vocab: int, layers: int, hidden
 
 
 def synthetic_sequences(lengths: list[int], vocab: int, layers: int, hidden: int, top_k: int, anchors: int,
-                        seed: int = 0, layout: str = "padded"):
-    """A real collated Batch (in `layout`) of random sequences of these lengths."""
+                        seed: int = 0, layout: str = "padded", cover: int | None = None):
+    """A real collated Batch (in `layout`) of random sequences of these lengths, each with `anchors`
+    random anchors or, with `cover` (the drafter's draft positions), the blocks covering it."""
     rng = np.random.default_rng(seed)
     records, hiddens, anchor_lists = [], [], []
     for i, seq_len in enumerate(lengths):
@@ -88,7 +89,8 @@ def synthetic_sequences(lengths: list[int], vocab: int, layers: int, hidden: int
             id=seq_id, input_ids=rng.integers(0, vocab, seq_len, dtype=np.int32), loss_mask=loss_mask,
             hidden=np.empty((0,)), topk_ids=topk_ids, topk_logprobs=np.log(topk).astype(np.float32)))
         hiddens.append(rng.standard_normal((seq_len, layers, hidden), dtype=np.float32))
-        anchor_lists.append(sample_anchors(loss_mask, anchors, seed, 0, seq_id))
+        anchor_lists.append(sample_anchors(loss_mask, anchors, seed, 0, seq_id) if cover is None
+                            else cover_anchors(loss_mask, cover, seed, 0, seq_id))
     return collate(records, anchor_lists, hiddens, layout)
 
 

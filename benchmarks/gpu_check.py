@@ -280,7 +280,7 @@ def part_loader(out: Path):
     url = str(out / "cache-dev-bf16")
     state = LoaderState(manifest_fingerprint=open_cache(url).fingerprint)
     dev = device()
-    batches = iter(train_loader(url, None, DataConfig(batch_tokens=4096, heldout_fraction=0.05), state,
+    batches = iter(train_loader(url, None, DataConfig(batch_tokens=4096, anchors="random", heldout_fraction=0.05), state,
                                 pin_memory=dev.type == "cuda"))
     first = next(batches)
     pinned = first.hidden.is_pinned() if dev.type == "cuda" else None
@@ -564,7 +564,7 @@ def part_loader_width(out: Path):
         if problems:
             raise RuntimeError(f"a fresh synthetic cache fails its checksums: {problems[:2]}")
         details = {"cache_gb": gigabytes, "hash_gb_per_s": gigabytes / hash_s}
-        data = DataConfig(batch_tokens=s.batch_tokens, num_anchors=s.num_anchors, heldout_fraction=0.0)
+        data = DataConfig(batch_tokens=s.batch_tokens, anchors="random", num_anchors=s.num_anchors, heldout_fraction=0.0)
         stream = iter(train_loader(url, None, data, LoaderState(manifest_fingerprint=cache.fingerprint),
                                    pin_memory=dev.type == "cuda"))
         t, tokens, batches = time.perf_counter(), 0, 0

@@ -95,11 +95,16 @@ def flat_config(values: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+PREDATED = {"data.anchors": "random"}
+"""Settings whose default changed after runs were saved: a saved config without one had this
+value, not today's default (a run of the seed recipe resumes only as it was trained)."""
+
+
 def config_differences(saved: dict, wanted: dict, free: frozenset[str] = OPERATIONAL_PATHS) -> list[tuple[str, Any, Any]]:
     """(path, saved value, wanted value) of every setting outside `free` in which a saved config
     (a run's config.json, a checkpoint's) differs from the wanted one; a setting the saved config
-    predates counts as its default."""
-    defaults = flat_config(json.loads(json.dumps(TrainConfig(cache="", out="").to_dict())))
+    predates counts as its default then (PREDATED), else as today's."""
+    defaults = {**flat_config(json.loads(json.dumps(TrainConfig(cache="", out="").to_dict()))), **PREDATED}
     a = {**defaults, **flat_config(json.loads(json.dumps(saved)))}
     b = flat_config(json.loads(json.dumps(wanted)))
     return [(k, a.get(k), b.get(k)) for k in sorted((set(a) | set(b)) - free) if a.get(k) != b.get(k)]

@@ -46,6 +46,8 @@ class PhaseSettings:
     num_layers: int = 3
     block_size: int = 8
     batch_tokens: int = 1000
+    anchors: str = "random"
+    """data.anchors: the studies of these caches were measured with the seed recipe's random anchors."""
     num_anchors: int = 8
     lr: float = 1e-3
     eval_sequences: int = 48
@@ -70,7 +72,7 @@ def run_config(settings: PhaseSettings, cache: str, arm: str, seed: int) -> dict
               "eval_sequences": settings.eval_sequences, "log_every": max(1, steps // 20), "save_every": steps,
               "keep_checkpoints": 1,
               "model": {"num_layers": settings.num_layers, "block_size": settings.block_size},
-              "data": {"batch_tokens": settings.batch_tokens, "num_anchors": settings.num_anchors,
+              "data": {"batch_tokens": settings.batch_tokens, "anchors": settings.anchors, "num_anchors": settings.num_anchors,
                        "heldout_fraction": 0.05, "seed": seed},
               "noise": {"schedule": "off"},
               "loss": {"kind": "kl", "weighting": "streak"},

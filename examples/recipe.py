@@ -71,6 +71,8 @@ class RecipeSettings:
     num_layers: int = 1
     block_size: int = 8
     batch_tokens: int = 1000
+    anchors: str = "random"
+    """data.anchors: the studies of these caches were measured with the seed recipe's random anchors."""
     num_anchors: int = 8
     lr: float = 2e-3
     eval_sequences: int = 48
@@ -162,7 +164,7 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
         "cache": cache, "out": str(settings.out / spec.name), "steps": settings.steps, "device": "cpu",
         "eval_sequences": settings.eval_sequences, "log_every": max(1, settings.steps // 20),
         "model": {"num_layers": settings.num_layers, "block_size": settings.block_size},
-        "data": {"batch_tokens": settings.batch_tokens, "num_anchors": settings.num_anchors,
+        "data": {"batch_tokens": settings.batch_tokens, "anchors": settings.anchors, "num_anchors": settings.num_anchors,
                  "heldout_fraction": settings.heldout_fraction},
         "optim": {"lr": settings.lr},
     })

@@ -160,7 +160,7 @@ def _params(run, step: int) -> dict:
 def test_new_objectives_train_resume_exactly_and_export(tmp_path, cache_url, objective, changed, field, saved):
     straight = tmp_path / "straight"
     args = ["run", "--cache", cache_url, "--steps", "4", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400",
-            "--num-anchors", "4", "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1",
+            "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1",
             "--eval-sequences", "0", "--quiet"]
     result = CliRunner().invoke(app, [*args, *objective, "--out", str(straight)])
     assert result.exit_code == 0, result.output

@@ -186,7 +186,7 @@ def test_a_pickle_payload_is_refused_in_our_words_naming_a_real_checkpoint(runs,
 SIZES = {
     "num layers 10**6": (["--num-layers", "1000000"],
                          "--num-layers 1,000,000 is more than 256, twice the deepest known teacher"),
-    "block 256 x anchors 1000": (["--block-size", "256", "--num-anchors", "1000"],
+    "block 256 x anchors 1000": (["--block-size", "256", "--anchors", "random", "--num-anchors", "1000"],
                                  "--block-size 256 x --num-anchors 1,000 is 256,000 block tokens per sequence in one "
                                  "forward, more than 65,536"),
     "selector rank 10**9": (["--model-kind", "dflash2", "--selector-rank", "1000000000"],
@@ -197,7 +197,7 @@ SIZES = {
     "head dim 10**6": (["--head-dim", "1000000"], "--head-dim 1,000,000 is more than 1,024"),
     "markov rank 10**9": (["--model-kind", "dspark", "--markov-rank", "1000000000"],
                           "dspark.markov_rank 1,000,000,000 is more than 4,096"),
-    "anchors 10**6": (["--num-anchors", "1000000"], "--num-anchors 1,000,000 is more than 32,768"),
+    "anchors 10**6": (["--anchors", "random", "--num-anchors", "1000000"], "--num-anchors 1,000,000 is more than 32,768"),
     "batch tokens 10**9": (["--batch-tokens", "1000000000"], "--batch-tokens 1,000,000,000 is more than 1,048,576"),
     "workers 10**5": (["--num-workers", "100000"], "--num-workers 100,000 is more than 256"),
     "conv taps 10**6": (["--model-kind", "dflash2", "--conv-kernel-size", "1000000"],

@@ -102,7 +102,7 @@ def test_block_targets_match_a_hand_loop():
 
 
 def _take(url, cfg, state, n):
-    return list(itertools.islice(iter(train_loader(url, None, cfg, state)), n))
+    return list(itertools.islice(iter(train_loader(url, None, cfg, state, draft_positions=3)), n))
 
 
 def _same(a: Batch, b: Batch):
@@ -123,9 +123,10 @@ def test_loader_covers_the_training_split_once_per_epoch(small_cache):
     assert len(cache.shards) > 2
 
 
-def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache):
+@pytest.mark.parametrize("anchors", ["cover", "random"])
+def test_loader_same_batches_for_any_worker_count_and_exact_resume(small_cache, anchors):
     cache = open_cache(small_cache)
-    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, num_anchors=3)
+    cfg = DataConfig(batch_tokens=400, heldout_fraction=0.1, anchors=anchors, num_anchors=3)
     start = LoaderState(manifest_fingerprint=cache.fingerprint)
     per_epoch = len(EpochPlan(cache, cfg).batches(0))
     n = per_epoch + 4  # crosses an epoch boundary
@@ -277,7 +278,7 @@ def _epoch_ids(url, cfg, state, world, steps=None):
     """Ids each step hands out over all `world` ranks, from `state` to the end of its epoch (or
     `steps` steps): each rank's micro-batches of a step (one per partition it owns), none over
     batch_tokens unless it is one longer sequence."""
-    streams = [iter(TrainStream(url, None, cfg, state, rank, world)) for rank in range(world)]
+    streams = [iter(TrainStream(url, None, cfg, state, rank, world, draft_positions=3)) for rank in range(world)]
     micro = micro_batches_per_step(state.partitions, world)
     out, after = [], state
     while after.epoch == state.epoch and (steps is None or len(out) < steps):
@@ -312,7 +313,7 @@ def test_a_ranks_epoch_reads_only_its_share_of_the_shards(small_cache):
     state = LoaderState(manifest_fingerprint=cache.fingerprint, partitions=2)
     per_rank = []
     for rank in (0, 1):
-        stream = TrainStream(small_cache, None, cfg, state, rank, 2)
+        stream = TrainStream(small_cache, None, cfg, state, rank, 2, draft_positions=3)
         steps = EpochPlan(cache, cfg).steps(0, 2)
         per_rank.append([i for b in itertools.islice(iter(stream), steps) for i in b.ids])
     assert not set(per_rank[0]) & set(per_rank[1])
@@ -334,7 +335,7 @@ def test_training_batch_noise_equals_apply_noise_on_each_sequence(small_cache, l
 
     cache = open_cache(small_cache)
     cfg = TrainConfig(cache=small_cache, out="unused", noise=NoiseConfig(schedule="cosine", start=0.5, distribution="gaussian"),
-                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0, layout=layout))
+                      data=DataConfig(batch_tokens=400, heldout_fraction=0.0, anchors="random", layout=layout))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     loaded = load_batch(cache, cfg.data, refs, epoch=0)
     batch = on_device(loaded, torch.device("cpu"), cfg, step=3, steps=10)

@@ -29,7 +29,7 @@ def test_offline_replay_agrees_with_measured_accepted_length(tmp_path, teacher_d
     assert build.exit_code == 0, build.output
     run = runner.invoke(train_app, ["run", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "run"),
                                     "--steps", "60", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "2000",
-                                    "--num-anchors", "12", "--lr", "3e-3", "--noise", "off", "--heldout-fraction", "0.1",
+                                    "--anchors", "random", "--num-anchors", "12", "--lr", "3e-3", "--noise", "off", "--heldout-fraction", "0.1",
                                     "--eval-sequences", "0", "--quiet"])
     assert run.exit_code == 0, run.output
 

@@ -36,7 +36,7 @@ CLI = str(Path(sys.executable).with_name("dflash-train"))
 # shares of the global batch's positions); a clip below the gradient norm, so clipping acts on
 # every step. The one-process reference plans over two partitions (--data-partitions 2), so it
 # trains on the same global batches as two ranks.
-ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "100", "--num-anchors", "4",
+ARGS = ["--steps", "6", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "100", "--block-tokens", "40",
         "--heldout-fraction", "0.05", "--save-every", "3", "--log-every", "1", "--eval-sequences", "8",
         "--noise", "cosine", "--grad-clip", "0.003", "--quiet"]
 
@@ -114,7 +114,7 @@ def single(tmp_path_factory, cache_url):
 def test_planned_batches_give_the_ranks_unequal_shares(cache_url):  # noqa: F811
     """The runs below cover rank batches of one and of two sequences, at one step on different
     ranks (guards ARGS against a changed cache)."""
-    plan = EpochPlan(open_cache(cache_url), DataConfig(batch_tokens=100, num_anchors=4, heldout_fraction=0.05))
+    plan = EpochPlan(open_cache(cache_url), DataConfig(batch_tokens=100, heldout_fraction=0.05))
     sizes = [[len(batch) for batch in plan.rank_batches(0, 2, rank, 2)[:6]] for rank in (0, 1)]
     assert any(a != b for a, b in zip(*sizes)) and {1, 2} <= set(sizes[0] + sizes[1]), sizes
 

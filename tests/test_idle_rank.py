@@ -26,7 +26,7 @@ from dflash_train.training.epoch_plan import EpochPlan
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-train"))
 # 36-58-token sequences in 60-token batches: one sequence a partition a step
-ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", "--num-anchors", "4",
+ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", 
         "--heldout-fraction", "0", "--save-every", "3", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
 KINDS = {"dflash": ["--model-kind", "dflash"], "dspark": ["--model-kind", "dspark", "--markov-rank", "4"],
          "dflash2": ["--model-kind", "dflash2"]}
@@ -57,7 +57,7 @@ def torchrun(ranks: int, *args, timeout: float = 240, program: str = CLI) -> sub
 def test_the_caches_leave_a_rank_idle(caches):
     """Guards the runs below against a changed fixture: over 2 ranks partitions of 1 and 2
     sequences (a rank idle at the second step), over 3 one partition empty (a rank idle always)."""
-    data = DataConfig(batch_tokens=60, num_anchors=4, heldout_fraction=0)
+    data = DataConfig(batch_tokens=60, heldout_fraction=0)
     sizes = {n: sorted(len(p) for p in EpochPlan(open_cache(caches[n]), data).partitions(0, n)) for n in (2, 3)}
     assert sizes == {2: [1, 2], 3: [0, 1, 1]}, sizes
 

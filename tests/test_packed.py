@@ -183,7 +183,7 @@ def test_noise_is_the_same_per_token_in_both_layouts():
 
 def test_loader_reads_straight_into_the_packed_batch(cache_url):
     cache = open_cache(cache_url)
-    cfg = DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0, layout=PACKED)
+    cfg = DataConfig(batch_tokens=600, anchors="random", num_anchors=4, heldout_fraction=0.0, layout=PACKED)
     refs = EpochPlan(cache, cfg).batches(0)[0]
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     buffer, views = hidden_buffer(cache, lengths, PACKED)
@@ -201,7 +201,7 @@ def test_loader_reads_straight_into_the_packed_batch(cache_url):
 def test_train_stream_packed_holds_the_padded_stream(cache_url):
     streams = {}
     for layout in (PADDED, PACKED):
-        cfg = DataConfig(batch_tokens=500, num_anchors=4, heldout_fraction=0.05, layout=layout)
+        cfg = DataConfig(batch_tokens=500, anchors="random", num_anchors=4, heldout_fraction=0.05, layout=layout)
         loader = iter(train_loader(cache_url, None, cfg, LoaderState(manifest_fingerprint=open_cache(cache_url).fingerprint)))
         streams[layout] = [next(loader) for _ in range(3)]
     for a, b in zip(streams[PADDED], streams[PACKED]):
@@ -220,7 +220,7 @@ def test_offline_evaluation_is_the_same_in_both_layouts(cache_url):
     model = DFlashDrafter.build(cfg, head["embed_tokens.weight"].float(), head["lm_head.weight"].float(), "cpu")
     results = {}
     for layout in (PADDED, PACKED):
-        data = DataConfig(batch_tokens=500, num_anchors=4, heldout_fraction=0.2, layout=layout)
+        data = DataConfig(batch_tokens=500, anchors="random", num_anchors=4, heldout_fraction=0.2, layout=layout)
         results[layout] = (evaluate_heldout(model, cache, data, LossConfig(), 20, torch.device("cpu")),
                            greedy_replay(model, cache, data, 20, torch.device("cpu")))
     (summary_a, replay_a), (summary_b, replay_b) = results[PADDED], results[PACKED]
@@ -236,7 +236,7 @@ def _params(run, step: int) -> dict:
 
 def test_a_packed_run_resumes_bit_exactly_and_tracks_the_padded_run(tmp_path, cache_url):
     args = ["run", "--cache", cache_url, "--steps", "4", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400",
-            "--num-anchors", "4", "--heldout-fraction", "0.05", "--save-every", "2", "--eval-sequences", "0",
+            "--heldout-fraction", "0.05", "--save-every", "2", "--eval-sequences", "0",
             "--noise", "cosine", "--noise-start", "0.3", "--quiet"]
     runner = CliRunner()
     for layout in (PACKED, PADDED):

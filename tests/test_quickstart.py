@@ -44,7 +44,7 @@ def test_example_files_are_shipped():
 def test_trained_drafter_beats_untrained_on_heldout(tmp_path, example_cache):
     cfg = TrainConfig(cache=example_cache, out=str(tmp_path / "run"), steps=150, eval_sequences=60,
                       model=ModelConfig(num_layers=2, block_size=8), noise=NoiseConfig(schedule="off"),
-                      data=DataConfig(batch_tokens=1200, num_anchors=8, heldout_fraction=0.1),
+                      data=DataConfig(batch_tokens=1200, anchors="random", num_anchors=8, heldout_fraction=0.1),
                       optim=OptimConfig(lr=2e-3), log_every=50, save_every=150)
     result = train(cfg)
     before, after = result.before["tau"], result.after["tau"]

@@ -233,7 +233,7 @@ def recipe_cache(tiny_cache):
     return tiny_cache(rows=qa_rows(30, seed=5, prefix="r5-"))
 
 
-SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=300", "data.num_anchors=4",
+SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=300", "data.anchors=random", "data.num_anchors=4",
         "data.heldout_fraction=0.2", "eval_sequences=4", "device=cpu", "noise.schedule=constant"]
 
 

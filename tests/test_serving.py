@@ -60,7 +60,7 @@ def example_cache(tmp_path_factory) -> str:
 def _train(cache: str, out: Path, **model) -> Path:
     cfg = TrainConfig(cache=cache, out=str(out), steps=200, eval_sequences=0, log_every=50, save_every=200,
                       model=ModelConfig(num_layers=3, block_size=BLOCK, **model),
-                      data=DataConfig(batch_tokens=1600, num_anchors=8, heldout_fraction=0.05), optim=OptimConfig(lr=1e-3))
+                      data=DataConfig(batch_tokens=1600, anchors="random", num_anchors=8, heldout_fraction=0.05), optim=OptimConfig(lr=1e-3))
     return train(cfg).export_dir
 
 

@@ -228,7 +228,7 @@ def cache_url(tiny_cache):
     return tiny_cache()
 
 
-SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400", "data.num_anchors=4",
+SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400",
         "data.heldout_fraction=0.1", "eval_sequences=8", "save_every=3", "log_every=1", "device=cpu"]
 GRID = ["--grid", "loss=ce,kl", "--grid", "weighting=decay,streak"]
 

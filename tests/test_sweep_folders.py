@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400", "data.num_anchors=4",
+SETS = ["model.num_layers=1", "model.block_size=4", "data.batch_tokens=400",
         "data.heldout_fraction=0.1", "eval_sequences=0", "log_every=1", "device=cpu"]
 
 

@@ -48,7 +48,8 @@ def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
     """Loss and gradients from cached features equal those from running the teacher now."""
     cache = open_cache(cache_url)
     cfg = TrainConfig(cache=cache_url, out="unused", model=ModelConfig(num_layers=2, block_size=4),
-                      data=DataConfig(batch_tokens=600, num_anchors=4, heldout_fraction=0.0, layout="padded"))
+                      data=DataConfig(batch_tokens=600, anchors="random", num_anchors=4, heldout_fraction=0.0,
+                                      layout="padded"))
     refs = EpochPlan(cache, cfg.data).batches(0)[0]
     offline = load_batch(cache, cfg.data, refs, epoch=0).to("cpu")  # padded: the online batch is built per row
 
@@ -80,7 +81,7 @@ def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
 
 
-TRAIN_ARGS = ["--steps", "24", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400", "--num-anchors", "4",
+TRAIN_ARGS = ["--steps", "24", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400", 
               "--heldout-fraction", "0.05", "--save-every", "6", "--log-every", "2", "--eval-sequences", "0",
               "--noise", "cosine", "--noise-start", "0.3", "--quiet"]
 
@@ -245,7 +246,7 @@ def test_acceptance_objectives_train_log_their_terms_and_resume_exactly(tmp_path
 
     straight = tmp_path / "straight"
     args = ["run", "--cache", cache_url, "--steps", "4", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400",
-            "--num-anchors", "4", "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1",
+            "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1",
             "--eval-sequences", "0", "--quiet", *objective]
     result = CliRunner().invoke(app, [*args, "--out", str(straight)])
     assert result.exit_code == 0, result.output

@@ -318,14 +318,14 @@ def test_each_shard_is_hashed_once_per_process_and_again_when_its_files_change(b
     monkeypatch.setattr(integrity, "_hash_hidden", lambda shard, expected: hashed.append(shard.name) or real(shard, expected))
     opened = open_cache(str(cache))
     refs = [(0, 0), (0, 1)]
-    load_batch(opened, PLAN, refs, epoch=0)
-    load_batch(opened, PLAN, refs, epoch=0)
-    load_batch(open_cache(str(cache)), PLAN, refs, epoch=0)  # another open in this process: known bytes
+    load_batch(opened, PLAN, refs, epoch=0, draft_positions=3)
+    load_batch(opened, PLAN, refs, epoch=0, draft_positions=3)
+    load_batch(open_cache(str(cache)), PLAN, refs, epoch=0, draft_positions=3)  # another open in this process: known bytes
     assert hashed == [opened.shards[0].name]
 
     _flip(_chunk_file(cache, opened.shards[0].name), 100)  # rewritten in place: a new identity
     with pytest.raises(CacheError, match=f"{opened.shards[0].name} \\(hidden states checksum mismatch\\)"):
-        load_batch(open_cache(str(cache)), PLAN, refs, epoch=0)
+        load_batch(open_cache(str(cache)), PLAN, refs, epoch=0, draft_positions=3)
     assert hashed == [opened.shards[0].name] * 2
 
 

@@ -163,13 +163,15 @@ def offline(cfg: EvalConfig, dev) -> dict:
     """The offline part of the report: acceptance and the greedy replay on the held-out split."""
     from dflash_cache import open_cache
     from dflash_train.measuring.replay import greedy_replay, load_drafter_for
+    from dflash_train.settings.data_config import RANDOM
     from dflash_train.settings.drafter_config import check_block_tokens
     from dflash_train.settings.loss_config import LossConfig
     from dflash_train.training.heldout import evaluate_heldout
 
     cache = open_cache(cfg.cache, cfg.storage_options)
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
-    check_block_tokens(model.cfg.block_size, cfg.data.num_anchors)
+    if cfg.data.anchors == RANDOM:
+        check_block_tokens(model.cfg.block_size, cfg.data.num_anchors)
     return {"cache": cfg.cache, "offline": evaluate_heldout(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
             "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev)}
 

@@ -77,7 +77,7 @@ def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_
     """Greedy replay (see replay_batch) over the held-out split of a cache."""
     model.eval()
     produced, rounds, histogram = 0, 0, replay_histogram(model.cfg)
-    for batch in heldout_batches(cache, data_cfg, max_sequences):
+    for batch in heldout_batches(cache, data_cfg, max_sequences, model.cfg.num_draft_positions):
         p, r = replay_batch(model, batch.to(device), histogram)
         produced, rounds = produced + p, rounds + r
     return {"accepted_length": produced / max(rounds, 1), "rounds": rounds, "accepted_histogram": histogram.tolist()}

@@ -10,6 +10,10 @@ from dflash_common.values import check_choice
 from dflash_train.settings.drafter_config import MAX_BLOCK_TOKENS, check_at_most
 
 PACKED, PADDED = "packed", "padded"
+COVER, RANDOM = "cover", "random"
+ANCHOR_CHOICES = (COVER, RANDOM)
+RANDOM_ANCHORS = 8
+"""data.num_anchors with random anchors when none is given (the seed recipe's)."""
 MAX_BATCH_TOKENS = 1 << 20
 MAX_PARTITIONS = 1 << 20
 MAX_LOADER_THREADS = 256
@@ -39,10 +43,27 @@ class DataConfig:
     room to resume on more ranks, or on one process to reproduce a multi-rank run's batches. At
     most 1,048,576 (the plan holds a list per partition)."""
 
-    num_anchors: int = 8
-    """Blocks sampled per sequence, all run in one forward (fewer when a sequence has fewer eligible anchors).
-    model.block_size x num_anchors is at most 65,536 block tokens (8x 16 x 512, the most in use):
-    the attention mask grows with its square."""
+    anchors: str = COVER
+    """How each sequence's blocks are chosen every epoch: "cover" tiles every loss-masked position
+    with non-overlapping blocks (each predicted once an epoch, at a block slot that moves from
+    epoch to epoch; a sequence gets as many blocks as its answer needs), "random" draws
+    data.num_anchors anchors at random (the seed recipe's: on ~1k-token answers an epoch trained
+    13% of the masked positions, at 4k about 3%). A run saved before this setting existed used
+    "random"."""
+
+    num_anchors: int | None = None
+    """Blocks drawn per sequence with data.anchors "random" (fewer when a sequence has fewer
+    eligible anchors; none given: 8); "cover" refuses it, since it sizes the blocks to the
+    sequence. model.block_size x num_anchors is at most 65,536 block tokens (8x 16 x 512)."""
+
+    block_tokens: int = 0
+    """Most block tokens (blocks x model.block_size) one forward trains (0: 1.25 x
+    data.batch_tokens, which holds the cover of a micro-batch of wholly masked sequences at block
+    size 5 or more: block_size / (block_size - 1) block tokens a masked position).
+    A micro-batch whose blocks exceed it, or whose blocks' attention (block tokens x the keys
+    before their last anchor) exceeds block_tokens x (batch_tokens + block_tokens), runs as
+    several forwards and backwards over consecutive blocks, each attending only to the context
+    before its own last anchor: memory stays set by the budgets, whatever a sequence's length."""
 
     heldout_fraction: float = 0.02
     """Fraction of sequences (chosen by a hash of the id) kept out of training for evaluation."""
@@ -81,7 +102,16 @@ class DataConfig:
             raise ConfigError(f"batch tokens must be positive, got {self.batch_tokens}; pass e.g. --batch-tokens 8192")
         if self.partitions < 0:
             raise ConfigError(f"--data-partitions must be >= 0 (0: the world size), got {self.partitions}")
-        if self.num_anchors < 1:
+        if self.block_tokens < 0:
+            raise ConfigError(f"--block-tokens must be >= 0 (0: 1.25 x --batch-tokens), got {self.block_tokens}; pass e.g. 8192")
+        check_choice("--anchors", self.anchors, ANCHOR_CHOICES)
+        if self.anchors == COVER and self.num_anchors is not None:
+            raise ConfigError(f"--num-anchors {self.num_anchors} applies to --anchors random, but anchors are cover (every "
+                              "loss position tiled with blocks, as many as each sequence needs); pass --anchors random "
+                              "with it, or drop it")
+        if self.anchors == RANDOM and self.num_anchors is None:
+            object.__setattr__(self, "num_anchors", RANDOM_ANCHORS)
+        if self.anchors == RANDOM and self.num_anchors < 1:
             raise ConfigError(f"--num-anchors must be at least 1, got {self.num_anchors}")
         if not 0 <= self.heldout_fraction < 1:
             raise ConfigError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
@@ -96,12 +126,19 @@ class DataConfig:
                 ("--data-partitions", self.partitions, MAX_PARTITIONS, "a million ranks"),
                 ("--num-anchors", self.num_anchors, MAX_BLOCK_TOKENS // 2, "the block tokens one forward may hold at "
                                                                            "block size 2"),
+                ("--block-tokens", self.block_tokens, MAX_BATCH_TOKENS, "the most a batch holds"),
                 ("--num-workers", self.num_workers, MAX_LOADER_THREADS, "each is a process with its own read-ahead"),
                 ("data.read_threads", self.read_threads, MAX_LOADER_THREADS, "far more than any storage needs")):
             check_at_most(option, value, limit, why)
         check_choice("--batch-layout", self.layout, LAYOUTS)
         if not all(isinstance(n, str) and n for n in self.skip_shards):
             raise ConfigError(f"--skip-shards takes shard names such as shard-r00000-000003, got {list(self.skip_shards)}")
+
+
+    @property
+    def forward_tokens(self) -> int:
+        """The block tokens one forward may train: block_tokens, or 1.25 x batch_tokens for 0."""
+        return self.block_tokens or self.batch_tokens + self.batch_tokens // 4
 
 
 # Settings that change how the stream is read, not which batches it holds: a run may resume with

@@ -19,7 +19,7 @@ ENGINES = ("dflash", "vllm", "both")
 SPEC_OPTIONS = ("max_new_tokens", "top_p", "confidence_threshold")
 """SpecConfig's fields that the commands take; its temperature comes as DecodingConfig.temperatures,
 its stop tokens from the teacher."""
-DATA_OPTIONS = ("batch_tokens", "num_anchors", "heldout_fraction", "skip_shards")
+DATA_OPTIONS = ("batch_tokens", "anchors", "num_anchors", "block_tokens", "heldout_fraction", "skip_shards")
 """DataConfig's fields that an offline evaluation takes."""
 
 

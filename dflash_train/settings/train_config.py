@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_common.errors import ConfigError
-from dflash_train.settings.data_config import DataConfig
+from dflash_train.settings.data_config import RANDOM, DataConfig
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.drafter_config import check_block_tokens
 from dflash_train.settings.dspark_config import DSparkConfig
@@ -143,7 +143,8 @@ class TrainConfig:
                               f"{self.collective_timeout:g}, {self.save_timeout:g}")
         if self.eval_sequences < 0:
             raise ConfigError(f"--eval-sequences must be 0 (no held-out evaluation) or more, got {self.eval_sequences}")
-        check_block_tokens(self.model.block_size, self.data.num_anchors)
+        if self.data.anchors == RANDOM:
+            check_block_tokens(self.model.block_size, self.data.num_anchors)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

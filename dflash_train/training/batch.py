@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from dflash_cache import Cache
-from dflash_train.settings.data_config import PACKED, PADDED, DataConfig
-from dflash_train.training.epoch_plan import sample_anchors
+from dflash_common.errors import ConfigError
+from dflash_train.settings.data_config import COVER, PACKED, PADDED, DataConfig
+from dflash_train.training.epoch_plan import block_parts, cover_anchors, sample_anchors
 from dflash_train.training.layout import sequence_starts, slots
 
 
@@ -55,6 +56,20 @@ class Batch:
         none = torch.zeros(0)
         return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
                    topk_logprobs=none, anchors=none)
+
+    def columns(self, span: tuple[int, int] | None) -> "Batch":
+        """The batch with only the blocks of anchor columns [c0, c1) (the same tensors; None: all)."""
+        if span is None or not self.ids:
+            return self
+        return Batch(**{**self.__dict__, "anchors": self.anchors[:, span[0]:span[1]]})
+
+    def parts(self, block_size: int, cfg: DataConfig) -> list[tuple[int, int] | None]:
+        """The anchor column ranges the batch trains in, one forward each (epoch_plan.block_parts
+        under cfg's budgets), read from the host's anchors; [None] for one part of all of them."""
+        if not self.ids:
+            return [None]
+        spans = block_parts(self.anchors.cpu().numpy(), block_size, cfg.forward_tokens, cfg.batch_tokens)
+        return [None] if len(spans) == 1 else spans
 
     @property
     def num_tokens(self) -> int:
@@ -120,18 +135,32 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None) -> Batch:
+def batch_anchors(records: list, cfg: DataConfig, epoch: int, draft_positions: int | None) -> list[np.ndarray]:
+    """Each record's anchors under cfg.anchors: the blocks covering its loss positions (blocks of
+    ``draft_positions``, the drafter's, each) or cfg.num_anchors random ones."""
+    if cfg.anchors == COVER:
+        if draft_positions is None:
+            raise ConfigError("data.anchors cover tiles a sequence with the drafter's blocks; pass the drafter's "
+                              "draft positions (model.num_draft_positions) to the loader, or use --anchors random")
+        return [cover_anchors(r.loss_mask, draft_positions, cfg.seed, epoch, r.id) for r in records]
+    return [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
+
+
+def make_batch(records: list, cfg: DataConfig, epoch: int, hidden: np.ndarray | None = None,
+               draft_positions: int | None = None) -> Batch:
     """Anchor and lay out one planned batch of records in cfg.layout; the hidden states stay in
-    the cache's dtype. ``hidden``: the batch's hidden states the records were read into, if they were."""
-    anchors = [sample_anchors(r.loss_mask, cfg.num_anchors, cfg.seed, epoch, r.id) for r in records]
+    the cache's dtype. ``hidden``: the batch's hidden states the records were read into, if they
+    were; ``draft_positions``: the drafter's positions a block predicts (for cover anchors)."""
+    anchors = batch_anchors(records, cfg, epoch, draft_positions)
     return collate(records, anchors, [r.hidden for r in records] if hidden is None else hidden, cfg.layout)
 
 
-def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int) -> Batch:
+def load_batch(cache: Cache, cfg: DataConfig, refs: list[tuple[int, int]], epoch: int,
+               draft_positions: int | None = None) -> Batch:
     """Read, anchor and lay out one planned batch, each sequence read straight into its place,
     once the shards it reads passed their checksums (hashed at a shard's first batch in this process)."""
     cache.ensure_intact(shards=[s for s, _ in refs])
     lengths = [int(cache.shards[s].lengths[i]) for s, i in refs]
     hidden, views = hidden_buffer(cache, lengths, cfg.layout)
     records = [cache.shards[s].read(i, view) for (s, i), view in zip(refs, views)]
-    return make_batch(records, cfg, epoch, hidden)
+    return make_batch(records, cfg, epoch, hidden, draft_positions)

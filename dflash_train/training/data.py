@@ -64,8 +64,10 @@ class TrainStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
-                 rank: int = 0, world_size: int = 1, pinned: bool = False, plan: EpochPlan | None = None):
+                 rank: int = 0, world_size: int = 1, pinned: bool = False, plan: EpochPlan | None = None,
+                 draft_positions: int | None = None):
         self.url, self.storage_options, self.cfg, self.state = url, storage_options, cfg, state
+        self.draft_positions = draft_positions
         self.rank, self.world_size = rank, world_size
         self.partitions = state.partitions or world_size
         # the plan this process already made (its cache's sequence tables read and checked once);
@@ -136,7 +138,7 @@ class TrainStream(torch.utils.data.IterableDataset):
         try:
             for share, epoch, after in jobs:
                 shared = [next(records) for _ in share]  # a damaged shard: ShardIntegrityError, the one-line refusal
-                batch = make_batch(shared, self.cfg, epoch, filling.popleft()) if share else Batch.empty()
+                batch = make_batch(shared, self.cfg, epoch, filling.popleft(), self.draft_positions) if share else Batch.empty()
                 batch.state_after = after
                 yield batch
         finally:
@@ -168,19 +170,23 @@ class _BatchLoader(torch.utils.data.DataLoader):
 
 
 def train_loader(url: str, storage_options: dict | None, cfg: DataConfig, state: LoaderState,
-                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, plan: EpochPlan | None = None):
+                 rank: int = 0, world_size: int = 1, pin_memory: bool = False, plan: EpochPlan | None = None,
+                 draft_positions: int | None = None):
     """This rank's batch stream in a DataLoader. ``pin_memory`` (for CUDA training) hands out
     page-locked batches so ``Batch.to(device)`` copies without blocking; ``plan``: this cache's
-    epoch plan if this process made it already (used when the loader reads in this process)."""
-    stream = TrainStream(url, storage_options, cfg, state, rank, world_size, pinned=pin_memory, plan=plan)
+    epoch plan if this process made it already (used when the loader reads in this process);
+    ``draft_positions``: the drafter's positions a block predicts (data.anchors cover)."""
+    stream = TrainStream(url, storage_options, cfg, state, rank, world_size, pinned=pin_memory, plan=plan,
+                         draft_positions=draft_positions)
     return _BatchLoader(stream, batch_size=None, num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=False, prefetch_factor=4 if cfg.num_workers else None)
 
 
-def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = None):
+def heldout_batches(cache: Cache, cfg: DataConfig, max_sequences: int | None = None,
+                    draft_positions: int | None = None):
     """Batches of the held-out split in a fixed order, with fixed anchors and no noise."""
     plan = EpochPlan(cache, cfg, heldout=True)
     refs = plan.refs(np.arange(plan.num_sequences)[:max_sequences])
     lengths = [plan.lengths[plan.rows[:max_sequences]]]
     for batch in cut_batches([(0, j) for j in range(len(refs))], lengths, cfg.batch_tokens):
-        yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0)
+        yield load_batch(cache, cfg, [refs[j] for _, j in batch], epoch=0, draft_positions=draft_positions)

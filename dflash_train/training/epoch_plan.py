@@ -87,6 +87,56 @@ def sample_anchors(loss_mask: np.ndarray, num_anchors: int, seed: int, epoch: in
     return np.sort(rng.choice(eligible, size=num_anchors, replace=False)).astype(np.int64)
 
 
+def cover_anchors(loss_mask: np.ndarray, positions: int, seed: int, epoch: int, seq_id: str) -> np.ndarray:
+    """Anchors (sorted) of non-overlapping blocks whose draft positions a+1..a+positions cover
+    every loss position t >= 2: each masked span tiled from its first uncovered position, a block
+    that runs past a span's end covering the next span's start. The first block starts up to
+    positions - 1 earlier, by a shift drawn from (seed, epoch, sequence id), so a position moves
+    from block slot to block slot across epochs; a pure function like sample_anchors."""
+    targets = np.flatnonzero(loss_mask[2:]) + 2
+    if not len(targets):
+        return np.zeros(0, dtype=np.int64)
+    shift = int(_generator(seed, xxhash.xxh64_intdigest(seq_id.encode()), epoch, 3).integers(0, positions))
+    breaks = np.flatnonzero(np.diff(targets) > 1)
+    firsts, lasts = targets[np.r_[0, breaks + 1]], targets[np.r_[breaks, len(targets) - 1]]
+    spans, covered = [], 0  # covered: the last position the blocks so far predict
+    for first, last in zip(firsts.tolist(), lasts.tolist()):
+        first = max(first, covered + 1)
+        if first > last:
+            continue
+        start = max(1, first - 1 - (shift if not spans else 0))
+        spans.append(np.arange(start, last, positions, dtype=np.int64))
+        covered = int(spans[-1][-1]) + positions
+    return np.concatenate(spans)
+
+
+def block_parts(anchors: np.ndarray, block_size: int, block_tokens: int, batch_tokens: int) -> list[tuple[int, int]]:
+    """Column ranges [c0, c1) of a batch's anchors [N, A] (each row sorted, -1 after its last) that
+    one forward each trains: consecutive columns while their block tokens stay within
+    ``block_tokens`` and their attention area (block tokens x (keys before their last anchor + their
+    own block keys)) within block_tokens x (batch_tokens + block_tokens); one column at least. A
+    batch within both budgets is one part, as before parts existed."""
+    used = anchors >= 0
+    if not used.any():
+        return [(0, anchors.shape[1])]
+    rows_with = used.sum(0)  # per column: rows with a block there
+    reach = np.where(used, anchors, 0).max(0)  # per column: the keys before its last anchor
+    area_limit = block_tokens * (batch_tokens + block_tokens)
+    parts, start = [], 0
+    while start < anchors.shape[1] and rows_with[start]:
+        end, queries, keys = start, 0, 0
+        while end < anchors.shape[1] and rows_with[end]:
+            q = queries + int(rows_with[end]) * block_size
+            k = max(keys, int(reach[end])) + (end + 1 - start) * block_size
+            if end > start and (q > block_tokens or q * k > area_limit):
+                break
+            queries, keys, end = q, max(keys, int(reach[end])), end + 1
+        parts.append((start, end))
+        start = end
+    parts[-1] = (parts[-1][0], anchors.shape[1])  # columns no row uses ride along with the last part
+    return parts
+
+
 LANES = 8
 """At most this many lanes per partition: loader workers read disjoint shards when their count
 divides the lanes (1, 2, 4 or 8)."""

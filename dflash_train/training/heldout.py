@@ -89,15 +89,10 @@ def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, l
     was_training = model.training
     model.eval()
     meter, streaks = AcceptanceMeter(), []
-    for batch in heldout_batches(cache, data_cfg, max_sequences):
-        batch = batch.to(device)
-        states, targets, heads = block_states(model, batch)
-        meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
-        second = heads.features if heads.selector_context is None else heads.selector_context
-        hits = (argmax_chunks(model, states, second) == targets["topk_ids"][..., 0]) & targets["valid"]
-        used = targets["valid"][:, 0]  # blocks whose first position counts
-        streaks.append(streak_lengths(hits)[used])
+    batches = heldout_batches(cache, data_cfg, max_sequences, model.cfg.num_draft_positions)
+    for whole in batches:
+        for batch in map(whole.to(device).columns, whole.parts(model.cfg.block_size, data_cfg)):
+            streaks.append(_heldout_part(model, batch, loss_cfg, meter))
     model.train(was_training)
     summary = meter.summary()
     if streaks and summary:
@@ -105,6 +100,17 @@ def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, l
         summary["greedy_streak"] = float(streak.mean())
         summary["tau_greedy"] = 1.0 + summary["greedy_streak"]
     return summary
+
+
+def _heldout_part(model: DFlashDrafter, batch, loss_cfg: LossConfig, meter: AcceptanceMeter) -> torch.Tensor:
+    """One forward of held-out blocks: its sums added to ``meter``; its blocks' greedy streaks."""
+    states, targets, heads = block_states(model, batch)
+    meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                         targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
+    second = heads.features if heads.selector_context is None else heads.selector_context
+    hits = (argmax_chunks(model, states, second) == targets["topk_ids"][..., 0]) & targets["valid"]
+    used = targets["valid"][:, 0]  # blocks whose first position counts
+    return streak_lengths(hits)[used]
 
 
 def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,

@@ -391,17 +391,28 @@ class DFlashDrafter(nn.Module):
                 f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
                 f"{(rows, width)}; pass the same sequences to both")
         n = anchors.shape[0]
-        if packed_lengths is None:
-            if n != rows:
-                raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
-            starts, last = torch.arange(n, device=anchors.device) * width, torch.full_like(anchors[:, 0], width - 1)
-            return width, self.context_kv(context_hidden), starts, last
-        if rows != 1 or len(packed_lengths) != n or int(packed_lengths.sum()) != width:
+        if packed_lengths is not None and (rows != 1 or len(packed_lengths) != n or int(packed_lengths.sum()) != width):
             raise ConfigError(
                 f"a packed batch is one row of all its sequences' tokens: got {rows} row(s) of {width} tokens for "
                 f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
-        context = self._packed_context_kv(context_hidden, packed_lengths)
-        return int(packed_lengths.max()), context, sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
+        if packed_lengths is None and n != rows:
+            raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
+        keys = self._context_reach(anchors, width if packed_lengths is None else int(packed_lengths.max()))
+        if packed_lengths is None or n == 1:  # one row a sequence: its context is the row's first `keys` tokens
+            starts = torch.arange(n, device=anchors.device) * width
+            last = torch.full_like(anchors[:, 0], width - 1)
+            return keys, self.context_kv(context_hidden[:, :keys]), starts, last
+        context = [(k[:, :, :keys], v[:, :, :keys]) for k, v in self._packed_context_kv(context_hidden, packed_lengths)]
+        return keys, context, sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
+
+    def _context_reach(self, anchors: Tensor, seq_len: int) -> int:
+        """The context keys the blocks can see: those before their last anchor (at least one key).
+        The dense SDPA path trims the context to them, so the blocks of a long sequence's early
+        part (Batch.parts) attend to their own prefix only; flex skips the masked tiles itself,
+        and reading the anchors' maximum would make the host wait for the device."""
+        if self.attention_backend == "flex" or anchors.numel() == 0:
+            return seq_len
+        return max(1, min(seq_len, int(anchors.max())))
 
     def draft_outputs(self, states: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(positions [M, P, H], Markov features [M, P, r] (DSpark) or the selector's context

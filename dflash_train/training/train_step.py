@@ -67,26 +67,40 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     return out
 
 
+def forwards(group: list[Batch], s: Session) -> list[tuple[Batch, tuple[int, int] | None]]:
+    """The step's forwards of one global batch on this rank: each micro-batch's parts (its blocks
+    in as many forwards as its budgets need, Batch.parts), then empty ones up to the most any rank
+    runs, so every rank's collectives match (one small all-reduce a global batch, with several ranks)."""
+    pieces = [(batch, span) for batch in group for span in batch.parts(s.model.cfg.block_size, s.cfg.data)]
+    most = -global_min(-len(pieces), s.info, s.device)
+    return pieces + [(Batch.empty(), None)] * (most - len(pieces))
+
+
 def step_gradients(s: Session, batches, autocast, meter: AcceptanceMeter,
                    first_bad: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """One optimizer step's gradients: grad_accum global batches, each as this rank's
-    micro-batches (one per partition it owns, so a forward never exceeds batch_tokens), the
-    gradients crossing the ranks once, in the step's last backward (gradient_sync). Returns the
-    tokens trained, the largest micro-batch's tokens, and first_bad (the first step with a
-    non-finite loss) updated."""
+    micro-batches (one per partition it owns, so a forward never exceeds batch_tokens) in their
+    forwards (``forwards``), the gradients crossing the ranks once, in the step's last backward
+    (gradient_sync). Returns the tokens trained, the largest micro-batch's tokens, and first_bad
+    (the first step with a non-finite loss) updated."""
     cfg, micro = s.cfg, micro_batches_per_step(s.loader_state.partitions, s.info.world_size)
     tokens = largest = 0
     for index in range(cfg.optim.grad_accum):
         group = [next(batches) for _ in range(micro)]
         s.loader_state = LoaderState(**group[-1].state_after)
-        scales = loss_scales([valid_positions(batch, s.model.cfg) for batch in group], s.info, s.device)
-        for j, (batch, scale) in enumerate(zip(group, scales)):
-            with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1 and j == micro - 1):
-                result = micro_step(s.model, s.forward, on_device(batch, s.device, cfg, s.step, s.steps), cfg, s.info,
-                                    s.device, autocast, scale)
+        pieces = forwards(group, s)
+        scales = loss_scales([valid_positions(batch.columns(span), s.model.cfg) for batch, span in pieces], s.info, s.device)
+        moved: dict[int, Batch] = {}  # each micro-batch goes to the device once, for all its parts
+        for j, ((batch, span), scale) in enumerate(zip(pieces, scales)):
+            if id(batch) not in moved:
+                moved[id(batch)] = on_device(batch, s.device, cfg, s.step, s.steps)
+                if batch.ids:
+                    tokens, largest = tokens + batch.num_tokens, max(largest, batch.num_tokens)
+            with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1 and j == len(pieces) - 1):
+                result = micro_step(s.model, s.forward, moved[id(batch)].columns(span), cfg, s.info, s.device,
+                                    autocast, scale)
             if result is not None:
                 meter.add(result)
-                tokens, largest = tokens + batch.num_tokens, max(largest, batch.num_tokens)
                 first_bad = torch.where(torch.isfinite(result.loss.detach()), first_bad, first_bad.clamp(max=s.step + 1))
     return tokens, largest, first_bad
 

@@ -143,7 +143,8 @@ def run_steps(s: Session) -> None:
     """The training loop, from s.step to s.steps: micro-steps, optimizer step, logs, checkpoints."""
     cfg, info, device = s.cfg, s.info, s.device
     batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, s.loader_state, info.rank, info.world_size,
-                                pin_memory=device.type == "cuda", plan=s.plan))
+                                pin_memory=device.type == "cuda", plan=s.plan,
+                                draft_positions=s.model.cfg.num_draft_positions))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, largest, started, shown = AcceptanceMeter(), 0, 0, time.perf_counter(), {}
     # the first step whose loss was NaN/Inf, kept on the device: a per-step check would make
