@@ -146,3 +146,39 @@ def test_writing_a_long_sequence_stays_within_its_memory_bound(tmp_path):
     peak = peaks_in_child(tmp_path / "cache", "write")["writer"]
     assert peak < WRITE_BOUND * SEQ_BYTES + ALLOWANCE, f"the writer's peak grew {peak / SEQ_BYTES:.2f}x the sequence's bytes"
     assert not verify_cache(open_cache(str(tmp_path / "cache"))).bad_shards
+
+
+def test_deep_verify_compares_a_long_sequence_in_blocks_within_its_memory_bound():
+    """`verify --deep`'s comparison of a long sequence equals the whole-sequence formula, and its
+    peak stays a fraction of the sequence (it made float32 copies and temporaries of all of it at
+    once: about 8x the bf16 bytes)."""
+    from dflash_cache.deep_verify import hidden_error
+
+    rng = np.random.default_rng(1)
+    fresh = rng.standard_normal((3000, 3, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    stored = (fresh.astype(np.float32) + rng.normal(0, 0.01, fresh.shape).astype(np.float32)).astype(ml_dtypes.bfloat16)
+    a, b = stored.astype(np.float32), fresh.astype(np.float32)
+    rms = np.sqrt(np.mean(np.square(b), axis=(0, 2), keepdims=True)) + 1e-12
+    whole = (np.abs(a - b) / (np.abs(b) + rms)).max(axis=(0, 2))
+    np.testing.assert_allclose(hidden_error(stored, fresh), whole, rtol=1e-5)
+
+    child = r"""
+import gc, json
+import ml_dtypes, numpy as np
+from dflash_cache.deep_verify import hidden_error
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+fresh = np.random.default_rng(0).standard_normal((%d, %d, %d), dtype=np.float32).astype(ml_dtypes.bfloat16)
+stored = fresh.copy()
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+hidden_error(stored, fresh)
+print(json.dumps(status("VmHWM") - before))
+""" % (TOKENS, len(LAYERS), HIDDEN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    assert peak < SEQ_BYTES // 2 + ALLOWANCE, f"hidden_error's peak grew {peak / SEQ_BYTES:.2f}x the sequence's bytes"
