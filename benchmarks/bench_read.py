@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import sys
@@ -187,6 +188,77 @@ def timed(fn) -> tuple[float, float, int]:
     return time.perf_counter() - t0, time.process_time() - c0, n
 
 
+LONG_PATHS = {
+    "raw np.memmap -> a tensor": "memmap",
+    "cache[id]": "getitem",
+    "Shard.read into a buffer": "read_into",
+    "sequences()": "sequences",
+    "load_batch, packed": "packed",
+    "load_batch, padded": "padded",
+    "train_loader, packed, 0 workers, 2 batches": "loader",
+    "dflash-cache verify (verify_cache)": "verify",
+}
+"""One long sequence's read paths (label -> child mode), each measured in a process of its own."""
+
+
+def long_read_child(mode: str, folder: Path, tokens: int) -> dict:
+    """One read path of the long sequence in this process (bench_write.PeakMemory around it); the
+    cache opened and its checksums hashed before, outside the measured block, except for verify."""
+    from dflash_cache.verify import verify_cache
+
+    url = str(folder / "cache")
+    cache = open_cache(url)
+    seq = int(tokens) * bw.HIDDEN_BPT
+    cfg = DataConfig(batch_tokens=max(1, tokens // 4), heldout_fraction=0.0,  # the sequence forms a batch alone
+                     layout="padded" if mode == "padded" else "packed")
+    if mode not in ("verify", "memmap"):
+        cache.ensure_intact()
+    held = []  # what each path hands out stays alive until the block ends, as a caller's would
+    with bw.PeakMemory() as peak:
+        if mode == "memmap":
+            mm = np.memmap(folder / "raw" / "shard-r00000-000000.bin", dtype=np.uint16, mode="r",
+                           shape=(tokens, len(bw.LAYERS), bw.HIDDEN))
+            held.append(tensor(np.array(mm)))
+        elif mode == "getitem":
+            held.append(tensor(cache["long-00000000"].hidden))
+        elif mode == "read_into":
+            out = cache.padded_hidden([tokens])[0]
+            held.append(cache.shards[0].read(0, out=out))
+        elif mode == "sequences":
+            held.extend(tensor(r.hidden) for r in cache.sequences())
+        elif mode in ("packed", "padded"):
+            batch = load_batch(cache, cfg, [(0, 0)], epoch=0)
+            assert batch.num_tokens == tokens
+            held.append(batch)
+        elif mode == "loader":
+            state = LoaderState(seed=cfg.seed, manifest_fingerprint=cache.fingerprint)
+            for b, batch in enumerate(train_loader(url, None, cfg, state)):
+                held[:] = [batch]  # the trainer holds the batch of its step
+                if b == 1:
+                    break
+        elif mode == "verify":
+            report = verify_cache(cache)
+            assert not report.bad_shards, report.bad_shards  # (a hand-made cache has no teacher head to verify)
+    return peak.result(bytes=seq)
+
+
+def long_read_rows(tokens: int, tmp: Path, repeat: int) -> list[tuple[str, list[dict]]]:
+    """The long sequence's cache (format 2, default StorageConfig) and raw file written once, then
+    every read path of LONG_PATHS in its own process, rounds interleaved."""
+    shard = bw.long_shard(tokens)
+    bw.write_cache([shard], tmp / "cache", sync=False, compression="none")
+    bw.write_manifest(tmp / "cache")
+    bw.write_raw([shard], tmp / "raw", sync=False)
+    del shard
+    runs: dict[str, list[dict]] = {label: [] for label in LONG_PATHS}
+    args = ["--long-child-tokens", str(tokens), "--hidden", str(bw.HIDDEN), "--long-dir", str(tmp)]
+    for _ in range(repeat):
+        for label, mode in LONG_PATHS.items():
+            time.sleep(bw.SETTLE_S)
+            runs[label].append(bw.in_child(__file__, ["--long-child", mode, *args]))
+    return list(runs.items())
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=12_000, help="tokens of synthetic data (51.2 KB of hidden states each)")
@@ -196,14 +268,32 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=bw.HIDDEN, help="hidden size of the 5 tapped layers (issue 48's check: 4096)")
     ap.add_argument("--tmp", default=str(Path(__file__).resolve().parents[1] / ".bench-tmp"),
                     help="scratch folder on the disk to measure; deleted at the end")
+    ap.add_argument("--long-tokens", type=int, default=0,
+                    help="instead: one sequence of this many tokens (issue 59: 32768), each read path in its own process, "
+                         "with its peak memory")
+    ap.add_argument("--long-child", choices=sorted(LONG_PATHS.values()), help=argparse.SUPPRESS)  # one path, in a child
+    ap.add_argument("--long-child-tokens", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--long-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     tokens, repeat = (3_000, 1) if args.quick else (args.tokens, args.repeat)
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    bw.HIDDEN, bw.HIDDEN_BPT = args.hidden, len(bw.LAYERS) * args.hidden * 2  # bench_write's data at this width
+    bw.set_width(args.hidden)  # bench_write's data at this width
+    if args.long_child:
+        print(json.dumps(long_read_child(args.long_child, Path(args.long_dir), args.long_child_tokens)))
+        return
 
     tmp = Path(args.tmp) / f"read-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
+        if args.long_tokens:
+            seq = args.long_tokens * bw.HIDDEN_BPT
+            print(f"one sequence of {args.long_tokens:,} tokens, {len(bw.LAYERS)} layers x hidden {bw.HIDDEN}: hidden states "
+                  f"{seq / 1e9:.2f} GB ({bw.HIDDEN_BPT} B/token), batch_tokens {max(1, args.long_tokens // 4):,}; "
+                  f"load average {os.getloadavg()[0]:.2f}")
+            bw.print_long_table("one long sequence read, each path in a process of its own (warm page cache)",
+                                long_read_rows(args.long_tokens, tmp, args.repeat), seq, "memmap")
+            print(f"load average at the end {os.getloadavg()[0]:.2f}")
+            return
         shards = bw.make_shards(tokens)
         n_tokens = sum(len(s.input_ids) for s in shards)
         hidden_bytes = n_tokens * bw.HIDDEN_BPT

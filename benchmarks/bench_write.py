@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
+import json
 import os
 import pstats
 import shutil
+import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +50,13 @@ PAYLOAD_BPT = HIDDEN_BPT + fmt.token_bytes_per_token(TOP_K)  # + input id, mask,
 
 
 # --- synthetic data --------------------------------------------------------------------------
+
+
+def set_width(hidden: int) -> None:
+    """The hidden size of the synthetic data (5 tapped layers each), for every method of this run."""
+    global HIDDEN, HIDDEN_BPT, PAYLOAD_BPT
+    HIDDEN, HIDDEN_BPT = hidden, len(LAYERS) * hidden * 2
+    PAYLOAD_BPT = HIDDEN_BPT + fmt.token_bytes_per_token(TOP_K)
 
 
 def make_shards(tokens: int, seed: int = 0) -> list[ShardData]:
@@ -320,6 +331,135 @@ def profile_fsync(shard: ShardData, tmp: Path) -> None:
     print(f"\nfsync of one shard's data ({len(shard.input_ids) * PAYLOAD_BPT / 1e6:.0f} MB, dirty): " + "; ".join(results))
 
 
+# --- one long sequence (issue 59): its throughput and peak memory --------------------------
+
+
+def long_shard(tokens: int, seed: int = 0, index: int = 0) -> ShardData:
+    """One sequence of ``tokens`` tokens at the current width (LAYERS x HIDDEN), alone in its shard:
+    a build cuts a shard once it reaches its size, so a sequence longer than a shard is one. Values
+    as make_shards' (blocks of a Gaussian pool); ids, rows and the top-k the same shapes."""
+    rng = np.random.default_rng(seed)
+    pool = rng.standard_normal((min(2048, tokens + 1), len(LAYERS), HIDDEN), dtype=np.float32)
+    pool = pool.astype(ml_dtypes.bfloat16).view(np.uint16)
+    hidden = np.empty((tokens, len(LAYERS), HIDDEN), dtype=np.uint16)
+    block = min(256, len(pool) - 1)
+    for lo in range(0, tokens, block):
+        m = min(block, tokens - lo)
+        start = int(rng.integers(0, len(pool) - m))
+        hidden[lo:lo + m] = pool[start:start + m]
+    del pool
+    return ShardData(rank=0, index=index, row_start=0, row_end=1, ids=["long-00000000"], rows=np.zeros(1, np.int64),
+                     lengths=np.array([tokens], np.int32), truncated=np.zeros(1, bool),
+                     input_ids=rng.integers(0, VOCAB, tokens, dtype=np.int32),
+                     loss_mask=(rng.random(tokens) < 0.7).astype(np.uint8), hidden=hidden,
+                     topk_ids=rng.integers(0, VOCAB, (tokens, TOP_K), dtype=np.int32),
+                     topk_logprobs=-np.cumsum(rng.exponential(0.3, (tokens, TOP_K)), axis=1).astype(np.float32))
+
+
+def status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+class PeakMemory:
+    """Peak memory of the block it wraps, above what the process held when it began: ``rss`` from
+    the kernel's high-water mark (VmHWM, reset at the start through /proc/self/clear_refs), which
+    also counts the pages of memory-mapped files a read touched (page cache, reclaimable), and
+    ``anon`` the peak of anonymous memory alone (RssAnon, sampled every 2 ms on a thread: an
+    allocation the size of a sequence takes far longer than that to fault in), what the process
+    really costs. ``seconds`` is the block's wall time."""
+
+    def __enter__(self) -> "PeakMemory":
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS now (Linux >= 4.0)
+        self.rss0, self.anon0 = status_bytes("VmRSS"), status_bytes("RssAnon")
+        self._peak, self._stop = self.anon0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        self._t0 = time.perf_counter()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, status_bytes("RssAnon"))
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self._stop.set()
+        self._thread.join()
+        self.anon = max(self._peak, status_bytes("RssAnon")) - self.anon0
+        self.rss = status_bytes("VmHWM") - self.rss0
+
+    def result(self, **extra) -> dict:
+        return {"seconds": self.seconds, "anon": self.anon, "rss": self.rss, **extra}
+
+
+def in_child(script: str, args: list[str]) -> dict:
+    """Run ``script --long-child ...`` in a fresh process (so each peak starts clean) and return
+    the JSON it prints last."""
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{Path(script).name} {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def long_write_child(mode: str, folder: Path, tokens: int) -> dict:
+    """One long sequence written in this process: ``writer`` (write_shard, which fsyncs the shard's
+    data before its commit record) or ``raw`` (its arrays in one file with tofile, then one fsync:
+    the baseline). The data is made first, outside the measured block."""
+    shard = long_shard(tokens)
+    out = folder / f"{mode}-{os.getpid()}"
+    fs, root = fmt.url_to_fs(str(out))
+    with PeakMemory() as peak:
+        if mode == "writer":
+            write_shard(fs, root, shard, StorageConfig(), "bfloat16")
+        else:
+            write_raw([shard], out, sync=True)
+    result = peak.result(bytes=int(shard.hidden.nbytes))
+    shutil.rmtree(out)
+    return result
+
+
+def long_write_rows(tokens: int, tmp: Path, repeat: int) -> list[tuple[str, list[dict]]]:
+    """The writer and the raw baseline on one sequence of ``tokens`` tokens, each in its own process,
+    rounds interleaved."""
+    runs: dict[str, list[dict]] = {"raw numpy tofile + fsync, 1 file": [], "dflash writer, one shard": []}
+    args = ["--long-child-tokens", str(tokens), "--hidden", str(HIDDEN), "--long-dir", str(tmp)]
+    for _ in range(repeat):
+        for label, mode in zip(runs, ("raw", "writer")):
+            os.sync()
+            time.sleep(SETTLE_S)
+            runs[label].append(in_child(__file__, ["--long-child", mode, *args]))
+    return list(runs.items())
+
+
+def print_long_table(title: str, rows: list[tuple[str, list[dict]]], payload: int, base_name: str) -> None:
+    """One long sequence's rows: throughput (payload bytes / wall seconds) best and median, as a
+    ratio of the first row's time, and the peak memory above the process's own before the
+    measurement, anonymous and resident (VmHWM), each in GB and as a multiple of the sequence's
+    hidden-state bytes."""
+    seq = rows[0][1][0]["bytes"]
+    base = [r["seconds"] for r in rows[0][1]]
+    head = (f"{'method':<42} {'GB/s':>6} {'(med)':>6} {f'x {base_name}':>9} {'(med)':>6} {'anon GB':>7} {'x seq':>6} "
+            f"{'RSS GB':>7} {'x seq':>6}  wall s per round")
+    print(f"\n{title}\n{head}\n" + "-" * len(head))
+    for label, runs in rows:
+        walls = [r["seconds"] for r in runs]
+        best, med = min(walls), float(np.median(walls))
+        anon, rss = max(r["anon"] for r in runs), max(r["rss"] for r in runs)
+        print(f"{label:<42} {payload / best / 1e9:6.2f} {payload / med / 1e9:6.2f} {min(base) / best:8.2f}x "
+              f"{np.median(base) / med:5.2f}x {anon / 1e9:7.2f} {anon / seq:5.2f}x {rss / 1e9:7.2f} {rss / seq:5.2f}x  "
+              f"{' '.join(f'{w:.2f}' for w in walls)}")
+    print(f"GB/s = the sequence's {payload / 1e9:.2f} GB / wall seconds; x {base_name} = the first row's time / this "
+          f"row's; anon = peak anonymous memory above the process's before (sampled), RSS = peak resident above it "
+          f"(VmHWM: also the mapped file pages a read touched); x seq = / the sequence's {seq / 1e9:.2f} GB of hidden states")
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -346,7 +486,19 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="also time each part of write_shard and cProfile it")
     ap.add_argument("--tmp", default=str(Path(__file__).resolve().parents[1] / ".bench-tmp"),
                     help="scratch folder on the disk to measure; deleted at the end")
+    ap.add_argument("--long-tokens", type=int, default=0,
+                    help="instead: one sequence of this many tokens (issue 59: 32768), the writer against a raw file, "
+                         "each write in its own process, with its peak memory")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size of the 5 tapped layers (a small one for a "
+                                                               "quick long-sequence row)")
+    ap.add_argument("--long-child", choices=["writer", "raw"], help=argparse.SUPPRESS)  # one measurement, in a child
+    ap.add_argument("--long-child-tokens", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--long-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    set_width(args.hidden)
+    if args.long_child:
+        print(json.dumps(long_write_child(args.long_child, Path(args.long_dir), args.long_child_tokens)))
+        return
     tokens = 8_000 if args.quick else args.tokens
     if args.quick:
         args.repeat = 1
@@ -355,6 +507,14 @@ def main(argv=None) -> None:
     tmp = Path(args.tmp) / f"run-{os.getpid()}"
     tmp.mkdir(parents=True)
     try:
+        if args.long_tokens:
+            payload = args.long_tokens * PAYLOAD_BPT
+            print(f"one sequence of {args.long_tokens:,} tokens, {len(LAYERS)} layers x hidden {HIDDEN}: payload "
+                  f"{payload / 1e9:.2f} GB ({PAYLOAD_BPT} B/token); load average {os.getloadavg()[0]:.2f}")
+            print_long_table("one long sequence written, each write in a process of its own", long_write_rows(
+                args.long_tokens, tmp, args.repeat), payload, "raw")
+            print(f"load average at the end {os.getloadavg()[0]:.2f}")
+            return
         t0 = time.perf_counter()
         shards = make_shards(tokens)
         n_tokens = sum(len(s.input_ids) for s in shards)

@@ -68,11 +68,28 @@ def deep_sample(sizes: list[int], n: int, seed: int = 0) -> list[tuple[int, int]
     return picked
 
 
+ERROR_BLOCK_ROWS = 1024
+"""Token rows compared at a time: the float32 copies and temporaries stay a block's, not a whole
+sequence's (a 32k-token sequence at production width would need ~8x its bf16 bytes at once)."""
+
+
 def hidden_error(stored: np.ndarray, fresh: np.ndarray) -> np.ndarray:
-    """[n_layers] max over the sequence of |stored - fresh| / (|fresh| + RMS of the layer)."""
-    a, b = np.asarray(stored, np.float32), np.asarray(fresh, np.float32)
-    rms = np.sqrt(np.mean(np.square(b), axis=(0, 2), keepdims=True)) + 1e-12
-    return (np.abs(a - b) / (np.abs(b) + rms)).max(axis=(0, 2)) if len(a) else np.zeros(a.shape[1])
+    """[n_layers] max over the sequence of |stored - fresh| / (|fresh| + RMS of the layer), in
+    blocks of ERROR_BLOCK_ROWS token rows (the RMS from a first pass over all of them)."""
+    n, layers = stored.shape[0], stored.shape[1]
+    if not n:
+        return np.zeros(layers)
+    squares = np.zeros(layers, np.float64)
+    for lo in range(0, n, ERROR_BLOCK_ROWS):
+        b = np.asarray(fresh[lo:lo + ERROR_BLOCK_ROWS], np.float32)
+        squares += np.square(b).sum(axis=(0, 2), dtype=np.float64)
+    rms = (np.sqrt(squares / (n * fresh.shape[2])) + 1e-12).astype(np.float32)[None, :, None]
+    worst = np.zeros(layers, np.float32)
+    for lo in range(0, n, ERROR_BLOCK_ROWS):
+        a = np.asarray(stored[lo:lo + ERROR_BLOCK_ROWS], np.float32)
+        b = np.asarray(fresh[lo:lo + ERROR_BLOCK_ROWS], np.float32)
+        worst = np.maximum(worst, (np.abs(a - b) / (np.abs(b) + rms)).max(axis=(0, 2)))
+    return worst
 
 
 def topk_mismatches(stored_ids: np.ndarray, stored_lp: np.ndarray, fresh_ids: np.ndarray, fresh_lp: np.ndarray,

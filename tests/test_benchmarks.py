@@ -27,6 +27,10 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "trainer": [sys.executable, "benchmarks/bench_trainer.py", "--tiny"],
         "online": [sys.executable, "benchmarks/bench_online.py", "--tiny", "--device", "cpu", "--tmp", str(tmp)],
         "read": [sys.executable, "benchmarks/bench_read.py", "--quick", "--workers", "0", "--tmp", str(tmp / "read")],
+        "read-long": [sys.executable, "benchmarks/bench_read.py", "--long-tokens", "8192", "--hidden", "128", "--repeat", "1",
+                      "--tmp", str(tmp / "read-long")],
+        "write-long": [sys.executable, "benchmarks/bench_write.py", "--long-tokens", "8192", "--hidden", "128", "--repeat",
+                       "1", "--tmp", str(tmp / "write-long")],
         "packed": [sys.executable, "benchmarks/bench_packed.py", "--tiny"],
         "scale": [sys.executable, "benchmarks/bench_scale.py", "--shards", "10,20", "--written", "3", "--first-worlds", "2",
                   "--epoch-worlds", "2", "--epoch-max", "10", "--epoch-max-v1", "0", "--tmp", str(tmp)],
@@ -99,6 +103,24 @@ def test_read_script_compares_the_reader_with_its_baselines(outputs):
         assert numbers and all(float(n.replace(",", "")) > 0 for n in numbers[:3]), _row(text, label)
     assert float(re.findall(NUMBER, _row(text, "raw np.memmap -> batches")[24:])[4]) == 1.0  # its own baseline
     assert re.search(r"^noise on this CPU: add_noise_ \d+\.\d+ ns a draw; numpy Philox", text, re.M), text
+
+
+def _long_rows(text: str, labels: tuple[str, ...]) -> None:
+    """Each long-sequence row: a positive rate, its ratio, and peak memory at least zero."""
+    for label in labels:
+        numbers = [float(n.replace(",", "")) for n in re.findall(NUMBER, _row(text, label)[len(label):])]
+        assert numbers[0] > 0 and numbers[2] > 0 and min(numbers[4:8]) >= 0, _row(text, label)
+    assert float(re.findall(NUMBER, _row(text, labels[0])[len(labels[0]):])[2]) == 1.0  # its own baseline
+
+
+def test_read_script_long_sequence_row(outputs):
+    _long_rows(outputs["read-long"], ("raw np.memmap -> a tensor", "cache[id]", "Shard.read into a buffer", "sequences()",
+                                      "load_batch, packed", "load_batch, padded", "train_loader, packed, 0 workers, 2 batches",
+                                      "dflash-cache verify (verify_cache)"))
+
+
+def test_write_script_long_sequence_row(outputs):
+    _long_rows(outputs["write-long"], ("raw numpy tofile + fsync, 1 file", "dflash writer, one shard"))
 
 
 def test_packed_script_compares_the_layouts_on_the_same_batches(outputs):
