@@ -1,13 +1,17 @@
 """A production-shaped run on CPU (`make prod-shape`): a random qwen3_5 teacher with the production
 width, heads and vocabulary (hidden 5120, 24/4 heads of 256, MLP 17,408, vocab 248,320, the
-multimodal wrapper's text_config nesting) but 3 decoder layers, through build, training steps of
-the default 5-layer drafter, export and speculative decoding. Tiny teachers cannot show shape,
-dtype and memory mistakes at this width. about 20 minutes and a 19 GB peak of memory on 2 cores (measured: 21.7 min, 19.2 GiB RSS)."""
+multimodal wrapper's text_config nesting) but 3 decoder layers, through build, training steps with
+the production recipe's train settings (examples/qwen3.6-27b/train.toml, reduced to fit a CPU),
+export and speculative decoding. Tiny teachers cannot show shape, dtype and memory mistakes at this
+width. About 20 minutes and a 19 GB peak of memory on 2 cores (measured before the recipe: 21.7 min,
+19.2 GiB RSS)."""
 
 from __future__ import annotations
 
 import json
 import resource
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from dflash_cache import open_cache
 pytestmark = pytest.mark.prodshape
 
 VOCAB = 248_320
+RECIPE_TRAIN = Path(__file__).resolve().parents[1] / "examples" / "qwen3.6-27b" / "train.toml"
 
 
 def production_teacher_config():
@@ -79,15 +84,22 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     assert record.topk_ids.max() < VOCAB and (record.topk_logprobs <= 0).all()
 
     run = tmp_path / "run"
-    # the default 5-layer drafter at the teacher's width and heads; its MLP is narrowed so that
-    # fp32 weights, gradients and AdamW state fit a 24 GB machine (at 17,408 they need ~30 GB)
-    _ok(CliRunner().invoke(train_app, ["run", "--cache", str(cache), "--out", str(run), "--steps", "2",
-                                       "--batch-tokens", "256", "--num-anchors", "2", "--heldout-fraction", "0.1",
-                                       "--eval-sequences", "0", "--log-every", "1", "--device", "cpu",
+    # the production recipe's train settings (examples/qwen3.6-27b/train.toml: block size, loss,
+    # head precision, ...) at the teacher's width and heads, reduced where a CPU must: at most 5
+    # drafter layers and the MLP narrowed so that fp32 weights, gradients and AdamW state fit a
+    # 24 GB machine (at 17,408 they need ~30 GB), 2 steps of 256-token batches without
+    # accumulation (grad_accum changes no shape, and each micro-batch costs minutes here)
+    recipe = tomllib.loads(RECIPE_TRAIN.read_text())
+    layers = min(recipe["model"]["num_layers"], 5)
+    _ok(CliRunner().invoke(train_app, ["run", "--config", str(RECIPE_TRAIN), "--cache", str(cache), "--out", str(run),
+                                       "--steps", "2", "--batch-tokens", "256", "--num-anchors", "2", "--grad-accum", "1",
+                                       "--heldout-fraction", "0.1", "--eval-sequences", "0", "--log-every", "1",
+                                       "--device", "cpu", "--set", f"model.num_layers={layers}",
                                        "--set", "model.intermediate_size=1024", "--quiet"]))
     exported = json.loads((run / "drafter" / "config.json").read_text())
     assert (exported["hidden_size"], exported["num_hidden_layers"], exported["num_attention_heads"],
-            exported["num_key_value_heads"], exported["head_dim"], exported["vocab_size"]) == (5120, 5, 24, 4, 256, VOCAB)
+            exported["num_key_value_heads"], exported["head_dim"], exported["vocab_size"]) == (5120, layers, 24, 4, 256, VOCAB)
+    assert exported["block_size"] == recipe["model"]["block_size"]
     assert exported["dflash_config"]["target_layer_ids"] == [0, 1] and exported["num_target_layers"] == 3
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m["loss"] == m["loss"] for m in metrics if m.get("kind") == "train")
