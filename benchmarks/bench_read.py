@@ -57,6 +57,7 @@ from dflash_train.training.noise import add_noise_
 from dflash_train.training.train_step import on_device  # noqa: E402
 
 BATCH_TOKENS = 8192  # DataConfig's default
+DRAFT_POSITIONS = 15  # the default drafter's (block 16): the loader anchors with the default cover blocks
 
 
 def padded(lengths: list[int]) -> np.ndarray:
@@ -140,7 +141,7 @@ def batches_reader(url: str, cfg: DataConfig, plan: list, train: TrainConfig | N
             shard.files.__dict__["fast_hidden"] = None
     n = 0
     for b, refs in enumerate(plan):
-        batch = load_batch(cache, cfg, refs, epoch=0)
+        batch = load_batch(cache, cfg, refs, epoch=0, draft_positions=DRAFT_POSITIONS)
         if train is not None:
             batch = on_device(batch, torch.device("cpu"), train, b, 1000)
         n += batch.num_tokens
@@ -171,7 +172,7 @@ def batches_loader(url: str, cfg: DataConfig, count: int) -> tuple[float, int]:
     state = LoaderState(seed=cfg.seed, manifest_fingerprint=cache.fingerprint)
     forget_checksums()  # a training process hashes the shards it reads, once
     n, first = 0, None
-    for b, batch in enumerate(train_loader(url, None, cfg, state)):
+    for b, batch in enumerate(train_loader(url, None, cfg, state, draft_positions=DRAFT_POSITIONS)):
         if first is None:
             first = time.perf_counter()
         else:
@@ -227,12 +228,12 @@ def long_read_child(mode: str, folder: Path, tokens: int) -> dict:
         elif mode == "sequences":
             held.extend(tensor(r.hidden) for r in cache.sequences())
         elif mode in ("packed", "padded"):
-            batch = load_batch(cache, cfg, [(0, 0)], epoch=0)
+            batch = load_batch(cache, cfg, [(0, 0)], epoch=0, draft_positions=DRAFT_POSITIONS)
             assert batch.num_tokens == tokens
             held.append(batch)
         elif mode == "loader":
             state = LoaderState(seed=cfg.seed, manifest_fingerprint=cache.fingerprint)
-            for b, batch in enumerate(train_loader(url, None, cfg, state)):
+            for b, batch in enumerate(train_loader(url, None, cfg, state, draft_positions=DRAFT_POSITIONS)):
                 held[:] = [batch]  # the trainer holds the batch of its step
                 if b == 1:
                     break

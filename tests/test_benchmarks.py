@@ -32,6 +32,7 @@ def outputs(tmp_path_factory) -> dict[str, str]:
         "write-long": [sys.executable, "benchmarks/bench_write.py", "--long-tokens", "8192", "--hidden", "128", "--repeat",
                        "1", "--tmp", str(tmp / "write-long")],
         "packed": [sys.executable, "benchmarks/bench_packed.py", "--tiny"],
+        "long": [sys.executable, "benchmarks/bench_long.py", "--quick"],
         "scale": [sys.executable, "benchmarks/bench_scale.py", "--shards", "10,20", "--written", "3", "--first-worlds", "2",
                   "--epoch-worlds", "2", "--epoch-max", "10", "--epoch-max-v1", "0", "--tmp", str(tmp)],
     }
@@ -121,6 +122,15 @@ def test_read_script_long_sequence_row(outputs):
 
 def test_write_script_long_sequence_row(outputs):
     _long_rows(outputs["write-long"], ("raw numpy tofile + fsync, 1 file", "dflash writer, one shard"))
+
+
+def test_long_script_times_each_length_in_parts_and_in_one_forward(outputs):
+    text = outputs["long"]
+    for length in ("512", "1,024", "2,048"):
+        row = _row(text, f"{length:>7}")
+        assert _value(row, 3) >= 0.9 * 2048, row  # cover anchors: nearly every one of the batch's 2,048 tokens trained
+        assert _value(row, 4) > 0 and row.split()[6] != "-", row  # parts and the one-forward baseline both ran
+    assert "fit: us/position" in text
 
 
 def test_packed_script_compares_the_layouts_on_the_same_batches(outputs):

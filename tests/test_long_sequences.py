@@ -94,7 +94,7 @@ else:
     measure("sequences()", lambda: list(cache.sequences()))
     for layout in ("packed", "padded"):
         cfg = DataConfig(batch_tokens=tokens // 4, heldout_fraction=0.0, layout=layout)
-        measure(f"load_batch {layout}", lambda: load_batch(cache, cfg, [(0, 0)], epoch=0))
+        measure(f"load_batch {layout}", lambda: load_batch(cache, cfg, [(0, 0)], epoch=0, draft_positions=15))
 print(json.dumps(peaks))
 """
 
@@ -128,7 +128,7 @@ def test_a_long_sequence_verifies_reads_back_and_batches_alone(long_cache):
     assert np.array_equal(np.asarray(streamed.hidden).view(np.uint16), shard.hidden)
     for layout in ("packed", "padded"):
         cfg = DataConfig(batch_tokens=TOKENS // 4, heldout_fraction=0.0, layout=layout)  # it forms a batch alone
-        batch = load_batch(cache, cfg, [(0, 0)], epoch=0)
+        batch = load_batch(cache, cfg, [(0, 0)], epoch=0, draft_positions=15)
         assert batch.num_tokens == TOKENS and tuple(batch.hidden.shape) == (1, TOKENS, len(LAYERS), HIDDEN)
         assert np.array_equal(batch.hidden.view(torch.int16).numpy().view(np.uint16)[0], shard.hidden)
         assert np.array_equal(batch.topk_ids[0].numpy(), shard.topk_ids)

@@ -92,7 +92,7 @@ def test_production_width_build_train_export_decode(tmp_path, tokenizer_dir):
     recipe = tomllib.loads(RECIPE_TRAIN.read_text())
     layers = min(recipe["model"]["num_layers"], 5)
     _ok(CliRunner().invoke(train_app, ["run", "--config", str(RECIPE_TRAIN), "--cache", str(cache), "--out", str(run),
-                                       "--steps", "2", "--batch-tokens", "256", "--num-anchors", "2", "--grad-accum", "1",
+                                       "--steps", "2", "--batch-tokens", "256", "--grad-accum", "1",
                                        "--heldout-fraction", "0.1", "--eval-sequences", "0", "--log-every", "1",
                                        "--device", "cpu", "--set", f"model.num_layers={layers}",
                                        "--set", "model.intermediate_size=1024", "--quiet"]))
