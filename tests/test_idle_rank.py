@@ -26,7 +26,7 @@ from dflash_train.training.epoch_plan import EpochPlan
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("dflash-train"))
 # 36-58-token sequences in 60-token batches: one sequence a partition a step
-ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", 
+ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60",
         "--heldout-fraction", "0", "--save-every", "3", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
 KINDS = {"dflash": ["--model-kind", "dflash"], "dspark": ["--model-kind", "dspark", "--markov-rank", "4"],
          "dflash2": ["--model-kind", "dflash2"]}

@@ -15,7 +15,7 @@ from test_idle_rank import torchrun
 from dflash_common.faults import SLEEP_ENV, parse_faults
 from dflash_train.training.distributed import process_group_options
 
-ARGS = ["--steps", "2", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", 
+ARGS = ["--steps", "2", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60",
         "--heldout-fraction", "0", "--save-every", "1", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
 
 

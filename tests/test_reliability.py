@@ -293,7 +293,7 @@ def train_cache(tiny_cache):
     return tiny_cache(rows=qa_rows(48, seed=2, prefix="r2-"))
 
 
-TRAIN_ARGS = ["--steps", "8", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300", 
+TRAIN_ARGS = ["--steps", "8", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "300",
               "--heldout-fraction", "0.05", "--save-every", "2", "--log-every", "1", "--eval-sequences", "0",
               "--noise", "cosine", "--noise-start", "0.3", "--quiet"]
 

@@ -15,7 +15,7 @@ from helpers import qa_rows
 from test_idle_rank import torchrun
 
 CLI = str(Path(sys.executable).with_name("dflash-train"))
-ARGS = ["--num-layers", "1", "--block-size", "4", "--batch-tokens", "60", 
+ARGS = ["--num-layers", "1", "--block-size", "4", "--batch-tokens", "60",
         "--heldout-fraction", "0", "--save-every", "1", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
 
 

@@ -81,7 +81,7 @@ def test_offline_step_equals_online_teacher_step(cache_url, teacher_dir):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
 
 
-TRAIN_ARGS = ["--steps", "24", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400", 
+TRAIN_ARGS = ["--steps", "24", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "400",
               "--heldout-fraction", "0.05", "--save-every", "6", "--log-every", "2", "--eval-sequences", "0",
               "--noise", "cosine", "--noise-start", "0.3", "--quiet"]
 
