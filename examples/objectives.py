@@ -75,6 +75,15 @@ cache, benchmarks/RESULTS.md), while kl trains a drafter from scratch; weight 1 
 on the per-position scale. An arm whose settings name a field this checkout lacks (model.causal,
 until the causal-blocks option lands under that name: edit the key here) is skipped with a message."""
 
+ANCHORS: dict[str, dict] = {
+    "random8": {"data.anchors": "random", "data.num_anchors": 8},
+    "random32": {"data.anchors": "random", "data.num_anchors": 32},
+    "cover": {"data.anchors": "cover", "data.num_anchors": None},
+}
+"""`--study anchors` (issue 59): the blocks an epoch trains, DFlash under the default objective at
+equal training tokens read (the same batches): the seed recipe's 8 random anchors a sequence (the
+reference), 32, and cover (every loss position once an epoch, the default since issue 59)."""
+
 STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
@@ -85,7 +94,8 @@ STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": (
                                       "dspark-greedy": {**DRAFTERS["dspark"], "dspark.confidence_target": "greedy"}},
                           "dspark", "_confidence"),
            "kinds": ("drafter", KINDS, "dflash", "_kinds"),
-           "field": ("arm", FIELD, "dflash", "_field")}
+           "field": ("arm", FIELD, "dflash", "_field"),
+           "anchors": ("anchors", ANCHORS, "random8", "_anchors")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
 (`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
 confidence thresholds examples/confidence.py decodes)."""
@@ -166,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                              "confidence: DSpark's two confidence targets (examples/confidence.py decodes their thresholds), "
                              "kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds), or field (issue 46): those and "
                              "DFlash with the chain loss, first-error weights, kl at T = 2 and causal blocks "
-                             "(OUT/<cache>_field)")
+                             "(OUT/<cache>_field), or anchors (issue 59): 8 and 32 random anchors a sequence against "
+                             "cover (OUT/<cache>_anchors)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 
