@@ -68,6 +68,9 @@ def test_block_parts_keep_each_forward_within_both_budgets():
     # later parts see longer prefixes, so they hold fewer blocks
     sizes = [c1 - c0 for c0, c1 in parts]
     assert sizes[0] > sizes[-2] and len(parts) > 2
+    # flex has no mask to bound: only the block tokens cut its parts
+    flex = block_parts(anchors, 16, 8192, None)
+    assert len(flex) == -(-anchors.shape[1] * 16 // 8192) < len(parts)
     # a batch within both budgets is one forward, as before
     short = np.array([[1, 9, 17, -1], [2, 10, -1, -1]])
     assert block_parts(short, 8, 8192, 8192) == [(0, 4)]

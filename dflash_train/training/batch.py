@@ -63,12 +63,13 @@ class Batch:
             return self
         return Batch(**{**self.__dict__, "anchors": self.anchors[:, span[0]:span[1]]})
 
-    def parts(self, block_size: int, cfg: DataConfig) -> list[tuple[int, int] | None]:
+    def parts(self, block_size: int, cfg: DataConfig, dense: bool = True) -> list[tuple[int, int] | None]:
         """The anchor column ranges the batch trains in, one forward each (epoch_plan.block_parts
-        under cfg's budgets), read from the host's anchors; [None] for one part of all of them."""
+        under cfg's budgets; the attention-area bound only for the ``dense`` mask path, not for
+        flex), read from the host's anchors; [None] for one part of all of them."""
         if not self.ids:
             return [None]
-        spans = block_parts(self.anchors.cpu().numpy(), block_size, cfg.forward_tokens, cfg.batch_tokens)
+        spans = block_parts(self.anchors.cpu().numpy(), block_size, cfg.forward_tokens, cfg.batch_tokens if dense else None)
         return [None] if len(spans) == 1 else spans
 
     @property

@@ -110,25 +110,26 @@ def cover_anchors(loss_mask: np.ndarray, positions: int, seed: int, epoch: int, 
     return np.concatenate(spans)
 
 
-def block_parts(anchors: np.ndarray, block_size: int, block_tokens: int, batch_tokens: int) -> list[tuple[int, int]]:
+def block_parts(anchors: np.ndarray, block_size: int, block_tokens: int, batch_tokens: int | None) -> list[tuple[int, int]]:
     """Column ranges [c0, c1) of a batch's anchors [N, A] (each row sorted, -1 after its last) that
     one forward each trains: consecutive columns while their block tokens stay within
     ``block_tokens`` and their attention area (block tokens x (keys before their last anchor + their
-    own block keys)) within block_tokens x (batch_tokens + block_tokens); one column at least. A
-    batch within both budgets is one part, as before parts existed."""
+    own block keys)) within block_tokens x (batch_tokens + block_tokens), the dense mask's bound
+    (None: no area bound, for flex, which skips masked tiles); one column at least. A batch
+    within the budgets is one part, as before parts existed."""
     used = anchors >= 0
     if not used.any():
         return [(0, anchors.shape[1])]
     rows_with = used.sum(0)  # per column: rows with a block there
     reach = np.where(used, anchors, 0).max(0)  # per column: the keys before its last anchor
-    area_limit = block_tokens * (batch_tokens + block_tokens)
+    area_limit = None if batch_tokens is None else block_tokens * (batch_tokens + block_tokens)
     parts, start = [], 0
     while start < anchors.shape[1] and rows_with[start]:
         end, queries, keys = start, 0, 0
         while end < anchors.shape[1] and rows_with[end]:
             q = queries + int(rows_with[end]) * block_size
             k = max(keys, int(reach[end])) + (end + 1 - start) * block_size
-            if end > start and (q > block_tokens or q * k > area_limit):
+            if end > start and (q > block_tokens or (area_limit is not None and q * k > area_limit)):
                 break
             queries, keys, end = q, max(keys, int(reach[end])), end + 1
         parts.append((start, end))

@@ -91,7 +91,8 @@ def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, l
     meter, streaks = AcceptanceMeter(), []
     batches = heldout_batches(cache, data_cfg, max_sequences, model.cfg.num_draft_positions)
     for whole in batches:
-        for batch in map(whole.to(device).columns, whole.parts(model.cfg.block_size, data_cfg)):
+        spans = whole.parts(model.cfg.block_size, data_cfg, model.attention_backend != "flex")
+        for batch in map(whole.to(device).columns, spans):
             streaks.append(_heldout_part(model, batch, loss_cfg, meter))
     model.train(was_training)
     summary = meter.summary()

@@ -71,7 +71,8 @@ def forwards(group: list[Batch], s: Session) -> list[tuple[Batch, tuple[int, int
     """The step's forwards of one global batch on this rank: each micro-batch's parts (its blocks
     in as many forwards as its budgets need, Batch.parts), then empty ones up to the most any rank
     runs, so every rank's collectives match (one small all-reduce a global batch, with several ranks)."""
-    pieces = [(batch, span) for batch in group for span in batch.parts(s.model.cfg.block_size, s.cfg.data)]
+    dense = s.model.attention_backend != "flex"
+    pieces = [(batch, span) for batch in group for span in batch.parts(s.model.cfg.block_size, s.cfg.data, dense)]
     most = -global_min(-len(pieces), s.info, s.device)
     return pieces + [(Batch.empty(), None)] * (most - len(pieces))
 
