@@ -537,7 +537,7 @@ def print_tables(rows: list[dict], s3_rows: list[dict], sizes: list[int], worlds
         print("|---:|---:|---:|---:|---:|")
         for r in planned:
             f = r["first"][worlds[0]]
-            print(f"| {r['shards']:,} | v{r['version']} | {f['plan_again_s']:.3f} | {f['plan_per_shard_s']:.3f} | "
+            print(f"| {r['shards']:,} | v{r['version']} | {f['plan_again_s']:.2e} | {f['plan_per_shard_s']:.2e} | "
                   f"{f['plan_per_shard_s'] / max(f['plan_again_s'], 1e-9):.1f} |")
     epoch = [r for r in rows if r.get("epoch")]
     if epoch:
