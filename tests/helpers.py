@@ -40,6 +40,18 @@ _ENDINGS = ["today", "at night", "in the morning", "without a word", "with great
             "near the house", "for a while", "before dinner", "every day"]
 
 
+def peak_rss_kib(reset: bool = False) -> int:
+    """This process's peak resident memory since it started (or since the last reset=True).
+
+    Not ru_maxrss: Linux carries that across exec, so a child started by a large pytest process
+    reports the parent's peak as its own, and growth below it is invisible."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
 def english_like_sentences(count: int, seed: int = 0) -> list[str]:
     """`count` deterministic English-like sentences (also useful as corpus text)."""
     rng = random.Random(seed)

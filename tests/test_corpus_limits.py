@@ -5,6 +5,7 @@ Every test here writes real corpus files; the CLI tests go through `dflash-cache
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import english_like_sentences, qa_rows, write_jsonl
+from helpers import english_like_sentences, peak_rss_kib, qa_rows, write_jsonl
 from tokenizers import processors
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
@@ -379,12 +380,13 @@ MEMORY_PROBE = textwrap.dedent(
             "--quiet", "--max-length", "256"]
     warm = CliRunner().invoke(app, args + ["--data", small, "--out", out + "/warm"])
     assert warm.exit_code == 0, warm.output
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_kib()
     result = CliRunner().invoke(app, args + ["--data", big, "--out", out + "/big"])
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = peak_rss_kib()
     print(json.dumps({"exit": result.exit_code, "output": result.output, "growth_kib": after - before}))
     """
 )
+MEMORY_PROBE = inspect.getsource(peak_rss_kib) + MEMORY_PROBE
 
 
 def rss_kib(pid: int) -> int:

@@ -3,6 +3,7 @@ fp32 log-probs from a bf16 teacher, the drafter built on the meta device, the at
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import build_teacher
+from helpers import build_teacher, peak_rss_kib
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.devices import select_device
@@ -186,16 +187,17 @@ def test_a_production_width_drafter_builds_on_the_meta_device_without_host_memor
     script = textwrap.dedent("""
         import resource, torch
         from dflash_train.training.model import DFlashDrafter, DrafterConfig
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = peak_rss_kib()
         cfg = DrafterConfig(hidden_size=5120, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                             intermediate_size=17408, vocab_size=248320, mask_token_id=248077,
                             target_layer_ids=(1, 16, 31, 46, 61), num_target_layers=64, num_hidden_layers=5)
         head = torch.empty(248320, 5120, device="meta")
         model = DFlashDrafter.build(cfg, head, head, "meta")
         params = sum(p.numel() for p in model.parameters())
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_rss_kib()
         print(params, (peak - before) / 1024)
     """)
+    script = inspect.getsource(peak_rss_kib) + script
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     params, grown_mib = int(out[0]), float(out[1])
     assert params > 1.7e9

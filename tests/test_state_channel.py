@@ -24,7 +24,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from helpers import qa_rows, write_jsonl
+from helpers import peak_rss_kib, qa_rows, write_jsonl
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
@@ -288,7 +288,6 @@ def _build(teacher_dir, corpus, out, *extra, env=None):
 def test_a_vllm_python_that_only_prints_is_refused_in_one_line(teacher_dir, corpus, tmp_path, monkeypatch, program, expected):
     """Its output was read as frames: 1.4-4.1 GB allocated, then a traceback (and one that
     printed nothing was waited for forever)."""
-    import resource
 
     from dflash_teacher import vllm_process
 
@@ -297,9 +296,9 @@ def test_a_vllm_python_that_only_prints_is_refused_in_one_line(teacher_dir, corp
     if program == "silent":
         python.write_text("#!/bin/sh\nexec sleep 600\n")
         python.chmod(0o755)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_kib(reset=True)
     result = _build(teacher_dir, corpus, tmp_path / "out", "--vllm-python", str(python))
-    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    grown_mib = (peak_rss_kib() - before) / 1024
     assert result.exit_code == 1, (result.output, result.exception)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines

@@ -8,6 +8,7 @@ bounded time and memory; a real template must render exactly as the tokenizer re
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import peak_rss_kib
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
@@ -79,13 +81,14 @@ for name, prefix in cases.items():
     except BaseException as err:
         outcome = f"{type(err).__name__}: {err}"
     results[name] = {"outcome": outcome, "seconds": time.monotonic() - start,
-                     "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}
+                     "peak_mb": peak_rss_kib() // 1024}
     print(json.dumps({name: results[name]}), flush=True)
 tokenizer.chat_template = own
 ours = render_chat(tokenizer, chat, False)
 theirs = tokenizer.apply_chat_template(chat, tokenize=False)
 print(json.dumps({"own template": {"same": ours == theirs}}), flush=True)
 """
+_WORKER = inspect.getsource(peak_rss_kib) + _WORKER
 
 
 @pytest.fixture(scope="module")
