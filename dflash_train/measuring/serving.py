@@ -228,6 +228,10 @@ def serve_commands(export_dir: str | os.PathLike[str], cfg: DrafterConfig, teach
             vllm += f"  # vLLM 0.32 serves only markov_head_type vanilla, not {cfg.dspark.markov_head_type}"
         return {"vllm": vllm, "sglang": "not available: SGLang's DSPARK loads DeepSpec's Qwen3DSparkModel layout (its own "
                                         "embed_tokens/lm_head, top-level target_layer_ids), not this vLLM-layout export"}
+    if cfg.lilicorr is not None:
+        return {"vllm": f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {teacher} --speculative-config '{spec}'"
+                        "  # LiLiCorr runs only in vLLM's V2 model runner, on GPU (V1 refuses candidate-head drafts)",
+                "sglang": "not available: SGLang's LiLiCorr support is an open pull request, not a release"}
     if cfg.dflash2 is not None:
         return {"vllm": f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {teacher} --speculative-config '{spec}'"
                         "  # DFlash2 runs only in vLLM's V2 model runner, on GPU (V1 refuses candidate-head drafts)",

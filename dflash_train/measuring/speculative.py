@@ -345,7 +345,7 @@ def _select(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecCon
             device: torch.device) -> tuple[Tensor, Tensor | None, list[bool]]:
     """DFlash2's (drafts [P], q [P, V] or None when greedy, per draft whether the selector left the
     top-1) of one block from its draft positions' states [P, H]: vLLM's candidate walk."""
-    settings, selector = drafter.cfg.dflash2, drafter.candidate_selector
+    settings, selector = drafter.cfg.selector, drafter.candidate_selector
     top = drafter.logits(positions).float().topk(settings.selector_top_k, dim=-1)
     unary = unary_scores(top.values, settings)
     prev = torch.tensor(anchor, device=positions.device)
@@ -368,18 +368,55 @@ def _select(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecCon
     return out, None if cfg.greedy else torch.stack(dists).to(device), changed
 
 
+def _walk(drafter: DFlashDrafter, positions: Tensor, context_anchor: Tensor, cfg: SpecConfig,
+          generator: torch.Generator, device: torch.device) -> tuple[Tensor, Tensor | None, list[bool]]:
+    """LiLiCorr's (drafts [P], q [P, V] or None when greedy, per draft whether the walk left the
+    top-1) of one block from its draft positions' states [P, H] and the normed context feature
+    before it [H]: vLLM's walk over the correlator's scores, from predecessor 0 (the anchor row),
+    each chosen candidate the next row's predecessor; sampled from softmax(scores / T)."""
+    candidates, scores = drafter.walk(positions.unsqueeze(0), context_anchor.unsqueeze(0))
+    candidates, scores = candidates[0], scores[0].float()
+    previous = 0
+    drafts: list[Tensor] = []
+    dists: list[Tensor] = []
+    changed: list[bool] = []
+    for j in range(positions.shape[0]):
+        row = scores[j, previous]
+        if cfg.greedy:
+            index = int(row.argmax())
+        else:
+            full = torch.full((drafter.cfg.vocab_size,), float("-inf"), device=row.device)
+            dists.append(probs_from_logits(full.index_copy(0, candidates[j], row), cfg.temperature, cfg.top_p))
+            token = torch.multinomial(dists[-1].to(device), 1, generator=generator)[0].to(row.device)
+            index = int((candidates[j] == token).long().argmax())
+        drafts.append(candidates[j, index])
+        changed.append(index != 0)
+        previous = index
+    return torch.stack(drafts).to(device), None if cfg.greedy else torch.stack(dists).to(device), changed
+
+
 def _draft_block(drafter: DFlashDrafter, anchor: int, mask_block: Tensor, context: list[tuple[Tensor, Tensor]],
-                 cfg: SpecConfig, generator: torch.Generator, device: torch.device
-                 ) -> tuple[Tensor, Tensor | None, list[bool]]:
-    """(drafts, q, per draft whether DFlash2's selector left the top-1: empty for other kinds) of
-    the block `[anchor, MASK, ...]` placed right after the cached context."""
+                 cfg: SpecConfig, generator: torch.Generator, device: torch.device,
+                 context_anchor: Tensor | None = None) -> tuple[Tensor, Tensor | None, list[bool]]:
+    """(drafts, q, per draft whether the walk (DFlash2's selector, LiLiCorr's correlator) left the
+    top-1: empty for other kinds) of the block `[anchor, MASK, ...]` placed right after the cached
+    context; context_anchor [H] is the context's last normed feature (LiLiCorr reads it)."""
     block = torch.cat((torch.tensor([anchor], device=mask_block.device), mask_block))
     states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
     first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
     positions = states[0, first:first + drafter.cfg.num_draft_positions]
+    if drafter.lilicorr is not None:
+        return _walk(drafter, positions, context_anchor, cfg, generator, device)
     if drafter.candidate_selector is not None:
         return _select(drafter, positions, anchor, cfg, generator, device)
     return (*_draft(drafter, positions, anchor, cfg, generator, device), [])
+
+
+def _last_feature(drafter: DFlashDrafter, hidden: Tensor) -> Tensor | None:
+    """The normed context feature [H] of the last of the tapped states hidden [1, T, n_layers, H]
+    (LiLiCorr's anchor, as vLLM's speculator takes it: the last accepted position's); None for the
+    other kinds, which do not read it."""
+    return None if drafter.lilicorr is None else drafter.context_features(hidden[:, -1:])[0, -1]
 
 
 def _append_context(context: list[tuple[Tensor, Tensor]],
@@ -393,6 +430,7 @@ def check_confidence_threshold(drafter_cfg: DrafterConfig, threshold: float) -> 
     and a measurement taken with it would silently be one without it."""
     if threshold > 0 and (drafter_cfg.dspark is None or not drafter_cfg.dspark.enable_confidence_head):
         kind = ("this DSpark drafter (dspark.enable_confidence_head off)" if drafter_cfg.dspark is not None
+                else "a LiLiCorr drafter" if drafter_cfg.lilicorr is not None
                 else "a DFlash2 drafter" if drafter_cfg.dflash2 is not None else "a DFlash drafter")
         raise ConfigError(f"confidence threshold {threshold:g} needs a confidence head, which {kind} has none of; "
                           "drop the threshold (or set it to 0), or train with --model-kind dspark")
@@ -463,13 +501,16 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         prompt = torch.tensor(list(prompt_ids), device=device)
         logits, cache = _run(teacher, prompt, None, keyword, 1)
         rollback = _CacheRollback(cache)
-        context = drafter.context_kv(taps.take().to(drafter_device), start=0)
+        prompt_hidden = taps.take().to(drafter_device)
+        context = drafter.context_kv(prompt_hidden, start=0)
+        context_anchor = _last_feature(drafter, prompt_hidden)
         position = len(prompt_ids)  # of the anchor, whose features come with the next verify
         anchor = _next_token(logits[-1], cfg, generator)
         done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
 
         while not done:
-            drafts, q, changed = _draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device)
+            drafts, q, changed = _draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device,
+                                              context_anchor)
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
@@ -491,6 +532,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
                 rollback.after_rerun()
                 reruns += 1
             context = _append_context(context, drafter.context_kv(hidden[:, :kept].to(drafter_device), start=position))
+            context_anchor = _last_feature(drafter, hidden[:, :kept].to(drafter_device))
             position += kept
 
     return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),

@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_common.errors import ConfigError
-from dflash_common.values import is_int, is_real
+from dflash_common.values import check_choice, is_int, is_real
 
 ARCHITECTURE = "DFlash2DraftModel"
+
+WALK_TARGETS = ("top1", "teacher")
+"""What a candidate walk's scores are trained toward (DFlash2's selector and LiLiCorr's correlator):
+"top1", the K-way cross-entropy of the teacher's top-1 among the candidates (speculators' DFlash2
+objective: right at greedy); "teacher", the cross-entropy of the teacher's distribution renormalised
+over the candidates, so that the walk's softmax, which vLLM samples at T=1, is the teacher's there."""
 
 # Read by vLLM from dflash_config; the defaults are speculators' (conv 2 taps in groups of 16,
 # selector rank 256 over the top 16) and vLLM's (the three scales).
@@ -52,6 +58,11 @@ class DFlash2Config:
     selector_loss_alpha: float = 1.0
     """Weight of the selector's K-way cross-entropy in the loss (training only; not exported)."""
 
+    selector_target: str = "top1"
+    """What the selector's scores are trained toward (training only): "top1", the teacher's top-1
+    (speculators' objective, right at greedy), or "teacher", the teacher's distribution over the
+    candidates (vLLM samples the walk from the scores at T=1)."""
+
     input_embedding_scale: float = 1.0
     """Factor on the block's token embeddings (the anchor's and the MASK's) before the first layer."""
 
@@ -71,6 +82,7 @@ class DFlash2Config:
             if value > limit:
                 raise ConfigError(f"dflash2.{name} {value:,} is more than {limit:,}, {why}; pass a smaller one "
                                   f"(default {getattr(DFlash2Config, name)})")
+        check_choice("dflash2.selector_target", self.selector_target, WALK_TARGETS)
         for name, positive in (("selector_loss_alpha", False), ("input_embedding_scale", True),
                                ("output_multiplier", True), ("final_logit_softcapping", False)):
             value = getattr(self, name)

@@ -14,6 +14,8 @@ from dflash_train.settings.dflash2_config import ARCHITECTURE as DFLASH2_ARCHITE
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.lilicorr_config import ARCHITECTURE as LILICORR_ARCHITECTURE
+from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -103,7 +105,10 @@ class DrafterConfig:
     dspark: DSparkConfig | None = None
     """DSpark's heads and layout; None is a DFlash (or DFlash2) drafter."""
     dflash2: DFlash2Config | None = None
-    """DFlash2's convolutions and candidate selector; None is a DFlash (or DSpark) drafter."""
+    """DFlash2's convolutions and candidate selector; with lilicorr, the backbone's convolutions
+    only (LiLiCorr + conv); None is a drafter without convolutions."""
+    lilicorr: LiLiCorrConfig | None = None
+    """LiLiCorr's lattice correlator; None is a drafter without one."""
     causal: bool = False
     """Causal attention inside the block on every layer (JetSpec's): exported as
     dflash_config.causal = true, which vLLM's DFlash, DSpark and DFlash2 layers read."""
@@ -182,6 +187,8 @@ class DrafterConfig:
             raise ConfigError(f"dspark is a {type(self.dspark).__name__}, not a DSparkConfig; pass DSparkConfig(...) or None")
         if self.dflash2 is not None:
             self._check_dflash2()
+        if self.lilicorr is not None:
+            self._check_lilicorr()
         if not isinstance(self.causal, bool):
             raise ConfigError(f"causal={self.causal!r} is not a bool; pass True or False")
 
@@ -197,9 +204,34 @@ class DrafterConfig:
         if conv.conv_kernel_size > self.block_size:
             raise ConfigError(f"dflash2.conv_kernel_size {conv.conv_kernel_size} exceeds block_size {self.block_size}; "
                               "a tap reaches within the block only (2 is the default)")
-        if conv.selector_top_k > self.vocab_size:
+        if self.lilicorr is None and conv.selector_top_k > self.vocab_size:
             raise ConfigError(f"dflash2.selector_top_k {conv.selector_top_k} exceeds the vocabulary's {self.vocab_size} "
                               "tokens; pick fewer candidates (16 is the default)")
+
+    def _check_lilicorr(self) -> None:
+        lattice = self.lilicorr
+        if not isinstance(lattice, LiLiCorrConfig):
+            raise ConfigError(f"lilicorr is a {type(lattice).__name__}, not a LiLiCorrConfig; pass LiLiCorrConfig(...) "
+                              "or None")
+        if self.dspark is not None:
+            raise ConfigError("a drafter is DSpark or LiLiCorr, not both; pass dspark or lilicorr")
+        if lattice.conv != (self.dflash2 is not None):
+            raise ConfigError(f"lilicorr.conv is {lattice.conv} but the drafter {'lacks' if lattice.conv else 'has'} "
+                              "DFlash2's convolutions; pass dflash2 (its conv_kernel_size and conv_group_size) exactly "
+                              "when lilicorr.conv is true")
+        width = lattice.width(self.hidden_size)
+        if width % lattice.num_heads:
+            raise ConfigError(f"lilicorr.num_heads {lattice.num_heads} does not divide the correlator's width {width}; "
+                              "pick a divisor (4 is the default)")
+        if lattice.candidate_topk > self.vocab_size:
+            raise ConfigError(f"lilicorr.candidate_topk {lattice.candidate_topk} exceeds the vocabulary's "
+                              f"{self.vocab_size} tokens; pick fewer candidates (8 is the default)")
+
+    @property
+    def selector(self) -> DFlash2Config | None:
+        """DFlash2's settings when its candidate selector is the walk's scorer (a DFlash2 drafter;
+        LiLiCorr + conv has DFlash2's convolutions but scores with its correlator)."""
+        return self.dflash2 if self.lilicorr is None else None
 
     @property
     def any_sliding(self) -> bool:
@@ -254,7 +286,7 @@ def _require_positive_int(name: str, value: Any) -> None:
 
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE, DFLASH2_ARCHITECTURE)
+EXPORT_ARCHITECTURES = (DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE, DFLASH2_ARCHITECTURE, LILICORR_ARCHITECTURE)
 """The architectures an export of ours names: one per drafter kind."""
 
 
@@ -355,7 +387,15 @@ def export_config(cfg: DrafterConfig) -> dict[str, Any]:
         # vLLM maps DFlash2DraftModel to its DFlash2Qwen3ForCausalLM, which reads the convolution's,
         # the selector's and the scales' keys from dflash_config.
         config["architectures"] = [DFLASH2_ARCHITECTURE]
-        config["dflash_config"].update(cfg.dflash2.export_fields())
+        fields = cfg.dflash2.export_fields()
+        if cfg.lilicorr is not None:  # vLLM's LiLiCorr reads the convolution's geometry only
+            fields = {name: fields[name] for name in ("conv_kernel_size", "conv_group_size")}
+        config["dflash_config"].update(fields)
+    if cfg.lilicorr is not None:
+        # vLLM maps LiLiCorrDraftModel to its LiLiCorrForCausalLM (a DFlash backbone, DFlash2's
+        # layers when conv_kernel_size is set), which reads the lilicorr_* keys of dflash_config.
+        config["architectures"] = [LILICORR_ARCHITECTURE]
+        config["dflash_config"].update(cfg.lilicorr.export_fields())
     return config
 
 
@@ -395,8 +435,19 @@ def drafter_config_from_export(config: Mapping[str, Any]) -> DrafterConfig:
         mask_token=dflash.get("mask_token"),
         causal=dflash.get("causal", False),
         dspark=DSparkConfig.from_export(config) if DSPARK_ARCHITECTURE in (config.get("architectures") or ()) else None,
-        dflash2=DFlash2Config.from_export(dflash) if DFLASH2_ARCHITECTURE in (config.get("architectures") or ()) else None,
+        dflash2=_convolutions(config, dflash),
+        lilicorr=LiLiCorrConfig.from_export(dflash) if LILICORR_ARCHITECTURE in (config.get("architectures") or ()) else None,
     )
+
+
+def _convolutions(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> DFlash2Config | None:
+    """An export's DFlash2 settings: a DFlash2 drafter's, or a LiLiCorr + conv drafter's convolutions."""
+    architectures = config.get("architectures") or ()
+    if DFLASH2_ARCHITECTURE in architectures:
+        return DFlash2Config.from_export(dflash)
+    if LILICORR_ARCHITECTURE in architectures and dflash.get("conv_kernel_size"):
+        return DFlash2Config(conv_kernel_size=dflash["conv_kernel_size"], conv_group_size=dflash["conv_group_size"])
+    return None
 
 
 MAX_EXPORT_INT = 1 << 24

@@ -9,7 +9,7 @@ from dflash_common.values import check_choice, is_int, is_real
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIDENCE_TARGETS = ("alpha", "greedy")
-DRAFTER_KINDS = ("dflash", "dspark", "dflash2")
+DRAFTER_KINDS = ("dflash", "dspark", "dflash2", "lilicorr")
 ARCHITECTURE = "DSparkDraftModel"
 MAX_MARKOV_RANK = 4096
 """Largest Markov rank: 16x the reference's 256; W1 and W2 are vocabulary x rank each."""

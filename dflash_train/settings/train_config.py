@@ -11,6 +11,7 @@ from dflash_train.settings.data_config import RANDOM, DataConfig
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.drafter_config import check_block_tokens
 from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 from dflash_train.settings.loss_config import LossConfig
 from dflash_train.settings.model_config import ModelConfig
 from dflash_train.settings.noise_config import NoiseConfig
@@ -50,7 +51,11 @@ class TrainConfig:
     """DSpark's heads and layout, used when model.kind is "dspark"."""
 
     dflash2: DFlash2Config = field(default_factory=DFlash2Config)
-    """DFlash2's convolutions and candidate selector, used when model.kind is "dflash2"."""
+    """DFlash2's convolutions and candidate selector, used when model.kind is "dflash2" (its
+    convolutions also for "lilicorr" with lilicorr.conv)."""
+
+    lilicorr: LiLiCorrConfig = field(default_factory=LiLiCorrConfig)
+    """LiLiCorr's lattice correlator, used when model.kind is "lilicorr"."""
 
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     """Noise added to the tapped hidden states on load."""
@@ -152,4 +157,4 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"model": ModelConfig, "loss": LossConfig, "dspark": DSparkConfig, "dflash2": DFlash2Config, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}
+SECTIONS = {"model": ModelConfig, "loss": LossConfig, "dspark": DSparkConfig, "dflash2": DFlash2Config, "lilicorr": LiLiCorrConfig, "noise": NoiseConfig, "data": DataConfig, "optim": OptimConfig}

@@ -50,8 +50,10 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
     states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
                                                       packed_lengths=batch.packed_lengths)
     targets = block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions)
-    if model.cfg.dflash2 is not None:  # the second output is the selector's context
-        return states, targets, DraftHeads(selector_context=features, selector=model.cfg.dflash2,
+    if model.cfg.lilicorr is not None:  # the walk's scores along the path, then the candidates
+        return states, targets, DraftHeads(lattice_scores=features, lattice_ids=confidence, lattice=model.cfg.lilicorr)
+    if model.cfg.selector is not None:  # the second output is the selector's context
+        return states, targets, DraftHeads(selector_context=features, selector=model.cfg.selector,
                                            successor_codebook=model.candidate_selector.successor_codebook)
     dspark = model.cfg.dspark
     heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,

@@ -116,3 +116,41 @@ def training_candidates(candidate_ids: Tensor, target_ids: Tensor) -> tuple[Tens
     candidates = candidate_ids.clone()
     candidates[..., last] = torch.where(contains, candidates[..., last], target_ids)
     return candidates, index, contains
+
+
+def candidate_teacher_probs(candidates: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int) -> Tensor:
+    """[n, K] the teacher's distribution renormalised over each position's candidates [n, K]: a
+    candidate among the teacher's cached top-k [n, k] gets its probability, any other the tail's
+    mass spread evenly over the V - k uncached tokens (as tempered_teacher_buckets takes it); a
+    position whose candidates hold no teacher mass gets zeros."""
+    probs = topk_logprobs.float().exp()
+    matches = candidates.unsqueeze(-1) == topk_ids.unsqueeze(-2)  # [n, K, k]
+    cached = (matches.float() * probs.unsqueeze(-2)).sum(-1)
+    others = max(vocab_size - topk_ids.shape[-1], 1)
+    tail = (1.0 - probs.sum(-1, keepdim=True)).clamp(min=0.0) / others
+    mass = torch.where(matches.any(-1), cached, tail.expand_as(cached))
+    return mass / mass.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def walk_terms(scores: Tensor, candidates: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int,
+               target: str, recall: Tensor | None = None) -> Tensor:
+    """A candidate walk's objective per position [4, n] (SELECTOR_SUMS' order) from its scores
+    [n, K] of candidates [n, K]: the cross-entropy of softmax(scores) against the teacher's top-1
+    ("top1"; 0 where no candidate is it) or against the teacher's distribution over the
+    candidates ("teacher": vLLM samples the walk at T=1 from softmax(scores / T), and accepts
+    at most the teacher's mass on the candidates, reached when that softmax is the teacher's
+    renormalised there), then, without gradient, whether the teacher's top-1 is a candidate,
+    whether the walk's best is it and whether the walk's best is not the first candidate.
+    `recall` [n] replaces the first of those where the candidates were given the top-1 in training."""
+    matches = candidates == topk_ids[:, :1]
+    contains, index = matches.any(-1), matches.long().argmax(-1)
+    contains = contains if recall is None else recall
+    log_walk = torch.log_softmax(scores.float(), dim=-1)
+    if target == "teacher":
+        ce = -(candidate_teacher_probs(candidates, topk_ids, topk_logprobs, vocab_size) * log_walk).sum(-1)
+    else:
+        ce = -log_walk.gather(1, index[:, None]).squeeze(1) * contains
+    with torch.no_grad():
+        choice = scores.argmax(-1)
+        hit = (choice == index) & contains
+    return torch.stack([ce, contains.float(), hit.float(), (choice != 0).float()])

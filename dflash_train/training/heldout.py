@@ -21,12 +21,13 @@ SUMS = ("alpha", "greedy", "count", "loss")
 
 def meter_rows(loss_cfg: LossConfig, drafter_cfg: DrafterConfig | None = None) -> tuple[str, ...]:
     """Names of the [P] sums a meter keeps for a loss: SUMS, then each term of a several-term loss,
-    then the confidence head's sums when the drafter has one, DFlash2's selector's sums."""
+    then the confidence head's sums when the drafter has one, the candidate walk's (DFlash2's selector, LiLiCorr's correlator)."""
     terms = loss_cfg.term_weights()
     confidence = drafter_cfg is not None and drafter_cfg.dspark is not None and drafter_cfg.dspark.enable_confidence_head
     return (SUMS + (tuple(f"loss_{name}" for name in sorted(terms)) if len(terms) > 1 else ())
             + (CONFIDENCE_SUMS if confidence else ())
-            + (SELECTOR_SUMS if drafter_cfg is not None and drafter_cfg.dflash2 is not None else ()))
+            + (SELECTOR_SUMS if drafter_cfg is not None and (drafter_cfg.dflash2 is not None
+                                                             or drafter_cfg.lilicorr is not None) else ()))
 
 
 class AcceptanceMeter:
@@ -108,8 +109,11 @@ def _heldout_part(model: DFlashDrafter, batch, loss_cfg: LossConfig, meter: Acce
     states, targets, heads = block_states(model, batch)
     meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                          targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
-    second = heads.features if heads.selector_context is None else heads.selector_context
-    hits = (argmax_chunks(model, states, second) == targets["topk_ids"][..., 0]) & targets["valid"]
+    if heads.lattice_scores is not None:  # LiLiCorr: the walk's best along the teacher-forced path
+        choice = heads.lattice_ids.gather(-1, heads.lattice_scores.argmax(-1, keepdim=True)).squeeze(-1)
+    else:
+        choice = argmax_chunks(model, states, heads.features if heads.selector_context is None else heads.selector_context)
+    hits = (choice == targets["topk_ids"][..., 0]) & targets["valid"]
     used = targets["valid"][:, 0]  # blocks whose first position counts
     return streak_lengths(hits)[used]
 
@@ -128,8 +132,8 @@ def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Te
         part = None if feats is None else feats[i:i + chunk]
         if selector is None or part is None:
             return model.logits(flat[i:i + chunk], part).argmax(-1)
-        top = model.logits(flat[i:i + chunk]).float().topk(model.cfg.dflash2.selector_top_k, dim=-1)
-        scores = selector.scores(part, top.indices, unary_scores(top.values, model.cfg.dflash2))
+        top = model.logits(flat[i:i + chunk]).float().topk(model.cfg.selector.selector_top_k, dim=-1)
+        scores = selector.scores(part, top.indices, unary_scores(top.values, model.cfg.selector))
         return top.indices.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
     return torch.cat([choose(i) for i in range(0, flat.shape[0], chunk)]).view(states.shape[:-1])

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_train.settings.dflash2_config import DFlash2Config
+from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 from dflash_train.settings.loss_config import LossConfig
+from dflash_train.training.dflash2 import walk_terms
 from dflash_train.training.objectives import chain_term, chunk_terms, onpolicy_split
 from dflash_train.training.weighting import position_weights
 
@@ -66,6 +68,22 @@ class DraftHeads:
 
     selector: DFlash2Config | None = None
     """DFlash2's settings: top-k, the unary scores' scale and cap, the selector loss's weight."""
+
+    lattice_scores: torch.Tensor | None = None
+    """[M, P, k] LiLiCorr's walk scores of each position's candidates along the teacher-forced path."""
+
+    lattice_ids: torch.Tensor | None = None
+    """[M, P, k] LiLiCorr's candidates of each position."""
+
+    lattice: LiLiCorrConfig | None = None
+    """LiLiCorr's settings: the correlator loss's target and weight."""
+
+    @property
+    def walk_alpha(self) -> float | None:
+        """The weight of the candidate walk's loss (DFlash2's selector, LiLiCorr's correlator), None without one."""
+        if self.selector is not None:
+            return self.selector.selector_loss_alpha
+        return None if self.lattice is None else self.lattice.loss_alpha
 
 
 @dataclass
@@ -182,6 +200,13 @@ def block_loss(
     names = _computed_terms(weights_by_term)
     per_term, alpha, greedy, confidence, selector = _valid_position_terms(
         states, lm_head_weight, targets, topk_ids, topk_logprobs, rows, heads, cfg, names)
+    if heads.lattice is not None:
+        flat = num_blocks * num_positions
+        selector = walk_terms(heads.lattice_scores.reshape(flat, -1).index_select(0, rows),
+                              heads.lattice_ids.reshape(flat, -1).index_select(0, rows),
+                              topk_ids.reshape(flat, -1).index_select(0, rows).long(),
+                              topk_logprobs.reshape(flat, -1).index_select(0, rows),
+                              lm_head_weight.shape[0], heads.lattice.target)
     grid = (num_blocks, num_positions)
     terms = _block_terms(dict(zip(names, per_term)), weights_by_term, greedy, rows, valid, cfg)
     # the chain is its own weighting (a product along the block): the position weights skip it
@@ -223,9 +248,9 @@ def _head_terms(heads: DraftHeads, rows: torch.Tensor, columns: torch.Tensor, nu
         extras.append(heads.confidence_alpha * bce.sum())
         confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
                            zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
-    if heads.selector is not None:
+    if heads.walk_alpha is not None:
         # weighted per position as the backbone's loss, as speculators weights its selector term
-        extras.append(heads.selector.selector_loss_alpha * (weights * selector[0]).sum())
+        extras.append(heads.walk_alpha * (weights * selector[0]).sum())
         selector_sums = {name: _sum_per_column(value, columns, num_positions)
                          for name, value in zip(SELECTOR_SUMS, selector)}
     return extras, confidence_sums, selector_sums
@@ -235,7 +260,7 @@ def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_
     """block_loss of a batch without a valid position: zero sums and a zero loss."""
     zeros = torch.zeros(num_positions, dtype=torch.float32, device=states.device)
     connected = [t for t in (states, heads.features, heads.confidence, heads.selector_context, heads.bias_weight,
-                             heads.successor_codebook) if t is not None]
+                             heads.successor_codebook, heads.lattice_scores) if t is not None]
     return LossOutput(
         # An empty sum keeps the graph connected, so backward still reaches every parameter, the
         # weights only the loss reads (bias_weight, successor_codebook) too: under DDP or FSDP2
@@ -247,7 +272,7 @@ def _empty_output(states: torch.Tensor, heads: DraftHeads, cfg: LossConfig, num_
         loss_sum=zeros.clone(),
         term_sums={name: zeros.clone() for name in cfg.term_weights()} if len(cfg.term_weights()) > 1 else {},
         confidence_sums={name: zeros.clone() for name in CONFIDENCE_SUMS} if heads.confidence is not None else {},
-        selector_sums={name: zeros.clone() for name in SELECTOR_SUMS} if heads.selector is not None else {},
+        selector_sums={name: zeros.clone() for name in SELECTOR_SUMS} if heads.walk_alpha is not None else {},
     )
 
 

@@ -33,11 +33,14 @@ from dflash_train.training.dflash2 import CandidateSelector, GroupedConv
 from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
 from dflash_train.training.layout import sequence_starts, token_positions
+from dflash_train.training.lilicorr import Correlator, lattice, path_rows, teacher_forced_lattice
 
 MASK_TOKEN = "<|MASK|>"
 
 # HF-style initialisation, the same the reference drafters start from.
 INIT_STD = 0.02
+LATTICE_CHUNK = 256
+"""Block positions whose full-vocabulary log-softmax LiLiCorr's candidates are taken from at once."""
 
 
 def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
@@ -241,8 +244,10 @@ class DFlashDrafter(nn.Module):
                             if heads is not None and heads.markov_rank > 0 else None)
         self.confidence_head = (ConfidenceHead(cfg.hidden_size, heads.markov_rank, heads.confidence_head_with_markov)
                                 if heads is not None and heads.enable_confidence_head else None)
-        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.dflash2.selector_rank)
-                                   if cfg.dflash2 is not None else None)
+        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector.selector_rank)
+                                   if cfg.selector is not None else None)
+        self.lilicorr = (Correlator(cfg.lilicorr, cfg.hidden_size, cfg.block_size, cfg.rms_norm_eps)
+                         if cfg.lilicorr is not None else None)
         # Frozen teacher pieces: buffers follow .to() but stay out of state_dict and the optimizer.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
@@ -270,7 +275,7 @@ class DFlashDrafter(nn.Module):
     def reset_parameters(self) -> None:
         """Linear weights ~ N(0, 0.02) and biases 0, norm weights 1 (the HF Qwen3 initialisation);
         the Markov embedding W1 ~ N(0, 0.01) (DSpark's); DFlash2's convolutions the identity and its
-        selector N(0, 0.02) (speculators')."""
+        selector N(0, 0.02) (speculators'); LiLiCorr's correlator walking the top-1 path (its own)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
@@ -281,7 +286,7 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=MARKOV_EMBED_STD)
         for module in self.modules():  # after their own Linear children's generic start above
-            if isinstance(module, (GroupedConv, CandidateSelector)):
+            if isinstance(module, (GroupedConv, CandidateSelector, Correlator)):
                 module.reset_parameters()
 
     @property
@@ -377,8 +382,13 @@ class DFlashDrafter(nn.Module):
         # draft position j = 1..P follows x_{a+j-1}: the anchor, then the true tokens (teacher forcing)
         prev_pos = safe_anchors.unsqueeze(-1) + torch.arange(self.cfg.num_draft_positions, device=anchors.device)
         prev_ids = _tokens_at(input_ids, starts, last, prev_pos)
-        return self.draft_outputs(states.view(n * num_anchors, block_size, -1),
-                                  prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
+        blocks = states.view(n * num_anchors, block_size, -1)
+        if self.lilicorr is not None:
+            path = _tokens_at(input_ids, starts, last, prev_pos + 1).view(n * num_anchors, -1)
+            anchor = self.context_features(_tokens_at(context_hidden, starts, last, (safe_anchors - 1).clamp(min=0))
+                                           .view(1, n * num_anchors, *context_hidden.shape[2:]))
+            return self.lattice_outputs(blocks, path, anchor[0])
+        return self.draft_outputs(blocks, prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 
     def _context_layout(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
                         packed_lengths: Tensor | None) -> tuple[int, list[tuple[Tensor, Tensor]], Tensor, Tensor]:
@@ -426,6 +436,35 @@ class DFlashDrafter(nn.Module):
         features = self.markov_head.features(prev_embed, positions) if self.markov_head is not None else None
         confidence = self.confidence_head(positions, prev_embed) if self.confidence_head is not None else None
         return positions, features, confidence
+
+    def lattice_outputs(self, states: Tensor, path_ids: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """LiLiCorr's teacher-forced outputs of whole blocks' states [M, B, H]: (positions [M, P, H],
+        the walk's scores along the path [M, P, k], the candidates [M, P, k]), the path being the
+        sequence's own tokens path_ids [M, P] (put among the candidates where the top-k misses
+        them) and anchor [M, H] the normed context feature before each block. The correlator
+        reads the backbone detached: its loss trains it alone, and the backbone's candidates
+        and their log-probabilities carry no gradient (a full-vocabulary log-softmax kept for
+        backward at every block position would double the head's memory)."""
+        positions = states[:, :self.cfg.num_draft_positions]
+        k = self.cfg.lilicorr.candidate_topk
+        with torch.no_grad():
+            flat = positions.reshape(-1, positions.shape[-1])
+            parts = [teacher_forced_lattice(self._log_probs(flat[i:i + LATTICE_CHUNK]),
+                                            path_ids.reshape(-1)[i:i + LATTICE_CHUNK], k)
+                     for i in range(0, flat.shape[0], LATTICE_CHUNK)]
+            candidates, log_probs, index = (torch.cat(t).view(*positions.shape[:2], *t[0].shape[1:]) for t in zip(*parts))
+        scores = self.lilicorr(F.embedding(candidates, self.embed_weight), log_probs, positions.detach(), anchor.detach())
+        return positions, path_rows(scores, index), candidates
+
+    def walk(self, positions: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+        """LiLiCorr's lattice as vLLM's speculator builds it: (candidates [N, S, k], the walk's
+        scores [N, S, k, k]) of S draft positions' states [N, S, H] after anchor [N, H]."""
+        candidates, log_probs = lattice(self._log_probs(positions), self.cfg.lilicorr.candidate_topk)
+        return candidates, self.lilicorr(F.embedding(candidates, self.embed_weight), log_probs, positions, anchor)
+
+    def _log_probs(self, states: Tensor) -> Tensor:
+        """The backbone's log-softmax [..., V] of states [..., H], in fp32."""
+        return torch.log_softmax(self.logits(states).float(), dim=-1)
 
     def _many_block_attend(self, anchors: Tensor, seq_len: int, window: int | None) -> AttendFn:
         if self.attention_backend == "flex":
@@ -482,8 +521,9 @@ class DFlashDrafter(nn.Module):
 
 
 def _tokens_at(input_ids: Tensor, starts: Tensor, last: Tensor, pos: Tensor) -> Tensor:
-    """input_ids at each sequence's own positions pos [N, ...], clamped to its last token; starts
-    and last [N] place the sequences in input_ids' flattened tokens (see _context_layout)."""
+    """input_ids [rows, width, ...] at each sequence's own positions pos [N, ...], clamped to its
+    last token; starts and last [N] place the sequences in input_ids' flattened tokens (see
+    _context_layout)."""
     shape = (pos.shape[0], *[1] * (pos.ndim - 1))
     flat = starts.view(shape) + torch.minimum(pos, last.view(shape))
-    return input_ids.flatten()[flat]
+    return input_ids.flatten(0, 1)[flat]

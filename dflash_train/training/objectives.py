@@ -11,10 +11,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dflash_train.settings.dflash2_config import DFlash2Config
-from dflash_train.training.dflash2 import training_candidates, unary_scores
+from dflash_train.training.dflash2 import training_candidates, unary_scores, walk_terms
 
 # -log(alpha) is floored here: a drafter that puts no mass on any of the teacher's buckets would
 # otherwise give an infinite loss and a NaN gradient.
@@ -164,7 +163,7 @@ def chunk_terms(
             greedy = (logits.argmax(dim=-1) == topk_ids[:, 0]).to(torch.float32)
             confidence = torch.exp(-ce)
         selected = (logits.new_zeros(0, logits.shape[0]) if selector is None
-                    else selector_terms(logits, selector_context, successor_codebook, topk_ids[:, 0], selector))
+                    else selector_terms(logits, selector_context, successor_codebook, topk_ids, topk_logprobs, selector))
     return per_term, alpha, greedy, confidence, selected
 
 
@@ -215,19 +214,16 @@ def tempered_kl(logits: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torc
 
 
 def selector_terms(logits: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
-                   target_ids: torch.Tensor, selector: DFlash2Config) -> torch.Tensor:
-    """DFlash2's selector objective as speculators defines it, per position [4, T] (SELECTOR_SUMS'
-    order): the K-way cross-entropy of the teacher's top-1 among the drafter's top-k candidates
-    (put in the last slot where the top-k misses it), scored `unary + <context, S[candidate]>`,
-    then, without gradient, recall, the selector's hit and whether its choice left the top-1."""
-    candidates, index, contains = training_candidates(logits.topk(selector.selector_top_k, dim=-1).indices, target_ids)
+                   topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, selector: DFlash2Config) -> torch.Tensor:
+    """DFlash2's selector objective per position [4, T] (SELECTOR_SUMS' order; walk_terms): the
+    candidates are the drafter's top-k with the teacher's top-1 put in the last slot where the
+    top-k misses it (speculators' training set), scored `unary + <context, S[candidate]>`, trained
+    toward the teacher's top-1 (speculators' objective) or its distribution (selector_target);
+    recall is whether the drafter's own top-k held the teacher's top-1."""
+    candidates, _, contains = training_candidates(logits.topk(selector.selector_top_k, dim=-1).indices, topk_ids[:, 0])
     unary = unary_scores(logits.gather(1, candidates), selector)
     scores = unary + (successor_codebook[candidates].float() * context.float().unsqueeze(1)).sum(-1)
-    ce = F.cross_entropy(scores, index, reduction="none")
-    with torch.no_grad():
-        choice = scores.argmax(-1)
-        hit = (choice == index) & contains
-    return torch.stack([ce, contains.float(), hit.float(), (choice != 0).float()])
+    return walk_terms(scores, candidates, topk_ids, topk_logprobs, logits.shape[1], selector.selector_target, contains)
 
 
 def onpolicy_split(hits: torch.Tensor, valid: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from dflash_common.errors import ConfigError
 from dflash_common.files import write_file_atomic
 from dflash_common.progress import Progress
 from dflash_teacher.tapped_layers import check_servable_layers
+from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.checkpoint import (
@@ -60,12 +61,23 @@ def build_drafter(cfg: TrainConfig, cache, device: torch.device) -> DFlashDrafte
         num_hidden_layers=cfg.model.num_layers, sliding_window=cfg.model.sliding_window,
         sliding_layers=cfg.model.sliding_layers, mask_token=mask_token_text(tokenizer, mask_id), **cfg.model.overrides(),
         dspark=cfg.dspark if cfg.model.kind == "dspark" else None,
-        dflash2=cfg.dflash2 if cfg.model.kind == "dflash2" else None, causal=cfg.model.causal,
+        dflash2=_convolutions(cfg), lilicorr=cfg.lilicorr if cfg.model.kind == "lilicorr" else None,
+        causal=cfg.model.causal,
     )
     check_servable_layers(drafter_cfg.target_layer_ids, drafter_cfg.num_target_layers,
                           f"the cache {cfg.cache} holds layers", fix="rebuild it with --layers in {allowed}")
     torch.manual_seed(cfg.seed)
     return DFlashDrafter.build(drafter_cfg, embed, lm_head, device, attention_backend(cfg.model.attention_backend, device))
+
+
+def _convolutions(cfg: TrainConfig) -> DFlash2Config | None:
+    """The drafter's DFlash2 settings: all of them for DFlash2, the convolutions' geometry alone
+    for LiLiCorr + conv (its other DFlash2 fields are the selector's, which LiLiCorr has none of)."""
+    if cfg.model.kind == "dflash2":
+        return cfg.dflash2
+    if cfg.model.kind == "lilicorr" and cfg.lilicorr.conv:
+        return DFlash2Config(conv_kernel_size=cfg.dflash2.conv_kernel_size, conv_group_size=cfg.dflash2.conv_group_size)
+    return None
 
 
 def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
