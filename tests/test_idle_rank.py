@@ -2,7 +2,8 @@
 position) under real gloo torchrun processes: DSpark and DFlash2 have weights that only the loss
 reads, outside the forward (the Markov head's W2, the selector's successor codebook); an idle rank
 must still give them a (zero) gradient, or DDP's all-reduce and FSDP2's reduce-scatter of the
-other ranks wait for it forever or abort (issue 42, finding 2)."""
+other ranks wait for it forever or abort (issue 42, finding 2). LiLiCorr's correlator (with and
+without convolutions) is reached by the loss alone, through its scores (issue 56)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ CLI = str(Path(sys.executable).with_name("dflash-train"))
 # 36-58-token sequences in 60-token batches: one sequence a partition a step
 ARGS = ["--steps", "3", "--num-layers", "1", "--block-size", "4", "--batch-tokens", "60",
         "--heldout-fraction", "0", "--save-every", "3", "--log-every", "1", "--eval-sequences", "0", "--quiet"]
+LILICORR = ["--model-kind", "lilicorr", "--lilicorr-candidates", "4", "--lilicorr-hidden-size", "32", "--lilicorr-heads", "2"]
 KINDS = {"dflash": ["--model-kind", "dflash"], "dspark": ["--model-kind", "dspark", "--markov-rank", "4"],
-         "dflash2": ["--model-kind", "dflash2"]}
+         "dflash2": ["--model-kind", "dflash2"],
+         "lilicorr": LILICORR, "lilicorr+conv": [*LILICORR, "--lilicorr-conv", "--conv-group-size", "8"]}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def test_the_caches_leave_a_rank_idle(caches):
     ("ddp", "dspark", 2), ("fsdp", "dflash2", 2), ("ddp", "dflash2", 2), ("fsdp", "dspark", 2),
     ("ddp", "dspark", 3), ("fsdp", "dflash2", 3), ("ddp", "dflash2", 3), ("fsdp", "dspark", 3),
     ("ddp", "dflash", 2), ("fsdp", "dflash", 2), ("ddp", "dflash", 3), ("fsdp", "dflash", 3),
+    ("ddp", "lilicorr", 2), ("fsdp", "lilicorr", 3), ("fsdp", "lilicorr+conv", 2), ("ddp", "lilicorr+conv", 3),
 ])
 def test_an_idle_rank_joins_the_gradient_reduction(tmp_path, caches, strategy, kind, ranks):
     out = tmp_path / "run"
@@ -76,15 +80,17 @@ def test_an_idle_rank_joins_the_gradient_reduction(tmp_path, caches, strategy, k
     assert (out / "drafter" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "lilicorr"])
 def test_a_batch_without_a_valid_position_reaches_every_trained_weight(kind):
     """The other idle case, a batch whose positions all fall outside the loss mask: its zero loss
     still reaches every trained weight, those only the loss reads included."""
     from test_dflash2 import _drafter as dflash2_drafter
     from test_dspark import _drafter as dspark_drafter
+    from test_lilicorr import _drafter as lilicorr_drafter
     from test_speculative import LAYER_IDS, RUN_VOCAB, run_teacher
 
-    drafter = (dspark_drafter if kind == "dspark" else dflash2_drafter)(run_teacher("qwen3", 0.1)).train()
+    build = {"dspark": dspark_drafter, "dflash2": dflash2_drafter, "lilicorr": lilicorr_drafter}[kind]
+    drafter = build(run_teacher("qwen3", 0.1)).train()
     torch.manual_seed(0)
     batch = Batch(ids=["a"], hidden=torch.randn(1, 12, len(LAYER_IDS), 64), input_ids=torch.randint(0, RUN_VOCAB - 1, (1, 12)),
                   loss_mask=torch.zeros(1, 12, dtype=torch.bool), lengths=torch.tensor([12]),
@@ -95,4 +101,5 @@ def test_a_batch_without_a_valid_position_reaches_every_trained_weight(kind):
     out.loss.backward()
     missing = [name for name, p in drafter.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
-    assert drafter.loss_weights  # the weights this is about exist in this drafter
+    # the weights this is about: those only the loss reads, or (LiLiCorr) a head the loss alone reaches
+    assert drafter.loss_weights or drafter.lilicorr is not None

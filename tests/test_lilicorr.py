@@ -164,6 +164,14 @@ def test_lilicorr_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url, co
     assert read_export_config(straight / "drafter").lilicorr == LiLiCorrConfig(**SMALL, conv=conv)
     assert "V2 model runner" in result.output and "SGLang: not available" in result.output
 
+    # offline eval: the greedy replay walks the correlator's choices
+    report = tmp_path / "eval.json"
+    evaluated = runner.invoke(app, ["eval", "--checkpoint", str(straight / "drafter"), "--cache", cache_url,
+                                    "--heldout-fraction", "0.1", "--out", str(report), "--quiet"])
+    assert evaluated.exit_code == 0, evaluated.output
+    replay = json.loads(report.read_text())["greedy_replay"]
+    assert replay["rounds"] > 0 and sum(replay["accepted_histogram"]) == replay["rounds"]
+
     records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     train_log = [r for r in records if r["kind"] == "train"]
     assert len(train_log[-1]["alpha"]) == 3 and train_log[-1]["loss_selector"] > 0

@@ -10,7 +10,7 @@ from dflash_cache import Cache
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.batch import Batch
 from dflash_train.training.data import heldout_batches
-from dflash_train.training.heldout import argmax_chunks, streak_lengths
+from dflash_train.training.heldout import argmax_chunks, streak_lengths, walk_choice
 from dflash_train.training.model import DFlashDrafter
 
 
@@ -39,7 +39,7 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     drafts plus one teacher token, and the next anchor follows them. On sequences that are the
     teacher's own greedy output this is what real greedy decoding accepts (for DSpark too: along
     an accepted streak each drafted token is the true one, so teacher-forced Markov inputs are the
-    drafted ones; for DFlash2 the selector's choice, teacher-forced likewise). Returns (tokens
+    drafted ones; for DFlash2 the selector's choice and for LiLiCorr the walk's, teacher-forced likewise). Returns (tokens
     produced by rounds, rounds) and counts each round's length in ``histogram`` (from
     replay_histogram).
     """
@@ -52,9 +52,10 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
         for r, spans in enumerate(cursors):
             if spans:
                 anchors[r, 0] = spans[0][0]
-        states, features, _ = model(batch.hidden, batch.input_ids, anchors, heads=True,
-                                    packed_lengths=batch.packed_lengths)
-        guesses = argmax_chunks(model, states, features)  # [N, P]
+        states, features, third = model(batch.hidden, batch.input_ids, anchors, heads=True,
+                                        packed_lengths=batch.packed_lengths)
+        # [N, P]; LiLiCorr's outputs are the walk's scores along the path and their candidates
+        guesses = walk_choice(features, third) if model.lilicorr is not None else argmax_chunks(model, states, features)
         for r, spans in enumerate(cursors):
             if not spans:
                 continue

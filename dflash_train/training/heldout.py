@@ -109,13 +109,19 @@ def _heldout_part(model: DFlashDrafter, batch, loss_cfg: LossConfig, meter: Acce
     states, targets, heads = block_states(model, batch)
     meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
                          targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
-    if heads.lattice_scores is not None:  # LiLiCorr: the walk's best along the teacher-forced path
-        choice = heads.lattice_ids.gather(-1, heads.lattice_scores.argmax(-1, keepdim=True)).squeeze(-1)
+    if heads.lattice_scores is not None:
+        choice = walk_choice(heads.lattice_scores, heads.lattice_ids)
     else:
         choice = argmax_chunks(model, states, heads.features if heads.selector_context is None else heads.selector_context)
     hits = (choice == targets["topk_ids"][..., 0]) & targets["valid"]
     used = targets["valid"][:, 0]  # blocks whose first position counts
     return streak_lengths(hits)[used]
+
+
+def walk_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """LiLiCorr's greedy choice [...] from the walk's scores along the teacher-forced path [..., k]
+    of candidates [..., k] (what greedy decoding draws along an accepted streak)."""
+    return candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def argmax_chunks(model: DFlashDrafter, states: torch.Tensor, features: torch.Tensor | None = None,
