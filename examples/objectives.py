@@ -84,6 +84,18 @@ ANCHORS: dict[str, dict] = {
 equal training tokens read (the same batches): the seed recipe's 8 random anchors a sequence (the
 reference), 32, and cover (every loss position once an epoch, the default since issue 59)."""
 
+LATTICE: dict[str, dict] = {
+    **KINDS,
+    "dflash2-teacher": {"model.kind": "dflash2", "dflash2.selector_target": "teacher"},
+    "lilicorr": {"model.kind": "lilicorr"},
+    "lilicorr-top1": {"model.kind": "lilicorr", "lilicorr.target": "top1"},
+    "lilicorr+conv": {"model.kind": "lilicorr", "lilicorr.conv": True},
+}
+"""`--study lattice` (issue 56): the candidate walks against DFlash under the default objective at
+equal training tokens: DSpark, DFlash2 with speculators' top-1 selector objective and with the
+teacher's distribution over the candidates (dflash2.selector_target), LiLiCorr (its default: the
+teacher's distribution), LiLiCorr trained toward the top-1, and LiLiCorr + conv."""
+
 STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, num_anchors=8, lr=1e-3,
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
@@ -95,7 +107,8 @@ STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": (
                           "dspark", "_confidence"),
            "kinds": ("drafter", KINDS, "dflash", "_kinds"),
            "field": ("arm", FIELD, "dflash", "_field"),
-           "anchors": ("anchors", ANCHORS, "random8", "_anchors")}
+           "anchors": ("anchors", ANCHORS, "random8", "_anchors"),
+           "lattice": ("drafter", LATTICE, "dflash", "_lattice")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
 (`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
 confidence thresholds examples/confidence.py decodes)."""
@@ -177,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                              "kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds), or field (issue 46): those and "
                              "DFlash with the chain loss, first-error weights, kl at T = 2 and causal blocks "
                              "(OUT/<cache>_field), or anchors (issue 59): 8 and 32 random anchors a sequence against "
-                             "cover (OUT/<cache>_anchors)")
+                             "cover (OUT/<cache>_anchors), or lattice (issue 56): DFlash, DSpark, DFlash2 with both "
+                             "selector objectives, LiLiCorr with both and LiLiCorr + conv (OUT/<cache>_lattice)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 
@@ -245,7 +259,7 @@ def selector_table(sweep_dir: Path, key: str) -> str:
                 rows.setdefault((run.name.split("_seed-")[0].removeprefix(f"{key}-"), kind), []).append(found)
     if not rows:
         return ""
-    lines = ["", "DFlash2's selector in real decoding (mean over seeds)", "",
+    lines = ["", "The candidate walk (DFlash2's selector, LiLiCorr's correlator) in real decoding (mean over seeds)", "",
              "| configuration | decoding | drafts changed | changed accepted | unchanged accepted | seeds |",
              "|---|---|---:|---:|---:|---:|"]
     for (name, kind), found in rows.items():
