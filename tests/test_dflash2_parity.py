@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 
-from dflash_train.measuring.speculative import _select
+from dflash_train.measuring.drafting import _select
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.spec_config import SpecConfig

@@ -33,7 +33,7 @@ import torch
 from test_lilicorr import _drafter, _stir
 from test_speculative import RUN_VOCAB, run_teacher
 
-from dflash_train.measuring.speculative import _walk
+from dflash_train.measuring.drafting import _walk
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.export import export_drafter
 

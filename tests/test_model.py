@@ -10,7 +10,8 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3_5Config, Qw
 
 from dflash_common.errors import ConfigError
 from dflash_train.settings.drafter_config import DrafterConfig
-from dflash_train.training.model import DFlashDrafter, block_attention_mask, mask_token_text, resolve_mask_token_id
+from dflash_train.training.mask_token import mask_token_text, resolve_mask_token_id
+from dflash_train.training.model import DFlashDrafter, block_attention_mask
 
 HIDDEN = 64
 VOCAB = 97

@@ -91,6 +91,19 @@ class DFlash2Config:
                 raise ConfigError(f"dflash2.{name} {value!r} is not a number {bound} (default "
                                   f"{getattr(DFlash2Config, name)})")
 
+    def check_fits(self, hidden_size: int, block_size: int, vocab_size: int, selects: bool) -> None:
+        """Refuse convolutions (and, when the selector scores the walk, candidates) that a drafter
+        of this width, block and vocabulary cannot have."""
+        if hidden_size % self.conv_group_size:
+            raise ConfigError(f"dflash2.conv_group_size {self.conv_group_size} does not divide hidden_size "
+                              f"{hidden_size}; pick a divisor (16 is the default)")
+        if self.conv_kernel_size > block_size:
+            raise ConfigError(f"dflash2.conv_kernel_size {self.conv_kernel_size} exceeds block_size {block_size}; "
+                              "a tap reaches within the block only (2 is the default)")
+        if selects and self.selector_top_k > vocab_size:
+            raise ConfigError(f"dflash2.selector_top_k {self.selector_top_k} exceeds the vocabulary's {vocab_size} "
+                              "tokens; pick fewer candidates (16 is the default)")
+
     def export_fields(self) -> dict:
         """The dflash_config keys vLLM's DFlash2DraftModel reads."""
         return {name: getattr(self, name) for name in EXPORTED}

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from dflash_common.errors import ConfigError
-from dflash_common.values import is_int, is_real
+from dflash_common.values import is_int
 from dflash_train.settings.dflash2_config import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.dspark_config import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_train.settings.dspark_config import DSparkConfig
+from dflash_train.settings.export_types import check_export_types
 from dflash_train.settings.lilicorr_config import ARCHITECTURE as LILICORR_ARCHITECTURE
 from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 
@@ -193,39 +194,20 @@ class DrafterConfig:
             raise ConfigError(f"causal={self.causal!r} is not a bool; pass True or False")
 
     def _check_dflash2(self) -> None:
-        conv = self.dflash2
-        if not isinstance(conv, DFlash2Config):
-            raise ConfigError(f"dflash2 is a {type(conv).__name__}, not a DFlash2Config; pass DFlash2Config(...) or None")
-        if self.dspark is not None:
-            raise ConfigError("a drafter is DSpark or DFlash2, not both; pass dspark or dflash2")
-        if self.hidden_size % conv.conv_group_size:
-            raise ConfigError(f"dflash2.conv_group_size {conv.conv_group_size} does not divide hidden_size "
-                              f"{self.hidden_size}; pick a divisor (16 is the default)")
-        if conv.conv_kernel_size > self.block_size:
-            raise ConfigError(f"dflash2.conv_kernel_size {conv.conv_kernel_size} exceeds block_size {self.block_size}; "
-                              "a tap reaches within the block only (2 is the default)")
-        if self.lilicorr is None and conv.selector_top_k > self.vocab_size:
-            raise ConfigError(f"dflash2.selector_top_k {conv.selector_top_k} exceeds the vocabulary's {self.vocab_size} "
-                              "tokens; pick fewer candidates (16 is the default)")
-
-    def _check_lilicorr(self) -> None:
-        lattice = self.lilicorr
-        if not isinstance(lattice, LiLiCorrConfig):
-            raise ConfigError(f"lilicorr is a {type(lattice).__name__}, not a LiLiCorrConfig; pass LiLiCorrConfig(...) "
+        if not isinstance(self.dflash2, DFlash2Config):
+            raise ConfigError(f"dflash2 is a {type(self.dflash2).__name__}, not a DFlash2Config; pass DFlash2Config(...) "
                               "or None")
         if self.dspark is not None:
+            raise ConfigError("a drafter is DSpark or DFlash2, not both; pass dspark or dflash2")
+        self.dflash2.check_fits(self.hidden_size, self.block_size, self.vocab_size, selects=self.lilicorr is None)
+
+    def _check_lilicorr(self) -> None:
+        if not isinstance(self.lilicorr, LiLiCorrConfig):
+            raise ConfigError(f"lilicorr is a {type(self.lilicorr).__name__}, not a LiLiCorrConfig; pass "
+                              "LiLiCorrConfig(...) or None")
+        if self.dspark is not None:
             raise ConfigError("a drafter is DSpark or LiLiCorr, not both; pass dspark or lilicorr")
-        if lattice.conv != (self.dflash2 is not None):
-            raise ConfigError(f"lilicorr.conv is {lattice.conv} but the drafter {'lacks' if lattice.conv else 'has'} "
-                              "DFlash2's convolutions; pass dflash2 (its conv_kernel_size and conv_group_size) exactly "
-                              "when lilicorr.conv is true")
-        width = lattice.width(self.hidden_size)
-        if width % lattice.num_heads:
-            raise ConfigError(f"lilicorr.num_heads {lattice.num_heads} does not divide the correlator's width {width}; "
-                              "pick a divisor (4 is the default)")
-        if lattice.candidate_topk > self.vocab_size:
-            raise ConfigError(f"lilicorr.candidate_topk {lattice.candidate_topk} exceeds the vocabulary's "
-                              f"{self.vocab_size} tokens; pick fewer candidates (8 is the default)")
+        self.lilicorr.check_fits(self.hidden_size, self.vocab_size, convolutions=self.dflash2 is not None)
 
     @property
     def selector(self) -> DFlash2Config | None:
@@ -448,53 +430,6 @@ def _convolutions(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> DFlas
     if LILICORR_ARCHITECTURE in architectures and dflash.get("conv_kernel_size"):
         return DFlash2Config(conv_kernel_size=dflash["conv_kernel_size"], conv_group_size=dflash["conv_group_size"])
     return None
-
-
-MAX_EXPORT_INT = 1 << 24
-"""Largest size an export's config.json may give (vocabularies and widths are far below it)."""
-MAX_EXPORT_LAYERS = 1024
-"""Most drafter or teacher layers (and tapped layer ids) an export's config.json may list."""
-
-
-def check_export_types(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> None:
-    """Refuse an export config.json whose values have the wrong type or an absurd size before
-    anything is built from them (an edited num_hidden_layers of 10**9 would build a tuple of
-    gigabytes, "abc" a traceback): one line naming the key, the value and the fix."""
-    def refuse(key: str, value: Any, wanted: str) -> None:
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(f"drafter config {key} {shown} is not {wanted}; the file is damaged or edited: export the "
-                          "drafter again")
-
-    def whole(key: str, value: Any, top: int, optional: bool = False) -> None:
-        if optional and value is None:
-            return
-        if not is_int(value) or not 0 <= value <= top:
-            refuse(key, value, f"a whole number from 0 to {top:,}")
-
-    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
-        whole(key, config.get(key), MAX_EXPORT_INT)
-    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
-        whole(key, config.get(key), MAX_EXPORT_INT if key != "max_position_embeddings" else 1 << 40, optional=True)
-    for key in ("num_hidden_layers", "num_target_layers"):
-        whole(key, config.get(key), MAX_EXPORT_LAYERS)
-    whole("dflash_config.mask_token_id", dflash.get("mask_token_id"), MAX_EXPORT_INT)
-    if not isinstance(dflash.get("causal", False), bool):
-        refuse("dflash_config.causal", dflash["causal"], "true or false")
-    ids = dflash.get("target_layer_ids")
-    if not isinstance(ids, (list, tuple)) or len(ids) > MAX_EXPORT_LAYERS or not all(is_int(i) for i in ids):
-        refuse("dflash_config.target_layer_ids", ids, f"a list of at most {MAX_EXPORT_LAYERS} layer ids")
-    types = config.get("layer_types")
-    if types is not None and (not isinstance(types, (list, tuple)) or len(types) > MAX_EXPORT_LAYERS
-                              or not all(isinstance(t, str) for t in types)):
-        refuse("layer_types", types, "a list of layer type names")
-    for key, value in (("rope_theta", config.get("rope_theta")), ("rms_norm_eps", config.get("rms_norm_eps"))):
-        if value is not None and not is_real(value, finite=True):
-            refuse(key, value, "a finite number")
-    for key in ("rope_parameters", "rope_scaling"):
-        params = config.get(key)
-        if isinstance(params, Mapping) and params.get("rope_theta") is not None \
-                and not is_real(params["rope_theta"], finite=True):
-            refuse(f"{key}.rope_theta", params["rope_theta"], "a finite number")
 
 
 def _layer_shape(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -96,6 +96,20 @@ class LiLiCorrConfig:
             raise ConfigError(f"lilicorr.conv {self.conv!r} is not true or false")
         check_choice("lilicorr.target", self.target, WALK_TARGETS)
 
+    def check_fits(self, hidden_size: int, vocab_size: int, convolutions: bool) -> None:
+        """Refuse a correlator a drafter of this width and vocabulary cannot have, or a conv flag
+        that disagrees with the drafter's convolutions."""
+        if self.conv != convolutions:
+            raise ConfigError(f"lilicorr.conv is {self.conv} but the drafter {'lacks' if self.conv else 'has'} "
+                              "DFlash2's convolutions; pass dflash2 (its conv_kernel_size and conv_group_size) exactly "
+                              "when lilicorr.conv is true")
+        if self.width(hidden_size) % self.num_heads:
+            raise ConfigError(f"lilicorr.num_heads {self.num_heads} does not divide the correlator's width "
+                              f"{self.width(hidden_size)}; pick a divisor (4 is the default)")
+        if self.candidate_topk > vocab_size:
+            raise ConfigError(f"lilicorr.candidate_topk {self.candidate_topk} exceeds the vocabulary's {vocab_size} "
+                              "tokens; pick fewer candidates (8 is the default)")
+
     def width(self, drafter_hidden: int) -> int:
         """The correlator's width for a drafter of width drafter_hidden."""
         return self.hidden_size or drafter_hidden

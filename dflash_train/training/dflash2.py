@@ -144,13 +144,13 @@ def walk_terms(scores: Tensor, candidates: Tensor, topk_ids: Tensor, topk_logpro
     `recall` [n] replaces the first of those where the candidates were given the top-1 in training."""
     matches = candidates == topk_ids[:, :1]
     contains, index = matches.any(-1), matches.long().argmax(-1)
-    contains = contains if recall is None else recall
     log_walk = torch.log_softmax(scores.float(), dim=-1)
     if target == "teacher":
         ce = -(candidate_teacher_probs(candidates, topk_ids, topk_logprobs, vocab_size) * log_walk).sum(-1)
     else:
         ce = -log_walk.gather(1, index[:, None]).squeeze(1) * contains
     with torch.no_grad():
+        recall = contains if recall is None else recall
         choice = scores.argmax(-1)
-        hit = (choice == index) & contains
-    return torch.stack([ce, contains.float(), hit.float(), (choice != 0).float()])
+        hit = (choice == index) & recall
+    return torch.stack([ce, recall.float(), hit.float(), (choice != 0).float()])

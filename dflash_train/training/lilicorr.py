@@ -19,6 +19,8 @@ Parameter names are the ones vLLM 0.32's LiLiCorrForCausalLM loads under `lilico
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -27,6 +29,8 @@ from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 from dflash_train.training.dflash2 import training_candidates
 
 NUM_FEATURES = 5
+LATTICE_CHUNK = 256
+"""Block positions whose full-vocabulary log-softmax the training lattice's candidates are taken from at once."""
 # the top-1's mark in the residual stream at the start; above a teacher embedding's entries
 TOP1_MARK = 4.0
 
@@ -185,6 +189,38 @@ class Correlator(nn.Module):
         pairs = outgoing[:, :-1] @ incoming[:, 1:].transpose(-1, -2)  # [N, S-1, k, k]
         scale = self.cfg.logit_scale
         return torch.cat((scale * start.float()[:, None, None, :].expand(-1, 1, k, -1), scale * pairs.float()), dim=1)
+
+
+def training_lattice(correlator: Correlator, logits: Callable[[Tensor], Tensor], embed_weight: Tensor,
+                     positions: Tensor, path_ids: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """The teacher-forced lattice of whole blocks: (the walk's scores along the path [M, P, k], the
+    candidates [M, P, k]) of draft positions' states [M, P, H] (`logits` the backbone's head), the
+    path being the sequence's own tokens path_ids [M, P] (put among the candidates where the top-k
+    misses them) and anchor [M, H] the normed context feature before each block. The correlator
+    reads the backbone detached: its loss trains it alone, and the backbone's candidates and their
+    log-probabilities carry no gradient (a full-vocabulary log-softmax kept for backward at every
+    block position would double the head's memory)."""
+    k = correlator.cfg.candidate_topk
+    with torch.no_grad():
+        flat, path = positions.reshape(-1, positions.shape[-1]), path_ids.reshape(-1)
+        parts = [teacher_forced_lattice(_log_probs(logits, flat[i:i + LATTICE_CHUNK]), path[i:i + LATTICE_CHUNK], k)
+                 for i in range(0, flat.shape[0], LATTICE_CHUNK)]
+        candidates, log_probs, index = (torch.cat(t).view(*positions.shape[:2], *t[0].shape[1:]) for t in zip(*parts))
+    scores = correlator(F.embedding(candidates, embed_weight), log_probs, positions.detach(), anchor.detach())
+    return path_rows(scores, index), candidates
+
+
+def walk_lattice(correlator: Correlator, logits: Callable[[Tensor], Tensor], embed_weight: Tensor, positions: Tensor,
+                 anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """The lattice as vLLM's speculator builds it: (candidates [N, S, k], the walk's scores
+    [N, S, k, k]) of S draft positions' states [N, S, H] after anchor [N, H]."""
+    candidates, log_probs = lattice(_log_probs(logits, positions), correlator.cfg.candidate_topk)
+    return candidates, correlator(F.embedding(candidates, embed_weight), log_probs, positions, anchor)
+
+
+def _log_probs(logits: Callable[[Tensor], Tensor], states: Tensor) -> Tensor:
+    """The backbone's log-softmax [..., V] of states [..., H], in fp32."""
+    return torch.log_softmax(logits(states).float(), dim=-1)
 
 
 def lattice(log_probs: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -200,13 +200,6 @@ def block_loss(
     names = _computed_terms(weights_by_term)
     per_term, alpha, greedy, confidence, selector = _valid_position_terms(
         states, lm_head_weight, targets, topk_ids, topk_logprobs, rows, heads, cfg, names)
-    if heads.lattice is not None:
-        flat = num_blocks * num_positions
-        selector = walk_terms(heads.lattice_scores.reshape(flat, -1).index_select(0, rows),
-                              heads.lattice_ids.reshape(flat, -1).index_select(0, rows),
-                              topk_ids.reshape(flat, -1).index_select(0, rows).long(),
-                              topk_logprobs.reshape(flat, -1).index_select(0, rows),
-                              lm_head_weight.shape[0], heads.lattice.target)
     grid = (num_blocks, num_positions)
     terms = _block_terms(dict(zip(names, per_term)), weights_by_term, greedy, rows, valid, cfg)
     # the chain is its own weighting (a product along the block): the position weights skip it
@@ -289,7 +282,8 @@ def _valid_position_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """chunk_terms over the valid positions (flat indices `rows` of the [M, P] grid), one chunk of
     full-vocabulary logits at a time: ([T, n] terms, alpha, greedy, confidence, [4 or 0, T]
-    selector values), alpha and confidence detached."""
+    selector values: DFlash2's from the logits, LiLiCorr's from its scores), alpha and confidence
+    detached."""
     num_blocks, num_positions, hidden = states.shape
     valid_states = states.reshape(-1, hidden).index_select(0, rows)
     valid_targets = targets.reshape(-1).index_select(0, rows).long()
@@ -315,6 +309,10 @@ def _valid_position_terms(
                 heads.successor_codebook, heads.selector, float(cfg.temperature))
         parts.append(checkpoint(chunk_terms, *args, use_reentrant=False) if recompute else chunk_terms(*args))
     per_term, alpha, greedy, confidence, selector = (torch.cat(piece, dim=-1) for piece in zip(*parts))
+    if heads.lattice is not None:  # LiLiCorr's walk values, from its scores along the path
+        selector = walk_terms(*(t.reshape(num_blocks * num_positions, -1).index_select(0, rows)
+                                for t in (heads.lattice_scores, heads.lattice_ids)),
+                              valid_ids, valid_logprobs, lm_head_weight.shape[0], heads.lattice.target)
     return per_term, alpha.detach(), greedy, confidence.detach(), selector
 
 

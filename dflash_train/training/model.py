@@ -13,7 +13,7 @@ teacher's embedding and LM head are non-persistent buffers and never part of it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -27,54 +27,15 @@ from dflash_train.settings.drafter_config import (
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
     DrafterConfig,
-    _require_int,
 )
 from dflash_train.training.dflash2 import CandidateSelector, GroupedConv
 from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
 from dflash_train.training.layout import sequence_starts, token_positions
-from dflash_train.training.lilicorr import Correlator, lattice, path_rows, teacher_forced_lattice
-
-MASK_TOKEN = "<|MASK|>"
+from dflash_train.training.lilicorr import Correlator, training_lattice, walk_lattice
 
 # HF-style initialisation, the same the reference drafters start from.
 INIT_STD = 0.02
-LATTICE_CHUNK = 256
-"""Block positions whose full-vocabulary log-softmax LiLiCorr's candidates are taken from at once."""
-
-
-def mask_token_text(tokenizer: Any, mask_token_id: int) -> str | None:
-    """The token the tokenizer has at mask_token_id, or None for an id beyond its vocabulary."""
-    for token, token_id in tokenizer.get_vocab().items():
-        if token_id == mask_token_id:
-            return token
-    return None
-
-
-def resolve_mask_token_id(tokenizer: Any, num_embedding_rows: int, override: int | None = None) -> int:
-    """Pick the MASK token: the override, the tokenizer's `<|MASK|>`, or the first unused embedding row.
-
-    `tokenizer` is a transformers tokenizer or a `tokenizers.Tokenizer`.
-    """
-    if override is not None:
-        _require_int("mask token id", override)
-        if not 0 <= override < num_embedding_rows:
-            raise ConfigError(
-                f"--mask-token-id {override} is outside the teacher's {num_embedding_rows} embedding rows; "
-                f"pass an id in [0, {num_embedding_rows})")
-        return override
-    vocab = tokenizer.get_vocab()
-    mask_id = vocab.get(MASK_TOKEN)
-    if mask_id is not None and mask_id < num_embedding_rows:
-        return int(mask_id)
-    used = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size(with_added_tokens=True)
-    # Ids need not be contiguous; the first free row is beyond the largest one in use.
-    first_free = max(used, max(vocab.values(), default=-1) + 1)
-    if first_free < num_embedding_rows:
-        return first_free
-    raise ConfigError(
-        f"the tokenizer has no {MASK_TOKEN} token and uses all {num_embedding_rows} embedding rows; "
-        "pass --mask-token-id with a rarely used token id")
 
 
 def attention_backend(choice: str, device: torch.device, training: bool = True) -> str:
@@ -387,7 +348,8 @@ class DFlashDrafter(nn.Module):
             path = _tokens_at(input_ids, starts, last, prev_pos + 1).view(n * num_anchors, -1)
             anchor = self.context_features(_tokens_at(context_hidden, starts, last, (safe_anchors - 1).clamp(min=0))
                                            .view(1, n * num_anchors, *context_hidden.shape[2:]))
-            return self.lattice_outputs(blocks, path, anchor[0])
+            positions = blocks[:, :self.cfg.num_draft_positions]
+            return positions, *training_lattice(self.lilicorr, self.logits, self.embed_weight, positions, path, anchor[0])
         return self.draft_outputs(blocks, prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 
     def _context_layout(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
@@ -437,34 +399,10 @@ class DFlashDrafter(nn.Module):
         confidence = self.confidence_head(positions, prev_embed) if self.confidence_head is not None else None
         return positions, features, confidence
 
-    def lattice_outputs(self, states: Tensor, path_ids: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """LiLiCorr's teacher-forced outputs of whole blocks' states [M, B, H]: (positions [M, P, H],
-        the walk's scores along the path [M, P, k], the candidates [M, P, k]), the path being the
-        sequence's own tokens path_ids [M, P] (put among the candidates where the top-k misses
-        them) and anchor [M, H] the normed context feature before each block. The correlator
-        reads the backbone detached: its loss trains it alone, and the backbone's candidates
-        and their log-probabilities carry no gradient (a full-vocabulary log-softmax kept for
-        backward at every block position would double the head's memory)."""
-        positions = states[:, :self.cfg.num_draft_positions]
-        k = self.cfg.lilicorr.candidate_topk
-        with torch.no_grad():
-            flat = positions.reshape(-1, positions.shape[-1])
-            parts = [teacher_forced_lattice(self._log_probs(flat[i:i + LATTICE_CHUNK]),
-                                            path_ids.reshape(-1)[i:i + LATTICE_CHUNK], k)
-                     for i in range(0, flat.shape[0], LATTICE_CHUNK)]
-            candidates, log_probs, index = (torch.cat(t).view(*positions.shape[:2], *t[0].shape[1:]) for t in zip(*parts))
-        scores = self.lilicorr(F.embedding(candidates, self.embed_weight), log_probs, positions.detach(), anchor.detach())
-        return positions, path_rows(scores, index), candidates
-
     def walk(self, positions: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
         """LiLiCorr's lattice as vLLM's speculator builds it: (candidates [N, S, k], the walk's
         scores [N, S, k, k]) of S draft positions' states [N, S, H] after anchor [N, H]."""
-        candidates, log_probs = lattice(self._log_probs(positions), self.cfg.lilicorr.candidate_topk)
-        return candidates, self.lilicorr(F.embedding(candidates, self.embed_weight), log_probs, positions, anchor)
-
-    def _log_probs(self, states: Tensor) -> Tensor:
-        """The backbone's log-softmax [..., V] of states [..., H], in fp32."""
-        return torch.log_softmax(self.logits(states).float(), dim=-1)
+        return walk_lattice(self.lilicorr, self.logits, self.embed_weight, positions, anchor)
 
     def _many_block_attend(self, anchors: Tensor, seq_len: int, window: int | None) -> AttendFn:
         if self.attention_backend == "flex":

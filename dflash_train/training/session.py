@@ -31,7 +31,8 @@ from dflash_train.training.distributed import (
 )
 from dflash_train.training.epoch_plan import EpochPlan, idle_ranks_warning, resolve_partitions
 from dflash_train.training.export import read_export
-from dflash_train.training.model import DFlashDrafter, attention_backend, mask_token_text, resolve_mask_token_id
+from dflash_train.training.mask_token import mask_token_text, resolve_mask_token_id
+from dflash_train.training.model import DFlashDrafter, attention_backend
 from dflash_train.training.objectives import head_dtype, set_head_matmul
 from dflash_train.training.resuming import agreed_checkpoint, checkpoint_to_resume, restore_checkpoint
 from dflash_train.training.run_folder import MetricsLog
