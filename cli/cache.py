@@ -91,13 +91,24 @@ def info(
     """Describe a cache: teacher, layers, k, sizes, shards, skipped rows."""
 
     def action():
+        from dflash_cache import format as fmt
         from dflash_cache import open_cache
         from dflash_cache.verify import health_lines
+        from dflash_common.errors import CacheError
 
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         m = cache.manifest
+        # what is shown of a damaged manifest stays readable, but the command fails: a script
+        # reading info's exit code must not take a manifest holding a string for a count as sound
+        problems = fmt.described_field_problems(m)
+        damaged = CacheError(
+            f"{url}: manifest.json {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+            + "; the manifest is damaged or edited: restore manifest.json or rebuild the cache with "
+            "`dflash-cache build ... --overwrite`") if problems else None
         if as_json:
             typer.echo(json.dumps(m, indent=1))
+            if damaged:
+                raise damaged
             return
         # totals are a sum the build writes last; an older or hand-made manifest may lack them
         t, teacher = m.get("totals") or cache.totals, m["teacher"]
@@ -130,6 +141,8 @@ def info(
                          + (f", ... ({len(skipped):,} reasons)" if len(skipped) > MAX_LISTED else ""))
         lines += health_lines(*cache.capture_health())
         typer.echo("\n".join(lines))
+        if damaged:
+            raise damaged
 
     run(action, debug)
 
