@@ -124,6 +124,56 @@ def described_field_problems(manifest: dict) -> list[str]:
     return problems
 
 
+def _whole_at_least_1(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number_in(low: float, high: float):
+    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+# Every field of an existing manifest a build's resume (or finalize) reads for a value, beyond the
+# fields it only compares whole with this build's (build.output.RESUME_KEYS: any JSON value
+# compares): its path, what it must be, and the test. An absent field takes the build's default;
+# an object's fields are checked only once the object itself is one.
+RESUMED_FIELDS = (
+    (("teacher",), "an object", lambda v: isinstance(v, dict)),
+    (("content_options",), "an object", lambda v: isinstance(v, dict)),
+    (("content_options", "shards_per_generate"), "a whole number >= 1", _whole_at_least_1),
+    (("content_options", "world_size"), "a whole number >= 1", _whole_at_least_1),
+    (("build",), "an object", lambda v: isinstance(v, dict)),
+    (("build", "vllm"), "an object", lambda v: isinstance(v, dict)),
+    (("build", "vllm", "generate_tokens"), "a whole number >= 1 or null", lambda v: v is None or _whole_at_least_1(v)),
+    (("teacher_head",), "an object", lambda v: isinstance(v, dict)),
+    (("last_run",), "an object", lambda v: isinstance(v, dict)),
+    (("last_run", "padding_fraction"), "a number in [0, 1]", _number_in(0.0, 1.0)),
+)
+
+
+def resumed_field_problem(manifest: dict) -> str | None:
+    """The first of RESUMED_FIELDS that ``manifest`` holds and that is not what a resume can use,
+    said as "field 'a.b' is V, not W"; None when every one is usable."""
+    for path, what, usable in RESUMED_FIELDS:
+        value: Any = manifest
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            if not usable(value):
+                return f"field {'.'.join(path)!r} is {quoted(value)}, not {what}"
+    return None
+
+
+def check_resumed_fields(manifest: dict, url: str) -> None:
+    """Refuse, naming the field, a manifest a build would resume from (or finalize) whose fields it
+    reads are edited or damaged (resumed_field_problem), before anything is written."""
+    problem = resumed_field_problem(manifest)
+    if problem:
+        raise CacheError(f"{url}: manifest.json {problem}; the manifest was edited or damaged and a resume reads it, so "
+                         "nothing was written: restore manifest.json, or rebuild the cache with --overwrite")
+
+
 def record_shape_problem(record: dict, manifest: dict) -> str | None:
     """What makes a shard record disagree with its manifest's sizes (None when nothing does): its
     counts must be whole numbers and its hidden_shape [tokens, tapped layers, hidden_size], the
