@@ -81,6 +81,21 @@ MAX_LISTED = 20
 """Items of a list `info` prints on one line (layers, skip reasons); a count says the rest."""
 
 
+def _damaged_manifest(url: str, manifest: dict):
+    """The error info ends with after describing a manifest whose described fields are malformed
+    (None: they are sound). What it shows of them stays readable, but the command fails: a script
+    reading info's exit code must not take a manifest holding a string for a count as sound."""
+    from dflash_cache import format as fmt
+    from dflash_common.errors import CacheError
+
+    problems = fmt.described_field_problems(manifest)
+    if not problems:
+        return None
+    return CacheError(f"{url}: manifest.json {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                      + "; the manifest is damaged or edited: restore manifest.json or rebuild the cache with "
+                      "`dflash-cache build ... --overwrite`")
+
+
 @app.command()
 def info(
     url: str = typer.Argument(..., help="Cache URL."),
@@ -91,20 +106,12 @@ def info(
     """Describe a cache: teacher, layers, k, sizes, shards, skipped rows."""
 
     def action():
-        from dflash_cache import format as fmt
         from dflash_cache import open_cache
         from dflash_cache.verify import health_lines
-        from dflash_common.errors import CacheError
 
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         m = cache.manifest
-        # what is shown of a damaged manifest stays readable, but the command fails: a script
-        # reading info's exit code must not take a manifest holding a string for a count as sound
-        problems = fmt.described_field_problems(m)
-        damaged = CacheError(
-            f"{url}: manifest.json {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-            + "; the manifest is damaged or edited: restore manifest.json or rebuild the cache with "
-            "`dflash-cache build ... --overwrite`") if problems else None
+        damaged = _damaged_manifest(url, m)
         if as_json:
             typer.echo(json.dumps(m, indent=1))
             if damaged:

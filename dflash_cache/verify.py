@@ -21,6 +21,8 @@ from dflash_cache.format.integrity import (
     refuse_outside_links,
     size_problems,
 )
+from dflash_cache.format.teacher_folder import FIX as TEACHER_FIX
+from dflash_cache.format.teacher_folder import teacher_file_problems
 from dflash_cache.reader import Cache
 from dflash_cache.shard import Shard
 from dflash_common.errors import CacheError, shown
@@ -40,6 +42,9 @@ class VerifyReport:
     """What verify could not check of the head and why (a cache built before its checksum was
     recorded; a build that has not written it yet), or None."""
 
+    teacher_problems: list[str] = field(default_factory=list)
+    """What is wrong with the files of teacher/ (format.teacher_folder.teacher_file_problems)."""
+
     layers: list[dict] = field(default_factory=list)
     """Capture health per tapped layer over the cache (dflash_cache.health.summary)."""
     health_flags: list[str] = field(default_factory=list)
@@ -47,7 +52,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.bad_shards and self.head_problem is None and not self.health_flags
+        return not self.bad_shards and self.head_problem is None and not self.health_flags and not self.teacher_problems
 
 
 def _nonfinite_bf16(bits: np.ndarray) -> int:
@@ -125,6 +130,9 @@ def finding_lines(report: "VerifyReport", damaged: str | None = None) -> list[st
                      f"without them with --skip-shards \"$(cat {shown(damaged)})\"")
     if report.head_problem:
         lines.append(f"BAD teacher head: {report.head_problem}")
+    lines += [f"BAD teacher file: {problem}" for problem in report.teacher_problems[:MAX_NAMED]]
+    if len(report.teacher_problems) > MAX_NAMED:
+        lines.append(f"BAD and {len(report.teacher_problems) - MAX_NAMED:,} more teacher file problem(s)")
     lines += health_lines(report.layers, report.health_flags)
     if report.head_note:
         lines.append(f"note: {report.head_note}")
@@ -137,7 +145,10 @@ def verdict(cache: Cache, report: "VerifyReport", deep=None) -> tuple[int, str]:
     rebuild = "rebuild the cache with `dflash-cache build ... --overwrite`"
     if report.head_problem and not report.bad_shards:
         return 1, f"error: the teacher head is damaged; {rebuild}"
-    if report.health_flags and not report.bad_shards and not report.head_problem:
+    if report.teacher_problems and not report.bad_shards:
+        return 1, (f"error: {len(report.teacher_problems)} of the teacher's files cannot be read safely (see BAD above); "
+                   f"{TEACHER_FIX}")
+    if report.health_flags and not report.bad_shards and not report.head_problem and not report.teacher_problems:
         return 1, ("error: the capture health of this cache is flagged (see FLAG above): its hidden states look broken; "
                    "check the teacher and rebuild with `dflash-cache build ... --overwrite`")
     if not report.ok:
@@ -279,6 +290,7 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):
             report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
                                 "built before dflash recorded one (its dtypes and values were checked)")
+    report.teacher_problems = teacher_file_problems(cache.store)
     report.layers, report.health_flags = cache.capture_health()
     report.uncommitted = _leftovers(cache)
     return report

@@ -7,11 +7,15 @@ would be the failure)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import qa_rows
-from test_untrusted_index import _copy, _one_line_error
+from test_untrusted_index import RUN, _copy, _one_line_error
 from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
@@ -20,6 +24,21 @@ from cli.cache import app as cache_app
 @pytest.fixture(scope="module")
 def built(tiny_cache) -> Path:
     return Path(tiny_cache(rows=qa_rows(40, seed=8, prefix="ix-"), format_version=2, shard_bytes=30_000))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _command(*args: str, app: str = "cli.cache", timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command in its own process: a FIFO that blocked a read shows as a timeout, a MemoryError
+    as what the process prints, and a read of gigabytes costs this process nothing."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", f"from {app} import main; main()", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _command_train(*args: str) -> subprocess.CompletedProcess:
+    return _command(*args, app="cli.train")
 
 
 def _edit_manifest(cache: Path, edit) -> None:
@@ -118,3 +137,81 @@ def test_the_same_build_resumes_a_sound_manifest(built, tmp_path):
     cache = _copy(built, tmp_path)
     result = _rerun_build(cache)
     assert result.exit_code == 0 and "cache ready" in result.output, result.output
+
+
+# --- the teacher files a cache carries ---------------------------------------------------------
+
+def _teacher_file(cache: Path, name: str) -> Path:
+    return cache / "teacher" / name
+
+
+def _sparse(path: Path) -> None:
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)  # 3 GiB that take no disk
+
+
+def _deep(path: Path) -> None:
+    path.write_text("[" * 400_000 + "]" * 400_000)
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _linked_out(path: Path) -> None:
+    outside = path.parents[3] / "outside" / path.name
+    outside.parent.mkdir(exist_ok=True)
+    shutil.move(str(path), outside)
+    os.symlink(outside, path)
+
+
+TEACHER_DAMAGE = {  # (file, what is done to it, what the line says of it)
+    "tokenizer 3 GiB sparse": ("tokenizer.json", _sparse, "teacher/tokenizer.json is 3,221,225,472 bytes, more than the 256 MiB"),
+    "config 400k deep": ("config.json", _deep, "teacher/config.json nests 400,000 levels deep, more than the 64"),
+    "tokenizer config 400k deep": ("tokenizer_config.json", _deep, "teacher/tokenizer_config.json nests 400,000 levels"),
+    "tokenizer a FIFO": ("tokenizer.json", _fifo, "teacher/tokenizer.json is a FIFO"),
+    "config not JSON": ("config.json", lambda p: p.write_bytes(b"\xff{"), "teacher/config.json is not UTF-8 text"),
+    "tokenizer linked outside": ("tokenizer.json", _linked_out, "teacher/tokenizer.json is a symlink to"),
+}
+
+
+@pytest.mark.fast_cases(3)
+@pytest.mark.parametrize("damage", TEACHER_DAMAGE)
+def test_a_teacher_file_that_cannot_be_read_safely_is_named_by_verify_and_run(built, tmp_path, damage):
+    """Before: verify said ok; run ended in `unexpected MemoryError` (the sparse tokenizer), `unexpected
+    RecursionError` (the deep config: transformers parses it while loading the tokenizer) or waited."""
+    name, edit, said = TEACHER_DAMAGE[damage]
+    cache = _copy(built, tmp_path)
+    edit(_teacher_file(cache, name))
+    verified = _command("verify", str(cache), "--quiet")
+    assert verified.returncode == 1, verified.stderr
+    assert f"BAD teacher file: {said}" in verified.stderr, verified.stderr
+    assert "restore the teacher's files" in verified.stderr.strip().splitlines()[-1], verified.stderr
+    run = _command_train("run", "--cache", str(cache), "--out", str(tmp_path / "run"), *RUN)
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and said in errors[0] and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "rebuild the cache" in errors[0] and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_sound_teacher_folder_has_no_problem(built):
+    from dflash_cache.format.store import CacheStore
+    from dflash_cache.format.teacher_folder import teacher_file_problems
+
+    assert teacher_file_problems(CacheStore.open(str(built))) == []
+
+
+def test_the_bounds_of_one_teacher_file():
+    from dflash_cache.format.teacher_folder import TEACHER_FILE_BYTES, TEACHER_JSON_DEPTH, file_problem
+
+    assert file_problem("head.safetensors", 10 * TEACHER_FILE_BYTES) is None  # the manifest records its size
+    assert "more than the 256 MiB" in file_problem("tokenizer.model", TEACHER_FILE_BYTES + 1)
+    at_bound = b"[" * TEACHER_JSON_DEPTH + b"]" * TEACHER_JSON_DEPTH
+    assert file_problem("config.json", len(at_bound), at_bound) is None
+    deeper = b"[" + at_bound + b"]"
+    assert f"nests {TEACHER_JSON_DEPTH + 1} levels deep" in file_problem("config.json", len(deeper), deeper)
+    quoted = b'["' + b"[" * 1000 + b'"]'  # brackets inside a string do not nest
+    assert file_problem("vocab.json", len(quoted), quoted) is None
+    assert "is not valid JSON" in file_problem("config.json", 2, b"{]")

@@ -4,6 +4,7 @@
 - ``store``: ``CacheStore``, the only code that touches storage (atomic writes, bounded reads, maps)
 - ``manifest``: the header, its checks and totals
 - ``teacher_head``: teacher/head.safetensors's record and checks
+- ``teacher_folder``: the checks of every file of teacher/ before any is read
 - ``hidden``: hidden states encoded and decoded (dtypes, fp8, the format-2 Zarr shard object)
 - ``token_tables``: tokens.arrow and sequences.arrow encoded and decoded
 - ``fp8``: the fp8 e4m3 codec
