@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_cache import format as fmt
+from dflash_cache import health
 from dflash_cache.format import fp8
 from dflash_cache.format.hidden import HiddenChecksumError, ShardedHidden
 from dflash_cache.format.integrity import (
@@ -210,11 +211,13 @@ def check_shard(cache: Cache, shard) -> list[str]:
             problems.append(f"hidden dtype {array.dtype} differs from {expected_dtype}, the storage of the manifest's "
                             f"{cache.hidden_dtype} ({cache.hidden_format})")
         else:
-            digest, bad = _read_all_hidden(shard, array)
+            digest, bad, max_abs = _read_all_hidden(shard, array)
             if digest != record["checksums"]["hidden"]:
                 problems.append("hidden states checksum mismatch")
             if bad:
                 problems.append(f"hidden states contain {bad} NaN/Inf values")
+            if max_abs is not None:  # no model's states: the build refuses them, a cache from elsewhere may hold them
+                problems += [f"hidden states: {p}" for p in health.magnitude_problems(max_abs, cache.layer_ids)]
     except ShardIntegrityError as err:
         problems += err.problems
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
@@ -234,29 +237,44 @@ def _index_rows_problems(shard) -> list[str]:
     return []
 
 
-def _read_all_hidden(shard, array) -> tuple[str, int]:
-    """xxh64 of the whole stored array and its NaN/Inf count, read a window at a time; format 2
-    checks every inner chunk's crc32c on the way (ShardIntegrityError names a bad one)."""
+def _read_all_hidden(shard, array) -> tuple[str, int, np.ndarray | None]:
+    """xxh64 of the whole stored array, its NaN/Inf count and (lossless storage) each tapped layer's
+    largest finite |x| over every value (health.exact_counts, from the bits; fp8's values need their
+    per-token scales: None), read a window at a time; format 2 checks every inner chunk's crc32c on
+    the way (ShardIntegrityError names a bad one)."""
     import xxhash
 
     cache = shard.cache
     digest, bad = xxhash.xxh64(), 0
+    lossless = cache.hidden_format != fp8.FORMAT
+    largest = np.zeros(len(cache.layer_ids)) if lossless else None
+
+    def count(stored: np.ndarray) -> None:
+        nonlocal bad, largest
+        if not lossless:
+            bad += _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
+            return
+        values = fmt.from_storage(stored.reshape(-1, *array.shape[1:]), cache.hidden_dtype)
+        _, nonfinite, max_abs = health.exact_counts(values)
+        bad += int(nonfinite.sum())
+        largest = np.maximum(largest, max_abs)
+
     files = shard.files.fast_hidden
     if isinstance(files, ShardedHidden):
         try:
             for rows in files.check_all():
                 digest.update(rows)
-                bad += _nonfinite_stored(rows.view(files.dtype), cache.hidden_dtype, cache.hidden_format)
+                count(rows.view(files.dtype))
         except HiddenChecksumError as err:
             raise ShardIntegrityError(cache.url, shard.name, [f"hidden states: {err.problem}"]) from None
-        return digest.hexdigest(), bad
+        return digest.hexdigest(), bad, largest
     n = array.shape[0]
     step = max(1, HASH_WINDOW // max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize))
     for lo in range(0, n, step):
         stored = np.ascontiguousarray(shard.read_stored(lo, min(n, lo + step)))
         digest.update(stored.view(np.uint8).reshape(-1))
-        bad += _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
-    return digest.hexdigest(), bad
+        count(stored)
+    return digest.hexdigest(), bad, largest
 
 
 def _each_shard_once(cache: Cache) -> Iterator[Shard]:

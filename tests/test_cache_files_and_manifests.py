@@ -215,3 +215,53 @@ def test_the_bounds_of_one_teacher_file():
     quoted = b'["' + b"[" * 1000 + b'"]'  # brackets inside a string do not nest
     assert file_problem("vocab.json", len(quoted), quoted) is None
     assert "is not valid JSON" in file_problem("config.json", 2, b"{]")
+
+
+# --- rare huge values in the states -------------------------------------------------------------
+
+def test_verify_sees_a_huge_value_at_a_few_positions_of_one_layer(tiny_cache, tmp_path):
+    """A cache holding 1e30 at three positions of one layer, its checksums rewritten to match (what a
+    cache from elsewhere, or from a build before the exact pass, can hold): verify said ok, from
+    the recorded health of 1,024 sampled tokens. Now it reads every value's magnitude from the bits."""
+    import numpy as np
+    import zarr
+    from helpers import replace_shard_records
+
+    from dflash_cache import format as fmt
+    from dflash_cache import open_cache
+
+    cache = _copy(Path(tiny_cache()), tmp_path)  # format 1, float32, uncompressed
+    record = open_cache(str(cache)).shards[1].record
+    array = zarr.open_array(str(Path(fmt.shard_path(str(cache), record["name"], 1)) / fmt.HIDDEN), mode="r+")
+    values = np.asarray(array[:])
+    values[[1, 5, 9][:len(values)], 1, 3] = 1e30
+    array[:] = values
+    record["checksums"]["hidden"] = fmt.checksum(np.ascontiguousarray(values))
+    replace_shard_records(cache, {1: record})
+    verified = CliRunner().invoke(cache_app, ["verify", str(cache), "--quiet"])
+    assert verified.exit_code == 1, verified.output
+    assert (f"BAD {record['name']}: hidden states: tapped layer 2 holds a value of |x| = 1e+30, far above any model's "
+            "hidden states (at most 1e+07 here)") in verified.output, verified.output
+    assert "rebuild the cache" in verified.output.strip().splitlines()[-1]
+
+
+def test_the_writer_commits_no_shard_holding_a_huge_value(tmp_path):
+    """The build's stop, on the real writer: the shard's files are not committed, the line names the
+    layer, the value and the fix."""
+    import numpy as np
+
+    from dflash_cache import format as fmt
+    from dflash_cache.health import CaptureError
+    from dflash_cache.settings.storage_config import StorageConfig
+    from dflash_cache.writer import ShardData, write_shard
+
+    values = np.random.default_rng(0).standard_normal((3000, 2, 16)).astype(np.float32)
+    values[[2000, 2001], 0, 3] = 1e30  # rows no sample of 1,024 takes
+    shard = ShardData(rank=0, index=0, row_start=0, row_end=1, ids=["a"], rows=np.array([0]),
+                      lengths=np.array([3000], np.int32), truncated=np.zeros(1, bool),
+                      input_ids=np.arange(3000, dtype=np.int32) % 50, loss_mask=np.ones(3000, np.uint8), hidden=values,
+                      topk_ids=np.zeros((3000, 3), np.int32), topk_logprobs=np.zeros((3000, 3), np.float32))
+    fs, root = fmt.url_to_fs(str(tmp_path / "cache"))
+    with pytest.raises(CaptureError, match=r"tapped layer 7 holds a value of \|x\| = 1e\+30 .*the shard was not committed"):
+        write_shard(fs, root, shard, StorageConfig(), "float32", layer_ids=[7, 9])
+    assert not list((tmp_path / "cache").rglob("*.json"))
