@@ -37,7 +37,7 @@ import zarr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dflash_cache import format as fmt  # noqa: E402
-from dflash_cache import open_cache  # noqa: E402
+from dflash_cache import health, open_cache  # noqa: E402
 from dflash_cache.format import token_tables as tokens_mod  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, write_shard
@@ -475,6 +475,42 @@ def timed(fn, *args) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def counts_before(values: np.ndarray) -> None:
+    """The writer's exact pass before issue 60 (zeros and NaN/Inf only; magnitudes from the sample):
+    the baseline of --health, kept here to measure against."""
+    view, magnitude, exponent = "int16", 0x7FFF, 0x7F80  # bf16
+    for lo in range(0, values.shape[0], health.BLOCK_ROWS):
+        bits = values[lo:lo + health.BLOCK_ROWS].view(view)
+        np.count_nonzero((bits & magnitude) == 0, axis=(0, 2))
+        np.count_nonzero((bits & exponent) == exponent, axis=(0, 2))
+
+
+def health_rows(shards, repeat: int) -> None:
+    """Capture health per shard as the writer runs it now (exact zeros, NaN/Inf and largest |x| from
+    the bits, RMS from the sample) against before (the same without the exact |x|), interleaved
+    rounds in this one process; the ratio is of the medians."""
+    values = [fmt.from_storage(s.hidden, "bfloat16") for s in shards]
+    now, before = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for v in values:
+            health.layer_stats(v)
+        t1 = time.perf_counter()
+        for v in values:
+            counts_before(v)
+        t2 = time.perf_counter()
+        for v in values:
+            health.exact_counts(v)
+        t3 = time.perf_counter()
+        now.append(t1 - t0)
+        before.append((t1 - t0) - (t3 - t2) + (t2 - t1))  # the sampled part is the same code both times
+    elements = sum(v.size for v in values)
+    a, b = float(np.median(now)), float(np.median(before))
+    print(f"capture health of {len(values)} shard(s), {elements / 1e6:,.0f} M bf16 values: exact |x| (now) {a:.3f} s "
+          f"({a / elements * 1e9:.2f} ns/value), sampled |x| (before) {b:.3f} s ({b / elements * 1e9:.2f} ns/value): "
+          f"{a / b:.2f}x; rounds now {' '.join(f'{x:.3f}' for x in now)}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=20_000, help="tokens per measurement (51.7 KB each; default ~1.05 GB)")
@@ -491,6 +527,8 @@ def main(argv=None) -> None:
                          "each write in its own process, with its peak memory")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size of the 5 tapped layers (a small one for a "
                                                                "quick long-sequence row)")
+    ap.add_argument("--health", action="store_true", help="instead: the writer's capture health, exact |x| against "
+                                                             "the sampled magnitudes before issue 60")
     ap.add_argument("--long-child", choices=["writer", "raw"], help=argparse.SUPPRESS)  # one measurement, in a child
     ap.add_argument("--long-child-tokens", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--long-dir", help=argparse.SUPPRESS)
@@ -517,6 +555,9 @@ def main(argv=None) -> None:
             return
         t0 = time.perf_counter()
         shards = make_shards(tokens)
+        if args.health:
+            health_rows(shards, max(args.repeat, 3))
+            return
         n_tokens = sum(len(s.input_ids) for s in shards)
         payload = n_tokens * PAYLOAD_BPT
         print(f"data: {n_tokens:,} tokens, {sum(len(s.ids) for s in shards)} sequences, {len(shards)} shard(s), "

@@ -81,6 +81,21 @@ MAX_LISTED = 20
 """Items of a list `info` prints on one line (layers, skip reasons); a count says the rest."""
 
 
+def _damaged_manifest(url: str, manifest: dict):
+    """The error info ends with after describing a manifest whose described fields are malformed
+    (None: they are sound). What it shows of them stays readable, but the command fails: a script
+    reading info's exit code must not take a manifest holding a string for a count as sound."""
+    from dflash_cache import format as fmt
+    from dflash_common.errors import CacheError
+
+    problems = fmt.described_field_problems(manifest)
+    if not problems:
+        return None
+    return CacheError(f"{url}: manifest.json {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                      + "; the manifest is damaged or edited: restore manifest.json or rebuild the cache with "
+                      "`dflash-cache build ... --overwrite`")
+
+
 @app.command()
 def info(
     url: str = typer.Argument(..., help="Cache URL."),
@@ -96,8 +111,11 @@ def info(
 
         cache = open_cache(url, json_option(storage_options, "--storage-options"))
         m = cache.manifest
+        damaged = _damaged_manifest(url, m)
         if as_json:
             typer.echo(json.dumps(m, indent=1))
+            if damaged:
+                raise damaged
             return
         # totals are a sum the build writes last; an older or hand-made manifest may lack them
         t, teacher = m.get("totals") or cache.totals, m["teacher"]
@@ -130,6 +148,8 @@ def info(
                          + (f", ... ({len(skipped):,} reasons)" if len(skipped) > MAX_LISTED else ""))
         lines += health_lines(*cache.capture_health())
         typer.echo("\n".join(lines))
+        if damaged:
+            raise damaged
 
     run(action, debug)
 

@@ -1,7 +1,7 @@
 """Capture health: per tapped layer, what the hidden states a shard holds look like (RMS, share of
 exact zeros, non-finite count), computed by the writer from what it writes and kept in the index:
-the zero and non-finite counts exact, over every element, from the bits; the RMS from a
-deterministic sample of the shard's tokens (``sample_rows``).
+the zero and non-finite counts and the largest |x| exact, over every element, from the bits; the
+RMS from a deterministic sample of the shard's tokens (``sample_rows``).
 
 A capture that broke (a layer hooked wrong, weights not loaded, embeddings zeroed) writes states
 that are all zeros or one constant: the build stops on such a shard before committing it
@@ -32,6 +32,12 @@ MAX_RMS = 1e6
 """A layer whose RMS is above this is broken: trained models' hidden states stay orders of magnitude
 below (Qwen's massive activations peak near 1e4 in single channels, layer RMS in the tens)."""
 
+MAX_ABS = 1e7
+"""A layer holding a value of magnitude above this anywhere is broken: three orders above the
+largest single activations trained models produce (Qwen's and Llama's massive activations, ~1e4).
+Taken over every element (exact_counts), since a few such values hide from any sample while the
+drafter's fc layer and norm carry them into every block that sees those positions."""
+
 MIN_SPREAD = 1e-4
 """A layer whose tokens' states differ from their mean by less than this share of their RMS holds one
 vector for every token: the states do not depend on the input (a capture of a constant)."""
@@ -47,20 +53,35 @@ _BITS = {4: ("int32", 0x7FFFFFFF, 0x7F800000), 2: ("int16", 0x7FFF, 0x7F80)}
 _FLOAT16_EXPONENT = 0x7C00
 
 
-def exact_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def exact_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer of ``values`` [N, L, H] (float32, ml_dtypes.bfloat16 or float16): the count of exact
-    zeros (+0 or -0) and of non-finite values, over every element. Read from the bits (integer
-    masks, no float32 copy of the states), BLOCK_ROWS token rows at a time (bounded memory)."""
+    zeros (+0 or -0), the count of non-finite values and the largest finite magnitude |x| (float64;
+    0 for a layer with none), over every element. Read from the bits (integer masks, no float32 copy
+    of the states), BLOCK_ROWS token rows at a time (bounded memory): with the sign bit masked off,
+    a float's bits order like its magnitude, and those at or above the all-ones exponent are Inf
+    and NaN, so one integer view gives all three."""
     view, magnitude, exponent = _BITS[values.dtype.itemsize]
     if values.dtype == np.float16:
         exponent = _FLOAT16_EXPONENT
     zeros = np.zeros(values.shape[1], np.int64)
     nonfinite = np.zeros(values.shape[1], np.int64)
+    largest = np.zeros(values.shape[1], np.dtype(view))
     for lo in range(0, values.shape[0], BLOCK_ROWS):
-        bits = values[lo:lo + BLOCK_ROWS].view(view)
-        zeros += np.count_nonzero((bits & magnitude) == 0, axis=(0, 2))
-        nonfinite += np.count_nonzero((bits & exponent) == exponent, axis=(0, 2))
-    return zeros, nonfinite
+        bits = values[lo:lo + BLOCK_ROWS].view(view) & magnitude
+        zeros += np.count_nonzero(bits == 0, axis=(0, 2))
+        top = bits.max(axis=(0, 2), initial=0)
+        if (top >= exponent).any():  # rare (the build drops non-finite sequences): mask them out
+            wrong = bits >= exponent
+            nonfinite += np.count_nonzero(wrong, axis=(0, 2))
+            top = np.where(wrong, 0, bits).max(axis=(0, 2), initial=0)
+        np.maximum(largest, top.astype(largest.dtype), out=largest)
+    return zeros, nonfinite, largest.view(values.dtype).astype(np.float64)
+
+
+def magnitude_problems(max_abs, layer_ids: list[int]) -> list[str]:
+    """A problem per tapped layer whose largest |x| (exact_counts) is above MAX_ABS."""
+    return [f"tapped layer {layer} holds a value of |x| = {value:.3g}, far above any model's hidden states (at most "
+            f"{MAX_ABS:g} here)" for layer, value in zip(layer_ids, max_abs) if value > MAX_ABS]
 
 
 def sample_rows(n: int, size: int = SAMPLE_TOKENS) -> np.ndarray:
@@ -78,7 +99,7 @@ def layer_stats(values: np.ndarray) -> dict[str, list]:
     broken capture (orders of magnitude off, one vector for every token) from a sample as well as
     from every row, at a bounded cost per shard."""
     n, layers = values.shape[0], values.shape[1]
-    zeros, nonfinite = exact_counts(values)
+    zeros, nonfinite, max_abs = exact_counts(values)
     sample = np.asarray(values[sample_rows(n)], dtype=np.float32)  # [S, L, H]
     finite = np.isfinite(sample)
     clean = np.where(finite, sample, 0.0)
@@ -93,12 +114,14 @@ def layer_stats(values: np.ndarray) -> dict[str, list]:
     rms = np.sqrt(squares / sampled)
     return {"rms": [float(x) for x in rms], "zero_fraction": [float(x) for x in zeros / count],
             "nonfinite": [int(x) for x in nonfinite], "min": low.tolist() if layers else [],
-            "max": high.tolist() if layers else [], "spread": [float(x) for x in spread / np.maximum(rms, 1e-30)]}
+            "max": high.tolist() if layers else [], "spread": [float(x) for x in spread / np.maximum(rms, 1e-30)],
+            "max_abs": [float(x) for x in max_abs]}
 
 
 def check_capture(stats: dict, layer_ids: list[int], shard: str, n_tokens: int) -> None:
     """Refuse a shard whose tapped layer is all zeros, one constant value, one vector for every token
-    (states that do not depend on the input) or of a magnitude no model produces."""
+    (states that do not depend on the input), or holds a value (anywhere: exact) or an RMS of a
+    magnitude no model produces."""
     if n_tokens == 0:
         return
     for i, layer in enumerate(layer_ids):
@@ -106,6 +129,12 @@ def check_capture(stats: dict, layer_ids: list[int], shard: str, n_tokens: int) 
             what = "all zeros"
         elif stats["min"][i] == stats["max"][i] and stats["nonfinite"][i] == 0:
             what = f"the constant {stats['min'][i]:g}"
+        elif stats["max_abs"][i] > MAX_ABS:
+            raise CaptureError(
+                f"shard {shard}: tapped layer {layer} holds a value of |x| = {stats['max_abs'][i]:.3g} among its "
+                f"{n_tokens:,} tokens, far above any model's hidden states (at most {MAX_ABS:g} here): the teacher's "
+                "capture is broken (check the teacher's weights and dtype, and --layers); the shard was not committed, "
+                "so fix the teacher and rerun the same command")
         elif stats["rms"][i] > MAX_RMS:
             what = f"of RMS {stats['rms'][i]:.3g}, far above any model's hidden states (at most {MAX_RMS:g} here),"
         elif n_tokens > 1 and stats["nonfinite"][i] == 0 and stats["spread"][i] < MIN_SPREAD:

@@ -27,9 +27,10 @@ import xxhash
 
 from dflash_cache import format as fmt
 from dflash_cache import health
-from dflash_cache.format.integrity import SIZES, damaged_shards_message, refuse_outside_links
+from dflash_cache.format.integrity import SIZES, damaged_shards_message
 from dflash_cache.format.manifest import ArraySpec
 from dflash_cache.format.store import CacheStore, reaching
+from dflash_cache.format.teacher_folder import check_teacher_files
 from dflash_cache.read_ahead import ReadAhead
 from dflash_cache.shard import SequenceRecord, Shard
 from dflash_common.errors import CacheError, ConfigError
@@ -56,6 +57,7 @@ class Cache:
         with reaching(url):
             self.listing = self.layout.listing(self.store, self.manifest)
         self.shards: Sequence[Shard] = ShardList(self)
+        self._teacher_checked = False
 
     @property
     def complete(self) -> bool:
@@ -231,7 +233,16 @@ class Cache:
         """The chat-template variables the corpus was rendered with at build (None: the template's defaults)."""
         return (self.manifest.get("content_options") or {}).get("chat_template_kwargs")
 
+    def check_teacher_files(self) -> None:
+        """Refuse a teacher/ folder whose files are not bounded regular files inside the cache
+        (dflash_cache.format.teacher_folder), once per Cache: before the tokenizer or the config
+        is read, since transformers reads them whole and parses their JSON recursively."""
+        if not self._teacher_checked:
+            check_teacher_files(self.store)
+            self._teacher_checked = True
+
     def teacher_config(self) -> dict:
+        self.check_teacher_files()
         what = f"{self.url}: {fmt.TEACHER_DIR}/config.json"
         values = load_settings_file(self.teacher_path("config.json"), what, "json", error=CacheError,
                                     fix="rebuild the cache", fs=self.fs)
@@ -278,10 +289,10 @@ class Cache:
 
         from transformers import AutoTokenizer
 
+        # a cache may come from anyone: its tokenizer folder never runs code, and each of its files
+        # is a bounded regular file inside the cache (no link out, no FIFO, no 3 GiB file)
+        self.check_teacher_files()
         if fmt.is_local(self.fs):
-            # a cache may come from anyone: its tokenizer folder never runs code, and none of its
-            # files is a link out of the cache or a FIFO
-            refuse_outside_links(self.store, self.teacher_path(""))
             return AutoTokenizer.from_pretrained(self.teacher_path(""), trust_remote_code=False)
         with tempfile.TemporaryDirectory() as tmp:
             self.fs.get(self.teacher_path("") + "/", tmp + "/", recursive=True)

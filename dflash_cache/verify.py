@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_cache import format as fmt
+from dflash_cache import health
 from dflash_cache.format import fp8
 from dflash_cache.format.hidden import HiddenChecksumError, ShardedHidden
 from dflash_cache.format.integrity import (
@@ -21,6 +22,8 @@ from dflash_cache.format.integrity import (
     refuse_outside_links,
     size_problems,
 )
+from dflash_cache.format.teacher_folder import FIX as TEACHER_FIX
+from dflash_cache.format.teacher_folder import teacher_file_problems
 from dflash_cache.reader import Cache
 from dflash_cache.shard import Shard
 from dflash_common.errors import CacheError, shown
@@ -40,6 +43,9 @@ class VerifyReport:
     """What verify could not check of the head and why (a cache built before its checksum was
     recorded; a build that has not written it yet), or None."""
 
+    teacher_problems: list[str] = field(default_factory=list)
+    """What is wrong with the files of teacher/ (format.teacher_folder.teacher_file_problems)."""
+
     layers: list[dict] = field(default_factory=list)
     """Capture health per tapped layer over the cache (dflash_cache.health.summary)."""
     health_flags: list[str] = field(default_factory=list)
@@ -47,7 +53,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return not self.bad_shards and self.head_problem is None and not self.health_flags
+        return not self.bad_shards and self.head_problem is None and not self.health_flags and not self.teacher_problems
 
 
 def _nonfinite_bf16(bits: np.ndarray) -> int:
@@ -125,6 +131,9 @@ def finding_lines(report: "VerifyReport", damaged: str | None = None) -> list[st
                      f"without them with --skip-shards \"$(cat {shown(damaged)})\"")
     if report.head_problem:
         lines.append(f"BAD teacher head: {report.head_problem}")
+    lines += [f"BAD teacher file: {problem}" for problem in report.teacher_problems[:MAX_NAMED]]
+    if len(report.teacher_problems) > MAX_NAMED:
+        lines.append(f"BAD and {len(report.teacher_problems) - MAX_NAMED:,} more teacher file problem(s)")
     lines += health_lines(report.layers, report.health_flags)
     if report.head_note:
         lines.append(f"note: {report.head_note}")
@@ -137,7 +146,10 @@ def verdict(cache: Cache, report: "VerifyReport", deep=None) -> tuple[int, str]:
     rebuild = "rebuild the cache with `dflash-cache build ... --overwrite`"
     if report.head_problem and not report.bad_shards:
         return 1, f"error: the teacher head is damaged; {rebuild}"
-    if report.health_flags and not report.bad_shards and not report.head_problem:
+    if report.teacher_problems and not report.bad_shards:
+        return 1, (f"error: {len(report.teacher_problems)} of the teacher's files cannot be read safely (see BAD above); "
+                   f"{TEACHER_FIX}")
+    if report.health_flags and not report.bad_shards and not report.head_problem and not report.teacher_problems:
         return 1, ("error: the capture health of this cache is flagged (see FLAG above): its hidden states look broken; "
                    "check the teacher and rebuild with `dflash-cache build ... --overwrite`")
     if not report.ok:
@@ -199,11 +211,13 @@ def check_shard(cache: Cache, shard) -> list[str]:
             problems.append(f"hidden dtype {array.dtype} differs from {expected_dtype}, the storage of the manifest's "
                             f"{cache.hidden_dtype} ({cache.hidden_format})")
         else:
-            digest, bad = _read_all_hidden(shard, array)
+            digest, bad, max_abs = _read_all_hidden(shard, array)
             if digest != record["checksums"]["hidden"]:
                 problems.append("hidden states checksum mismatch")
             if bad:
                 problems.append(f"hidden states contain {bad} NaN/Inf values")
+            if max_abs is not None:  # no model's states: the build refuses them, a cache from elsewhere may hold them
+                problems += [f"hidden states: {p}" for p in health.magnitude_problems(max_abs, cache.layer_ids)]
     except ShardIntegrityError as err:
         problems += err.problems
     except Exception as err:  # a damaged file can fail in any decoder; name it, do not crash
@@ -223,29 +237,44 @@ def _index_rows_problems(shard) -> list[str]:
     return []
 
 
-def _read_all_hidden(shard, array) -> tuple[str, int]:
-    """xxh64 of the whole stored array and its NaN/Inf count, read a window at a time; format 2
-    checks every inner chunk's crc32c on the way (ShardIntegrityError names a bad one)."""
+def _read_all_hidden(shard, array) -> tuple[str, int, np.ndarray | None]:
+    """xxh64 of the whole stored array, its NaN/Inf count and (lossless storage) each tapped layer's
+    largest finite |x| over every value (health.exact_counts, from the bits; fp8's values need their
+    per-token scales: None), read a window at a time; format 2 checks every inner chunk's crc32c on
+    the way (ShardIntegrityError names a bad one)."""
     import xxhash
 
     cache = shard.cache
     digest, bad = xxhash.xxh64(), 0
+    lossless = cache.hidden_format != fp8.FORMAT
+    largest = np.zeros(len(cache.layer_ids)) if lossless else None
+
+    def count(stored: np.ndarray) -> None:
+        nonlocal bad, largest
+        if not lossless:
+            bad += _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
+            return
+        values = fmt.from_storage(stored.reshape(-1, *array.shape[1:]), cache.hidden_dtype)
+        _, nonfinite, max_abs = health.exact_counts(values)
+        bad += int(nonfinite.sum())
+        largest = np.maximum(largest, max_abs)
+
     files = shard.files.fast_hidden
     if isinstance(files, ShardedHidden):
         try:
             for rows in files.check_all():
                 digest.update(rows)
-                bad += _nonfinite_stored(rows.view(files.dtype), cache.hidden_dtype, cache.hidden_format)
+                count(rows.view(files.dtype))
         except HiddenChecksumError as err:
             raise ShardIntegrityError(cache.url, shard.name, [f"hidden states: {err.problem}"]) from None
-        return digest.hexdigest(), bad
+        return digest.hexdigest(), bad, largest
     n = array.shape[0]
     step = max(1, HASH_WINDOW // max(1, int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize))
     for lo in range(0, n, step):
         stored = np.ascontiguousarray(shard.read_stored(lo, min(n, lo + step)))
         digest.update(stored.view(np.uint8).reshape(-1))
-        bad += _nonfinite_stored(stored, cache.hidden_dtype, cache.hidden_format)
-    return digest.hexdigest(), bad
+        count(stored)
+    return digest.hexdigest(), bad, largest
 
 
 def _each_shard_once(cache: Cache) -> Iterator[Shard]:
@@ -279,6 +308,7 @@ def verify_cache(cache: Cache, progress: Progress | None = None) -> VerifyReport
         if not report.head_problem and not fmt.teacher_head_checked(cache.manifest):
             report.head_note = (f"{fmt.TEACHER_DIR}/{fmt.TEACHER_HEAD} was not compared with a checksum: this cache was "
                                 "built before dflash recorded one (its dtypes and values were checked)")
+    report.teacher_problems = teacher_file_problems(cache.store)
     report.layers, report.health_flags = cache.capture_health()
     report.uncommitted = _leftovers(cache)
     return report

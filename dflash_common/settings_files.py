@@ -7,6 +7,7 @@ blow-up or a traceback."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from typing import Any, Callable
 
@@ -16,6 +17,28 @@ from dflash_common.errors import ConfigError, DFlashError
 # a manifest gets its own, larger bound), far below what a process can hold.
 SETTINGS_BYTES = 8 << 20
 MANIFEST_BYTES = 64 << 20
+
+
+# A JSON string (the unrolled form of "(?:[^"\\]|\\.)*", linear and fast), and every byte but
+# brackets: what is left of a line without them is its nesting structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(line: bytes) -> int:
+    """How deeply the JSON text `line` nests arrays and objects (`{}` is 1, `{"a": [1]}` is 2).
+
+    Counted on the raw bytes without parsing (strings removed, then a running count of the
+    brackets left), so it is linear and safe on any input; for invalid JSON it is a best guess.
+    """
+    brackets = _JSON_STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    import numpy as np
+
+    codes = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), np.int32(1), np.int32(-1))
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def read_bounded(open_binary: Callable[[], Any], what: str, limit: int = SETTINGS_BYTES,

@@ -52,3 +52,31 @@ def test_sampled_rms_is_close_to_the_rms_over_every_token():
     stats = health.layer_stats(states)
     exact = np.sqrt((states.astype(np.float64) ** 2).mean(axis=(0, 2)))
     np.testing.assert_allclose(stats["rms"], exact, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_largest_magnitude_is_exact_over_every_token_and_skips_non_finite_values(dtype):
+    """Issue 60: a few huge values outside the 1,024 sampled tokens passed capture health."""
+    states = _states()
+    sampled = set(health.sample_rows(len(states)).tolist())
+    hidden_rows = [r for r in range(len(states)) if r not in sampled][:3]
+    big = 3e4 if dtype is np.float16 else 1e30  # float16 ends at 65,504
+    states[hidden_rows, 1, 5] = [-big, big / 2, big / 4]
+    states[7, 2, 0], states[8, 0, 1] = np.inf, np.nan
+    stats = health.layer_stats(states.astype(dtype))
+    exact = np.abs(np.where(np.isfinite(states), states, 0).astype(dtype).astype(np.float64)).max(axis=(0, 2))
+    assert stats["max_abs"] == exact.tolist() and stats["max_abs"][1] == float(np.asarray(big, dtype=dtype))
+    assert stats["nonfinite"] == [1, 0, 1]
+    assert abs(stats["max"][1]) < big  # the sample never saw it
+
+
+def test_a_huge_value_at_a_few_positions_stops_the_shard_naming_the_layer_and_the_value():
+    states = _states()
+    rows = [r for r in range(len(states)) if r not in set(health.sample_rows(len(states)).tolist())][:3]
+    states[rows, 1, 4] = 1e30
+    stats = health.layer_stats(states.astype(ml_dtypes.bfloat16))
+    with pytest.raises(health.CaptureError, match=r"tapped layer 5 holds a value of \|x\| = 1e\+30 among its 3,000 tokens"
+                                                  r".*at most 1e\+07.*rerun the same command"):
+        health.check_capture(stats, [1, 5, 9], "s", len(states))
+    states[rows, 1, 4] = health.MAX_ABS / 2  # large, within the bound
+    health.check_capture(health.layer_stats(states), [1, 5, 9], "s", len(states))

@@ -219,7 +219,8 @@ def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
     """
     fs, root = fmt.url_to_fs(url, storage_options)
     manifest = fmt.read_manifest(fs, root, url)
-    world = int(manifest["content_options"]["world_size"])
+    fmt.check_resumed_fields(manifest, url)
+    world = int((manifest.get("content_options") or {}).get("world_size", 1))
     missing = [r for r in range(world) if not fs.exists(rank_marker(root, r))]
     if missing:
         raise CacheError(f"{url}: rank(s) {missing} of {world} have not finished; rerun their build (same command with RANK set) before finalizing")

@@ -136,7 +136,9 @@ def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool, new_v
     existing = existing_manifest(fs, root, url)
     version = new_version
     if existing is not None:
-        readable = existing.get("format_version") in fmt.READ_VERSIONS
+        if not overwrite:  # an overwrite deletes a damaged manifest like any other
+            fmt.check_resumed_fields(existing, url)
+        readable = existing.get("format_version") in fmt.READ_VERSIONS and not isinstance(existing.get("format_version"), bool)
         problem = _mismatch(existing, header) if readable else "format version differs"
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")

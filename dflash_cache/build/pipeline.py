@@ -174,6 +174,8 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     if not cfg.overwrite:
         with fmt.reaching(cfg.out):
             existing = existing_manifest(fs, root, cfg.out)
+        if existing is not None:
+            fmt.check_resumed_fields(existing, cfg.out)
         refuse_other_group(existing, generate_group(cfg, len(layers), int(config.hidden_size)), cfg.out)
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher

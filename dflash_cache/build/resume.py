@@ -100,6 +100,7 @@ def open_output(fs, root: str, url: str, header: dict, rank: int, live: bool,
     records, sequences = committed_v2(fs, root, rank) if version != 1 else (committed_records(fs, root, rank), None)
     manifest_path = fmt.join(root, fmt.MANIFEST)
     previous = fmt.read_json(fs, manifest_path) if fs.exists(manifest_path) else {}
+    fmt.check_resumed_fields(previous, url)  # prepare_output checked it; another rank may have written it since
     marker = rank_marker(root, rank)
     # the head's record, kept from the manifest (one process) or this rank's marker (several)
     # when the head is not written again below

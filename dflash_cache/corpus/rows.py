@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from dflash_cache.corpus import limits
 from dflash_cache.corpus.limits import depth_problem, row_byte_limit, size_problem
 from dflash_cache.corpus.listing import list_corpus_files, saved_dataset_files
 from dflash_cache.settings.corpus_config import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
 from dflash_common.errors import ConfigError
+from dflash_common.settings_files import json_depth
 from dflash_common.values import is_int
 
 # Rows are converted from Arrow to Python in slices this long, so one huge record batch never
@@ -45,26 +43,6 @@ class CorpusRow:
 
 
 _JSON_TYPE_NAMES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
-
-# A JSON string (the unrolled form of "(?:[^"\\]|\\.)*", linear and fast), and every byte but
-# brackets: what is left of a line without them is its nesting structure.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def json_depth(line: bytes) -> int:
-    """How deeply the JSON text `line` nests arrays and objects (`{}` is 1, `{"a": [1]}` is 2).
-
-    Counted on the raw bytes without parsing (strings removed, then a running count of the
-    brackets left), so it is linear and safe on any input; for invalid JSON it is a best guess.
-    """
-    brackets = _JSON_STRING.sub(b"", line).translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), np.int32(1), np.int32(-1))
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
 
 def parse_json_line(line: bytes) -> tuple[dict | None, str | None]:
     """Parse one JSON Lines line into (object, None) or (None, problem).

@@ -4,6 +4,7 @@
 - ``store``: ``CacheStore``, the only code that touches storage (atomic writes, bounded reads, maps)
 - ``manifest``: the header, its checks and totals
 - ``teacher_head``: teacher/head.safetensors's record and checks
+- ``teacher_folder``: the checks of every file of teacher/ before any is read
 - ``hidden``: hidden states encoded and decoded (dtypes, fp8, the format-2 Zarr shard object)
 - ``token_tables``: tokens.arrow and sequences.arrow encoded and decoded
 - ``fp8``: the fp8 e4m3 codec
@@ -54,6 +55,8 @@ from dflash_cache.format.manifest import (
     READ_VERSIONS,
     SHARD_RECORD_FIELDS,
     ArraySpec,
+    check_resumed_fields,
+    described_field_problems,
     hidden_format_of,
     manifest_header,
     record_shape_problem,
@@ -86,7 +89,7 @@ __all__ = [
     "SHARD_TABLE", "SHARDS_DIR", "TEACHER_DIR", "TEACHER_HEAD", "TOKENS", "V2_FILES", "check_shard_paths", "checksum",
     "join", "rank_folder", "rank_of", "shard_name", "FORMAT_NAME", "FORMAT_VERSION", "MAX_HIDDEN_SIZE", "MAX_TOP_K",
     "READ_VERSIONS", "SHARD_RECORD_FIELDS", "TEACHER_HEAD_DTYPES", "TEACHER_HEAD_TENSORS", "ArraySpec",
-    "hidden_format_of", "manifest_header", "record_shape_problem",
+    "check_resumed_fields", "described_field_problems", "hidden_format_of", "manifest_header", "record_shape_problem",
     "teacher_head_checked", "teacher_head_problem", "teacher_head_record", "head_tensor_problem", "totals", "CacheStore", "is_local",
     "read_json", "reaching", "url_to_fs", "write_bytes_atomic", "write_json_atomic", "SCALE_COLUMN",
     "sequences_schema", "token_bytes_per_token", "tokens_schema", "layout_for", "read_manifest", "shard_path",

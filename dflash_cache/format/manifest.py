@@ -82,6 +82,98 @@ def check_fields(manifest: dict, url: str, required: tuple[str, ...]) -> dict:
     return manifest
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# What `info` describes of a manifest beyond its header: the teacher's identity fields (the name
+# required, the rest of their type when present) and the totals (optional: the reader sums them
+# from the index when absent). A field of another type is a damaged or edited manifest.
+TEACHER_FIELD_TYPES = {"name": (str, "a name"), "revision": ((str, type(None)), "a revision or null"),
+                       "model_type": (str, "a model type"), "num_hidden_layers": (int, "a count"),
+                       "hidden_size": (int, "a count"), "vocab_size": (int, "a count"),
+                       "config_hash": (str, "a hash"), "weights_hash": (str, "a hash"),
+                       "weights_hash_of": (str, "a hash's source")}
+TOTALS_COUNTS = ("sequences", "tokens", "loss_tokens", "bytes", "shards")
+
+
+def described_field_problems(manifest: dict) -> list[str]:
+    """What is wrong with the fields ``info`` describes (the teacher's identity, the totals,
+    ``complete``), each as "field X is V, not W"; empty when nothing is. The header's own fields
+    are check_manifest's."""
+    problems = []
+    teacher = manifest.get("teacher")
+    if isinstance(teacher, dict):
+        if "name" not in teacher:
+            problems.append("field 'teacher.name' is missing (the teacher's name)")
+        for key, (kind, what) in TEACHER_FIELD_TYPES.items():
+            if key in teacher and not (isinstance(teacher[key], kind) and not isinstance(teacher[key], bool)
+                                       and (kind is not int or teacher[key] >= 0)):
+                problems.append(f"field 'teacher.{key}' is {quoted(teacher[key])}, not {what}")
+    if "complete" in manifest and not isinstance(manifest["complete"], bool):
+        problems.append(f"field 'complete' is {quoted(manifest['complete'])}, not true or false")
+    totals = manifest.get("totals")
+    if "totals" in manifest and not isinstance(totals, dict):
+        problems.append(f"field 'totals' is {quoted(totals)}, not an object")
+    elif isinstance(totals, dict):
+        problems += [f"field 'totals.{key}' is {quoted(totals[key])}, not a count"
+                     for key in TOTALS_COUNTS if key in totals and not _is_count(totals[key])]
+        skipped = totals.get("skipped", {})
+        if not isinstance(skipped, dict) or not all(isinstance(k, str) and _is_count(n) for k, n in skipped.items()):
+            problems.append(f"field 'totals.skipped' is {quoted(skipped)}, not counts by reason")
+    return problems
+
+
+def _whole_at_least_1(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number_in(low: float, high: float):
+    return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+# Every field of an existing manifest a build's resume (or finalize) reads for a value, beyond the
+# fields it only compares whole with this build's (build.output.RESUME_KEYS: any JSON value
+# compares): its path, what it must be, and the test. An absent field takes the build's default;
+# an object's fields are checked only once the object itself is one.
+RESUMED_FIELDS = (
+    (("teacher",), "an object", lambda v: isinstance(v, dict)),
+    (("content_options",), "an object", lambda v: isinstance(v, dict)),
+    (("content_options", "shards_per_generate"), "a whole number >= 1", _whole_at_least_1),
+    (("content_options", "world_size"), "a whole number >= 1", _whole_at_least_1),
+    (("build",), "an object", lambda v: isinstance(v, dict)),
+    (("build", "vllm"), "an object", lambda v: isinstance(v, dict)),
+    (("build", "vllm", "generate_tokens"), "a whole number >= 1 or null", lambda v: v is None or _whole_at_least_1(v)),
+    (("teacher_head",), "an object", lambda v: isinstance(v, dict)),
+    (("last_run",), "an object", lambda v: isinstance(v, dict)),
+    (("last_run", "padding_fraction"), "a number in [0, 1]", _number_in(0.0, 1.0)),
+)
+
+
+def resumed_field_problem(manifest: dict) -> str | None:
+    """The first of RESUMED_FIELDS that ``manifest`` holds and that is not what a resume can use,
+    said as "field 'a.b' is V, not W"; None when every one is usable."""
+    for path, what, usable in RESUMED_FIELDS:
+        value: Any = manifest
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            if not usable(value):
+                return f"field {'.'.join(path)!r} is {quoted(value)}, not {what}"
+    return None
+
+
+def check_resumed_fields(manifest: dict, url: str) -> None:
+    """Refuse, naming the field, a manifest a build would resume from (or finalize) whose fields it
+    reads are edited or damaged (resumed_field_problem), before anything is written."""
+    problem = resumed_field_problem(manifest)
+    if problem:
+        raise CacheError(f"{url}: manifest.json {problem}; the manifest was edited or damaged and a resume reads it, so "
+                         "nothing was written: restore manifest.json, or rebuild the cache with --overwrite")
+
+
 def record_shape_problem(record: dict, manifest: dict) -> str | None:
     """What makes a shard record disagree with its manifest's sizes (None when nothing does): its
     counts must be whole numbers and its hidden_shape [tokens, tapped layers, hidden_size], the
