@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import write_file_atomic
+from dflash_common.files import disk_full_at, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_teacher.tapped_layers import check_servable_layers
 from dflash_train.settings.drafter_config import DrafterConfig
@@ -181,7 +181,8 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     step = restore_checkpoint(checkpoint, model, optimizer, scheduler, progress) if checkpoint else 0
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
+        with disk_full_at(out / "config.json"):  # the run's own line says what is kept (trainer.run_disk_full)
+            write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
     metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
     if cfg.data.skip_shards and info.is_main:
         progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")
