@@ -34,6 +34,17 @@ class TrainingError(DFlashError):
     """Training cannot go on: its loss or weights stopped being finite."""
 
 
+class DiskFullError(OutputError):
+    """A write found its disk (or the user's quota) full. ``path`` is what was being written,
+    ``safe`` what is intact (the last good checkpoint, the committed shards), ``fix`` how to go on
+    once there is space; the message is those three in one line."""
+
+    def __init__(self, path: str, safe: str, fix: str):
+        self.path, self.safe, self.fix = str(path), safe, fix
+        super().__init__(f"no space left on the disk while writing {self.path}; {safe}: free space on that disk "
+                         f"(or its quota), then {fix}")
+
+
 
 QUOTED_CHARS = 80
 """The most characters of a value a message quotes from a file it did not write."""

@@ -19,10 +19,10 @@ import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import BinaryIO
 
-from dflash_common.errors import DFlashError, OutputError
+from dflash_common.errors import DFlashError, DiskFullError, OutputError
 
 
 def file_kind(mode: int) -> str:
@@ -122,6 +122,78 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], r
             os.remove(tmp)
         raise
     fsync_path(folder or ".")
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How writers that do not raise OSError name the errno: safetensors (Rust) says "(os error 28)".
+_DISK_FULL_TEXTS = tuple(f"os error {n})" for n in DISK_FULL_ERRNOS) + ("No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an error it was raised from or while handling, is a write that found its
+    disk or quota full: an OSError of ENOSPC/EDQUOT, or a library's wrapping of one (safetensors
+    raises SafetensorError naming "os error 28")."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+            return True
+        if not isinstance(err, OSError) and any(text in str(err) for text in _DISK_FULL_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+@contextmanager
+def disk_full_stops(path: str | os.PathLike, safe: str | Callable[[], str], fix: str) -> Iterator[None]:
+    """Turn a full disk met in the block into one DiskFullError naming `path` (what was being
+    written), `safe` (what is intact; a callable is asked only then, e.g. for the newest checkpoint)
+    and `fix`. A DiskFullError raised inside keeps its own path: it knows the file."""
+    try:
+        yield
+    except DiskFullError as err:
+        raise DiskFullError(err.path, safe() if callable(safe) else safe, fix) from err
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskFullError(os.fspath(path), safe() if callable(safe) else safe, fix) from err
+
+
+def disk_full_at(path: str | os.PathLike) -> AbstractContextManager[None]:
+    """A full disk in the block is a DiskFullError naming `path`, the file being written; what is
+    kept and the fix are for the caller that knows them to add (disk_full_stops around it)."""
+    return disk_full_stops(path, "", "")
+
+
+class _WholeWrites:
+    """A write-only file over a descriptor whose ``write`` writes every byte or raises. torch.save
+    to a path hides the errno of a failed write (it ends in "unexpected pos N vs M"), and to a
+    Python file it ignores a short write's count; through this it gets OSError(ENOSPC) itself."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            view = view[os.write(self.fd, view):]
+        return total
+
+    def flush(self) -> None:
+        pass
+
+
+def write_new_file(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Create `path` new (O_EXCL | O_NOFOLLOW) and fill it with `write(file)`, each write whole or
+    an OSError (a full disk raises ENOSPC, never a torn file that looks written), then fsync it. For
+    the files of a folder that is made under a temporary name and renamed whole (a checkpoint)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        write(_WholeWrites(fd))  # type: ignore[arg-type]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def give_plain_mode(path: str | os.PathLike) -> None:

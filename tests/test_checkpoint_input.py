@@ -304,3 +304,61 @@ def test_export_writes_nothing_from_weights_its_config_does_not_describe(runs, t
     with pytest.raises(ExportError, match="nothing was exported .* the config implies"):
         export_weights(DrafterConfig.from_hf_config(drafter), weights, tmp_path / "exp")
     assert not (tmp_path / "exp").exists()
+
+
+# 5. --init-from says what it kept; a run folder or an incomplete checkpoint is named as one
+
+
+def test_init_from_names_a_run_folder_a_checkpoints_folder_and_an_incomplete_checkpoint(runs, tmp_path):
+    """They were read as exports: `drafter config has no 'hidden_size'` (the train config.json)."""
+    run = runs["dflash"]
+    init = ["run", "--cache", runs["cache"], "--out", str(tmp_path / "init"), "--steps", "1", *SMALL, "--init-from"]
+    _one_line([*init, str(run)], [f"--init-from {run} is a training run's folder, not a drafter; pass its newest "
+                                  f"checkpoint, {run / 'checkpoints' / 'step-000002'} or its export, {run / 'drafter'}"])
+    _one_line([*init, str(run / "checkpoints")], f"is a run's checkpoints folder, not a checkpoint; pass one of its "
+                                                 f"step folders, e.g. {run / 'checkpoints' / 'step-000002'}")
+    unfinished = _copy(_step(runs), tmp_path / "checkpoints" / "step-000002")
+    (unfinished / "COMPLETE").unlink()
+    (unfinished / "model.safetensors").unlink()
+    _one_line([*init, str(unfinished)], f"--init-from {unfinished} is an incomplete checkpoint: it lacks "
+                                        "model.safetensors, COMPLETE (its save did not finish")
+    no_trainer = _copy(_step(runs), tmp_path / "whole" / "step-000002")
+    (no_trainer / "trainer.pt").unlink()  # COMPLETE there: the checkpoint's own reader names the file
+    _one_line([*init, str(no_trainer)], "trainer.pt is missing")
+    assert not (tmp_path / "init").exists() or not (tmp_path / "init" / "checkpoints").exists()
+
+
+def test_init_from_a_causal_drafter_into_a_non_causal_run_says_so(runs, tmp_path):
+    """The causal export trained on as a non-causal drafter without a word."""
+    causal = tmp_path / "causal"
+    made = CliRunner().invoke(app, ["run", "--cache", runs["cache"], "--out", str(causal), "--steps", "1", "--causal", *SMALL])
+    assert made.exit_code == 0, made.output
+    result = CliRunner().invoke(app, ["run", "--cache", runs["cache"], "--out", str(tmp_path / "plain"), "--steps", "1",
+                                      *SMALL, "--init-from", str(causal / "drafter")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    said = [line for line in lines if line.startswith("starting from the drafter weights")]
+    assert said == [f"starting from the drafter weights of {causal / 'drafter'}: kept its 14 tensors (optimizer and "
+                    "schedule fresh); not kept from the drafter config it was trained with (this run's options apply): "
+                    "causal true -> false"], result.output
+    assert (f"warning: --init-from {causal / 'drafter'} was trained with causal blocks and this run trains non-causal "
+            "ones, so its drafter will be served with attention its weights did not learn; pass --causal to keep "
+            "causal blocks") in lines
+    same = CliRunner().invoke(app, ["run", "--cache", runs["cache"], "--out", str(tmp_path / "same"), "--steps", "1",
+                                    *SMALL, "--causal", "--init-from", str(causal / "drafter")])
+    assert same.exit_code == 0 and "its drafter config equals this run's" in same.output and "warning" not in same.output
+
+
+def test_config_changes_lists_nested_fields_by_dotted_name():
+    from dflash_train.settings.drafter_config import DrafterConfig
+    from dflash_train.settings.dspark_config import DSparkConfig
+    from dflash_train.training.session import config_changes
+
+    base = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                         vocab_size=100, mask_token_id=0, target_layer_ids=(0, 2), num_target_layers=4,
+                         dspark=DSparkConfig())
+    other = DrafterConfig(**{**base.__dict__, "causal": True, "block_size": 8,
+                             "dspark": DSparkConfig(sample_from_anchor=False)})
+    assert config_changes(base, base) == []
+    assert config_changes(base, other) == ["block_size 16 -> 8", "dspark.sample_from_anchor true -> false",
+                                           "causal false -> true"]

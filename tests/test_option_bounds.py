@@ -111,3 +111,44 @@ def test_a_drafter_config_of_wrong_types_is_one_line_before_anything_is_built(dr
 
 def test_an_unedited_export_config_still_reads(drafter_outcomes):
     assert drafter_outcomes["unedited"] == "accepted"
+
+
+# --------------------------------------------------------------------------- knobs that train nothing
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--kl-temperature", "1e-30", "kl_temperature 1e-30 is outside [0.1, 100]: the T^2 factor would leave the kl term "
+                                  "almost no gradient, so the run would train nothing; pass a temperature in that range"),
+    ("--kl-temperature", "0.05", "kl_temperature 0.05 is outside [0.1, 100]"),
+    ("--kl-temperature", "1e6", "kl_temperature 1e+06 is outside [0.1, 100]: the tempered distributions would be within "
+                                "fp32 rounding of uniform"),
+    ("--lr", "1e-30", "--lr 1e-30 is below 1e-08: AdamW's steps of about lr would round away in the fp32 weights and the "
+                      "run would train nothing; pass e.g. 6e-4"),
+    ("--noise-start", "1e30", "--noise-start 1e+30 is above 1e+06, the largest RMS a model's hidden states have"),
+])
+def test_a_knob_value_that_would_train_nothing_is_refused_naming_the_bound(tmp_path, option, value, message):
+    """A positive value that trains nothing (--kl-temperature 1e-30 trained at loss 0.0000) is
+    refused when the config is built, before the cache is opened, with the bound and why."""
+    from typer.testing import CliRunner
+
+    from cli.train import app
+
+    extra = ["--noise", "constant"] if option == "--noise-start" else []
+    result = CliRunner().invoke(app, ["run", "--cache", str(tmp_path / "no-cache"), "--out", str(tmp_path / "run"),
+                                      "--quiet", option, value, *extra])
+    lines = [line for line in result.output.strip().splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert message in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_bounds_keep_the_values_runs_use():
+    from dflash_train.settings.loss_config import LossConfig
+    from dflash_train.settings.noise_config import NoiseConfig
+    from dflash_train.settings.optim_config import OptimConfig
+
+    for temperature in (0.1, 0.5, 1.0, 2.0, 20.0, 100.0):
+        LossConfig(temperature=temperature)
+    for lr in (1e-8, 1e-5, 6e-4, 1e-2):
+        OptimConfig(lr=lr)
+    NoiseConfig(schedule="constant", start=1e6)

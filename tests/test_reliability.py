@@ -254,10 +254,11 @@ def _bytes_before(log: list[tuple[str, int]], suffix: str) -> int:
 
 
 @pytest.mark.parametrize("failing_write,committed,message", [
-    ("teacher/head.safetensors", 0, "writing the teacher files to fullfs://"),
-    ("shard-r00000-000001/hidden.zarr/c/0/0/0", 1, "writing a shard failed: "),  # a Zarr chunk, through zarr's async wrapper
-    ("shard-r00000-000002/tokens.arrow", 2, "writing a shard failed: "),  # an Arrow file
-    ("/shard-r00000-000003.json", 3, "writing a shard failed: "),  # the commit record itself
+    ("teacher/head.safetensors", 0, "while writing the teacher files of fullfs://"),
+    # a Zarr chunk, through zarr's async wrapper
+    ("shard-r00000-000001/hidden.zarr/c/0/0/0", 1, "while writing shard shard-r00000-000001 of fullfs://"),
+    ("shard-r00000-000002/tokens.arrow", 2, "while writing shard shard-r00000-000002 of fullfs://"),  # an Arrow file
+    ("/shard-r00000-000003.json", 3, "while writing shard shard-r00000-000003 of fullfs://"),  # the commit record itself
 ])
 def test_disk_full_stops_cleanly_and_the_same_command_resumes(full_case, failing_write, committed, message):
     url = f"fullfs://{full_case['target']}"
@@ -269,7 +270,10 @@ def test_disk_full_stops_cleanly_and_the_same_command_resumes(full_case, failing
     failed = CliRunner().invoke(cache_app, full_case["args"])
     assert failed.exit_code == 1
     line = _one_line_error(failed.output)
-    assert f"{message}" in line and "[Errno 28] No space left on device" in line and "rerun the same command to resume" in line
+    assert line.startswith("error: no space left on the disk ") and message in line, line
+    assert line.endswith("then rerun the same command to resume")
+    if committed:  # the line says how many shards are safe
+        assert f"the {committed} shard(s) of this rank committed before it are intact" in line
     # what was committed before the disk filled up is intact; the half-written shard is not listed
     assert _listed(full_case["target"]) == [s[0] for s in full_case["shards"][:committed]]
     verified = CliRunner().invoke(cache_app, ["verify", url, "--quiet"])

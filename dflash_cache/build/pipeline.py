@@ -281,7 +281,7 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
                    committed=len(resume.records))
     shards = ShardQueue(TeacherPass(teacher, stats, progress, resume.keeper, cross_check),
                         partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids, stats.seconds),
-                        resume.keeper.commit, group)
+                        resume.keeper.commit, group, out=cfg.out, committed=len(resume.records))
     progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = start_row
     try:

@@ -24,7 +24,8 @@ from dflash_cache.build.commit import (
 )
 from dflash_cache.build.output import is_manifest_leftover
 from dflash_cache.writer import work_folder
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, DiskFullError
+from dflash_common.files import is_disk_full
 
 
 @contextmanager
@@ -33,7 +34,10 @@ def writing(what: str, url: str):
     try:
         yield
     except OSError as err:
-        raise CacheError(f"writing {what} to {url} failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
+        if is_disk_full(err):
+            raise DiskFullError(f"{what} of {url}", "the shards committed before are intact and a rerun keeps them",
+                                "rerun the same command to resume") from err
+        raise CacheError(f"writing {what} to {url} failed: {err}; fix the storage, then rerun the same command to resume") from err
 
 
 def _remove_uncommitted(fs, root: str, rank: int, committed: set[str], version: int = 1) -> int:

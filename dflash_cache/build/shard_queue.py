@@ -18,11 +18,13 @@ from typing import Callable
 
 import pyarrow as pa
 
+from dflash_cache import format as fmt
 from dflash_cache.build.shard_cut import PendingShard
 from dflash_cache.build.teacher_pass import TeacherPass
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, sequences_table, write_shard
-from dflash_common.errors import CacheError
+from dflash_common.errors import CacheError, DiskFullError
+from dflash_common.files import is_disk_full
 
 
 @dataclass
@@ -49,10 +51,12 @@ class BackgroundWriter:
     """
 
     def __init__(self, write: Callable[[ShardData], Committed], on_commit: Callable[[Committed], None],
-                 max_pending: int = 1):
+                 max_pending: int = 1, out: str = "the cache", committed: int = 0):
         self._write, self._on_commit = write, on_commit
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
+        # for the error line: where the shards go, how many of this rank's are committed, the one that failed
+        self._out, self._committed, self._failed = out, committed, ""
         self._thread = threading.Thread(target=self._run, name="dflash-shard-writer", daemon=True)
         self._thread.start()
 
@@ -65,14 +69,20 @@ class BackgroundWriter:
                 continue
             try:
                 self._on_commit(self._write(shard))
+                self._committed += 1
             except BaseException as err:  # re-raised in the producer thread
-                self._error = err
+                self._error, self._failed = err, fmt.shard_name(shard.rank, shard.index)
 
     def _raise(self):
         err = self._error  # sticky: later shards are never written after a failed one
         if err is not None:
+            kept = (f"the {self._committed} shard(s) of this rank committed before it are intact and a rerun keeps them"
+                    if self._committed else "no shard of this rank was committed yet")
+            if is_disk_full(err):
+                raise DiskFullError(f"shard {self._failed} of {self._out}", kept, "rerun the same command to resume") from err
             if isinstance(err, OSError):
-                raise CacheError(f"writing a shard failed: {err}; free space or fix the storage, then rerun the same command to resume") from err
+                raise CacheError(f"writing shard {self._failed} of {self._out} failed: {err} ({kept}); fix the storage, "
+                                 "then rerun the same command to resume") from err
             raise err
 
     def submit(self, shard: ShardData) -> None:
@@ -92,11 +102,11 @@ class ShardQueue:
     thread."""
 
     def __init__(self, teacher: TeacherPass, write: Callable[[ShardData], Committed],
-                 on_commit: Callable[[Committed], None], group: int = 1):
+                 on_commit: Callable[[Committed], None], group: int = 1, out: str = "the cache", committed: int = 0):
         self._teacher, self._group_size = teacher, group
         self._group: list[PendingShard] = []  # the group being cut
         self._in_flight: deque[Callable[[], list[ShardData]]] = deque()
-        self._background = BackgroundWriter(write, on_commit)
+        self._background = BackgroundWriter(write, on_commit, out=out, committed=committed)
 
     def put(self, pending: PendingShard) -> None:
         """Add a cut shard to its group; a complete group goes to the teacher."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import refuse_links, write_file_atomic
+from dflash_common.files import disk_full_stops, refuse_links, write_file_atomic
 from dflash_common.knobs import make_config
 from dflash_train.settings.eval_config import DecodingConfig, EvalConfig, GenerateConfig
 
@@ -126,19 +126,25 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
                                          path.with_suffix(".vllm.log"), progress)
         report.update(real)
         lines += real_lines
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+    again = "run the same command again (or pass --out a file on another disk)"
+    with disk_full_stops(path, "the report was not written (the checkpoint and the cache are only read, nothing of "
+                         "them changed)", again):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+    plotted = f"the report {path} was written whole; only its plot is missing"
     if cfg.cache:
         from dflash_train.measuring.replay import plot_acceptance
 
         o = report["offline"]
-        plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
-                        f"held-out acceptance, tau {o['tau']:.2f}")
+        with disk_full_stops(path.with_suffix(".png"), plotted, again):
+            plot_acceptance({"alpha (sampling)": o["alpha"], "greedy": o["greedy"]}, path.with_suffix(".png"),
+                            f"held-out acceptance, tau {o['tau']:.2f}")
     if report.get("categories"):
         from dflash_train.measuring.categories import plot_categories
 
-        plot_categories(report["categories"], categories_png(path), "accepted length by prompt category "
-                        "(mean over prompts, 95% interval)")
+        with disk_full_stops(categories_png(path), plotted, again):
+            plot_categories(report["categories"], categories_png(path), "accepted length by prompt category "
+                            "(mean over prompts, 95% interval)")
     return EvalResult(report, lines, path)
 
 

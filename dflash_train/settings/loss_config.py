@@ -17,6 +17,11 @@ WEIGHTINGS = ("streak", "decay", "dpace", "first_error", "none")
 # Terms with a divergence of their own that temperature would leave at T = 1: refused beside a temperature.
 UNTEMPERED_DIVERGENCES = ("lk_hybrid", "rkl", "jsd", "onpolicy_kl")
 HEAD_MATMULS = ("fp32", "tf32", "bf16")
+# kl_temperature's range. The T^2 factor scales kl's gradient by about T below 1 (measured on
+# tempered_kl: 0.017 at T = 0.1 against 0.053 at 1, 1.8e-4 at 0.001, exactly 0 at 1e-30, where the loss
+# reads 0.0000); above 100 both tempered distributions are within fp32 rounding of uniform and
+# their KL is rounding (at T = 1e4 it read 18 times its large-T limit). Distillation uses 1 to 20.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.1, 100.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,8 @@ class LossConfig:
     gradient's scale), q_T = softmax(logits / T), p_T prop. to p^(1/T) on the cached top-k and, for the
     tail bucket, assuming its mass is spread evenly over the V - k other tokens, tail^(1/T) *
     (V - k)^(1 - 1/T). Only kl is tempered; ce, tv, nla and chain stay at T = 1 beside it, and a
-    temperature other than 1 is refused without kl or with lk_hybrid, rkl, jsd or onpolicy_kl. Each
+    temperature other than 1 is refused without kl or with lk_hybrid, rkl, jsd or onpolicy_kl, and one
+    outside [0.1, 100] always (below, T^2 leaves kl no gradient to train on; above, fp32 rounding). Each
     loss chunk then holds about two more [positions, vocab] fp32 tensors (lower chunk_bytes to match)."""
 
     chunk_positions: int | None = None
@@ -186,6 +192,12 @@ def check_temperature(temperature, weights: dict[str, float]) -> None:
     or with a divergence that would stay untempered beside it."""
     if not is_real(temperature, finite=True) or temperature <= 0:
         raise ConfigError(f"kl_temperature {temperature!r} is not a number > 0 (pass e.g. 2, or 1 for none)")
+    if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:
+        why = ("the T^2 factor would leave the kl term almost no gradient, so the run would train nothing"
+               if temperature < MIN_TEMPERATURE else "the tempered distributions would be within fp32 rounding of "
+               "uniform, so their KL would be rounding error")
+        raise ConfigError(f"kl_temperature {temperature:g} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]: {why}; "
+                          "pass a temperature in that range (distillation uses 1 to 20; 1 for none)")
     if temperature == 1:
         return
     if "kl" not in weights:

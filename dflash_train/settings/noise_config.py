@@ -13,6 +13,11 @@ DISTRIBUTIONS = ("uniform", "gaussian")
 _UINT64_LIMIT = 2**64
 
 
+MAX_SCALE = 1e6
+"""The largest noise scale taken: dflash_cache.health's MAX_RMS, above which the build refuses a
+shard's states as no model's (the noise is added to the states as they are, not relative to them)."""
+
+
 @dataclass(frozen=True)
 class NoiseConfig:
     """Which tapped layers get noise, how much at each step, and from which distribution."""
@@ -27,10 +32,10 @@ class NoiseConfig:
     """"uniform" draws U(-scale, scale); "gaussian" draws N(0, scale^2)."""
 
     start: float = field(default=0.1, metadata={"name": "noise_start"})
-    """Scale at step 0 (and the whole run for "constant"); >= 0."""
+    """Scale at step 0 (and the whole run for "constant"); in [0, 1e6]."""
 
     end: float = field(default=0.01, metadata={"name": "noise_end"})
-    """Scale from the last step on, for "linear" and "cosine"; >= 0."""
+    """Scale from the last step on, for "linear" and "cosine"; in [0, 1e6]."""
 
     layers: tuple[int, ...] | None = field(default=None, metadata={"name": "noise_layers"})
     """Indices into the cache's tapped layers (0 = first tapped layer) to noise; None = every
@@ -52,6 +57,10 @@ class NoiseConfig:
             value = getattr(self, name)
             if not is_real(value, finite=True) or value < 0:
                 raise ConfigError(f"noise {name} {value!r} is not a finite number >= 0 (pass e.g. 0.1)")
+            if value > MAX_SCALE:
+                raise ConfigError(f"--noise-{name} {value:g} is above {MAX_SCALE:g}, the largest RMS a model's hidden "
+                                  "states have (the build refuses larger ones): the noise would drown every state and "
+                                  "the run would train on noise; pass a scale below the states' own (e.g. 0.1)")
         if self.layers is not None:
             layers = tuple(self.layers)
             if any(not is_int(i) or i < 0 for i in layers) or len(set(layers)) != len(layers):

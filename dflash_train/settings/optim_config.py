@@ -6,13 +6,18 @@ from dataclasses import dataclass
 
 from dflash_common.errors import ConfigError
 
+MIN_LR = 1e-8
+"""The smallest peak learning rate taken. An AdamW step moves a weight by about lr, and an fp32
+weight of 0.02 (the drafter's init scale) cannot change by less than 9.3e-10 (half its ulp, 2^-29):
+below 1e-8 the steps round away, or nearly, and the run trains nothing without a word."""
+
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
     lr: float = 6e-4
-    """Peak learning rate."""
+    """Peak learning rate, at least 1e-8 (smaller steps round away in the fp32 weights)."""
 
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
@@ -35,6 +40,9 @@ class OptimConfig:
     def __post_init__(self):
         if self.lr <= 0:
             raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.lr < MIN_LR:
+            raise ConfigError(f"--lr {self.lr:g} is below {MIN_LR:g}: AdamW's steps of about lr would round away in the "
+                              "fp32 weights and the run would train nothing; pass e.g. 6e-4 (the default)")
         if self.grad_accum < 1:
             raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -118,7 +118,8 @@ class TrainConfig:
     (checkpoints/step-NNNNNN) or an exported drafter folder of an earlier run, whose drafter must
     have this run's shape. Only the weights carry over: loss, weighting, schedule, steps and the
     optimizer's state are this run's own (a fine-tuning phase; --resume-from continues a run
-    instead)."""
+    instead); the run says which of the drafter config's fields its options replace (block size,
+    causal, ...), with a warning when causal differs."""
 
     tensorboard: bool = False
     """Also write TensorBoard event files (needs the tensorboard package)."""

@@ -33,7 +33,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dflash_common.errors import DFlashError
 from dflash_common.faults import maybe_fault
-from dflash_common.files import fsync_path, give_plain_mode, refuse_links, regular_file_inside, remove_tree
+from dflash_common.files import (
+    disk_full_at,
+    disk_full_stops,
+    fsync_path,
+    give_plain_mode,
+    is_disk_full,
+    refuse_links,
+    regular_file_inside,
+    remove_tree,
+    write_new_file,
+)
 from dflash_common.settings_files import load_settings_file
 from dflash_train.training.distributed import is_sharded
 
@@ -136,21 +146,21 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def save(self, step: int, model_state: dict, trainer_state: dict, config: dict) -> Path:
+        """Write checkpoint `step` whole (a temporary folder, COMPLETE, then the rename). A full disk
+        on the way removes the temporary folder (freeing what it took) and raises DiskFullError
+        naming the file and the newest complete checkpoint, which stays as it was."""
         refuse_links(self.root, self.run)
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
-                                    str(tmp / "model.safetensors"))
-        give_plain_mode(tmp / "model.safetensors")  # as export does: safetensors writes mode 600
-        torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-        for path in tmp.iterdir():
-            fsync_path(path)
-        maybe_fault("checkpoint_after_files")
-        (tmp / COMPLETE).write_text(f"{step}\n")
-        fsync_path(tmp)
+        with disk_full_stops(final, lambda: self.kept(), "rerun the same command with --resume to continue from it"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                self._write_files(tmp, final, step, model_state, trainer_state, config)
+            except BaseException as err:
+                if is_disk_full(err):  # a SIGKILL leaves it for the next save's prune; this frees the space now
+                    remove_tree(tmp, self.run, ignore_errors=True)
+                raise
         maybe_fault("checkpoint_before_rename")
         if os.path.lexists(final):  # an older incomplete attempt at this step
             remove_tree(final, self.run)
@@ -158,6 +168,34 @@ class CheckpointManager:
         fsync_path(self.root)
         self._prune()
         return final
+
+    def kept(self) -> str:
+        """What a failed save leaves intact, for its error line."""
+        latest = self.latest()
+        return (f"the newest complete checkpoint, {latest}, is intact (the unfinished one was removed)" if latest
+                else "no checkpoint was complete yet (the unfinished one was removed)")
+
+    @staticmethod
+    def _write_files(tmp: Path, final: Path, step: int, model_state: dict, trainer_state: dict, config: dict) -> None:
+        def file(name: str):
+            # the file being written, named by the disk-full line (torch and safetensors name none)
+            # as the checkpoint it belongs to: its temporary folder is gone by the time it is read
+            return disk_full_at(final / name)
+
+        with file("model.safetensors"):
+            safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()},
+                                        str(tmp / "model.safetensors"))
+        give_plain_mode(tmp / "model.safetensors")  # as export does: safetensors writes mode 600
+        with file("trainer.pt"):
+            write_new_file(tmp / "trainer.pt", lambda f: torch.save(trainer_state, f))
+        with file("config.json"):
+            write_new_file(tmp / "config.json", lambda f: f.write((json.dumps(config, indent=1) + "\n").encode()))
+        for path in tmp.iterdir():
+            fsync_path(path)
+        maybe_fault("checkpoint_after_files")
+        with file(COMPLETE):
+            write_new_file(tmp / COMPLETE, lambda f: f.write(f"{step}\n".encode()))
+        fsync_path(tmp)
 
     def _prune(self) -> None:
         for old in self.complete()[: -self.keep] if self.keep > 0 else []:

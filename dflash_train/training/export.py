@@ -19,8 +19,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dflash_common.errors import ConfigError, DFlashError
-from dflash_common.files import foreign_entries, give_plain_mode, holds, refuse_links, regular_file_inside, remove_tree
+from dflash_common.errors import ConfigError, DFlashError, DiskFullError
+from dflash_common.files import (
+    disk_full_stops,
+    foreign_entries,
+    give_plain_mode,
+    holds,
+    is_disk_full,
+    refuse_links,
+    regular_file_inside,
+    remove_tree,
+)
 from dflash_common.settings_files import load_settings_file
 from dflash_train.settings.drafter_config import EXPORT_ARCHITECTURES, DrafterConfig
 from dflash_train.training.model import DFlashDrafter
@@ -100,15 +109,25 @@ def export_weights(cfg: DrafterConfig, state_dict: dict[str, Tensor], out_dir: s
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     staging = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
-    staging.mkdir()
+    kept = (f"the export already at {out_dir} is unchanged" if out_dir.exists() else f"nothing was written to {out_dir}") + \
+        " (the unfinished one was removed)"
+    try:
+        staging.mkdir()
+    except OSError as err:
+        if is_disk_full(err):
+            raise DiskFullError(staging, kept, "rerun the same command") from err
+        raise
     try:
         tensors = {name: value.detach().to(device="cpu", dtype=dtype).contiguous()
                    for name, value in state_dict.items()}
         config = cfg.to_hf_config()
         # transformers 5 reads "dtype", older readers "torch_dtype".
         config["dtype"] = config["torch_dtype"] = _dtype_name(dtype)
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        # the caller that knows more (a run's newest checkpoint) says so in place of `kept`
+        with disk_full_stops(out_dir / CONFIG_FILE, kept, "rerun the same command"):
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        with disk_full_stops(out_dir / WEIGHTS_FILE, kept, "rerun the same command"):
+            save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         give_plain_mode(staging / WEIGHTS_FILE)  # safetensors writes mode 600: unreadable to a server's account
         if out_dir.exists():
             retired = out_dir.parent / f".{out_dir.name}.old-{tag}"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import LOCK_FILE, append_line, foreign_entries, holds, refuse_links
+from dflash_common.files import LOCK_FILE, append_line, disk_full_at, foreign_entries, holds, refuse_links
 from dflash_common.settings_files import load_settings_file
 
 
@@ -26,7 +26,8 @@ class MetricsLog:
             self.writer = SummaryWriter(str(out / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        append_line(self.path, json.dumps(record), root=self.out)
+        with disk_full_at(self.path):  # the run's own line says what is kept (trainer.run_disk_full)
+            append_line(self.path, json.dumps(record), root=self.out)
         if self.writer is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_common.errors import ConfigError
-from dflash_common.files import write_file_atomic
+from dflash_common.files import disk_full_at, write_file_atomic
 from dflash_common.progress import Progress
 from dflash_teacher.tapped_layers import check_servable_layers
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.train_config import TrainConfig
 from dflash_train.training.checkpoint import (
+    CHECKPOINT_FILES,
     COMPLETE,
     CheckpointManager,
 )
@@ -87,10 +88,75 @@ def drafter_weights(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Te
     if (path / COMPLETE).exists():
         state = CheckpointManager.load(path)
         return DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
-    if not (path / "config.json").is_symlink() and not (path / "config.json").is_file():  # read_export names a link
-        raise ConfigError(f"--init-from {path} is neither a checkpoint folder (checkpoints/step-NNNNNN, with its "
-                          f"{COMPLETE} marker) nor an exported drafter folder; pass one of those")
+    problem = not_a_drafter(path)
+    if problem:
+        raise ConfigError(f"--init-from {path} {problem}")
     return read_export(path)
+
+
+def not_a_drafter(path: Path) -> str | None:
+    """Why `path`, which has no COMPLETE marker, is not a drafter --init-from can read (what it is
+    instead and what to pass), or None for a folder to read as an export. A run folder's or a step
+    folder's config.json is a train config, which read as a drafter config said only "drafter
+    config has no 'hidden_size'"."""
+    if not path.is_dir():
+        return ("does not exist or is not a folder; pass a checkpoint folder (RUN/checkpoints/step-NNNNNN) or an "
+                "exported drafter folder (RUN/drafter)")
+    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        newest = CheckpointManager(path / "checkpoints").latest() if (path / "checkpoints").is_dir() else None
+        export = path / "drafter"
+        choices = ([f"its newest checkpoint, {newest}"] if newest else []) + \
+            ([f"its export, {export}"] if (export / "config.json").is_file() else [])
+        return ("is a training run's folder, not a drafter; pass " + (" or ".join(choices) if choices else
+                "one of its checkpoints (RUN/checkpoints/step-NNNNNN) or its export (RUN/drafter): it has neither yet"))
+    steps = sorted(p.name for p in path.glob("step-*") if (p / COMPLETE).is_file())
+    if steps:
+        return f"is a run's checkpoints folder, not a checkpoint; pass one of its step folders, e.g. {path / steps[-1]}"
+    written = [name for name in CHECKPOINT_FILES if (path / name).exists()]
+    if "trainer.pt" in written or path.name.startswith(("step-", ".tmp-step-")):
+        missing = [name for name in (*CHECKPOINT_FILES, COMPLETE) if not (path / name).exists()]
+        return (f"is an incomplete checkpoint: it lacks {', '.join(missing)} (its save did not finish, and only a "
+                f"checkpoint with its {COMPLETE} marker is whole); pass a complete step folder of that run, or its export")
+    if not (path / "config.json").is_symlink() and not (path / "config.json").is_file():  # read_export names a link
+        return (f"is neither a checkpoint folder (checkpoints/step-NNNNNN, with its {COMPLETE} marker) nor an exported "
+                "drafter folder (it has no config.json); pass one of those")
+    return None
+
+
+def config_changes(saved: object, run: object, prefix: str = "") -> list[str]:
+    """The drafter config fields (nested sections by dotted name) whose value in `saved`, the config
+    --init-from's weights were trained with, differs from this run's, as "name saved -> run": what
+    starting from those weights does not carry over (the weights fit either way)."""
+    if not (is_dataclass(saved) and is_dataclass(run) and type(saved) is type(run)):
+        return [] if saved == run else [f"{prefix} {_shown(saved)} -> {_shown(run)}"]
+    changes = []
+    for f in fields(saved):
+        changes += config_changes(getattr(saved, f.name), getattr(run, f.name), f"{prefix}{'.' if prefix else ''}{f.name}")
+    return changes
+
+
+def _shown(value: object) -> str:
+    if is_dataclass(value):
+        return "set"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "()"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def init_from_lines(path: str | Path, saved: DrafterConfig, run: DrafterConfig, tensors: int) -> list[str]:
+    """What --init-from kept and what this run's options replaced, one line; and a warning line when
+    the attention it was trained with (causal blocks or not) is not this run's."""
+    changes = config_changes(saved, run)
+    dropped = (f"; not kept from the drafter config it was trained with (this run's options apply): {', '.join(changes)}"
+               if changes else "; its drafter config equals this run's")
+    lines = [f"starting from the drafter weights of {path}: kept its {tensors} tensors (optimizer and schedule fresh)"
+             f"{dropped}"]
+    if saved.causal != run.causal:
+        trained, now = ("causal", "non-causal") if saved.causal else ("non-causal", "causal")
+        fix = "pass --causal to keep causal blocks" if saved.causal else "leave out --causal to keep them"
+        lines.append(f"warning: --init-from {path} was trained with {trained} blocks and this run trains {now} ones, "
+                     f"so its drafter will be served with attention its weights did not learn; {fix}")
+    return lines
 
 
 def weights_mismatch(wanted: dict[str, torch.Tensor], given: dict[str, torch.Tensor]) -> str | None:
@@ -105,9 +171,10 @@ def weights_mismatch(wanted: dict[str, torch.Tensor], given: dict[str, torch.Ten
     return None
 
 
-def init_weights(model: DFlashDrafter, path: str | Path) -> None:
+def init_weights(model: DFlashDrafter, path: str | Path) -> list[str]:
     """Replace the drafter's initial weights by those of an earlier run (cfg.init_from), refusing
-    one of another shape or of other tapped teacher layers in one line."""
+    one of another shape or of other tapped teacher layers in one line; returns the lines that say
+    what was kept and what this run replaced (init_from_lines)."""
     saved_cfg, state = drafter_weights(path)
     problem = weights_mismatch(model.state_dict(), state)
     if problem is None and tuple(saved_cfg.target_layer_ids) != tuple(model.cfg.target_layer_ids):
@@ -119,6 +186,7 @@ def init_weights(model: DFlashDrafter, path: str | Path) -> None:
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             tensor.copy_(state[name])
+    return init_from_lines(path, saved_cfg, model.cfg, len(state))
 
 
 def total_steps(cfg: TrainConfig, plan: EpochPlan, partitions: int = 1) -> int:
@@ -175,8 +243,8 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     out = Path(cfg.out)
     model = build_drafter(cfg, cache, device)
     if cfg.init_from is not None:  # before the wrapper: DDP and FSDP take the weights they find
-        init_weights(model, cfg.init_from)
-        progress.message(f"starting from the drafter weights of {cfg.init_from} (optimizer and schedule fresh)")
+        for line in init_weights(model, cfg.init_from):
+            progress.message(line)
     forward = data_parallel(model, info, cfg.strategy, device, cfg.grad_reduce_dtype)
     # fused: one kernel for all parameters instead of several per tensor (CUDA only)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
@@ -194,7 +262,8 @@ def setup(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume:
     step = restore_checkpoint(checkpoint, model, optimizer, scheduler, progress) if checkpoint else 0
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
+        with disk_full_at(out / "config.json"):  # the run's own line says what is kept (trainer.run_disk_full)
+            write_file_atomic(out / "config.json", (json.dumps(cfg.to_dict(), indent=1) + "\n").encode(), root=out)
     metrics = MetricsLog(out, cfg.tensorboard) if info.is_main else None
     if cfg.data.skip_shards and info.is_main:
         progress.message(f"skipping {len(cfg.data.skip_shards)} shard(s) (--skip-shards): {skipped_sequences:,} sequences left out")

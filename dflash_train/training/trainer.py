@@ -12,8 +12,8 @@ import torch
 
 from dflash_cache import SIZES, open_cache
 from dflash_common.devices import bind_device, resolve_device
-from dflash_common.errors import CacheError, TrainingError
-from dflash_common.files import one_writer
+from dflash_common.errors import CacheError, DiskFullError, TrainingError
+from dflash_common.files import is_disk_full, one_writer
 from dflash_common.progress import Progress
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.train_config import TrainConfig
@@ -105,6 +105,8 @@ def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, p
         return _train_session(cfg, cache, info, device, resume, progress, resume_from, skipped_sequences)
     except BaseException as err:
         traceback.clear_frames(err.__traceback__)  # a failed session's, too: its frames would keep it
+        if isinstance(err, Exception) and is_disk_full(err):  # every write of the run: config, metrics, saves, export
+            raise run_disk_full(Path(cfg.out), err) from err
         raise
     finally:
         shutdown(info)
@@ -205,6 +207,19 @@ def stop_if_diverged(s: Session, first_bad: torch.Tensor) -> None:
     raise TrainingError(f"training diverged: {what} (lr {s.cfg.optim.lr:g}); the run stopped without saving or exporting "
                         f"those weights ({kept}): lower --lr or check the cache with `dflash-cache verify`, then train "
                         "again into a new --out")
+
+
+def run_disk_full(out: Path, err: BaseException) -> DiskFullError:
+    """The one line of a run whose disk filled up: the file it was writing, the newest complete
+    checkpoint (each is written whole or removed, so it is intact) and the command that goes on
+    from it once there is space."""
+    path = err.path if isinstance(err, DiskFullError) else getattr(err, "filename", None) or out
+    latest = CheckpointManager(out / "checkpoints").latest()
+    if latest is None:
+        return DiskFullError(path, f"no checkpoint of the run in {out} was complete yet, so nothing trained was kept",
+                             "rerun the same command")
+    return DiskFullError(path, f"the newest complete checkpoint, {latest}, is intact",
+                         "rerun the same command with --resume to continue from it")
 
 
 def save_checkpoint(s: Session) -> None:
