@@ -475,7 +475,8 @@ def test_zeroed_embeddings_stop_the_build_with_one_line(tmp_path, teacher_dir):
 
 
 def test_info_on_an_edited_manifest_is_not_a_traceback(tmp_path, teacher_dir):
-    """#36: totals.bytes as a string, a teacher without a name: info still prints, no traceback."""
+    """#36: totals.bytes as a string, a teacher without a name: info still prints, no traceback;
+    #60: and exits 1, naming a malformed field in one line."""
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
     out = tmp_path / "cache"
     build_cache(make_config(data, out, teacher_dir("qwen3")))
@@ -484,7 +485,8 @@ def test_info_on_an_edited_manifest_is_not_a_traceback(tmp_path, teacher_dir):
     del manifest["teacher"]["name"]
     (out / fmt.MANIFEST).write_text(json.dumps(manifest))
     result = CliRunner().invoke(app, ["info", str(out)])
-    assert result.exit_code == 0 and "Traceback" not in result.output and "teacher      ?" in result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output and "teacher      ?" in result.output
+    assert "manifest.json field" in result.output.strip().splitlines()[-1]
 
 
 def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teacher_dir):
