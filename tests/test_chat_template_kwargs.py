@@ -249,3 +249,19 @@ def test_a_caches_recorded_kwargs_are_checked_where_eval_and_generate_read_them(
         line = str(refused.value)
         assert "\n" not in line and field in line and problem in line, line
         assert line.endswith("rebuild the cache, or restore its manifest"), line
+
+
+def test_every_parameter_transformers_renders_with_is_a_reserved_key():
+    """The reserved keys follow the installed transformers: a new parameter of apply_chat_template
+    (or of the render under it) fails here until it is named."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dflash_teacher.settings.template_kwargs import RESERVED_TEMPLATE_KWARGS
+
+    parameters = {name for func in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
+                  for name, p in inspect.signature(func).parameters.items()
+                  if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert parameters - set(RESERVED_TEMPLATE_KWARGS) == set()
