@@ -33,8 +33,9 @@ from dflash_cache.format.store import CacheStore, reaching
 from dflash_cache.format.teacher_folder import check_teacher_files
 from dflash_cache.read_ahead import ReadAhead
 from dflash_cache.shard import SequenceRecord, Shard
-from dflash_common.errors import CacheError, ConfigError
+from dflash_common.errors import CacheError, ConfigError, quoted
 from dflash_common.settings_files import load_settings_file
+from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 __all__ = ["Cache", "SequenceRecord", "Shard", "open_cache"]
 
@@ -230,8 +231,17 @@ class Cache:
 
     @property
     def chat_template_kwargs(self) -> dict | None:
-        """The chat-template variables the corpus was rendered with at build (None: the template's defaults)."""
-        return (self.manifest.get("content_options") or {}).get("chat_template_kwargs")
+        """The chat-template variables the corpus was rendered with at build (None: the template's
+        defaults), checked as a build checks them: eval and generate render prompts with them, so an
+        edited manifest must not hand the template a template of its own or a kwargs list."""
+        options = self.manifest.get("content_options")
+        if options is not None and not isinstance(options, dict):
+            raise CacheError(f"{self.url}: manifest.json's content_options is {quoted(options, 40)}, not an object; "
+                             "rebuild the cache, or restore its manifest")
+        kwargs = (options or {}).get("chat_template_kwargs")
+        check_template_kwargs(kwargs, f"{self.url}: manifest.json's content_options.chat_template_kwargs",
+                              CacheError, "rebuild the cache, or restore its manifest")
+        return kwargs
 
     def check_teacher_files(self) -> None:
         """Refuse a teacher/ folder whose files are not bounded regular files inside the cache

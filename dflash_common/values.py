@@ -55,7 +55,9 @@ MAX_OPTION_DEPTH = 32
 code walking a value recurses)."""
 
 
-def _depth(value) -> int:
+def nesting_depth(value) -> int:
+    """How deeply a plain value nests lists and dicts (a flat list is 1), walked without recursion and
+    no further than MAX_OPTION_DEPTH + 1 levels."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -82,7 +84,7 @@ def parse_json(text: str, option: str):
     except ValueError as err:  # a 5,000-digit integer, 1e999, NaN
         first = str(err).split(";")[0].splitlines()[0][:120] if str(err) else "a number Python cannot hold"
         raise ConfigError(f"{option} cannot be read ({first}); pass a smaller, finite number") from None
-    if _depth(value) > MAX_OPTION_DEPTH:
+    if nesting_depth(value) > MAX_OPTION_DEPTH:
         raise ConfigError(f"{option} is nested more than {MAX_OPTION_DEPTH} levels deep; pass a flatter value")
     return value
 

@@ -13,7 +13,10 @@ compile of an empty template), where:
 - every string (or list) a template builds is measured *before* it is built, from its operands:
   the operators `~ * ** + %`, the filters and methods that grow text, values written out; each
   may be at most the chat's text budget (template_text_budget) and all of them together
-  TEMPLATE_TEXT_TOTAL budgets.
+  TEMPLATE_TEXT_TOTAL budgets;
+- every container a filter or a str/list/dict method returns (`|list`, `|batch`, `|map`,
+  `.split()`, `.copy()`) is counted against the same budgets by its shape (text_measures.built_size),
+  an iterator's items as they are yielded, since a template can build millions of lists and no text.
 
 Past a budget the render raises TemplateTooCostly, naming the template. The budgets are far above
 what a real template needs: it loops over the messages and writes each once, plus a few markers.
@@ -33,11 +36,16 @@ from dflash_teacher.text_measures import (
     BINOPS,
     FILTER_MEASURES,
     as_int,
+    built_item_size,
+    built_size,
     method_size,
     result_length,
     str_format_size,
     text_size,
 )
+
+MEMORY = "bytes of memory"
+"""The unit containers are counted in (text_measures.built_size)."""
 
 # --- the hooks the guarded environment calls ---------------------------------------------------
 
@@ -79,7 +87,12 @@ def _call(env):
                 budget.build(method_size(owner, obj.__name__, args, kwargs, budget), f"a .{obj.__name__}() result")
             elif isinstance(owner, int) and obj.__name__ == "to_bytes":
                 budget.build(as_int(args[0] if args else kwargs.get("length", 1)), "a .to_bytes() result")
-        return type(env).call(env, context, obj, *args, **kwargs)
+        result = type(env).call(env, context, obj, *args, **kwargs)
+        if budget is not None and isinstance(obj, types.BuiltinMethodType):  # .split(), .copy(): new containers
+            size = built_size(result, new_strings=isinstance(getattr(obj, "__self__", None), (str, bytes)))
+            if size:
+                budget.build(size, f"a .{obj.__name__}() result", MEMORY)
+        return result
     return call
 
 
@@ -117,6 +130,38 @@ def _measured(name: str, func: Callable, measure: Callable) -> Callable:
         return func(*bound.args, **bound.kwargs)
 
     return guarded
+
+
+def _counted(name: str, func: Callable) -> Callable:
+    """`func` (a filter), with the containers it returns counted against the render's budget: a
+    list, tuple, dict or set as built_size measures it, an iterator item by item as it yields
+    (`|batch(1)|list` over a megabyte builds a million lists, and no text). Jinja's pass-argument
+    marks are kept."""
+    @functools.wraps(func)
+    def counted(*args, **kwargs):
+        result = func(*args, **kwargs)
+        budget = current()
+        if budget is None or isinstance(result, (str, bytes)):
+            return result
+        if hasattr(result, "__next__"):
+            return _counting(result, budget, f"a |{name} result")
+        size = built_size(result)
+        if size:
+            budget.build(size, f"a |{name} result", MEMORY)
+        return result
+
+    return counted
+
+
+def _counting(items, budget: Budget, what: str):
+    """`items` yielded one by one, refused once what they add up to is past one value's budget."""
+    size = 0
+    for item in items:
+        size += built_item_size(item)
+        if size > budget.chars:
+            budget.build(size, what, MEMORY)
+        yield item
+    budget.build(size, what, MEMORY)
 
 
 # --- the guarded compile -----------------------------------------------------------------------
@@ -221,7 +266,8 @@ def guarded_template(source: str):
     env.globals = dict(base.globals)
     for name, func in list(env.filters.items()):
         if name in FILTER_MEASURES:
-            env.filters[name] = _measured(name, func, FILTER_MEASURES[name])
+            func = _measured(name, func, FILTER_MEASURES[name])
+        env.filters[name] = _counted(name, func)
     if "lipsum" in env.globals:
         env.globals["lipsum"] = _measured("lipsum", env.globals["lipsum"], FILTER_MEASURES["lipsum"])
     env.wrap_str_format = _wrap_str_format(env)
@@ -262,14 +308,16 @@ class BudgetedRange:
         return iter(BudgetedRange(self.rng[::-1], self.budget))
 
 
-def render_guarded(source: str, variables: dict, budget: Budget) -> None:
-    """Render `source` with `variables` under `budget`; raises TemplateTooCostly past it."""
+def render_guarded(source: str, variables: dict, budget: Budget) -> str:
+    """`source` rendered with `variables` under `budget`; raises TemplateTooCostly past it."""
     import jinja2.sandbox
 
     # a template variable shadows the environment's global range(): this render's alone is budgeted
     variables = {**variables, "range": lambda *args: BudgetedRange(jinja2.sandbox.safe_range(*args), budget)}
     with spending(budget):
-        written = 0
+        written, chunks = 0, []
         for chunk in guarded_template(source).generate(**variables):
             written += len(chunk)
             budget.written(written)
+            chunks.append(chunk)
+    return "".join(chunks)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dflash_common.errors import TeacherError
 from dflash_teacher.chat_sandbox import render_guarded
 from dflash_teacher.render_budget import Budget, template_text_budget
+from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -57,19 +58,32 @@ def template_fault(render: Render, err: BaseException, template: str) -> str | N
     return None
 
 
+def template_variables(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                       chat_template_kwargs: dict | None) -> dict:
+    """What transformers' apply_chat_template hands the template for this chat (tokenize=False, no
+    tools or documents): the special tokens, the kwargs, the messages with None-valued keys dropped
+    and reasoning aliased, each rebuilt as plain data. The guarded render gets exactly these, so it
+    renders what the real render will (kwargs transformers would take as its own parameters are
+    refused before, see dflash_teacher.settings.template_kwargs)."""
+    from transformers.utils import chat_template_utils as utils
+
+    plain = getattr(utils, "_plain_template_data", lambda value: value)
+    alias = getattr(utils, "_alias_reasoning_fields", lambda chat: chat)
+    normalize = getattr(utils, "_normalize_chat_messages",
+                        lambda chat: [{k: v for k, v in m.items() if v is not None} for m in chat])
+    chat = alias(plain(normalize(messages)))
+    return {**plain({**tokenizer.special_tokens_map, **(chat_template_kwargs or {})}), "messages": chat,
+            "tools": None, "documents": None, "add_generation_prompt": add_generation_prompt}
 
 
-def _check_cost(tokenizer, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None) -> None:
-    """Render the chat through the guarded template (dflash_teacher.chat_sandbox), with what the
+def guarded_render(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                   chat_template_kwargs: dict | None) -> str:
+    """The chat rendered through the guarded template (dflash_teacher.chat_sandbox) with what the
     tokenizer's own render passes it; raises TemplateTooCostly naming the template."""
-    from transformers.utils import chat_template_utils
-
     name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
     budget = Budget(template_text_budget(messages, chat_template_kwargs), name)
-    alias = getattr(chat_template_utils, "_alias_reasoning_fields", lambda chat: chat)
-    variables = {**tokenizer.special_tokens_map, **(chat_template_kwargs or {}), "messages": alias(messages),
-                 "tools": None, "documents": None, "add_generation_prompt": add_generation_prompt}
-    render_guarded(tokenizer.get_chat_template(), variables, budget)
+    variables = template_variables(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    return render_guarded(tokenizer.get_chat_template(), variables, budget)
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
@@ -77,8 +91,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
     """The chat as text through the tokenizer's template: the one rendering build, regenerate,
     eval and generate share, so the drafter is trained and measured on the prompts it is served.
     A template that works too long or builds too much text raises TemplateTooCostly (see
-    dflash_teacher.chat_sandbox), before the tokenizer renders it."""
-    _check_cost(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    dflash_teacher.chat_sandbox), before the tokenizer renders it; kwargs that are not template
+    variables (`chat_template`, `continue_final_message`, ...) raise ConfigError unrendered."""
+    check_template_kwargs(chat_template_kwargs, "chat template kwargs")
+    guarded_render(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **(chat_template_kwargs or {}))
 

@@ -62,10 +62,11 @@ class Budget:
         if time.monotonic() > self.deadline:
             self._refuse(f"took more than {TEMPLATE_SECONDS:g} s")
 
-    def build(self, length: int, what: str) -> None:
-        """Allow building one value of `length` characters (or items), or refuse it unbuilt."""
+    def build(self, length: int, what: str, unit: str = "characters") -> None:
+        """Allow building one value of `length` characters (or items, or for a container bytes of
+        memory, counted against the same budgets), or refuse it unbuilt."""
         if length > self.chars:
-            self._refuse(f"asked for {what} of {length:,} characters (at most {self.chars:,} here)")
+            self._refuse(f"asked for {what} of {length:,} {unit} (at most {self.chars:,} here)")
         self.total -= length
         if self.total < 0:
             self._refuse(f"built more than {TEMPLATE_TEXT_TOTAL * self.chars:,} characters in all (with {what})")

@@ -45,6 +45,40 @@ def text_size(value, limit: int, quoted: int = 2) -> int:
     return total
 
 
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+_REFERENCE = 8
+"""What one item of a container costs, as bytes of memory (a pointer)."""
+_OBJECT = 56
+"""What a new container or string object costs beside its items or text, as bytes of memory."""
+
+
+def _shell(item, new_strings: bool) -> int:
+    """A container's own memory without its items' (a dict's keys and values both counted); a
+    string's when it is new."""
+    if isinstance(item, _CONTAINERS):
+        return _OBJECT + _REFERENCE * len(item) * (2 if isinstance(item, dict) else 1)
+    if new_strings and isinstance(item, (str, bytes)):
+        return _OBJECT + len(item)
+    return 0
+
+
+def built_size(value, new_strings: bool = False) -> int:
+    """What a container a template built costs, as bytes of memory (comparable to characters of
+    text, a character being a byte): its items' references, the containers it holds one level down
+    (a |batch(1) result's one-item lists) and, with `new_strings` (a .split() result), its strings;
+    not the text of strings shared with the values it was built from, which were measured when
+    they were built. 0 for anything else."""
+    if not isinstance(value, _CONTAINERS):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return _shell(value, False) + sum(_shell(item, new_strings) for item in items)
+
+
+def built_item_size(item) -> int:
+    """What one item a filter's iterator yields adds to the container it may become (built_size)."""
+    return _REFERENCE + _shell(item, False)
+
+
 def number_digits(value: int) -> int:
     """Decimal digits of an int, from its bit length."""
     return abs(value).bit_length() * 302 // 1000 + 1

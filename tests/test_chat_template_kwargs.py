@@ -154,3 +154,114 @@ def test_kept_reasoning_is_rendered_by_the_template_and_learned(tmp_path, thinki
     tokenizer = AutoTokenizer.from_pretrained(thinking_teacher)
     learned = tokenizer.decode(record.input_ids[record.loss_mask.astype(bool)])
     assert "the river runs" in learned and "because" in learned
+
+
+# --- issue 60: kwargs transformers reads as its own parameters, and kwargs a cache records -------
+
+# A template doing 9,000,000 steps: the guarded render refuses it at 1,000,000; rendered unguarded it
+# takes seconds (not hours, so a test of the old behaviour ends).
+HEAVY = "{% for a in range(3000) %}{% for b in range(3000) %}{% endfor %}{% endfor %}"
+RESERVED_CASES = {
+    "chat_template": ({"chat_template": HEAVY}, "the template to render"),
+    "continue_final_message": ({"continue_final_message": True}, "moves where a prompt ends"),
+    "add_generation_prompt": ({"add_generation_prompt": False}, "moves where a prompt ends"),
+    "tools": ({"tools": [{"name": "f"}]}, "tool_use template"),
+    "messages": ({"messages": []}, "the chat itself"),
+    "tokenize": ({"tokenize": True}, "changes what the render returns"),
+    "range": ({"range": [1, 2]}, "shadow a function"),
+}
+
+
+@pytest.mark.parametrize("key", list(RESERVED_CASES))
+def test_kwargs_transformers_takes_as_its_own_are_refused_in_one_line(tmp_path, teacher_dir, key):
+    kwargs, why = RESERVED_CASES[key]
+    data = write_jsonl(tmp_path / "chat.jsonl", qa_rows(2, seed=1, prefix="rk-"))
+    result = CliRunner().invoke(cache_app, ["build", "--teacher", teacher_dir("qwen3"), "--data", data, "--out",
+                                            str(tmp_path / "cache"), "--layers", "0", "--dry-run", "--quiet",
+                                            "--chat-template-kwargs", json.dumps(kwargs)])
+    assert result.exit_code == 1, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert f"--chat-template-kwargs holds {key!r} (" in line and why in line and "drop the key" in line, line
+    assert not (tmp_path / "cache").exists()
+
+
+def test_render_chat_refuses_a_template_given_by_kwargs(tokenizer_dir):
+    """Any caller of the one rendering, not only the configs: the kwargs' template never renders."""
+    from transformers import AutoTokenizer
+
+    from dflash_common.errors import ConfigError
+    from dflash_teacher.chat_template import render_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with pytest.raises(ConfigError, match="holds 'chat_template' \\(a string\\)"):
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], True, {"chat_template": HEAVY})
+
+
+def test_the_guarded_render_sees_the_chat_the_real_render_sees(tokenizer_dir):
+    """transformers drops None-valued message keys before rendering: a guarded render that kept them
+    took the cheap branch of this template while the real render took the costly one."""
+    from transformers import AutoTokenizer
+
+    from dflash_teacher.chat_template import guarded_render, render_chat
+    from dflash_teacher.render_budget import TemplateTooCostly
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = ("{% if messages[0].reasoning_content is not defined %}" + HEAVY + "{% endif %}"
+                               + tokenizer.chat_template)
+    chat = [{"role": "user", "content": "hi", "reasoning_content": None}]
+    with pytest.raises(TemplateTooCostly, match="took more than 1,000,000 steps"):
+        render_chat(tokenizer, chat, True)
+    # and what it renders is what the tokenizer renders, kwargs, special tokens and aliases included
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}{% if m.reasoning_content is defined %}"
+                               "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{{ eos_token }}{% endfor %}"
+                               "{{ flag }}{{ add_generation_prompt }}")
+    chat = [{"role": "user", "content": "hi", "reasoning_content": None},
+            {"role": "assistant", "content": "yo", "reasoning": "because"}]
+    kwargs = {"flag": [1, {"a": None}], "eos_token": "<eos>"}
+    ours = guarded_render(tokenizer, chat, True, kwargs)
+    assert ours == tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ours == "userhi<eos>assistant[because]yo<eos>[1, {'a': None}]True"
+
+
+@pytest.mark.parametrize("recorded, problem", [
+    ("enable_thinking", "is a string 'enable_thinking', not a JSON object"),
+    ([{"enable_thinking": False}], "is a list [{'enable_thinking': False}], not a JSON object"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "holds 'messages' (a list)"),
+    ({"tokenize": True}, "holds 'tokenize' (a boolean)"),
+    ({"chat_template": HEAVY}, "holds 'chat_template' (a string)"),
+], ids=["a string", "a list", "messages", "tokenize", "a template"])
+def test_a_caches_recorded_kwargs_are_checked_where_eval_and_generate_read_them(tmp_path, tiny_cache, recorded,
+                                                                                 problem):
+    from dflash_common.errors import CacheError
+    from dflash_train.measuring.decode_report import cache_template, resolve_template_kwargs
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_cache(), cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["content_options"]["chat_template_kwargs"] = recorded
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    field = "manifest.json's content_options.chat_template_kwargs"
+    for read in (lambda: cache_template(str(tmp_path / "drafter"), str(cache)),  # eval
+                 lambda: resolve_template_kwargs(str(tmp_path / "drafter"), str(cache), None, False)):  # generate
+        with pytest.raises(CacheError) as refused:
+            read()
+        line = str(refused.value)
+        assert "\n" not in line and field in line and problem in line, line
+        assert line.endswith("rebuild the cache, or restore its manifest"), line
+
+
+def test_every_parameter_transformers_renders_with_is_a_reserved_key():
+    """The reserved keys follow the installed transformers: a new parameter of apply_chat_template
+    (or of the render under it) fails here until it is named."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dflash_teacher.settings.template_kwargs import RESERVED_TEMPLATE_KWARGS
+
+    parameters = {name for func in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
+                  for name, p in inspect.signature(func).parameters.items()
+                  if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert parameters - set(RESERVED_TEMPLATE_KWARGS) == set()

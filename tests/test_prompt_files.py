@@ -110,3 +110,74 @@ def test_an_unreadable_file_is_refused_in_one_line(tmp_path, name, data, expecte
     assert "\n" not in str(err.value) and str(path) in str(err.value) and expected in str(err.value), str(err.value)
     with pytest.raises(ConfigError, match="does not exist"):
         read_prompt_file(str(tmp_path / "missing.jsonl"))
+
+
+# --- issue 60: a prompts file from anywhere is bounded, and so are its category names ---------------
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    line = str(err.value)
+    assert "\n" not in line, line
+    return line
+
+
+@pytest.mark.parametrize("row, expected", [
+    ("[" * 200_000 + "]" * 200_000, "line 1: nested too deeply to parse (more than 32 levels); fix the row"),
+    ('{"prompt": "x", "meta": ' + "[" * 33 + "1" + "]" * 33 + "}",
+     "line 1: nested more than 32 levels deep; fix the row"),
+    (json.dumps({"prompt": "x" * 1_000_001}),
+     "line 1: 'prompt' is 1,000,001 characters long, more than the 1,000,000 a prompt may hold; fix the row"),
+    (json.dumps({"messages": [{"role": "system", "content": "s" * 600_000}, {"role": "user", "content": "u" * 600_000}]}),
+     "line 1: its messages are 1,200,000 characters long, more than the 1,000,000 a prompt may hold; fix the row"),
+], ids=["200,000 levels", "33 levels", "a prompt of 1,000,001 characters", "a chat of 1,200,000 characters"])
+def test_nesting_and_prompt_length_are_bounded(tmp_path, row, expected):
+    path = tmp_path / "p.jsonl"
+    path.write_text(row + "\n")
+    with pytest.raises(ConfigError) as refused:
+        read_prompt_file(str(path))
+    assert _one_line(refused) == f"{path} {expected}"
+
+
+@pytest.mark.parametrize("rows", [100_001, pytest.param(3_000_000, marks=pytest.mark.slow)])
+def test_a_parquet_file_of_too_many_rows_is_refused_before_it_is_read(tmp_path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "many.parquet"
+    pq.write_table(pa.table({"prompt": pa.array(["a"] * rows)}), path)
+    with pytest.raises(ConfigError) as refused:
+        read_prompt_file(str(path))
+    assert _one_line(refused) == (f"prompts file {path} holds {rows:,} rows, more than the 100,000 an eval decodes; "
+                                  "pass a smaller split, or --max-prompts 100,000 or fewer")
+    assert [p.id for p in read_prompt_file(str(path), limit=3)] == ["many-1", "many-2", "many-3"]
+
+
+def test_a_jsonl_file_of_too_many_rows_is_refused(tmp_path):
+    path = tmp_path / "many.jsonl"
+    path.write_text('{"prompt": "a"}\n' * 100_001)
+    with pytest.raises(ConfigError) as refused:
+        read_prompt_file(str(path))
+    assert "holds more rows, more than the 100,000 an eval decodes" in _one_line(refused)
+    assert len(read_prompt_file(str(path), limit=100_000)) == 100_000
+
+
+@pytest.mark.parametrize("category, expected", [
+    ("overall", "the category is 'overall', the name of the row over every prompt; rename the category in the row"),
+    ("Overall", "the category is 'Overall', the name of the row over every prompt; rename the category in the row"),
+    ("c" * 100_000, "the category is 100,000 characters long, more than 64; rename the category in the row"),
+    ("red\x1b[31m\nline", "the category 'red\\x1b[31m\\nline' holds '\\x1b', which is not a printable character; "
+                          "rename the category in the row"),
+], ids=["overall", "Overall", "100,000 characters", "an ANSI escape and a newline"])
+def test_a_category_name_is_a_printable_short_name_other_than_overall(tmp_path, category, expected):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "category": "fine"}, {"prompt": "hi", "category": category}])
+    with pytest.raises(ConfigError) as refused:
+        read_prompt_file(path)
+    assert _one_line(refused) == f"{path} line 2: {expected}"
+
+
+def test_a_file_named_overall_needs_categories_in_its_rows(tmp_path):
+    path = write_jsonl(tmp_path / "overall.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(ConfigError) as refused:
+        read_prompt_file(path)
+    assert _one_line(refused).endswith("the category is 'overall', the name of the row over every prompt; give the "
+                                       "rows a 'category', or rename the file")
+    assert read_prompt_file(write_jsonl(tmp_path / "overall.jsonl", [{"prompt": "hi", "category": "q"}]))[0].category == "q"

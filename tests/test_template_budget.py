@@ -60,6 +60,12 @@ HOSTILE = {
     "|batch(10**9) filled": "{{ [1]|batch(10**9, 'x')|list|length }}",
     "a list shared 40 times over, written": "{% set ns = namespace(a=[1]) %}{% for i in range(40) %}"
                                             "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a }}",
+    # containers counted as well as text (issue 60): millions of lists, and no text
+    "40 lists of a million one-item lists (|batch(1)|list)": "{% set ns = namespace(a=[]) %}{% set s = 'x' * 1000000 %}"
+                                                             "{% for i in range(40) %}{% set ns.a = [ns.a, s|batch(1)|list] %}"
+                                                             "{% endfor %}",
+    "a megabyte split 40 times, kept": "{% set ns = namespace(a=[]) %}{% set s = 'xy ' * 333333 %}"
+                                       "{% for i in range(40) %}{% set ns.a = [ns.a, s.split()] %}{% endfor %}",
 }
 
 _WORKER = r"""

@@ -1,13 +1,13 @@
-"""CorpusConfig: where the corpus is and how its rows become sequences; the file formats read and
-the check of the chat template's variables."""
+"""CorpusConfig: where the corpus is and how its rows become sequences, and the file formats read
+(its chat-template variables are checked by dflash_teacher.settings.template_kwargs)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int
+from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -57,19 +57,3 @@ class CorpusConfig:
             )
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ConfigError(f"on_bad_row={self.on_bad_row!r} is unknown; use 'fail' or 'skip'")
-
-
-def check_template_kwargs(kwargs) -> None:
-    """Refuse chat-template variables that are not a JSON object of plain values."""
-    if kwargs is None:
-        return
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ConfigError(f"chat template kwargs {kwargs!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
-    try:
-        # allow_nan=False: NaN and Infinity are not JSON, and they are written into manifests and settings
-        json.dumps(kwargs, allow_nan=False)
-    except ValueError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} hold a number that is not finite (NaN or Infinity), "
-                          "which JSON cannot hold; pass finite numbers") from None
-    except TypeError:
-        raise ConfigError(f"chat template kwargs {kwargs!r} must hold plain JSON values") from None

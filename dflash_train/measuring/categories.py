@@ -12,9 +12,27 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dflash_common.errors import quoted
 from dflash_train.measuring.summary_statistics import Interval, t_interval
 
 OVERALL = "overall"
+"""The row over every prompt, so no category may be named so."""
+CATEGORY_CHARS = 64
+"""The longest category name: it labels a table's row and a plot's bar (SPEED-Bench's longest is 20)."""
+
+
+def category_problem(name: str) -> str | None:
+    """What is wrong with a category name (pure): reserved, too long for the report and the plot, or
+    holding characters that are not printable (a newline or an ANSI escape breaks the table and
+    the plot's save); None when it is a name."""
+    if name.casefold() == OVERALL:
+        return f"is {name!r}, the name of the row over every prompt"
+    if len(name) > CATEGORY_CHARS:
+        return f"is {len(name):,} characters long, more than {CATEGORY_CHARS}"
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
+        return f"{quoted(name, 40)} holds {bad!r}, which is not a printable character"
+    return None
 
 
 def categories_of(rows: Sequence[dict]) -> list[str]:

@@ -13,7 +13,9 @@ Each row is recognised by its fields (pure functions, no tokenizer):
 
 Multi-turn sets (MT-Bench, SPEED-Bench) are decoded on their first turn: the second turn needs the
 model's own first answer in the prompt. A row that fits none of these, or a file that cannot be
-read, is refused in one line naming the file, the line, the problem and the fix.
+read, is refused in one line naming the file, the line, the problem and the fix. So is a file past
+the bounds below (its bytes, rows, nesting, a prompt's length) and a category name that is
+reserved, long or not printable (categories.category_problem): a prompts file may come from anywhere.
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ from typing import Iterable, Sequence
 from dflash_common.errors import ConfigError, quoted
 from dflash_common.files import file_kind
 from dflash_common.settings_files import read_bounded
-from dflash_common.values import text_problem
+from dflash_common.values import MAX_OPTION_DEPTH, nesting_depth, text_problem
+from dflash_train.measuring.categories import category_problem
 
 PROMPTS_BYTES = 64 << 20
 """A prompts file's bound (uncompressed): ~100,000 long prompts, far more than an eval needs."""
+PROMPT_ROWS = 100_000
+"""The most rows a prompts file may hold (each becomes a prompt decoded twice); benchmarks hold hundreds to thousands."""
+PROMPT_CHARS = 1_000_000
+"""The longest prompt, in characters: four times the longest context the field serves (262,144
+tokens) at about four characters a token. A longer one cannot fit a teacher, and tokenizing a
+60 MB prompt took the tokenizer past its memory."""
+PROMPT_DEPTH = MAX_OPTION_DEPTH
+"""The deepest nesting of lists and objects a row may hold (benchmarks' rows nest 3 levels)."""
 
 FORMATS = ("chat", "prompt", "humaneval", "mt_bench", "speed_bench", "gsm8k")
 FIELDS_HINT = ("give 'messages' (chat), 'prompt' (plain text or HumanEval), 'turns' (MT-Bench, SPEED-Bench) or "
@@ -70,6 +81,8 @@ def _text(value, name: str) -> str | None:
         return f"'{name}' is {type(value).__name__} {quoted(value, 40)}, not text"
     if not value.strip():
         return f"'{name}' is empty"
+    if len(value) > PROMPT_CHARS:
+        return f"'{name}' is {len(value):,} characters long, more than the {PROMPT_CHARS:,} a prompt may hold"
     return text_problem(value)
 
 
@@ -83,6 +96,9 @@ def _chat(messages) -> tuple[tuple[dict, ...] | None, str | None]:
         problem = _text(m.get("content"), "content")
         if problem:
             return None, f"a {m['role']} message's {problem}"
+    length = sum(len(m["content"]) for m in messages)
+    if length > PROMPT_CHARS:
+        return None, f"its messages are {length:,} characters long, more than the {PROMPT_CHARS:,} a prompt may hold"
     turns = list(messages)
     while turns and turns[-1]["role"] == "assistant":
         turns.pop()
@@ -99,6 +115,8 @@ def row_prompt(row, path: str, where: str, number: int) -> PromptRow:
     """One row of a prompts file as a PromptRow (pure); ``where`` is "line N" or "row N"."""
     if not isinstance(row, dict):
         raise _problem(path, where, f"a JSON {type(row).__name__}, not an object")
+    if nesting_depth(row) > PROMPT_DEPTH:
+        raise _problem(path, where, f"nested more than {PROMPT_DEPTH} levels deep", "fix the row")
     if "messages" in row:
         messages, problem = _chat(row["messages"])
         kind = "chat"
@@ -124,9 +142,14 @@ def row_prompt(row, path: str, where: str, number: int) -> PromptRow:
     category = row.get("category")
     if category is not None and (not isinstance(category, str) or not category.strip()):
         raise _problem(path, where, f"'category' is {quoted(category, 40)}, not a name", "fix the row or drop the field")
+    name = (category or file_category(path)).strip()
+    problem = category_problem(name)
+    if problem:
+        fix = "rename the category in the row" if category else "give the rows a 'category', or rename the file"
+        raise _problem(path, where, f"the category {problem}", fix)
     ident = next((row[k] for k in ("id", "question_id", "task_id") if isinstance(row.get(k), (str, int))), None)
     return PromptRow(id=str(ident) if ident is not None else f"{file_category(path)}-{number}",
-                     category=(category or file_category(path)).strip(), messages=messages, format=kind)
+                     category=name, messages=messages, format=kind)
 
 
 def _file_bytes(path: str) -> bytes:
@@ -159,10 +182,13 @@ def _jsonl_rows(path: str) -> Iterable[tuple[str, object]]:
         except json.JSONDecodeError as err:
             raise _problem(path, f"line {number}", f"not JSON ({err.msg} at column {err.colno})",
                            "each line must be one JSON object (a .json array or a CSV is not read)") from None
+        except RecursionError:  # the parser recurses per level: 200,000 levels end it
+            raise _problem(path, f"line {number}", f"nested too deeply to parse (more than {PROMPT_DEPTH} levels)",
+                           "fix the row") from None
         yield f"line {number}", row
 
 
-def _parquet_rows(path: str) -> Iterable[tuple[str, object]]:
+def _parquet_rows(path: str, limit: int | None) -> Iterable[tuple[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -171,19 +197,38 @@ def _parquet_rows(path: str) -> Iterable[tuple[str, object]]:
         raise ConfigError(f"prompts file {path} is {size:,} bytes, over the {PROMPTS_BYTES:,} an eval reads; "
                           "pass a smaller split")
     try:
-        table = pq.read_table(path)
+        parquet = pq.ParquetFile(path)
+        rows, unpacked = parquet.metadata.num_rows, sum(parquet.metadata.row_group(i).total_byte_size
+                                                         for i in range(parquet.metadata.num_row_groups))
+        if rows > PROMPT_ROWS and (limit is None or limit > PROMPT_ROWS):
+            raise _too_many_rows(path, rows)
+        if unpacked > PROMPTS_BYTES:
+            raise ConfigError(f"prompts file {path} holds {unpacked:,} bytes of data uncompressed, over the "
+                              f"{PROMPTS_BYTES:,} an eval reads; pass a smaller split")
+        number = 0
+        # a batch at a time: a row as Python values takes many times its Arrow bytes
+        for batch in parquet.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"row {number}", row
     except (OSError, pa.ArrowException) as err:
         raise ConfigError(f"prompts file {path} is not a Parquet file pyarrow can read ({str(err)[:120]}); pass a "
                           "JSON Lines or Parquet file") from None
-    for number, row in enumerate(table.to_pylist(), start=1):
-        yield f"row {number}", row
+
+
+def _too_many_rows(path: str, rows: int | None) -> ConfigError:
+    held = f"{rows:,} rows" if rows is not None else "more rows"
+    return ConfigError(f"prompts file {path} holds {held}, more than the {PROMPT_ROWS:,} an eval decodes; pass a "
+                       f"smaller split, or --max-prompts {PROMPT_ROWS:,} or fewer")
 
 
 def read_prompt_file(path: str, limit: int | None = None) -> list[PromptRow]:
     """The prompts of one file (JSON Lines, .jsonl.gz or .parquet), the first ``limit`` when given."""
-    rows = _parquet_rows(path) if path.endswith(".parquet") else _jsonl_rows(path)
+    rows = _parquet_rows(path, limit) if path.endswith(".parquet") else _jsonl_rows(path)
     prompts: list[PromptRow] = []
     for where, row in rows:
+        if len(prompts) >= PROMPT_ROWS:
+            raise _too_many_rows(path, None)
         prompts.append(row_prompt(row, path, where, len(prompts) + 1))
         if limit and len(prompts) >= limit:
             break

@@ -12,6 +12,7 @@ from typing import Any
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice, text_problem
 from dflash_teacher.settings.teacher_config import TEACHER_DTYPES
+from dflash_teacher.settings.template_kwargs import check_template_kwargs
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.spec_config import SpecConfig
 
@@ -74,6 +75,7 @@ class DecodingConfig:
         self.specs()  # each temperature is checked as the decoder will take it
         if self.teacher_dtype not in ("auto", *TEACHER_DTYPES):
             raise ConfigError(f"--teacher-dtype {self.teacher_dtype!r} is unknown; use auto, {', '.join(TEACHER_DTYPES)}")
+        check_template_kwargs(self.chat_template_kwargs)
 
     def specs(self, stop_token_ids: tuple[int, ...] = ()) -> list[SpecConfig]:
         """One decoder setting per temperature, ending at the teacher's stop tokens."""
