@@ -46,9 +46,11 @@ class VllmArgs:
     takes its LOCAL_RANK GPU."""
 
     gpu_memory_utilization: float | None = None
-    """Share of each GPU vLLM may take (weights, KV cache); None: vLLM's default (0.9). The build
-    puts the teacher's final norm and LM head (2.5 GB at 248k x 5120 in bf16) plus one chunk of fp32
-    logits on the same GPU, so leave that much free."""
+    """Share of each GPU vLLM may take (weights, KV cache). The build holds its LM head (2.5 GB at
+    248k x 5120 in bf16), the final norm's and fp32 logits' working set of a generate and its CUDA
+    context on the engine's first GPU beside vLLM (dflash_teacher.engine_memory); None: the most that
+    leaves them room, at most vLLM's default 0.92 (0.884 on an 80 GB card for Qwen3.6-27B); a
+    larger share is refused in one line naming the most."""
 
     max_model_len: int | None = None
     """Longest sequence the engine accepts; None: --max-length + 1 (the one token it generates),
