@@ -38,9 +38,9 @@ from dflash_train.training.noise import add_noise_  # noqa: E402
 from dflash_train.training.objectives import set_head_matmul  # noqa: E402
 from dflash_train.training.train_step import micro_step  # noqa: E402
 
-PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "ddp", "eval", "bench",
+PARTS = ("env", "noise", "step", "flex", "packed", "build", "loader", "train", "dspark", "dflash2", "lilicorr", "ddp", "eval", "bench",
          "drafter", "loader_width", "teacher_layers")
-CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "eval", "teacher_layers", "dflash2")
+CHECK = ("env", "drafter", "loader_width", "build", "loader", "ddp", "eval", "teacher_layers", "dflash2", "lilicorr")
 """The parts gpu_check.sh runs, re-cut for the first 10 minutes on one H200 (issue 34): (1) the
 drafter step at production shape, (3) the loader at production width, (4) the smoke parts; the
 others stay callable one by one (python benchmarks/gpu_check.py PART --out DIR)."""
@@ -358,10 +358,20 @@ def part_dflash2(out: Path):
     bf16 autocast), greedy decoding with the selector's walk = teacher, and the export served by
     vLLM's DFlash2 speculator, which only its V2 model runner has (VLLM_USE_V2_MODEL_RUNNER=1, GPU),
     when a vLLM python is given (DFLASH_VLLM_PYTHON); otherwise the summary says why it was not."""
-    cache, run = str(out / "cache-dev-bf16"), out / "dflash2"
+    return _candidate_walk(out, "dflash2", "DFlash2", ["--model-kind", "dflash2", "--selector-rank", "64"])
+
+
+def part_lilicorr(out: Path):
+    """LiLiCorr + conv on the device, as part_dflash2 checks DFlash2: the correlator's lattice under
+    bf16 autocast, its walk in greedy decoding = teacher, and vLLM's LiLiCorr speculator (V2 only)."""
+    return _candidate_walk(out, "lilicorr", "LiLiCorr", ["--model-kind", "lilicorr", "--lilicorr-conv"])
+
+
+def _candidate_walk(out: Path, name: str, title: str, kind: list[str]):
+    """A candidate-walk drafter (DFlash2, LiLiCorr) trained with a resume, decoded by us and by vLLM's V2 runner."""
+    cache, run = str(out / "cache-dev-bf16"), out / name
     dev, steps = str(device()), 4 if on_cpu() else 20
     half = str(steps // 2)
-    kind = ["--model-kind", "dflash2", "--selector-rank", "64"]
     cli("train", "run", "--cache", cache, "--out", str(run), "--steps", half, "--save-every", half, "--device", dev,
         *kind, *RUN)
     cli("train", "run", "--cache", cache, "--out", str(run), "--steps", str(steps), "--save-every", half, "--device", dev,
@@ -372,19 +382,19 @@ def part_dflash2(out: Path):
         why_not = "not served: no vLLM here (set DFLASH_VLLM_PYTHON)"
     else:
         why_not = ""
-    report = out / "dflash2-eval.json"
+    report = out / f"{name}-eval.json"
     cli("train", "eval", "--checkpoint", str(run / "drafter"), "--cache", cache, "--teacher", str(TEACHER),
         "--prompts", str(PROMPTS), "--max-prompts", "2" if on_cpu() else "8", "--max-new-tokens", "32" if on_cpu() else "96",
         "--device", dev, "--heldout-fraction", "0.05", "--out", str(report), "--quiet",
         *([] if why_not else ["--engine", "both"]), env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
     values = json.loads(report.read_text())
     if not values["decoding"]["matched_teacher"]:
-        raise RuntimeError("greedy DFlash2 decoding did not reproduce the teacher's output")
+        raise RuntimeError(f"greedy {title} decoding did not reproduce the teacher's output")
     served = values.get("vllm", {})
     if served and not served.get("matched_teacher"):
-        raise RuntimeError("vLLM's DFlash2 speculator (V2 runner) did not reproduce the teacher's output")
+        raise RuntimeError(f"vLLM's {title} speculator (V2 runner) did not reproduce the teacher's output")
     accepted = values["decoding"]["accepted_length"]
-    return (f"{steps} steps with a resume, DFlash2 greedy decode = teacher, accepted {accepted:.2f}, vLLM V2 "
+    return (f"{steps} steps with a resume, {title} greedy decode = teacher, accepted {accepted:.2f}, vLLM V2 "
             + (f"accepted {served.get('accepted_length', 0):.2f}" if served else why_not)), \
         {"accepted_length": accepted, "vllm": served, "vllm_not_served": why_not}
 

@@ -26,9 +26,9 @@ fi
 # re-cut for the first 10 minutes on one H200 (issue 34): (1) drafter, (3) loader_width, (4) the smoke parts, then
 # ddp in a real process group and eval on the device (issue 42),
 # teacher_layers (issue 33: a few full-width qwen3_5 layers, which Gated DeltaNet implementation runs),
-# DFlash2 (issue 35) with what is left;
+# DFlash2 (issue 35) and LiLiCorr + conv (issue 56) with what is left;
 # the other parts of gpu_check.py run one by one (python benchmarks/gpu_check.py PART --out DIR)
-PARTS="env:40 drafter:180 loader_width:60 build:120 loader:40 ddp:120 eval:60 teacher_layers:60 dflash2:120"
+PARTS="env:40 drafter:180 loader_width:60 build:120 loader:40 ddp:120 eval:60 teacher_layers:60 dflash2:120 lilicorr:90"
 for entry in $PARTS; do
     part=${entry%%:*}; limit=${entry##*:}
     left=$(( TOTAL_S - ($(date +%s) - START) ))

@@ -371,6 +371,10 @@ class TextHead(torch.nn.Module):
     def get_output_embeddings(self) -> torch.nn.Linear:
         return self.lm_head
 
+    def stored_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the teacher's files by name: its shape (what vLLM will load, unread here)."""
+        return {name: tensor.shape for name, tensor in self._tensors.items()}
+
     def get_input_embeddings(self) -> torch.nn.Embedding:
         if self._names["embed"] == self._names["head"]:  # tied: the head is the embedding
             return torch.nn.Embedding.from_pretrained(self.lm_head.weight.detach(), freeze=True)

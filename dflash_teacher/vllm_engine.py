@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,11 +32,17 @@ import torch
 from dflash_common.devices import child_visible_devices, resolve_device
 from dflash_common.errors import ConfigError, TeacherError
 from dflash_common.vllm_env import cpu_kv_cache_gib, find_vllm_python, vllm_environment
+from dflash_teacher.engine_memory import (
+    build_working_bytes,
+    engine_gpu_share,
+    engine_weight_bytes,
+    tokens_per_generate,
+)
 from dflash_teacher.settings.teacher_config import TeacherConfig
 from dflash_teacher.settings.vllm_args import VllmArgs
 from dflash_teacher.state_receiver import STALL_TIMEOUT_S, StateReceiver
 from dflash_teacher.tapped_layers import resolve_layers
-from dflash_teacher.teacher import Teacher, TeacherOutput, load_text_head, load_tokenizer
+from dflash_teacher.teacher import Teacher, TeacherOutput, TextHead, load_text_head, load_tokenizer
 from dflash_teacher.vllm_extract.dflash_frames import SECRET_ENV
 from dflash_teacher.vllm_process import VllmWorker
 
@@ -172,21 +179,41 @@ def version_note(version: str | None) -> str | None:
             "or its states look wrong")
 
 
-def engine_setup(cfg: TeacherConfig, args: VllmArgs, max_length: int, text_config) -> dict:
+def engine_setup(cfg: TeacherConfig, args: VllmArgs, max_length: int, text_config, gpu_share: float | None = None) -> dict:
     """The engine part of extract_worker.py's setup frame: the teacher's folder, dtype and LLM(...) options
-    (what the benchmark's bare prefill runs with too)."""
+    (what the benchmark's bare prefill runs with too); `gpu_share`, when given, is vLLM's
+    gpu_memory_utilization (engine_share)."""
     folder = Path(cfg.name_or_path).expanduser()
     return {"model": str(folder.resolve()) if folder.exists() else cfg.name_or_path, "dtype": cfg.dtype,
             "engine_args": {**args.engine_args(max_length, getattr(text_config, "max_position_embeddings", None)),
+                            **({"gpu_memory_utilization": gpu_share} if gpu_share is not None else {}),
                             **({"revision": cfg.revision} if cfg.revision else {}),
                             "trust_remote_code": cfg.trust_remote_code}}
 
 
+def engine_share(cfg: TeacherConfig, args: VllmArgs, head: TextHead, device: torch.device, tokens: int) -> float | None:
+    """vLLM's gpu_memory_utilization when the engine's first GPU is `device` and holds `head`:
+    what leaves the head and the build's working set over generates of `tokens` tokens outside
+    vLLM (dflash_teacher.engine_memory); off CUDA the given one (vLLM's CPU backend sizes its KV
+    cache from VLLM_CPU_KVCACHE_SPACE instead)."""
+    if device.type != "cuda":
+        return args.gpu_memory_utilization
+    weight = head.lm_head.weight
+    vocab, hidden = weight.shape
+    working = build_working_bytes(tokens, hidden, vocab, cfg.logits_chunk, cfg.top_k, weight.element_size())
+    weights = engine_weight_bytes(head.stored_shapes(), weight.element_size(), args.tensor_parallel_size,
+                                  bool(args.passed_through.get("language_model_only")))
+    card = torch.cuda.get_device_properties(device).total_memory
+    return engine_gpu_share(card, weight.numel() * weight.element_size(), working, weights, args.gpu_memory_utilization)
+
+
 def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, python: str | None = None,
-                      prompt_logprobs: int = 0) -> VllmTeacher:
+                      prompt_logprobs: int = 0, shard_tokens: Callable[[int, int], int] | None = None) -> VllmTeacher:
     """The teacher's config, tokenizer, final norm and LM head, read by name from its files (the
     head and norm on --device; never the whole model), and a vLLM engine running the same folder. `prompt_logprobs` > 0 asks vLLM for its
-    own top-k too (the benchmark's comparison; the build does not use them)."""
+    own top-k too (the benchmark's comparison; the build does not use them). `shard_tokens(taps,
+    hidden)` is the tokens of the build's shards, which bound a generate and so the build's GPU
+    working set beside the engine; None: generates of one generate_tokens shard."""
     executable = find_vllm_python(python)  # before loading anything
     # checks LOCAL_RANK, which worker_environment reads; the head goes to the engine's first GPU
     device = resolve_device(cfg.device, per_rank=args.tensor_parallel_size)
@@ -197,13 +224,16 @@ def load_vllm_teacher(cfg: TeacherConfig, args: VllmArgs, max_length: int, pytho
     if cfg.top_k > head.lm_head.weight.shape[0]:
         raise ConfigError(f"--top-k {cfg.top_k} exceeds the teacher's vocabulary; use a smaller k")
     layer_ids = resolve_layers(cfg, num_layers)
+    # what the head and the build's working set leave vLLM of its first GPU, refused in one line before vLLM starts
+    per_shard = args.generate_tokens if shard_tokens is None else shard_tokens(len(layer_ids), int(text_config.hidden_size))
+    share = engine_share(cfg, args, head, device, tokens_per_generate(args.generate_tokens, per_shard, max_length))
     tokenizer = load_tokenizer(cfg)
     aux_ids = aux_layer_ids(layer_ids, num_layers)
     receiver = StateReceiver(layers=len(aux_ids), hidden=int(text_config.hidden_size))
     handle, log_name = tempfile.mkstemp(prefix="dflash-vllm-build-", suffix=".log")
     os.close(handle)
-    setup = {**engine_setup(cfg, args, max_length, text_config), "aux_layer_ids": aux_ids, "socket": receiver.name,
-             "prompt_logprobs": prompt_logprobs}
+    setup = {**engine_setup(cfg, args, max_length, text_config, share), "aux_layer_ids": aux_ids,
+             "socket": receiver.name, "prompt_logprobs": prompt_logprobs}
     env[SECRET_ENV] = receiver.secret  # the connector's proof that it is ours (never argv: any user reads that)
     try:
         worker = VllmWorker(executable, setup, env, Path(log_name))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_common.errors import TeacherError
+from dflash_common.errors import ConfigError, TeacherError
 from dflash_teacher.vllm_extract.dflash_frames import (
     HEADER_LIMIT,
     WORKER_MAGIC,
@@ -56,6 +56,9 @@ class VllmWorker:
         self._handshake()
         self._write(setup)
         ready = self._reply()
+        if ready.get("refused"):  # an engine argument vLLM's own list lacks: the worker is exiting
+            self.close()
+            raise ConfigError(str(ready["refused"]))
         self.vllm_version = ready.get("vllm_version")
 
     def _end_group_after_exit(self) -> None:

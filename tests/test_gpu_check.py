@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_one_table(tmp_path):
                           timeout=580)
     table = (tmp_path / "out" / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")]
-    assert [row.split("|")[1].strip() for row in rows] == ["env", "drafter", "loader_width", "build", "loader", "ddp", "eval", "teacher_layers", "dflash2"], table
+    assert [row.split("|")[1].strip() for row in rows] == ["env", "drafter", "loader_width", "build", "loader", "ddp", "eval", "teacher_layers", "dflash2", "lilicorr"], table
     # the production-scale parts print their own tables (issue 34)
     assert "steady tok/s" in done.stdout and "graphs compiled" in done.stdout and "| bf16 |" in done.stdout, done.stdout
     assert "checksums alone" in done.stdout, done.stdout

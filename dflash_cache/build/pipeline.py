@@ -81,8 +81,13 @@ def generate_group(cfg: BuildConfig, taps: int, hidden_size: int) -> int:
     plans its own batches per shard)."""
     if cfg.engine != "vllm":
         return 1
+    return shards_per_generate(cfg.vllm.generate_tokens, build_shard_tokens(cfg, taps, hidden_size))
+
+
+def build_shard_tokens(cfg: BuildConfig, taps: int, hidden_size: int) -> int:
+    """Tokens a shard of this build holds (a teacher of ``taps`` tapped layers of ``hidden_size``)."""
     per_token = fmt.hidden_bytes_per_token(taps, hidden_size, cfg.teacher.dtype, cfg.storage.hidden_format)
-    return shards_per_generate(cfg.vllm.generate_tokens, shard_tokens(cfg.storage.shard_bytes, per_token))
+    return shard_tokens(cfg.storage.shard_bytes, per_token)
 
 
 def refuse_other_group(existing: dict | None, group: int, url: str) -> None:
@@ -200,7 +205,8 @@ def load_build_teacher(cfg: BuildConfig) -> Teacher:
     if cfg.engine == "vllm":
         from dflash_teacher.vllm_engine import load_vllm_teacher
 
-        return load_vllm_teacher(cfg.teacher, cfg.vllm, cfg.corpus.max_length, cfg.vllm_python)
+        return load_vllm_teacher(cfg.teacher, cfg.vllm, cfg.corpus.max_length, cfg.vllm_python,
+                                 shard_tokens=lambda taps, hidden: build_shard_tokens(cfg, taps, hidden))
     return load_teacher(cfg.teacher)
 
 

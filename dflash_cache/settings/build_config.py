@@ -55,10 +55,14 @@ class BuildConfig:
     """With engine 'vllm': the engine's options as one JSON object, e.g. {"tensor_parallel_size": 2,
     "gpu_memory_utilization": 0.85}; keys tensor_parallel_size, data_parallel_size (only 1: one
     engine per process; run one build process per GPU under torchrun),
-    gpu_memory_utilization, max_model_len (default max_length + 1), enable_prefix_caching (default
+    gpu_memory_utilization (default: what the build's LM head and working set leave, at most 0.92), max_model_len (default max_length + 1), enable_prefix_caching (default
     off: the states are read from each request's own KV blocks), enforce_eager (default on: a build
     only prefills), max_num_batched_tokens, generate_tokens (default 65536: whole shards sent to the
-    engine in one generate, recorded in the cache; 1: one shard per generate)."""
+    engine in one generate, recorded in the cache; 1: one shard per generate), and any other engine
+    argument of vLLM's EngineArgs, passed through (checked against vLLM's own list when the engine
+    starts), e.g. language_model_only for a vision-language teacher; refused: the ones the build sets
+    (model, tokenizer, dtype, revision, trust_remote_code, seed, skip_tokenizer_init,
+    speculative_config, kv_transfer_config, spec_*) and pipeline_parallel_size > 1."""
 
     vllm_python: str | None = None
     """With engine 'vllm': the python of an environment with vLLM; default: $DFLASH_VLLM_PYTHON, else

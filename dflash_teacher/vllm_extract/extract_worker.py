@@ -3,7 +3,8 @@
 Imports nothing from dflash (vLLM pins its own torch and transformers). Protocol, in frames
 (dflash_frames): the build writes the setup frame on stdin (engine arguments, the layers to
 capture as vLLM's aux ids, the socket to send states to), this process answers {"ready": ...} on
-stdout once the engine is up, then each frame on stdin is one batch of token-id sequences
+stdout once the engine is up (or {"refused": line} when vLLM's EngineArgs lacks an engine
+argument given, dflash_engine_keys), then each frame on stdin is one batch of token-id sequences
 (payload: int32 ids back to back; header: their lengths), run as one `generate` of a single
 token, and is answered with its batch number, the vLLM request id of each sequence in order (the
 connector, dflash_hs_connector, sends each request's states to the socket under that id), the
@@ -134,9 +135,15 @@ def main() -> None:
     if setup is None:
         return
     import vllm
+    from dflash_engine_keys import unknown_engine_arg, vllm_engine_arg_names
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # before the engine starts: a key vLLM does not know is one line to the build, not a traceback
+    refused = unknown_engine_arg(list(setup["engine_args"]), vllm_engine_arg_names(), vllm.__version__)
+    if refused:
+        _send(protocol, {"refused": refused})
+        return
     llm = _engine(setup)
     k = setup.get("prompt_logprobs") or 0
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
