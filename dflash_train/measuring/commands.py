@@ -253,13 +253,15 @@ def vllm_part(cfg: EvalConfig, report: dict, lines: Lines, t, drafter, prompt_li
     from dflash_train.measuring.decode_report import offline_accepted_length
 
     block_size, alone = drafter.cfg.block_size, "decoding" not in report
-    # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter with its fp32
-    # embedding and head leave it first, kept in host memory only when the estimate below needs them
+    # vLLM asks for 0.9 of the GPU: the teacher (54 GB at 27B) and the drafter (reading the
+    # teacher's embedding and head) leave it first, kept in host memory only when the estimate below needs them
     t, drafter = release_for_vllm(t, drafter, dev, keep=alone)
     v = vllm_decoding(cfg, block_size, prompt_list, greedy, dtype, vllm_log, reference, dev, groups)
     if alone:
+        from dflash_train.measuring.replay import share_teacher_head
+
         t.model.to(dev)
-        drafter = drafter.to(dev)
+        drafter = share_teacher_head(drafter, t.model, dev).to(dev)
     v["offline_accepted_length"] = offline_accepted_length(t, drafter, prompt_list, v["teacher_outputs"]) if alone \
         else report["decoding"]["offline_accepted_length"]
     report["vllm"] = v
@@ -328,8 +330,11 @@ def release_for_vllm(teacher, drafter, dev, keep: bool) -> tuple:
     if dev.type != "cuda":
         return teacher, drafter
     if keep:
+        from dflash_train.measuring.replay import share_teacher_head
+
         teacher.model.to("cpu")
-        drafter = drafter.to("cpu")
+        # the drafter's frozen tensors are the teacher's: re-shared, not copied to the host
+        drafter = share_teacher_head(drafter, teacher.model, torch.device("cpu")).to("cpu")
     else:
         teacher = drafter = None
     gc.collect()
