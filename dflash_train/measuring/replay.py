@@ -42,6 +42,13 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     drafted ones; for DFlash2 the selector's choice and for LiLiCorr the walk's, teacher-forced likewise). Returns (tokens
     produced by rounds, rounds) and counts each round's length in ``histogram`` (from
     replay_histogram).
+
+    Each round runs the drafter over the whole context again (rounds x a forward of the batch).
+    Not reused on purpose: the context's keys and values do not depend on the anchor and could be
+    computed once, with a block forward per round over them (speculative decoding's path,
+    forward_block), but the numbers here come from the training forward, the one held-out
+    acceptance is measured with (every kind's heads, packed layouts, flex); a second path would
+    have to be shown to give the same argmaxes, at near ties too, before it could replace it.
     """
     block = model.cfg.num_draft_positions + 1
     produced = rounds = 0

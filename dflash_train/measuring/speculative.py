@@ -15,7 +15,9 @@ One generation, as the reference DFlash decoder runs it:
 5. Keep: the teacher's cache is rolled back to the kept positions, their features are appended to
    the drafter's context, and the teacher's token becomes the next anchor.
 
-Greedy output equals the teacher's own greedy output (up to floating-point ties; exact for fp32).
+Greedy output equals the teacher's own greedy output up to floating-point near ties, where a
+block's verify forward and a one-token decode can round to different argmaxes (in bf16 more often
+than in fp32); eval names those (dflash_train.measuring.exactness).
 
 How each kind draws one block's drafts (DFlash, DSpark, DFlash2's selector, LiLiCorr's walk) is
 dflash_train.measuring.drafting.
