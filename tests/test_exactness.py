@@ -167,3 +167,28 @@ def test_the_teachers_choices_are_its_top_two_at_every_new_token():
         assert choice.margin == pytest.approx(float(top.values[i, 0] - top.values[i, 1]), abs=1e-5)
     # speculative decoding records none: its logits are the verify forward's, not the reference
     assert speculative_generate(teacher, copy_drafter(teacher, 4), PROMPT, SpecConfig(max_new_tokens=4)).teacher_choices == []
+
+
+def test_the_report_puts_the_divergence_and_its_summary_beside_matched_teacher(teacher_dir):
+    """decode_report on a real fp32 teacher: equal outputs, so no divergence, nothing counted."""
+    from dflash_teacher.teacher import TeacherConfig, load_teacher
+    from dflash_train.measuring.commands import decoding_lines
+    from dflash_train.measuring.decode_report import Prompt, decode_report
+    from dflash_train.settings.drafter_config import drafter_config_from_teacher
+    from dflash_train.training.model import DFlashDrafter
+
+    teacher = load_teacher(TeacherConfig(name_or_path=teacher_dir("qwen3"), dtype="float32", layers=(0, 2), top_k=1))
+    model = teacher.model
+    cfg = drafter_config_from_teacher(model.config.to_dict(), (0, 2), mask_token_id=model.config.vocab_size - 1,
+                                      block_size=4, num_hidden_layers=1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.build(cfg, model.get_input_embeddings().weight.detach(),
+                                  model.get_output_embeddings().weight.detach(), "cpu").eval()
+    spec = SpecConfig(max_new_tokens=8)
+    report = decode_report(teacher, drafter, [Prompt("a", [5, 17, 33, 2]), Prompt("b", [11, 12, 13])], spec)
+    assert report["matched_teacher"] is True and [r["divergence"] for r in report["per_prompt"]] == [None, None]
+    assert report["exactness"] == {"mismatches": 0, "near_tie_flips": 0, "near_tie_ulps": NEAR_TIE_ULPS,
+                                   "logits_dtype": "float32"}
+    assert ("output equals teacher's greedy", "yes") in decoding_lines([spec], [report], cfg.num_draft_positions)
+    sampled = decode_report(teacher, drafter, [Prompt("a", [5, 17, 33, 2])], SpecConfig(max_new_tokens=8, temperature=1.0))
+    assert sampled["exactness"] is None and sampled["per_prompt"][0]["divergence"] is None
