@@ -20,6 +20,7 @@ from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file
 from dflash_teacher.chat_template import render_chat
 from dflash_teacher.teacher import Teacher, TeacherConfig, load_teacher, tokenizer_hashes
+from dflash_train.measuring.exactness import exactness_summary, first_divergence
 from dflash_train.measuring.replay import load_trained_drafter, replay_batch, replay_histogram
 from dflash_train.measuring.speculative import (
     SpecResult,
@@ -219,6 +220,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
     """Teacher alone vs speculative decoding on each prompt, plus the offline estimate."""
     rows, spec_results, base_results = [], [], []
     produced = rounds = 0
+    logits_dtype = teacher.model.get_output_embeddings().weight.dtype  # what the teacher's logits are rounded to
     if progress:
         progress.start(len(prompts), "decoding", "prompt")
     for prompt in prompts:
@@ -226,11 +228,7 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         spec = speculative_generate(teacher.model, drafter, prompt.ids, cfg)
         base_results.append(base)
         spec_results.append(spec)
-        row = {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(prompt.ids),
-               "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "verify_forwards": len(spec.accepted_lengths),
-               "seconds": spec.seconds,
-               "teacher_new_tokens": len(base.tokens), "teacher_seconds": base.seconds,
-               "matched_teacher": spec.tokens == base.tokens}
+        row = _prompt_row(prompt, spec, base, cfg, logits_dtype)
         if cfg.temperature == 0:
             p, r = offline_estimate(teacher, drafter, prompt, base.tokens)
             produced, rounds = produced + p, rounds + r
@@ -261,6 +259,8 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
         "tokens_per_second": spec_tokens / sum(r.seconds for r in spec_results),
         "teacher_tokens_per_second": base_tokens / sum(r.seconds for r in base_results),
         "matched_teacher": all(r["matched_teacher"] for r in rows) if cfg.temperature == 0 else None,
+        # beside the exact verdict: how many outputs left the teacher's at a near tie, how many not
+        "exactness": exactness_summary([r["divergence"] for r in rows], logits_dtype) if cfg.temperature == 0 else None,
         "offline_accepted_length": produced / max(rounds, 1) if cfg.temperature == 0 else None,
         "per_prompt": rows,
         "teacher_outputs": [r.tokens for r in base_results],
@@ -270,6 +270,18 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
     if changes:  # DFlash2: how often the selector left the drafter's top-1, and how often that was accepted
         report["selector"] = changes
     return report
+
+
+def _prompt_row(prompt: Prompt, spec: SpecResult, base: SpecResult, cfg: SpecConfig, logits_dtype: torch.dtype) -> dict:
+    """One prompt's row of the report; greedy, where its output first left the teacher's
+    (`divergence`, exactness.first_divergence; None when equal or when sampling)."""
+    return {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(prompt.ids),
+            "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "verify_forwards": len(spec.accepted_lengths),
+            "seconds": spec.seconds,
+            "teacher_new_tokens": len(base.tokens), "teacher_seconds": base.seconds,
+            "matched_teacher": spec.tokens == base.tokens,
+            "divergence": first_divergence(spec.tokens, base.tokens, base.teacher_choices, logits_dtype)
+            if cfg.temperature == 0 else None}
 
 
 def _mean(result: SpecResult) -> float:

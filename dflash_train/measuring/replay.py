@@ -42,6 +42,13 @@ def replay_batch(model: DFlashDrafter, batch: Batch, histogram: torch.Tensor) ->
     drafted ones; for DFlash2 the selector's choice and for LiLiCorr the walk's, teacher-forced likewise). Returns (tokens
     produced by rounds, rounds) and counts each round's length in ``histogram`` (from
     replay_histogram).
+
+    Each round runs the drafter over the whole context again (rounds x a forward of the batch).
+    Not reused on purpose: the context's keys and values do not depend on the anchor and could be
+    computed once, with a block forward per round over them (speculative decoding's path,
+    forward_block), but the numbers here come from the training forward, the one held-out
+    acceptance is measured with (every kind's heads, packed layouts, flex); a second path would
+    have to be shown to give the same argmaxes, at near ties too, before it could replace it.
     """
     block = model.cfg.num_draft_positions + 1
     produced = rounds = 0
@@ -85,21 +92,35 @@ def greedy_replay(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, max_
 
 
 def load_trained_drafter(path: str, embed: torch.Tensor, lm_head: torch.Tensor, device: torch.device) -> DFlashDrafter:
-    """A drafter from a checkpoint folder (step-*) or an export folder, with the given frozen head."""
+    """A drafter from a checkpoint folder (step-*) or an export folder around the given frozen
+    embedding and LM head, its trained weights in fp32 on `device`. The frozen tensors are used as
+    they are, never cast, and moved only when they lie elsewhere: beside a teacher on the device
+    they are the teacher's own (fp32 copies of a bf16 production teacher's were 10 GB more on
+    the GPU, ~76 of 79 GiB at peak on an H100); the drafter upcasts a row or a vocabulary slice
+    at a time where it reads them (DFlashDrafter.embed, .logits), which gives what the copies gave."""
     from pathlib import Path
 
     from dflash_train.settings.drafter_config import DrafterConfig
     from dflash_train.training.checkpoint import COMPLETE, CheckpointManager
-    from dflash_train.training.export import load_drafter
+    from dflash_train.training.export import read_export
 
-    embed, lm_head = embed.float(), lm_head.float()
     if (Path(path) / COMPLETE).exists():
         state = CheckpointManager.load(path)
-        model = DFlashDrafter.build(DrafterConfig.from_hf_config(state["trainer"]["drafter"]), embed, lm_head, "cpu",
-                                    state=state["model"])
+        cfg, weights = DrafterConfig.from_hf_config(state["trainer"]["drafter"]), state["model"]
     else:
-        model = load_drafter(path, embed, lm_head, dtype=torch.float32)
-    return model.to(device).eval()
+        cfg, weights = read_export(path)
+    # the trained weights alone are cast (an export may be bf16): casting the module would cast the head too
+    weights = {name: tensor.float() for name, tensor in weights.items()}
+    return DFlashDrafter.build(cfg, embed, lm_head, device, state=weights).eval()
+
+
+def share_teacher_head(drafter: DFlashDrafter, teacher_model: torch.nn.Module, device: torch.device) -> DFlashDrafter:
+    """The drafter reading the teacher's own embedding and LM head again, on `device`, after the
+    teacher moved (eval frees the GPU for vLLM and brings the pair back): moving the drafter
+    alone would move copies of them."""
+    drafter.embed_weight = teacher_model.get_input_embeddings().weight.detach().to(device)
+    drafter.lm_head_weight = teacher_model.get_output_embeddings().weight.detach().to(device)
+    return drafter
 
 
 def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards: tuple[str, ...] = ()) -> DFlashDrafter:
@@ -111,7 +132,9 @@ def load_drafter_for(path: str, cache: Cache, device: torch.device, skip_shards:
 
     cache.ensure_intact((SIZES,), skip=skip_shards)  # run's own check, so eval refuses what run refuses
     head = cache.load_teacher_head()
-    model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"], device)
+    # as training holds them (session.build_drafter): the embedding, a lookup, in the cache's
+    # dtype; the head in fp32, since the held-out loss upcasts it whole where it is not
+    model = load_trained_drafter(path, head["embed_tokens.weight"], head["lm_head.weight"].float(), device)
     if list(model.cfg.target_layer_ids) != list(cache.layer_ids):
         raise CacheError(f"the drafter at {path} reads teacher layers {list(model.cfg.target_layer_ids)}, the cache holds "
                          f"{cache.layer_ids}; evaluate it on a cache built with --layers {','.join(map(str, model.cfg.target_layer_ids))}")

@@ -15,7 +15,9 @@ One generation, as the reference DFlash decoder runs it:
 5. Keep: the teacher's cache is rolled back to the kept positions, their features are appended to
    the drafter's context, and the teacher's token becomes the next anchor.
 
-Greedy output equals the teacher's own greedy output (up to floating-point ties; exact for fp32).
+Greedy output equals the teacher's own greedy output up to floating-point near ties, where a
+block's verify forward and a one-token decode can round to different argmaxes (in bf16 more often
+than in fp32); eval names those (dflash_train.measuring.exactness).
 
 How each kind draws one block's drafts (DFlash, DSpark, DFlash2's selector, LiLiCorr's walk) is
 dflash_train.measuring.drafting.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -49,6 +52,18 @@ from dflash_train.measuring.drafting import draft_block, last_feature, probs_fro
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.model import DFlashDrafter
+
+
+@dataclass(frozen=True)
+class TeacherChoice:
+    """How clear the teacher's choice of one new token was, read off the logits it was chosen from."""
+
+    top_logit: float
+    """The top-1 logit: the magnitude at which the logits' dtype resolves a difference."""
+    margin: float
+    """The top-1 minus the top-2 logit (0 at an exact tie; inf for a one-token vocabulary)."""
+    runner_up: int
+    """The top-2 token (the top-1 itself for a one-token vocabulary)."""
 
 
 @dataclass
@@ -71,6 +86,10 @@ class SpecResult:
     """Per verify forward, the drafter's proposals (P = block_size - 1, or block_size for DSpark's
     sample_from_anchor; fewer where the confidence threshold ended a block), for per-position
     acceptance analysis; empty for the teacher alone."""
+    teacher_choices: list[TeacherChoice] = field(default_factory=list)
+    """The teacher alone: per new token, its top two logits where it was chosen, so a greedy
+    output that leaves this one can be told a near-tie flip (dflash_train.measuring.exactness);
+    empty for speculative decoding."""
     selector_changed: list[list[bool]] = field(default_factory=list)
     """DFlash2: per verify forward, per draft, whether the selector chose a candidate other than the
     drafter's own top-1 (the draft's index in draft_tokens; accepted when below accepted_lengths - 1)."""
@@ -172,6 +191,15 @@ def extend_until_stop(tokens: list[int], new: Sequence[int], stop_token_ids: Seq
         if token in stop_token_ids:
             return True
     return len(tokens) >= max_new_tokens
+
+
+def teacher_choice(logits: Tensor) -> TeacherChoice:
+    """The top two of last-position logits [V] (one small topk beside the forward that made them)."""
+    values, ids = logits.topk(min(2, logits.shape[-1]))
+    if values.shape[0] < 2:
+        return TeacherChoice(float(values[0]), math.inf, int(ids[0]))
+    top, second = values.tolist()
+    return TeacherChoice(top, top - second, int(ids[1]))
 
 
 def _next_token(logits: Tensor, cfg: SpecConfig, generator: torch.Generator) -> int:
@@ -329,16 +357,19 @@ def teacher_generate(teacher: torch.nn.Module, prompt_ids: Sequence[int], cfg: S
     with torch.inference_mode():
         logits, cache = _run(teacher, torch.tensor(list(prompt_ids), device=device), None, keyword, 1)
         tokens: list[int] = []
+        choices: list[TeacherChoice] = []
         forwards = 0
-        done = extend_until_stop(tokens, [_next_token(logits[-1], cfg, generator)], cfg.stop_token_ids,
-                                 cfg.max_new_tokens)
-        while not done:
+        while True:
+            # one token a step (max_new_tokens >= 1 and a step is only taken while below it), so
+            # choices[i] is token i's
+            choices.append(teacher_choice(logits[-1]))
+            if extend_until_stop(tokens, [_next_token(logits[-1], cfg, generator)], cfg.stop_token_ids,
+                                 cfg.max_new_tokens):
+                break
             logits, cache = _run(teacher, torch.tensor([tokens[-1]], device=device), cache, keyword, 1)
             forwards += 1
-            done = extend_until_stop(tokens, [_next_token(logits[-1], cfg, generator)], cfg.stop_token_ids,
-                                     cfg.max_new_tokens)
     return SpecResult(tokens=tokens, accepted_lengths=[1] * forwards, teacher_forwards=forwards,
-                      seconds=time.perf_counter() - start)
+                      seconds=time.perf_counter() - start, teacher_choices=choices)
 
 
 def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, prompt_ids: Sequence[int],

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dflash_common.errors import ConfigError
 from dflash_common.values import check_choice
+from dflash_teacher.teacher import fp32_logits
 from dflash_train.settings.data_config import PACKED
 from dflash_train.settings.drafter_config import (
     ATTENTION_BACKENDS,
@@ -437,7 +438,13 @@ class DFlashDrafter(nn.Module):
     def logits(self, states: Tensor, features: Tensor | None = None) -> Tensor:
         """Teacher LM head over drafter states [..., H] -> [..., V], plus the Markov bias of
         features [..., r] when given; callers chunk large inputs."""
-        logits = states.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+        head = self.lm_head_weight
+        if states.dtype == torch.float32 and head.dtype != torch.float32:
+            # a head shared with a bf16 teacher (eval): the fp32 logits an fp32 copy would give,
+            # upcast a vocabulary slice at a time so that no copy of the whole head exists
+            logits = fp32_logits(states, head)
+        else:
+            logits = states.to(head.dtype) @ head.T
         if features is not None:
             logits = logits + self.markov_head.bias(features).to(logits.dtype)
         return logits
