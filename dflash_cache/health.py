@@ -129,14 +129,14 @@ def check_capture(stats: dict, layer_ids: list[int], shard: str, n_tokens: int) 
             what = "all zeros"
         elif stats["min"][i] == stats["max"][i] and stats["nonfinite"][i] == 0:
             what = f"the constant {stats['min'][i]:g}"
+        elif stats["rms"][i] > MAX_RMS:  # the whole layer: said before a single value of it
+            what = f"of RMS {stats['rms'][i]:.3g}, far above any model's hidden states (at most {MAX_RMS:g} here),"
         elif stats["max_abs"][i] > MAX_ABS:
             raise CaptureError(
                 f"shard {shard}: tapped layer {layer} holds a value of |x| = {stats['max_abs'][i]:.3g} among its "
                 f"{n_tokens:,} tokens, far above any model's hidden states (at most {MAX_ABS:g} here): the teacher's "
                 "capture is broken (check the teacher's weights and dtype, and --layers); the shard was not committed, "
                 "so fix the teacher and rerun the same command")
-        elif stats["rms"][i] > MAX_RMS:
-            what = f"of RMS {stats['rms'][i]:.3g}, far above any model's hidden states (at most {MAX_RMS:g} here),"
         elif n_tokens > 1 and stats["nonfinite"][i] == 0 and stats["spread"][i] < MIN_SPREAD:
             what = "one vector for every token (states that do not depend on the input)"
         else:
