@@ -91,6 +91,31 @@ def test_a_fresh_correlator_walks_the_backbones_top1_path():
     assert torch.equal(scores[:, 0, 0], scores[:, 0, 3])  # the anchor's row repeats for every predecessor
 
 
+def test_training_sees_the_decoding_blocks_slots_anchor_and_lattice():
+    """The states the loss and the correlator train on are the ones decoding drafts from (slots
+    1..P of the block, not 0..P-1), the anchor is the normed context feature before the block, and
+    the training lattice's scores along a path the top-k holds are the walk's."""
+    from dflash_train.training.lilicorr import path_rows
+
+    teacher = run_teacher("qwen3", 0.1)
+    drafter = _drafter(teacher, block_size=5)
+    _stir(drafter)
+    torch.manual_seed(2)
+    hidden, ids = torch.randn(1, 12, len(LAYER_IDS), 64), torch.randint(0, RUN_MASK, (1, 12))
+    a = 6
+    with torch.no_grad():
+        block = torch.cat((ids[0, a:a + 1], torch.full((4,), RUN_MASK)))
+        decoding = drafter.draft_slots(drafter.forward_block(hidden[:, :a], block.unsqueeze(0)))
+        anchor = drafter.context_features(hidden[:, a - 1:a])[0]
+        walk_ids, scores = drafter.walk(decoding, anchor)
+        # the sequence continues with each slot's second candidate: on the lattice, nothing put in
+        ids[0, a + 1:a + 5] = walk_ids[0, :, 1]
+        positions, rows, candidates = drafter(hidden, ids, torch.tensor([[a]]), heads=True)
+    torch.testing.assert_close(positions, decoding)
+    assert torch.equal(candidates, walk_ids)
+    torch.testing.assert_close(rows, path_rows(scores, torch.ones(1, 4, dtype=torch.long)), atol=1e-5, rtol=1e-5)
+
+
 def test_candidate_features_and_path_rows():
     features = candidate_features(torch.log(torch.tensor([[0.5, 0.3, 0.2]])))
     expected = [[math.log(0.5), 0.5, 0.0, 0.0, 1.0], [math.log(0.3), 0.3, math.log(0.6), 0.5, 0.0],

@@ -147,8 +147,7 @@ def draft_block(drafter: DFlashDrafter, anchor: int, mask_block: Tensor, context
     context; context_anchor [H] is the context's last normed feature (LiLiCorr reads it)."""
     block = torch.cat((torch.tensor([anchor], device=mask_block.device), mask_block))
     states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
-    first = 1 - drafter.cfg.first_slot_predicts  # the slot of draft position 1
-    positions = states[0, first:first + drafter.cfg.num_draft_positions]
+    positions = drafter.draft_slots(states[0])
     if drafter.lilicorr is not None:
         return _walk(drafter, positions, context_anchor, cfg, generator, device)
     if drafter.candidate_selector is not None:

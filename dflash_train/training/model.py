@@ -349,7 +349,7 @@ class DFlashDrafter(nn.Module):
             path = _tokens_at(input_ids, starts, last, prev_pos + 1).view(n * num_anchors, -1)
             anchor = self.context_features(_tokens_at(context_hidden, starts, last, (safe_anchors - 1).clamp(min=0))
                                            .view(1, n * num_anchors, *context_hidden.shape[2:]))
-            positions = blocks[:, :self.cfg.num_draft_positions]
+            positions = self.draft_slots(blocks)
             return positions, *training_lattice(self.lilicorr, self.logits, self.embed_weight, positions, path, anchor[0])
         return self.draft_outputs(blocks, prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 
@@ -391,14 +391,19 @@ class DFlashDrafter(nn.Module):
         """(positions [M, P, H], Markov features [M, P, r] (DSpark) or the selector's context
         [M, P, r] (DFlash2) or None, confidence logits [M, P] or None) of whole blocks' states
         [M, B, H], position j's previous token being prev_ids[:, j-1]."""
-        first = self.cfg.first_slot_predicts
-        positions = states[:, 1 - first:1 - first + self.cfg.num_draft_positions]
+        positions = self.draft_slots(states)
         if self.candidate_selector is not None:
             return positions, self.candidate_selector.context(positions, prev_ids), None
         prev_embed = self.markov_head.embed(prev_ids) if self.markov_head is not None else None
         features = self.markov_head.features(prev_embed, positions) if self.markov_head is not None else None
         confidence = self.confidence_head(positions, prev_embed) if self.confidence_head is not None else None
         return positions, features, confidence
+
+    def draft_slots(self, states: Tensor) -> Tensor:
+        """The draft positions' states [..., P, H] of whole blocks' states [..., B, H]: slots 1..P (the
+        anchor's slot 0 too with DSpark's sample_from_anchor), what decoding drafts from."""
+        first = self.cfg.first_slot_predicts
+        return states[..., 1 - first:1 - first + self.cfg.num_draft_positions, :]
 
     def walk(self, positions: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
         """LiLiCorr's lattice as vLLM's speculator builds it: (candidates [N, S, k], the walk's
