@@ -538,7 +538,7 @@ def print_tables(rows: list[dict], s3_rows: list[dict], sizes: list[int], worlds
         for r in planned:
             f = r["first"][worlds[0]]
             print(f"| {r['shards']:,} | v{r['version']} | {f['plan_again_s']:.2e} | {f['plan_per_shard_s']:.2e} | "
-                  f"{f['plan_per_shard_s'] / max(f['plan_again_s'], 1e-9):.1f} |")
+                  f"{f['plan_per_shard_s'] / max(f['plan_again_s'], 1e-9):.2g} |")  # a ratio below 0.05 printed as 0.0 failed the > 0 check
     epoch = [r for r in rows if r.get("epoch")]
     if epoch:
         print("\nOne epoch a rank (every rank of W, strace): worst rank, as multiples of 1/W\n")
