@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from test_speculative import copy_drafter, run_teacher
+from test_speculative import copy_drafter, one_thread, run_teacher  # noqa: F401 (the fixture: one thread)
 
 from dflash_teacher.teacher import TeacherConfig, load_teacher
 from dflash_train.measuring.commands import release_for_vllm
@@ -19,14 +19,6 @@ from dflash_train.settings.drafter_config import drafter_config_from_teacher
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.export import export_drafter, load_drafter
 from dflash_train.training.model import DFlashDrafter
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def own_bytes(drafter: torch.nn.Module, teacher: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from test_speculative import copy_drafter, run_teacher
+from test_speculative import copy_drafter, one_thread, run_teacher  # noqa: F401 (the fixture: one thread)
 
 from dflash_train.measuring.commands import EvalResult
 from dflash_train.measuring.exactness import (
@@ -30,14 +30,6 @@ from dflash_train.settings.spec_config import SpecConfig
 
 PROMPT, MAX_NEW, STEP = [3, 7, 3, 9, 12], 16, 6
 FP32 = torch.float32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_resolution_is_the_dtypes_step_at_that_magnitude():
