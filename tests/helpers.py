@@ -246,3 +246,29 @@ def replace_shard_records(cache: Path, records: dict[int, dict]) -> None:
         manifest["index"] = index.write_tables(CacheStore.open(str(cache)), index.MERGED, index.shard_table(rows),
                                                sequences.cast(index.sequence_schema()), complete=True)
     (cache / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def train_and_resume(app, cache_url: str, tmp_path: Path, args: list[str], last_step: int = 6):
+    """`run` straight to last_step, then again from a copy without its last checkpoint and its
+    export, resumed (--resume): asserts both end with the same weights bit for bit and returns
+    (the straight run's folder, its CliRunner result, its last checkpoint's weights)."""
+    import shutil
+
+    import safetensors.torch
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    straight = tmp_path / "straight"
+    result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *args])
+    assert result.exit_code == 0, result.output
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    step = f"step-{last_step:06d}"
+    shutil.rmtree(resumed / "checkpoints" / step)
+    shutil.rmtree(resumed / "drafter")
+    again = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(resumed), "--resume", *args])
+    assert again.exit_code == 0, again.output
+    a = safetensors.torch.load_file(str(straight / "checkpoints" / step / "model.safetensors"))
+    b = safetensors.torch.load_file(str(resumed / "checkpoints" / step / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    return straight, result, a

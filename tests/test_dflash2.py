@@ -4,12 +4,12 @@ lossless decoding with the selector's candidate walk."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 
 import pytest
 import safetensors.torch
 import torch
+from helpers import train_and_resume
 from test_speculative import (
     LAYER_IDS,
     RUN_MASK,
@@ -198,19 +198,7 @@ VLLM_NAMES = ("attention_conv.base_kernel", "attention_conv.kernel_projection.we
 def test_dflash2_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
     """A cache built for DFlash trains a DFlash2 drafter unchanged; a resume from step 3 ends with the
     weights of the straight run; the export is what vLLM's DFlash2DraftModel loads."""
-    runner = CliRunner()
-    straight = tmp_path / "straight"
-    result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *TRAIN])
-    assert result.exit_code == 0, result.output
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-000006")
-    shutil.rmtree(resumed / "drafter")
-    again = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(resumed), "--resume", *TRAIN])
-    assert again.exit_code == 0, again.output
-    a = safetensors.torch.load_file(str(straight / "checkpoints" / "step-000006" / "model.safetensors"))
-    b = safetensors.torch.load_file(str(resumed / "checkpoints" / "step-000006" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    straight, result, a = train_and_resume(app, cache_url, tmp_path, TRAIN)
 
     exported = safetensors.torch.load_file(str(straight / "drafter" / "model.safetensors"))
     assert {f"layers.0.{name}" for name in VLLM_NAMES} | {
@@ -231,7 +219,7 @@ def test_dflash2_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
 
     # offline eval: the greedy replay walks the selector's choices (it once read them as Markov features)
     report = tmp_path / "eval.json"
-    evaluated = runner.invoke(app, ["eval", "--checkpoint", str(straight / "drafter"), "--cache", cache_url,
+    evaluated = CliRunner().invoke(app, ["eval", "--checkpoint", str(straight / "drafter"), "--cache", cache_url,
                                     "--heldout-fraction", "0.1", "--out", str(report), "--quiet"])
     assert evaluated.exit_code == 0, evaluated.output
     replay = json.loads(report.read_text())["greedy_replay"]

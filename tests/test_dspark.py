@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import safetensors.torch
 import torch
+from helpers import train_and_resume
 from test_speculative import LAYER_IDS, RUN_MASK, RUN_VOCAB, run_teacher
 from typer.testing import CliRunner
 
@@ -127,19 +126,7 @@ TRAIN = ["--steps", "6", "--save-every", "3", "--num-layers", "1", "--block-size
 def test_dspark_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
     """A cache built for DFlash trains a DSpark drafter unchanged; a resume from step 3 ends with
     the weights of the straight run; the export is what vLLM's DSpark loader reads."""
-    runner = CliRunner()
-    straight = tmp_path / "straight"
-    result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *TRAIN])
-    assert result.exit_code == 0, result.output
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-000006")
-    shutil.rmtree(resumed / "drafter")
-    again = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(resumed), "--resume", *TRAIN])
-    assert again.exit_code == 0, again.output
-    a = safetensors.torch.load_file(str(straight / "checkpoints" / "step-000006" / "model.safetensors"))
-    b = safetensors.torch.load_file(str(resumed / "checkpoints" / "step-000006" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    straight, result, a = train_and_resume(app, cache_url, tmp_path, TRAIN)
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.joint_proj.weight",
             "confidence_head.proj.weight", "confidence_head.proj.bias"} <= set(a)
 

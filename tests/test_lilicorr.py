@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections import Counter
 
 import pytest
 import safetensors.torch
 import torch
+from helpers import train_and_resume
 from test_speculative import (
     LAYER_IDS,
     RUN_MASK,
@@ -158,20 +158,9 @@ TRAIN = ["--steps", "6", "--save-every", "3", "--num-layers", "1", "--block-size
 def test_lilicorr_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url, conv):
     """A cache built for DFlash trains a LiLiCorr drafter unchanged; a resume from step 3 ends with
     the weights of the straight run; the export is what vLLM's LiLiCorrDraftModel loads."""
-    runner = CliRunner()
     train = TRAIN + (["--lilicorr-conv", "--conv-group-size", "8"] if conv else [])
-    straight = tmp_path / "straight"
-    result = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(straight), *train])
-    assert result.exit_code == 0, result.output
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-000006")
-    shutil.rmtree(resumed / "drafter")
-    again = runner.invoke(app, ["run", "--cache", cache_url, "--out", str(resumed), "--resume", *train])
-    assert again.exit_code == 0, again.output
-    a = safetensors.torch.load_file(str(straight / "checkpoints" / "step-000006" / "model.safetensors"))
-    b = safetensors.torch.load_file(str(resumed / "checkpoints" / "step-000006" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    straight, result, a = train_and_resume(app, cache_url, tmp_path, train)
+    runner = CliRunner()
 
     exported = safetensors.torch.load_file(str(straight / "drafter" / "model.safetensors"))
     assert {"lilicorr.slot_embedding", "lilicorr.layers.1.attn.in_proj_weight", "lilicorr.anchor_out_head.bias",

@@ -47,17 +47,17 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
     """Drafter states of the draft positions 1..P of every anchor, [N*A, P, H], their targets and
     (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
     one must run the forward (DDP)."""
-    states, features, confidence = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
-                                                      packed_lengths=batch.packed_lengths)
+    states, features, third = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
+                                                 packed_lengths=batch.packed_lengths)
     targets = block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions)
     if model.cfg.lilicorr is not None:  # the walk's scores along the path, then the candidates
-        return states, targets, DraftHeads(lattice_scores=features, lattice_ids=confidence, lattice=model.cfg.lilicorr)
+        return states, targets, DraftHeads(lattice_scores=features, lattice_ids=third, lattice=model.cfg.lilicorr)
     if model.cfg.selector is not None:  # the second output is the selector's context
         return states, targets, DraftHeads(selector_context=features, selector=model.cfg.selector,
                                            successor_codebook=model.candidate_selector.successor_codebook)
     dspark = model.cfg.dspark
     heads = DraftHeads(features=features, bias_weight=model.bias_weight if features is not None else None,
-                       confidence=confidence)
+                       confidence=third)
     if dspark is not None:
         heads.confidence_alpha, heads.confidence_target = dspark.confidence_head_alpha, dspark.confidence_target
     return states, targets, heads

@@ -133,8 +133,9 @@ class Correlator(nn.Module):
     def _prefer_the_top1(self) -> None:
         """A fresh correlator walks the backbone's top-1 path, as a fresh DFlash2 selector does (its
         pairwise scores start near 0 and its unary ones are the logits): the rank embedding puts
-        +TOP1_MARK into the last channel of each slot's top-1 and -TOP1_MARK into the others' (no
-        other start writes that channel), factor_input_proj's last unit reads it, in_head's first
+        +TOP1_MARK into the last channel of each slot's top-1 and -TOP1_MARK into the others' (every
+        other writer of that channel starts at 0, but the unprojected token embedding, whose
+        entries are far smaller), factor_input_proj's last unit reads it, in_head's first
         axis reads that unit, and every outgoing vector (the anchor's too) starts on that axis, so
         the top-1's incoming vector is nearly parallel to it and the others' are not."""
         last = self.in_head.in_features - 1

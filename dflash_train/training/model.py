@@ -343,7 +343,6 @@ class DFlashDrafter(nn.Module):
             return states
         # draft position j = 1..P follows x_{a+j-1}: the anchor, then the true tokens (teacher forcing)
         prev_pos = safe_anchors.unsqueeze(-1) + torch.arange(self.cfg.num_draft_positions, device=anchors.device)
-        prev_ids = _tokens_at(input_ids, starts, last, prev_pos)
         blocks = states.view(n * num_anchors, block_size, -1)
         if self.lilicorr is not None:
             path = _tokens_at(input_ids, starts, last, prev_pos + 1).view(n * num_anchors, -1)
@@ -351,6 +350,7 @@ class DFlashDrafter(nn.Module):
                                            .view(1, n * num_anchors, *context_hidden.shape[2:]))
             positions = self.draft_slots(blocks)
             return positions, *training_lattice(self.lilicorr, self.logits, self.embed_weight, positions, path, anchor[0])
+        prev_ids = _tokens_at(input_ids, starts, last, prev_pos)
         return self.draft_outputs(blocks, prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 
     def _context_layout(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
