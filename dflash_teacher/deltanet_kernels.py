@@ -24,13 +24,28 @@ def gated_deltanet_kernels(model: torch.nn.Module) -> dict[str, bool] | None:
     module = sys.modules.get(type(model).__module__)
     kernels = {}
     for function, distribution, import_name in GATED_DELTANET_KERNELS:
-        wrapped = getattr(module, function, None)
-        # transformers decides once, at import, and keeps the decision in the wrapper's closure
-        fast = inspect.getclosurevars(wrapped).nonlocals.get("is_new_implementation") if callable(wrapped) else None
+        fast = _import_decision(getattr(module, function, None))
         if fast is None:  # another transformers: the same rule, does the package import
             fast = importlib.util.find_spec(import_name) is not None
         kernels[distribution] = bool(fast)
     return kernels
+
+
+def _import_decision(wrapped: object) -> bool | None:
+    """transformers decides once, at import, and keeps the decision (`is_new_implementation`) in the
+    wrapper's closure; since 5.2x the wrapper sits inside a hub-kernel `nn.Module` whose forward
+    closes over it. None where neither shape is found."""
+    for _ in range(4):  # a few layers of wrapping at most
+        if isinstance(wrapped, torch.nn.Module):
+            wrapped = inspect.getclosurevars(type(wrapped).forward).nonlocals.get("func")
+            continue
+        if not inspect.isfunction(wrapped):
+            return None
+        nonlocals = inspect.getclosurevars(wrapped).nonlocals
+        if "is_new_implementation" in nonlocals:
+            return bool(nonlocals["is_new_implementation"])
+        wrapped = nonlocals.get("func")
+    return None
 
 
 def gated_deltanet_note(model: torch.nn.Module, device: torch.device) -> str | None:

@@ -238,6 +238,14 @@ def _crop_layer(layer: Any, drop: int) -> None:
         layer.crop(-drop)
 
 
+def _restored_whole(layer: Any) -> bool:
+    """Whether a cache layer is copied and restored rather than cropped: one that cannot crop, and
+    a recurrent (linear-attention) one. transformers >= 5.2x can crop those too, from a history of
+    intermediate recurrent states it keeps when asked, but a restore and re-run gives the same
+    state on every version."""
+    return not getattr(layer, "is_croppable", True) or hasattr(layer, "recurrent_states")
+
+
 class _CacheRollback:
     """Puts the teacher's cache back to the kept positions after a verify forward.
 
@@ -252,7 +260,7 @@ class _CacheRollback:
             raise ConfigError(
                 f"the teacher's cache {type(cache).__name__} has no per-layer list; use a transformers "
                 "model whose cache is a DynamicCache (transformers >= 4.56)")
-        self.fixed = [i for i, layer in enumerate(layers) if not getattr(layer, "is_croppable", True)]
+        self.fixed = [i for i, layer in enumerate(layers) if _restored_whole(layer)]
         self.croppable = [layer for i, layer in enumerate(layers) if i not in self.fixed]
         for layer in self.croppable:
             # Sliding-window (and conv-only) layers drop old states on update unless told to keep
