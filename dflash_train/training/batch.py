@@ -21,18 +21,27 @@ class Batch:
     """The tensors of one step. Per-token tensors are [R, W, ...] in ``layout`` (dflash_train.training.layout):
     [N, T_max] padded, [1, sum T] packed; ``lengths`` and ``anchors`` are per sequence either way
     (anchors in the sequence's own positions, -1 in unused slots). ``hidden`` leaves the loader in
-    the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``."""
+    the cache's dtype (bf16: half the bytes to copy and pin) and is float32 after ``to(device)``.
+
+    What the host decides from (the lengths, the anchors' reach, the valid positions' count)
+    stays on the host: ``to(device)`` leaves ``lengths`` there and keeps the anchors' host copy
+    in ``host_anchors``, so a training step never waits for the device to read them back."""
 
     ids: list[str]
     hidden: torch.Tensor  # [R, W, L, H]
     input_ids: torch.Tensor  # [R, W] long
     loss_mask: torch.Tensor  # [R, W] bool
-    lengths: torch.Tensor  # [N]
+    lengths: torch.Tensor  # [N], always on the host
     topk_ids: torch.Tensor  # [R, W, k] long
     topk_logprobs: torch.Tensor  # [R, W, k] float32
     anchors: torch.Tensor  # [N, A] long
     state_after: dict = field(default_factory=dict)
     layout: str = PADDED
+    host_anchors: torch.Tensor | None = None
+    """The anchors on the host once ``anchors`` went to a device (None while they are on the host)."""
+    valid_rows: torch.Tensor | None = None
+    """Flat indices [V] into the [N*A, P] grid of block_targets' valid positions, found on the host
+    and shipped beside the anchors (``columns``), so the loss needs no ``nonzero`` on the device."""
 
     @property
     def starts(self) -> torch.Tensor:
@@ -41,9 +50,19 @@ class Batch:
         return sequence_starts(self.lengths, self.layout, self.input_ids.shape[1])
 
     @property
-    def packed_lengths(self) -> torch.Tensor | None:
-        """The lengths when packed (the drafter's ``packed_lengths``), None when padded."""
-        return self.lengths if self.layout == PACKED else None
+    def packed_lengths(self) -> tuple[int, ...] | None:
+        """The lengths when packed (the drafter's ``packed_lengths``), None when padded: ints, since
+        FSDP2 moves a forward's tensor arguments to the GPU (a blocking copy the host then reads back)."""
+        return tuple(self.lengths.tolist()) if self.layout == PACKED else None
+
+    @property
+    def anchors_on_host(self) -> torch.Tensor:
+        return self.anchors if self.host_anchors is None else self.host_anchors
+
+    @property
+    def last_anchor(self) -> int:
+        """The largest anchor of the batch's blocks (-1 when none), read on the host."""
+        return int(self.anchors_on_host.max()) if self.anchors.numel() else -1
 
     def sequence(self, name: str, index: int) -> torch.Tensor:
         """Sequence `index`'s own part [T, ...] of the per-token tensor `name`."""
@@ -57,11 +76,15 @@ class Batch:
         return cls(ids=[], hidden=none, input_ids=none, loss_mask=none, lengths=none, topk_ids=none,
                    topk_logprobs=none, anchors=none)
 
-    def columns(self, span: tuple[int, int] | None) -> "Batch":
-        """The batch with only the blocks of anchor columns [c0, c1) (the same tensors; None: all)."""
-        if span is None or not self.ids:
+    def columns(self, span: tuple[int, int] | None, valid_rows: torch.Tensor | None = None) -> "Batch":
+        """The batch with only the blocks of anchor columns [c0, c1) (the same tensors; None: all),
+        with ``valid_rows`` (those blocks' valid positions, made on the host) sent to the anchors' device."""
+        if not self.ids:
             return self
-        return Batch(**{**self.__dict__, "anchors": self.anchors[:, span[0]:span[1]]})
+        c0, c1 = span if span is not None else (0, self.anchors.shape[1])
+        host = None if self.host_anchors is None else self.host_anchors[:, c0:c1]
+        rows = None if valid_rows is None else valid_rows.to(self.anchors.device, non_blocking=True)
+        return Batch(**{**self.__dict__, "anchors": self.anchors[:, c0:c1], "host_anchors": host, "valid_rows": rows})
 
     def parts(self, block_size: int, cfg: DataConfig, dense: bool = True) -> list[tuple[int, int] | None]:
         """The anchor column ranges the batch trains in, one forward each (epoch_plan.block_parts
@@ -69,7 +92,7 @@ class Batch:
         flex), read from the host's anchors; [None] for one part of all of them."""
         if not self.ids:
             return [None]
-        spans = block_parts(self.anchors.cpu().numpy(), block_size, cfg.forward_tokens, cfg.batch_tokens if dense else None)
+        spans = block_parts(self.anchors_on_host.cpu().numpy(), block_size, cfg.forward_tokens, cfg.batch_tokens if dense else None)
         return [None] if len(spans) == 1 else spans
 
     @property
@@ -83,10 +106,13 @@ class Batch:
         return Batch(**pinned)
 
     def to(self, device) -> "Batch":
-        """The batch on `device`, hidden states in float32 (converted there, after the copy)."""
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        """The batch on `device`, hidden states in float32 (converted there, after the copy); the
+        lengths and a copy of the anchors stay on the host."""
+        host = {"lengths": self.lengths, "host_anchors": self.anchors_on_host}
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.__dict__.items() if k not in host}
         moved["hidden"] = moved["hidden"].float()
-        return Batch(**moved)
+        return Batch(**moved, **host)
 
 
 def collate(records: list, anchors: list[np.ndarray], hidden: list[np.ndarray] | np.ndarray,

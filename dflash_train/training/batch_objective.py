@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_train.settings.loss_config import LossConfig
+from dflash_train.training.layout import copy_to
 from dflash_train.training.loss import DraftHeads, LossOutput, block_loss
 
 if TYPE_CHECKING:
@@ -20,15 +21,17 @@ def block_targets(batch: Batch, block_size: int, num_positions: int | None = Non
     """Per draft position j = 1..P of every anchor a (P = num_positions, default block_size - 1;
     block_size when the anchor slot predicts too): the token to predict (x_{a+j}), the teacher's
     distribution of it (top-k at t = a+j-1) and whether the position counts (a+j < T, loss mask
-    set, anchor slot used). Shapes [N*A, P] (+ [k])."""
+    set, anchor slot used). Shapes [N*A, P] (+ [k]), on the anchors' device (the host's lengths
+    are copied there without a wait)."""
     num_positions = block_size - 1 if num_positions is None else num_positions
     n, a = batch.anchors.shape
-    k_offsets = torch.arange(1, num_positions + 1, device=batch.anchors.device)
+    device = batch.anchors.device
+    k_offsets = torch.arange(1, num_positions + 1, device=device)
     pos = batch.anchors.clamp(min=0).unsqueeze(-1) + k_offsets  # [N, A, P]
-    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < batch.lengths.view(n, 1, 1))
+    in_range = (batch.anchors.unsqueeze(-1) >= 0) & (pos < copy_to(batch.lengths, device).view(n, 1, 1))
     pos = torch.where(in_range, pos, torch.zeros_like(pos))
     # both layouts: sequence i's position t is element starts[i] + t of the flattened tensors
-    starts = batch.starts.view(n, 1, 1)
+    starts = copy_to(batch.starts, device).view(n, 1, 1)
     flat, prev = starts + pos, starts + (pos - 1).clamp(min=0)
     targets = batch.input_ids.flatten()[flat]
     valid = in_range & batch.loss_mask.flatten()[flat]
@@ -48,7 +51,7 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
     (DSpark) the heads' outputs under teacher forcing. ``forward`` is the model's wrapper when
     one must run the forward (DDP)."""
     states, features, third = (forward or model)(batch.hidden, batch.input_ids, batch.anchors, heads=True,
-                                                 packed_lengths=batch.packed_lengths)
+                                                 packed_lengths=batch.packed_lengths, last_anchor=batch.last_anchor)
     targets = block_targets(batch, model.cfg.block_size, model.cfg.num_draft_positions)
     if model.cfg.lilicorr is not None:  # the walk's scores along the path, then the candidates
         return states, targets, DraftHeads(lattice_scores=features, lattice_ids=third, lattice=model.cfg.lilicorr)
@@ -64,7 +67,9 @@ def block_states(model: DFlashDrafter, batch: Batch, forward=None) -> tuple[torc
 
 
 def batch_loss(model: DFlashDrafter, batch: Batch, loss_cfg: LossConfig, forward=None) -> LossOutput:
-    """The drafter's loss and acceptance statistics on one batch (the training objective)."""
+    """The drafter's loss and acceptance statistics on one batch (the training objective), over
+    the valid positions the batch carries when it does (Batch.valid_rows)."""
     states, targets, heads = block_states(model, batch, forward)
     return block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads)
+                      targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads,
+                      rows=batch.valid_rows)

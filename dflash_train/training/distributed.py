@@ -42,6 +42,9 @@ class DistInfo:
     """The CPU (gloo) group the other ranks wait for rank 0's solo work in (wait_for_rank0)."""
     save_timeout: float = 0.0
     """wait_group's timeout in seconds (TrainConfig.save_timeout)."""
+    host_group: Any = field(default=None, compare=False, repr=False)
+    """A CPU (gloo) group under the collectives' timeout, for the counts the host decides from
+    (global_min): an NCCL all-reduce read back would make the host wait for the queued step."""
 
     @property
     def is_main(self) -> bool:
@@ -76,10 +79,11 @@ def init_distributed(device: torch.device, wrap_single_rank: bool = False, colle
         return DistInfo()
     if not dist.is_initialized():
         dist.init_process_group(**process_group_options(device, collective_timeout))
-    # every rank creates it, in the same order (new_group is collective)
+    # every rank creates them, in the same order (new_group is collective)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=save_timeout))
+    host = dist.new_group(backend="gloo", timeout=timedelta(seconds=collective_timeout))
     return DistInfo(info.rank, info.world_size, info.local_rank, single_rank_group=info.single_rank_group,
-                    wait_group=group, save_timeout=save_timeout)
+                    wait_group=group, save_timeout=save_timeout, host_group=host)
 
 
 def process_group_options(device: torch.device, collective_timeout: float | None = None) -> dict:
@@ -221,16 +225,22 @@ def global_sum(value: float, info: DistInfo, device: torch.device) -> float:
 
 def global_sum_on_device(value: float, info: DistInfo, device: torch.device) -> torch.Tensor:
     """Every rank's ``value`` summed, as a float64 tensor left on ``device`` (no host sync)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    # filled on the device: torch.tensor(..., device=...) would be a blocking copy from the host
+    t = torch.full((1,), float(value), dtype=torch.float64, device=device)
     if info.active:
         dist.all_reduce(t)
     return t[0]
 
 
 def global_min(value: int, info: DistInfo, device: torch.device) -> int:
-    """The smallest of every rank's ``value`` (every rank calls this at the same point)."""
+    """The smallest of every rank's ``value`` (every rank calls this at the same point), over the
+    host group where there is one, so the host does not wait for the device's queued work."""
     if not info.active:
         return value
+    if info.host_group is not None:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=info.host_group)
+        return int(t[0])
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.cpu()[0])

@@ -3,6 +3,8 @@ and tau on the held-out split of a cache (fixed anchors, no noise), summed over 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from dflash_cache import Cache
@@ -84,9 +86,12 @@ class AcceptanceMeter:
 
 @torch.no_grad()
 def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, loss_cfg: LossConfig,
-             max_sequences: int, device: torch.device) -> dict:
+             max_sequences: int, device: torch.device, autocast: AbstractContextManager | None = None) -> dict:
     """Acceptance on held-out sequences (fixed anchors, no noise): the sampling estimate alpha_k
-    and tau, the greedy acceptance per position and the greedy streak per block."""
+    and tau, the greedy acceptance per position and the greedy streak per block. ``autocast``:
+    what the drafter's forward runs under (the trainer passes its training autocast, so compiled
+    flex_attention sees the training dtypes and reuses its graphs instead of adding fp32 ones
+    towards dynamo's recompile limit); the LM head's logits stay fp32 either way."""
     was_training = model.training
     model.eval()
     meter, streaks = AcceptanceMeter(), []
@@ -94,7 +99,7 @@ def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, l
     for whole in batches:
         spans = whole.parts(model.cfg.block_size, data_cfg, model.attention_backend != "flex")
         for batch in map(whole.to(device).columns, spans):
-            streaks.append(_heldout_part(model, batch, loss_cfg, meter))
+            streaks.append(_heldout_part(model, batch, loss_cfg, meter, autocast or nullcontext()))
     model.train(was_training)
     summary = meter.summary()
     if streaks and summary:
@@ -104,11 +109,13 @@ def evaluate_heldout(model: DFlashDrafter, cache: Cache, data_cfg: DataConfig, l
     return summary
 
 
-def _heldout_part(model: DFlashDrafter, batch, loss_cfg: LossConfig, meter: AcceptanceMeter) -> torch.Tensor:
+def _heldout_part(model: DFlashDrafter, batch, loss_cfg: LossConfig, meter: AcceptanceMeter,
+                  autocast: AbstractContextManager) -> torch.Tensor:
     """One forward of held-out blocks: its sums added to ``meter``; its blocks' greedy streaks."""
-    states, targets, heads = block_states(model, batch)
-    meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
-                         targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
+    with autocast:  # as micro_step runs them; the greedy choice below reads fp32 logits, as the loss's do
+        states, targets, heads = block_states(model, batch)
+        meter.add(block_loss(states, model.lm_head_weight, targets["targets"], targets["topk_ids"],
+                             targets["topk_logprobs"], targets["valid"], loss_cfg, model.cfg.block_size, heads))
     if heads.lattice_scores is not None:
         choice = walk_choice(heads.lattice_scores, heads.lattice_ids)
     else:

@@ -25,6 +25,12 @@ def sequence_starts(lengths: Tensor, layout: str, width: int) -> Tensor:
     return torch.cumsum(lengths, 0) - lengths
 
 
+def copy_to(host: Tensor, device: torch.device) -> Tensor:
+    """A small tensor made on the host, copied to `device` without waiting for it (a blocking copy
+    would make the host wait for every kernel queued before it)."""
+    return host.to(device, non_blocking=True)
+
+
 def slots(lengths: Sequence[int], layout: str) -> tuple[tuple[int, int], list[tuple[int, int]]]:
     """The (rows, width) of a batch of these sequence lengths and, per sequence, the (row, first
     column) it starts at: what the loader fills, in numpy, before any tensor exists."""

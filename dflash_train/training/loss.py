@@ -176,6 +176,7 @@ def block_loss(
     cfg: LossConfig,
     block_size: int,
     heads: DraftHeads | None = None,
+    rows: torch.Tensor | None = None,
 ) -> LossOutput:
     """Weighted training loss of a batch of blocks.
 
@@ -185,14 +186,16 @@ def block_loss(
     log-probs at t = a+k-1; valid [M, P] bool. Values at invalid positions are never read, so
     they may hold padding. P is block_size - 1, or block_size when the anchor slot predicts.
     `heads` adds DSpark's Markov bias to the logits and its confidence BCE (weighted by
-    confidence_alpha, a mean over valid positions) to the loss.
+    confidence_alpha, a mean over valid positions) to the loss. `rows`: valid's flat indices
+    (``valid.reshape(-1).nonzero()``) where the caller found them on the host (the trainer's
+    Batch.valid_rows); found here otherwise, which makes the host wait for the device.
     """
     heads = heads or DraftHeads()
     _check_inputs(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, block_size, heads)
     num_blocks, num_positions, _ = states.shape
     valid = valid.bool()
-    rows = valid.reshape(-1).nonzero().squeeze(1)
-    num_valid = int(rows.numel())
+    rows = valid.reshape(-1).nonzero().squeeze(1) if rows is None else rows
+    num_valid = int(rows.numel())  # the shape: known to the host either way
     if num_valid == 0:
         return _empty_output(states, heads, cfg, num_positions)
 
@@ -219,7 +222,8 @@ def block_loss(
         loss=loss,
         alpha_sum=_sum_per_column(alpha, columns, num_positions),
         greedy_sum=_sum_per_column(greedy, columns, num_positions),
-        count=torch.bincount(columns, minlength=num_positions),
+        # not bincount: on CUDA it reads its input's maximum back to size its output
+        count=torch.zeros(num_positions, dtype=torch.long, device=columns.device).index_add_(0, columns, torch.ones_like(columns)),
         loss_sum=_sum_per_column(per_position, columns, num_positions),
         term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
         if len(weights_by_term) > 1 else {},

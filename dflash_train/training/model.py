@@ -13,6 +13,7 @@ teacher's embedding and LM head are non-persistent buffers and never part of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable, Mapping
 
 import torch
@@ -32,7 +33,7 @@ from dflash_train.settings.drafter_config import (
 from dflash_train.training.dflash2 import CandidateSelector, GroupedConv
 from dflash_train.training.dspark import MARKOV_EMBED_STD, ConfidenceHead, MarkovHead
 from dflash_train.training.layers import AttendFn, DrafterLayer, RMSNorm, rotary_cos_sin
-from dflash_train.training.layout import sequence_starts, token_positions
+from dflash_train.training.layout import copy_to, sequence_starts, token_positions
 from dflash_train.training.lilicorr import Correlator, training_lattice, walk_lattice
 
 # HF-style initialisation, the same the reference drafters start from.
@@ -159,7 +160,9 @@ def _flex_attend(anchors: Tensor, seq_len: int, block_size: int, sliding_window:
 
     global _compiled_flex_attention
     num_queries = anchors.shape[1] * block_size
-    mask_mod = flex_mask_mod(anchors, torch.tensor(seq_len, device=anchors.device), block_size, sliding_window, causal)
+    # filled on the device: torch.tensor(seq_len, device=...) is a blocking copy from the host
+    length = torch.full((), seq_len, dtype=torch.long, device=anchors.device)
+    mask_mod = flex_mask_mod(anchors, length, block_size, sliding_window, causal)
     # compiled on CUDA too: eager, it materialises the whole [B, Q, KV] mask first (0.1-2 GB
     # transient a forward at production lengths); compiled, only the block tiles
     block_mask = create_block_mask(mask_mod, anchors.shape[0], None, num_queries, seq_len + num_queries,
@@ -289,15 +292,17 @@ class DFlashDrafter(nn.Module):
         without scoring other sequences' keys. The rows hold exactly the padded layout's keys and
         values (a zero hidden state projects to zero keys and values); they copy 2 x kv_heads x D
         values a row position per layer, little next to the fc (n_layers x H inputs) and K/V
-        projections skipped on the padding."""
+        projections skipped on the padding. ``lengths`` are the host's: the split and the rotary
+        positions are made there."""
         features = self.context_features(context_hidden)
         split = lengths.tolist()
+        positions = copy_to(token_positions(lengths), features.device)
 
         def rows(x: Tensor) -> Tensor:  # [1, kv_heads, sum T, D] -> [N, kv_heads, T_max, D]
             return pad_sequence(x[0].transpose(0, 1).split(split), batch_first=True).transpose(1, 2)
 
         return [(rows(keys), rows(values))
-                for keys, values in self._keys_values(features, token_positions(lengths).unsqueeze(0))]
+                for keys, values in self._keys_values(features, positions.unsqueeze(0))]
 
     def embed(self, token_ids: Tensor) -> Tensor:
         """Teacher input embeddings of token ids, in the model dtype (times DFlash2's input_embedding_scale)."""
@@ -306,20 +311,24 @@ class DFlashDrafter(nn.Module):
         return embedded * scale if scale != 1.0 else embedded
 
     def forward(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
-                heads: bool = False, packed_lengths: Tensor | None = None
-                ) -> Tensor | tuple[Tensor, Tensor | None, Tensor | None]:
+                heads: bool = False, packed_lengths: Sequence[int] | Tensor | None = None,
+                last_anchor: int | None = None) -> Tensor | tuple[Tensor, Tensor | None, Tensor | None]:
         """Final-normed block states [N, A, B, H] for many anchors per sequence in one pass.
 
         context_hidden [N, T, n_layers, H]; input_ids [N, T] (padded); anchors [N, A] long, -1 for
         unused slots (their outputs are finite but meaningless). With `packed_lengths` [N] the
         sequences lie end to end instead (dflash_train.training.layout): context_hidden [1, sum T, n_layers,
-        H], input_ids [1, sum T], anchors still in each sequence's own positions.
+        H], input_ids [1, sum T], anchors still in each sequence's own positions. The lengths are
+        read by the host (to lay the sequences out), so pass them from the host: ints or a CPU tensor.
+        ``last_anchor``: the anchors' maximum when the caller knows it on the host (the dense path
+        trims the context to it); None reads it from ``anchors``, which waits for the device.
 
         With `heads`, the draft positions' outputs under teacher forcing instead (see
         `draft_outputs`): the heads run inside the forward so a DDP or FSDP wrapper sees them.
         """
         n, num_anchors = anchors.shape
-        seq_len, context, starts, last = self._context_layout(context_hidden, input_ids, anchors, packed_lengths)
+        seq_len, context, starts, last = self._context_layout(context_hidden, input_ids, anchors, packed_lengths,
+                                                              last_anchor)
 
         block_size = self.cfg.block_size
         safe_anchors = anchors.clamp(min=0)
@@ -354,11 +363,14 @@ class DFlashDrafter(nn.Module):
         return self.draft_outputs(blocks, prev_ids.view(n * num_anchors, self.cfg.num_draft_positions))
 
     def _context_layout(self, context_hidden: Tensor, input_ids: Tensor, anchors: Tensor,
-                        packed_lengths: Tensor | None) -> tuple[int, list[tuple[Tensor, Tensor]], Tensor, Tensor]:
+                        packed_lengths: Sequence[int] | Tensor | None, last_anchor: int | None
+                        ) -> tuple[int, list[tuple[Tensor, Tensor]], Tensor, Tensor]:
         """(longest sequence, per-layer context keys/values, each sequence's first flat token index
         [N], its last own position [N]) of forward's batch, padded or packed, refusing inputs whose
         shapes disagree."""
         rows, width = input_ids.shape
+        if packed_lengths is not None:
+            packed_lengths = torch.as_tensor(packed_lengths, dtype=torch.long).cpu()
         if context_hidden.shape[:2] != (rows, width):
             raise ConfigError(
                 f"context_hidden starts with {tuple(context_hidden.shape[:2])} but input_ids is "
@@ -370,22 +382,23 @@ class DFlashDrafter(nn.Module):
                 f"{len(packed_lengths)} lengths summing to {int(packed_lengths.sum())} and {n} rows of anchors")
         if packed_lengths is None and n != rows:
             raise ConfigError(f"anchors has {n} rows for {rows} padded sequences; pass one row of anchors per sequence")
-        keys = self._context_reach(anchors, width if packed_lengths is None else int(packed_lengths.max()))
+        keys = self._context_reach(anchors, width if packed_lengths is None else int(packed_lengths.max()), last_anchor)
         if packed_lengths is None or n == 1:  # one row a sequence: its context is the row's first `keys` tokens
             starts = torch.arange(n, device=anchors.device) * width
             last = torch.full_like(anchors[:, 0], width - 1)
             return keys, self.context_kv(context_hidden[:, :keys]), starts, last
         context = [(k[:, :, :keys], v[:, :, :keys]) for k, v in self._packed_context_kv(context_hidden, packed_lengths)]
-        return keys, context, sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1
+        starts, last = (copy_to(t, anchors.device) for t in (sequence_starts(packed_lengths, PACKED, width), packed_lengths - 1))
+        return keys, context, starts, last
 
-    def _context_reach(self, anchors: Tensor, seq_len: int) -> int:
+    def _context_reach(self, anchors: Tensor, seq_len: int, last_anchor: int | None = None) -> int:
         """The context keys the blocks can see: those before their last anchor (at least one key).
         The dense SDPA path trims the context to them, so the blocks of a long sequence's early
-        part (Batch.parts) attend to their own prefix only; flex skips the masked tiles itself,
-        and reading the anchors' maximum would make the host wait for the device."""
+        part (Batch.parts) attend to their own prefix only; flex skips the masked tiles itself.
+        Without the host's ``last_anchor`` the anchors' maximum is read back from the device."""
         if self.attention_backend == "flex" or anchors.numel() == 0:
             return seq_len
-        return max(1, min(seq_len, int(anchors.max())))
+        return max(1, min(seq_len, int(anchors.max()) if last_anchor is None else last_anchor))
 
     def draft_outputs(self, states: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(positions [M, P, H], Markov features [M, P, r] (DSpark) or the selector's context

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -145,8 +146,10 @@ def chunk_terms(
     deterministic. onpolicy_kl needs whole blocks, so it comes back as its two halves, kl and rkl,
     which block_loss joins; chain as its per-position alpha, which block_loss chains per block.
     temperature tempers kl alone (LossConfig.temperature)."""
-    # Autocast would silently run the LM head in bf16; the buckets need fp32 logits.
-    with torch.autocast(device_type=states.device.type, enabled=False):
+    # Autocast would silently run the LM head in bf16; the buckets need fp32 logits. A device
+    # without autocast (meta, where tests run the step dataless) has none to turn off.
+    device = states.device.type
+    with torch.autocast(device_type=device, enabled=False) if torch.amp.is_autocast_available(device) else nullcontext():
         logits = head_logits(states, lm_head_weight, head_matmul)
         if features is not None:
             logits = logits + features.float() @ bias_weight.float().T

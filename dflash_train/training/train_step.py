@@ -31,12 +31,14 @@ def on_device(batch: Batch, device: torch.device, cfg: TrainConfig, step: int, s
     return batch
 
 
-def valid_positions(batch: Batch, drafter_cfg: DrafterConfig) -> int:
-    """The batch's valid draft positions (its LossOutput.count summed), counted on the host from
-    the loader's CPU batch before it moves to the device: no GPU-to-host sync."""
+def valid_rows(batch: Batch, drafter_cfg: DrafterConfig) -> torch.Tensor:
+    """The flat indices of the batch's valid draft positions (block_targets' valid grid; their
+    number is its LossOutput.count summed), found on the host from the loader's CPU batch before
+    it moves to the device, so neither the scales nor the loss read the device back."""
     if not batch.ids:
-        return 0
-    return int(block_targets(batch, drafter_cfg.block_size, drafter_cfg.num_draft_positions)["valid"].sum())
+        return torch.zeros(0, dtype=torch.long)
+    valid = block_targets(batch, drafter_cfg.block_size, drafter_cfg.num_draft_positions)["valid"]
+    return valid.reshape(-1).nonzero().squeeze(1)
 
 
 def loss_scales(counts: list[int], info: DistInfo, device: torch.device) -> list[torch.Tensor | float]:
@@ -56,12 +58,14 @@ def micro_step(model: DFlashDrafter, forward, batch: Batch, cfg: TrainConfig, in
     """Forward and backward of one micro-batch, its loss multiplied by ``scale`` (loss_scales: its
     share of its global batch's valid positions) and divided by grad_accum. Without ``scale`` the
     batch is a global batch's only micro-batch on this rank: its share is counted after the forward
-    (a host sync, and with several ranks an all-reduce every rank makes after its forward)."""
+    (from the batch's valid_rows on the host, else read back from the device; with several ranks
+    an all-reduce every rank makes after its forward)."""
     with autocast:
         out = batch_loss(model, batch, cfg.loss, forward) if batch.ids else None
         idle = idle_loss(model, forward, device) if out is None else None
     if scale is None and info.active:
-        scale = loss_scales([int(out.count.sum()) if out is not None else 0], info, device)[0]
+        count = 0 if out is None else len(batch.valid_rows) if batch.valid_rows is not None else int(out.count.sum())
+        scale = loss_scales([count], info, device)[0]
     loss = (out.loss if scale is None else out.loss * scale) if out is not None else idle
     (loss / cfg.optim.grad_accum).backward()
     return out
@@ -90,16 +94,17 @@ def step_gradients(s: Session, batches, autocast, meter: AcceptanceMeter,
         group = [next(batches) for _ in range(micro)]
         s.loader_state = LoaderState(**group[-1].state_after)
         pieces = forwards(group, s)
-        scales = loss_scales([valid_positions(batch.columns(span), s.model.cfg) for batch, span in pieces], s.info, s.device)
+        rows = [valid_rows(batch.columns(span), s.model.cfg) for batch, span in pieces]
+        scales = loss_scales([len(r) for r in rows], s.info, s.device)
         moved: dict[int, Batch] = {}  # each micro-batch goes to the device once, for all its parts
-        for j, ((batch, span), scale) in enumerate(zip(pieces, scales)):
+        for j, ((batch, span), part_rows, scale) in enumerate(zip(pieces, rows, scales)):
             if id(batch) not in moved:
                 moved[id(batch)] = on_device(batch, s.device, cfg, s.step, s.steps)
                 if batch.ids:
                     tokens, largest = tokens + batch.num_tokens, max(largest, batch.num_tokens)
             with gradient_sync(s.forward, s.model, sync=index == cfg.optim.grad_accum - 1 and j == len(pieces) - 1):
-                result = micro_step(s.model, s.forward, moved[id(batch)].columns(span), cfg, s.info, s.device,
-                                    autocast, scale)
+                result = micro_step(s.model, s.forward, moved[id(batch)].columns(span, part_rows), cfg, s.info,
+                                    s.device, autocast, scale)
             if result is not None:
                 meter.add(result)
                 first_bad = torch.where(torch.isfinite(result.loss.detach()), first_bad, first_bad.clamp(max=s.step + 1))
@@ -127,5 +132,5 @@ def idle_loss(model: DFlashDrafter, forward, device: torch.device) -> torch.Tens
     drafter_cfg = model.cfg
     hidden = torch.zeros(1, 1, drafter_cfg.num_context_layers, drafter_cfg.hidden_size, device=device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    outputs = forward(hidden, ids, torch.full((1, 1), -1, device=device), heads=True)
+    outputs = forward(hidden, ids, torch.full((1, 1), -1, device=device), heads=True, last_anchor=-1)
     return (sum(out.sum() for out in outputs if out is not None) + sum(w.sum() for w in model.loss_weights)) * 0.0

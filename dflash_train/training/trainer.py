@@ -115,9 +115,10 @@ def _train_locked(cfg: TrainConfig, cache, device: torch.device, resume: bool, p
 def _train_session(cfg: TrainConfig, cache, info: DistInfo, device: torch.device, resume: bool,
                    progress: Progress | None, resume_from: str | Path | None, skipped_sequences: int) -> TrainResult:
     session = setup(cfg, cache, info, device, resume, resume_from, progress or Progress(), skipped_sequences)
-    before = held_out(session, "before") if cfg.eval_sequences and session.step == 0 else {}
-    run_steps(session)
-    after = held_out(session, "after") if cfg.eval_sequences else {}
+    autocast = train_autocast(device)  # one for the steps and the held-out forwards: the same dtypes
+    before = held_out(session, "before", autocast) if cfg.eval_sequences and session.step == 0 else {}
+    run_steps(session, autocast)
+    after = held_out(session, "after", autocast) if cfg.eval_sequences else {}
     model_state = full_model_state(session.model)  # all ranks
     out = Path(cfg.out)
     export_dir = export_weights(session.model.cfg, model_state, out / "drafter") if info.is_main else out / "drafter"
@@ -127,10 +128,15 @@ def _train_session(cfg: TrainConfig, cache, info: DistInfo, device: torch.device
 
 
 
-def held_out(s: Session, kind: str) -> dict:
-    """The held-out evaluation, logged; under FSDP every rank evaluates (a sharded forward
-    gathers parameters from all of them)."""
-    result = (evaluate_heldout(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device)
+def train_autocast(device: torch.device) -> torch.autocast:
+    """The autocast a run's forwards run under: bf16 on CUDA, none on the CPU (fp32)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def held_out(s: Session, kind: str, autocast: torch.autocast) -> dict:
+    """The held-out evaluation, logged, its forwards under the training steps' ``autocast``; under
+    FSDP every rank evaluates (a sharded forward gathers parameters from all of them)."""
+    result = (evaluate_heldout(s.model, s.cache, s.cfg.data, s.cfg.loss, s.cfg.eval_sequences, s.device, autocast)
               if s.info.is_main or s.sharded else {})
     if s.sharded:
         release_gathered(s.model)
@@ -141,13 +147,13 @@ def held_out(s: Session, kind: str) -> dict:
     return result
 
 
-def run_steps(s: Session) -> None:
-    """The training loop, from s.step to s.steps: micro-steps, optimizer step, logs, checkpoints."""
+def run_steps(s: Session, autocast: torch.autocast) -> None:
+    """The training loop, from s.step to s.steps: micro-steps (under ``autocast``), optimizer step,
+    logs, checkpoints."""
     cfg, info, device = s.cfg, s.info, s.device
     batches = iter(train_loader(cfg.cache, cfg.storage_options, cfg.data, s.loader_state, info.rank, info.world_size,
                                 pin_memory=device.type == "cuda", plan=s.plan,
                                 draft_positions=s.model.cfg.num_draft_positions))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     meter, tokens, largest, started, shown = AcceptanceMeter(), 0, 0, time.perf_counter(), {}
     # the first step whose loss was NaN/Inf, kept on the device: a per-step check would make
     # the host wait for every step's loss; it is read at the log and save steps (stop_if_diverged)

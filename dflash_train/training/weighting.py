@@ -98,7 +98,8 @@ def position_weights(
     elif cfg.weighting == "first_error":
         weights = first_error_weights(alpha, valid)
     else:
-        decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device)
+        # non_blocking: a blocking copy would make the host wait for the step queued before it
+        decay = decay_weights(num_positions, resolve_gamma(cfg, block_size)).to(valid.device, non_blocking=True)
         if cfg.weighting == "decay":
             weights = decay.expand(num_blocks, num_positions).clone()
         else:
