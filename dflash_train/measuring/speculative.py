@@ -93,6 +93,9 @@ class SpecResult:
     selector_changed: list[list[bool]] = field(default_factory=list)
     """DFlash2: per verify forward, per draft, whether the selector chose a candidate other than the
     drafter's own top-1 (the draft's index in draft_tokens; accepted when below accepted_lengths - 1)."""
+    confidences: list[list[float]] = field(default_factory=list)
+    """DSpark with a confidence head: per verify forward, the head's estimate of each verified
+    draft's acceptance (given the drafts before it accepted); empty for other drafters."""
 
 
 def mean_accepted_length(results: Sequence[SpecResult]) -> float:
@@ -401,6 +404,7 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
     accepted_lengths: list[int] = []
     draft_tokens: list[list[int]] = []
     selector_changed: list[list[bool]] = []
+    confidences: list[list[float]] = []
     reruns = 0
     with torch.inference_mode(), LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
         prompt = torch.tensor(list(prompt_ids), device=device)
@@ -412,7 +416,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
 
         while not done:
-            drafts, q, changed = draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device, context_anchor)
+            drafts, q, changed, estimates = draft_block(drafter, anchor, mask_block, context, cfg, generator,
+                                                        logits_device, context_anchor)
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
@@ -424,6 +429,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
             draft_tokens.append(drafts.tolist())
             if changed:
                 selector_changed.append(changed)
+            if drafter.confidence_head is not None:  # every round, so confidences[i] is accepted_lengths[i]'s
+                confidences.append(estimates)
             done = extend_until_stop(tokens, drafts[:m].tolist() + [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
             if done:
                 break  # nothing after this round is needed: skip the rollback and context update
@@ -439,4 +446,4 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
 
     return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),
                       seconds=time.perf_counter() - start, rerun_forwards=reruns, draft_tokens=draft_tokens,
-                      selector_changed=selector_changed)
+                      selector_changed=selector_changed, confidences=confidences)
