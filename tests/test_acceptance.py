@@ -85,3 +85,52 @@ def test_bins_of_the_predicted_value():
     import torch
 
     assert bin_of(torch.tensor([0.0, 0.099, 0.1, 0.55, 0.999, 1.0])).tolist() == [0, 0, 1, 5, 9, 9]
+
+
+CONSTANT = 0.5
+"""The planted confidence head's estimate at every position."""
+
+
+def test_a_constant_confidence_head_is_reported_miscalibrated(tmp_path, teacher_dir, cache_url):
+    """An untrained DSpark drafter whose confidence head says 0.5 everywhere: eval (held-out and
+    real decoding) reports its calibration error, calls it miscalibrated (the tiny teacher's
+    greedy drafts are almost never accepted, its near-uniform held-out alpha ~1), and writes the
+    reliability plot. With one predicted value every observation falls in one bin, so
+    ECE = |0.5 - the share of observed drafts accepted|."""
+    import json
+
+    from helpers import write_jsonl
+    from test_dspark import _export_for
+    from typer.testing import CliRunner
+
+    from cli.train import app
+    from dflash_train.settings.dspark_config import DSparkConfig
+
+    teacher = teacher_dir("qwen3")
+    drafter = _export_for(teacher, tmp_path / "dspark", DSparkConfig(markov_rank=8), acceptance=CONSTANT)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "hello there"}, {"prompt": "what is a cat"}])
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(drafter), "--teacher", teacher, "--prompts", prompts,
+                                      "--cache", cache_url, "--max-sequences", "8", "--max-new-tokens", "12",
+                                      "--temperature", "0", "--temperature", "1", "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for decoding in report["decodings"]:
+        c = decoding["calibration"]
+        rows = decoding["per_prompt"]
+        accepted, rounds = sum(r["accepted_drafts"] for r in rows), sum(r["verify_forwards"] for r in rows)
+        # every accepted draft is observed, and one rejected draft per round that was not accepted whole
+        assert rounds <= c["observations"] <= accepted + rounds
+        assert c["ece"] == pytest.approx(abs(CONSTANT - accepted / c["observations"]), abs=1e-4)
+        assert c["reliability"]["count"][5] == c["observations"] == sum(c["count"])  # 0.5 lies in [0.5, 0.6)
+        assert all(x == pytest.approx(CONSTANT) for x in c["predicted"] if x is not None)
+        assert c["calibrated"] is False and c["mean_abs_error"] >= 0.1
+    greedy = report["decodings"][0]
+    assert greedy["temperature"] == 0 and greedy["calibration"]["calibrated"] is False  # an untrained drafter at T=0
+    held_out = report["offline"]["calibration"]  # against the training target alpha, teacher-forced
+    realised = sum(m * n for m, n in zip(held_out["measured"], held_out["count"]) if n) / held_out["observations"]
+    assert held_out["ece"] == pytest.approx(abs(CONSTANT - realised), abs=1e-4) and held_out["calibrated"] is False
+    lines = [line for line in result.output.splitlines() if line.startswith("confidence head")]
+    assert len(lines) == 3 and all("MISCALIBRATED" in line for line in lines), lines
+    assert out.with_suffix(".calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(out.with_suffix(".calibration.png")) in result.output

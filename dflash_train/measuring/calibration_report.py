@@ -9,15 +9,17 @@ from collections.abc import Sequence
 
 
 def calibration_sources(report: dict) -> list[tuple[str, dict]]:
-    """(label, calibration summary) of every part of an eval report that has one, in print order."""
+    """(label, calibration summary) of every part of an eval report that has one, in print order:
+    the held-out split's, against the head's training target, then each decoding's, against the
+    drafts the teacher accepted."""
     out = []
     offline = (report.get("offline") or {}).get("calibration")
     if offline and offline.get("ece") is not None:
-        out.append(("held-out, vs training target", offline))
+        out.append(("held-out (vs target)", offline))
     decodings = report.get("decodings") or ([report["decoding"]] if report.get("decoding") else [])
     for d in decodings:
         if (d.get("calibration") or {}).get("ece") is not None:
-            out.append((f"decoding T={d['temperature']:g}, vs accepted drafts", d["calibration"]))
+            out.append((f"T={d['temperature']:g} (vs accepted)", d["calibration"]))
     return out
 
 
@@ -25,12 +27,12 @@ def calibration_text(summary: dict) -> str:
     """One calibration summary as a line: ECE, mean absolute error, observations, the verdict."""
     verdict = "calibrated" if summary["calibrated"] else "MISCALIBRATED"
     return (f"ECE {summary['ece']:.3f}, mean abs error {summary['mean_abs_error']:.3f} over "
-            f"{summary['observations']:,} drafts: {verdict} (ECE <= {summary['ece_tolerance']:g} is calibrated)")
+            f"{summary['observations']:,} draft positions: {verdict} (ECE <= {summary['ece_tolerance']:g} is calibrated)")
 
 
 def calibration_lines(report: dict) -> list[tuple[str, str]]:
     """The printout's lines of the confidence head's calibration (none without a head)."""
-    return [(f"confidence head ({label})", calibration_text(summary)) for label, summary in calibration_sources(report)]
+    return [(f"confidence head, {label}", calibration_text(summary)) for label, summary in calibration_sources(report)]
 
 
 def plot_reliability(sources: Sequence[tuple[str, dict]], path, title: str) -> None:

@@ -73,6 +73,7 @@ def calibration_summary(count: Sequence[float], predicted: Sequence[float], meas
     per_bin = {part: [sum(map(float, bins[f"calibration_bin{b}_{part}"])) for b in range(BINS)] for part in BIN_PARTS}
     ece = sum(abs(p - m) for p, m in zip(per_bin["predicted"], per_bin["measured"]))
     out = {
+        "count": [int(round(c)) for c in count],
         "predicted": [_round(_mean(p, c)) for p, c in zip(predicted, count)],
         "measured": [_round(_mean(m, c)) for m, c in zip(measured, count)],
         "abs_error": [_round(e) for e in errors],
