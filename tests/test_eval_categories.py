@@ -218,3 +218,29 @@ def test_sweep_decodings_pool_each_categorys_rounds():
     lengths = category_lengths([{"category": "a"}, {"category": "b"}, {"category": "a"}], results)
     assert lengths == {"a": pytest.approx(10 / 5), "b": 4.0}  # pooled over rounds, not a mean of prompt means
     assert category_lengths([{}], results[:1]) == {"prompts": 2.0}  # a reference from before categories
+
+
+def test_vllm_per_request_metrics_give_the_three_definitions():
+    """With vLLM's per-request spec-decode metrics (the worker's `per_request`), each category
+    gets the same three definitions as the built-in decoder, computed by hand here."""
+    from dflash_train.measuring.serving import group_summaries
+    from dflash_train.measuring.vllm_worker import _request_metrics
+
+    class Metrics:  # what vLLM 0.32 hands the worker: a histogram of steps by accepted drafts
+        histogram = [1, 0, 1, 0]  # one step accepting nothing, one accepting 2: 2 steps, 2 drafts
+
+    assert _request_metrics(type("Completion", (), {"spec_decode_metrics": Metrics()})()) == {
+        "steps": 2, "accepted": 2, "histogram": [1, 0, 1, 0]}
+    assert _request_metrics(type("Completion", (), {"spec_decode_metrics": None})()) is None
+    alone = {"outputs": [[1], [2], [3]], "groups": [{"seconds": 1.0, "spec_decode": {}}, {"seconds": 1.0, "spec_decode": {}}]}
+    spec = {"outputs": [[1], [2], [3]], "per_request": [{"steps": 2, "accepted": 2}, {"steps": 4, "accepted": 12},
+                                                        {"steps": 0, "accepted": 0}],
+            "groups": [{"seconds": 1.0, "spec_decode": {"spec_decode_num_drafts": 6, "spec_decode_num_accepted_tokens": 14}},
+                       {"seconds": 1.0, "spec_decode": {"spec_decode_num_drafts": 0}}]}
+    out = group_summaries(alone, spec, {"math": [0, 1], "code": [2]}, block_size=4, max_length=5)
+    math_part = out["math"]["acceptance"]
+    assert math_part["per_request_mean"] == pytest.approx((2 + 4) / 2)
+    assert math_part["pooled"] == pytest.approx(1 + 14 / 6) == out["math"]["accepted_length"]  # the counters' number
+    assert math_part["token_weighted"] == pytest.approx((4 * 2 + 16 * 4) / 20)
+    assert math_part["histogram"]["counts"] == [0, 0, 1, 0, 0, 0, 1, 0]  # 2 in [2, 2.5), 4 in [4, 4.5)
+    assert out["code"]["acceptance"]["per_request_mean"] is None and out["code"]["acceptance"]["without_steps"] == 1
