@@ -146,6 +146,10 @@ def test_dspark_trains_resumes_bit_exactly_and_exports(tmp_path, cache_url):
     evaluation = [r for r in records if r["kind"] == "eval"][-1]
     assert len(evaluation["calibration"]["predicted"]) == len(evaluation["calibration"]["measured"]) == 4
     assert all(0 <= x <= 1 for x in evaluation["calibration"]["predicted"])
+    # the held-out log's calibration: ECE over the binned observations, every valid position one of them
+    calibration = evaluation["calibration"]
+    assert sum(calibration["reliability"]["count"]) == calibration["observations"] == evaluation["positions"]
+    assert 0 <= calibration["ece"] <= 1 and calibration["calibrated"] is (calibration["ece"] <= 0.1)
 
 
 def _successor_bias(drafter: DFlashDrafter, strength: float) -> None:
@@ -190,6 +194,9 @@ def test_drafts_are_semi_autoregressive_and_the_confidence_stop_is_lossless():
     stopped = speculative_generate(teacher, drafter, prompt, SpecConfig(max_new_tokens=20, confidence_threshold=0.3))
     assert stopped.tokens == reference
     assert all(len(d) == 2 for d in stopped.draft_tokens)
+    # the head's estimate of each verified draft, a list per round: what eval's calibration reads
+    assert stopped.confidences == [[pytest.approx(0.6)] * 2] * len(stopped.accepted_lengths)
+    assert speculative_generate(teacher, drafter, prompt, cfg).confidences[0] == [pytest.approx(0.6)] * 5
     with pytest.raises(ConfigError, match="confidence_threshold"):
         SpecConfig(confidence_threshold=1.5)
 

@@ -112,6 +112,16 @@ def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, 
         assert rows[name]["vllm"]["accepted_length"] == pytest.approx(pooled, rel=0.05), name
     assert rows["overall"]["vllm"]["accepted_length"] == vllm["accepted_length"]
     assert "vLLM T=0 accepted" in result.output
+    # vLLM's per-request metrics: each request's steps add up to its counters, and per category its
+    # three definitions are the built-in decoder's (the same greedy outputs, the same rounds)
+    assert sum(p["verify_forwards"] for p in vllm["per_prompt"]) == vllm["drafts"]
+    assert vllm["acceptance"]["pooled"] == pytest.approx(vllm["accepted_length"])
+    for name in ("heldout_prompts", "world", "words", "overall"):
+        ours, theirs = rows[name]["decodings"][0]["acceptance"], rows[name]["vllm"]["acceptance"]
+        for definition in ("per_request_mean", "pooled", "token_weighted"):
+            assert theirs[definition] == pytest.approx(ours[definition], rel=0.05), (name, definition)
+    assert [e["engine"] for e in report["settings"]["engines"]] == ["dflash", "vllm"]
+    assert report["settings"]["engines"][1]["version"] == "0.32.0"
 
 
 def test_untrained_sliding_and_causal_drafters_serve_as_decoded(drafters, causal_drafter, vllm_python):

@@ -68,7 +68,8 @@ def report_path(cfg: EvalConfig) -> Path:
         raise ConfigError(f"--out {path} is a folder; pass the report's file name, e.g. {path / 'eval.json'}")
     if any(parent.exists() and not parent.is_dir() for parent in path.parents):
         raise ConfigError(f"--out {path} lies under a file, not a folder; pass another path")
-    for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log"), categories_png(path)):
+    for written in (path, path.with_suffix(".png"), path.with_suffix(".vllm.log"), categories_png(path),
+                    calibration_png(path)):
         refuse_links(written)
     return path
 
@@ -76,6 +77,11 @@ def report_path(cfg: EvalConfig) -> Path:
 def categories_png(path: Path) -> Path:
     """The per-category plot beside a report: eval.json -> eval.categories.png."""
     return path.with_suffix(".categories.png")
+
+
+def calibration_png(path: Path) -> Path:
+    """The confidence head's reliability plot beside a report: eval.json -> eval.calibration.png."""
+    return path.with_suffix(".calibration.png")
 
 
 def check_fits_context(teacher, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -135,8 +141,12 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
                                                                 cfg.decoding.allow_template_mismatch)
         real, real_lines = real_decoding(cfg, dev, recorded, report["chat_template_kwargs"],
                                          path.with_suffix(".vllm.log"), progress)
+        report["settings"] = {**report.get("settings", {}), **real.pop("settings")}
         report.update(real)
         lines += real_lines
+    from dflash_train.measuring.calibration_report import calibration_lines, calibration_sources, plot_reliability
+
+    lines += calibration_lines(report)
     again = "run the same command again (or pass --out a file on another disk)"
     with disk_full_stops(path, "the report was not written (the checkpoint and the cache are only read, nothing of "
                          "them changed)", again):
@@ -156,6 +166,9 @@ def run_eval(cfg: EvalConfig, progress=None) -> EvalResult:
         with disk_full_stops(categories_png(path), plotted, again):
             plot_categories(report["categories"], categories_png(path), "accepted length by prompt category "
                             "(mean over prompts, 95% interval)")
+    if calibration_sources(report):
+        with disk_full_stops(calibration_png(path), plotted, again):
+            plot_reliability(calibration_sources(report), calibration_png(path), "confidence head: reliability")
     return EvalResult(report, lines, path)
 
 
@@ -168,11 +181,21 @@ def eval_text(result: EvalResult) -> str:
                  "greedy_k " + " ".join(f"{x:.3f}" for x in offline_part["greedy"])]
     pngs = ([result.path.with_suffix(".png")] if offline_part else []) + (
         [categories_png(result.path)] if result.report.get("categories") else [])
-    if result.report.get("categories"):
-        from dflash_train.measuring.categories import category_table
+    from dflash_train.measuring.calibration_report import calibration_sources
 
-        text += ["", "per category: accepted length per teacher forward (mean over prompts ± 95% t-interval), "
-                 "speedup in tokens/s", category_table(result.report["categories"])]
+    pngs += [calibration_png(result.path)] if calibration_sources(result.report) else []
+    if result.report.get("categories"):
+        from dflash_train.measuring.categories import category_table, definitions_table, histogram_lines
+
+        rows = result.report["categories"]
+        text += ["", "per category: accepted length per teacher forward (the headline: mean over requests ± 95% "
+                 "t-interval), speedup in tokens/s", category_table(rows),
+                 "", "accepted length by definition: per-request mean, pooled (all accepted over all draft steps), "
+                 "token-weighted; share of requests below the floor", definitions_table(rows), ""] + histogram_lines(rows)
+    if result.report.get("settings", {}).get("engines") is not None:
+        from dflash_train.measuring.report_settings import settings_lines
+
+        text += ["", "settings"] + [f"  {k:<38}{v}" for k, v in settings_lines(result.report["settings"])]
     return "\n".join(text + [f"report: {result.path}" + "".join(f" and {p}" for p in pngs)])
 
 
@@ -189,8 +212,12 @@ def offline(cfg: EvalConfig, dev) -> dict:
     model = load_drafter_for(cfg.decoding.checkpoint, cache, dev, cfg.data.skip_shards)
     if cfg.data.anchors == RANDOM:
         check_block_tokens(model.cfg.block_size, cfg.data.num_anchors)
+    from dflash_train.measuring.report_settings import drafter_identity
+
     return {"cache": cfg.cache, "offline": evaluate_heldout(model, cache, cfg.data, LossConfig(), cfg.max_sequences, dev),
-            "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev)}
+            "greedy_replay": greedy_replay(model, cache, cfg.data, cfg.max_sequences, dev),
+            "settings": {"cache": cfg.cache, "heldout_fraction": cfg.data.heldout_fraction,
+                         "max_sequences": cfg.max_sequences, "drafter": drafter_identity(model, cfg.decoding.checkpoint)}}
 
 
 def offline_lines(report: dict) -> Lines:
@@ -213,6 +240,7 @@ def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, 
         tokenize_prompts,
     )
     from dflash_train.measuring.prompt_files import read_prompt_files
+    from dflash_train.measuring.report_settings import drafter_identity, settings_block
 
     decoding = cfg.decoding
     if cfg.engine != "dflash":
@@ -244,10 +272,16 @@ def real_decoding(cfg: EvalConfig, dev, recorded, template_kwargs: dict | None, 
         reference = next((d["teacher_outputs"] for d, s in zip(decodings, specs) if s.greedy), None)
         lines += decoding_lines(specs, decodings, drafter.cfg.num_draft_positions)
     vllm_groups = None
+    identities = (t.identity, drafter_identity(drafter, decoding.checkpoint))  # vLLM's part may release the pair
+    block = (drafter.cfg.block_size, drafter.cfg.num_draft_positions)
     if cfg.engine in ("vllm", "both"):
         vllm_groups = vllm_part(cfg, report, lines, t, drafter, prompt_list, next(s for s in specs if s.greedy), dtype,
                                 vllm_log, reference, dev, groups)
     report["categories"] = by_category(decodings, vllm_groups)
+    report["settings"] = settings_block(cfg, dtype=dtype, device=str(dev), teacher=identities[0], drafter=identities[1],
+                                        block_size=block[0], speculative_tokens=block[1], template_kwargs=template_kwargs,
+                                        template_hash=report["chat_template_hash"],
+                                        vllm_version=report.get("vllm", {}).get("vllm_version"))
     return report, lines
 
 
@@ -273,15 +307,20 @@ def vllm_part(cfg: EvalConfig, report: dict, lines: Lines, t, drafter, prompt_li
     report["vllm"] = v
     lines += vllm_lines(v, alone=alone)
     return {**v["categories"], OVERALL: {"prompts": len(prompt_list),
-                                         **{k: v[k] for k in ("accepted_length", "speedup", "matched_teacher")}}}
+                                         **{k: v[k] for k in ("accepted_length", "speedup", "matched_teacher", "acceptance")}}}
 
 
 def decoding_lines(specs, decodings: list[dict], draft_positions: int) -> Lines:
     """The table lines of the built-in decoder's reports, one block per temperature."""
+    from dflash_train.measuring.acceptance import DEFINITIONS
+
     lines: Lines = []
     for s, d in zip(specs, decodings):
         at = f" (T={s.temperature:g})" if len(specs) > 1 else ""
+        a = d["acceptance"]
         lines += [("real decoding" + at, d["mode"]), ("measured accepted length" + at, f"{d['accepted_length']:.3f}"),
+                  ("  per-request, pooled, token-weighted", ", ".join(_number(a[k]) for k in DEFINITIONS)),
+                  (f"  requests below {a['below_floor']['floor']:g}", f"{a['below_floor']['requests']} of {a['requests']}"),
                   ("  kept per forward (after stop cut)", f"{d['kept_per_forward']:.3f}"),
                   ("  teacher forwards saved" + at, f"{d['teacher_forwards_saved']:,} of {d['teacher_alone_forwards']:,} "
                                                      "(teacher alone)")]
@@ -305,9 +344,17 @@ def decoding_lines(specs, decodings: list[dict], draft_positions: int) -> Lines:
     return lines
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def vllm_lines(v: dict, alone: bool) -> Lines:
     """The table lines of vLLM's report; ``alone``: without the built-in decoder's beside it."""
+    from dflash_train.measuring.acceptance import DEFINITIONS
+
     lines = [(f"vLLM {v['vllm_version']} accepted length", f"{v['accepted_length']:.3f} ({v['drafts']:,} draft steps)")]
+    if v.get("acceptance"):  # its per-request metrics: the three definitions as ours
+        lines.append(("  per-request, pooled, token-weighted", ", ".join(_number(v["acceptance"][k]) for k in DEFINITIONS)))
     if alone:
         lines.append(("offline estimate, same prompts", f"{v['offline_accepted_length']:.3f}"))
     lines += [("vLLM tokens/s with drafter", f"{v['tokens_per_second']:,.1f}"),

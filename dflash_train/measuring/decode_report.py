@@ -269,7 +269,25 @@ def decode_report(teacher: Teacher, drafter: DFlashDrafter, prompts: list[Prompt
     changes = selector_changes(spec_results)
     if changes:  # DFlash2: how often the selector left the drafter's top-1, and how often that was accepted
         report["selector"] = changes
+    report.update(acceptance_parts(spec_results, drafter.cfg.num_draft_positions))
     return report
+
+
+def acceptance_parts(results: list[SpecResult], draft_positions: int) -> dict:
+    """The report's accepted length by its three definitions with the per-request histogram
+    (measuring.acceptance), and with a confidence head its calibration against the drafts the
+    teacher accepted (training.calibration)."""
+    from dflash_train.measuring.acceptance import acceptance_summary, counts_of, step_observations
+    from dflash_train.training.calibration import observation_summary
+
+    out = {"num_speculative_tokens": draft_positions,
+           "acceptance": acceptance_summary([counts_of(r.accepted_lengths) for r in results], draft_positions + 1)}
+    if any(r.confidences for r in results):
+        seen = [o for r in results for estimates, kept in zip(r.confidences, r.accepted_lengths)
+                for o in step_observations(estimates, kept - 1)]
+        out["calibration"] = observation_summary([o[0] for o in seen], [o[1] for o in seen], [o[2] for o in seen],
+                                                 draft_positions)
+    return out
 
 
 def _prompt_row(prompt: Prompt, spec: SpecResult, base: SpecResult, cfg: SpecConfig, logits_dtype: torch.dtype) -> dict:
@@ -277,6 +295,7 @@ def _prompt_row(prompt: Prompt, spec: SpecResult, base: SpecResult, cfg: SpecCon
     (`divergence`, exactness.first_divergence; None when equal or when sampling)."""
     return {"id": prompt.id, "category": prompt.category, "prompt_tokens": len(prompt.ids),
             "new_tokens": len(spec.tokens), "accepted_length": _mean(spec), "verify_forwards": len(spec.accepted_lengths),
+            "accepted_drafts": sum(spec.accepted_lengths) - len(spec.accepted_lengths),
             "seconds": spec.seconds,
             "teacher_new_tokens": len(base.tokens), "teacher_seconds": base.seconds,
             "matched_teacher": spec.tokens == base.tokens,

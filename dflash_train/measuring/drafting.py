@@ -26,6 +26,8 @@ softmax(row / T) over the k candidates, q as for DFlash2.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -44,30 +46,47 @@ def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) ->
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+class Drafted(NamedTuple):
+    """One block's drafts and what decoding reports of them."""
+
+    drafts: Tensor
+    """[n] the drafted tokens (n = P, fewer where the confidence threshold ended the block)."""
+    q: Tensor | None
+    """[n, V] the distributions they were sampled from; None when greedy."""
+    changed: list[bool]
+    """Per draft, whether the candidate walk (DFlash2's selector, LiLiCorr's) left the top-1; empty for other kinds."""
+    confidences: list[float]
+    """Per draft, DSpark's confidence head's estimate of its acceptance; empty without a head."""
+
+
 def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConfig, generator: torch.Generator,
-           device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """(drafts [n], the distributions q [n, V] they were sampled from, None when greedy) of one
-    block from its draft positions' states [P, H]. DFlash draws all positions at once; DSpark
-    adds each position's Markov bias from the token drafted before it, and stops at the
-    confidence threshold."""
+           device: torch.device) -> Drafted:
+    """One block's Drafted from its draft positions' states [P, H]. DFlash draws all positions at
+    once; DSpark adds each position's Markov bias from the token drafted before it, stops at the
+    confidence threshold, and reports its confidence head's estimate of each draft."""
     markov, confidence = drafter.markov_head, drafter.confidence_head
     stop_below = cfg.confidence_threshold if confidence is not None else 0.0
     if markov is None and stop_below == 0:
         logits = drafter.logits(positions).float().to(device)
+        estimates = [] if confidence is None else torch.sigmoid(confidence(positions, None).float()).tolist()
         if cfg.greedy:
-            return logits.argmax(dim=-1), None
+            return Drafted(logits.argmax(dim=-1), None, [], estimates)
         q = probs_from_logits(logits, cfg.temperature, cfg.top_p)
-        return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
+        return Drafted(torch.multinomial(q, 1, generator=generator).squeeze(-1), q, [], estimates)
     drafts: list[Tensor] = []
     dists: list[Tensor] = []
+    kept: list[Tensor] = []  # the estimates stay on the device until the block ends: no sync per position
     prev = torch.tensor(anchor, device=positions.device)
     state, reach = None, 1.0
     for j in range(positions.shape[0]):
         prev_embed = markov.embed(prev) if markov is not None else None
-        if stop_below > 0:
-            reach *= float(torch.sigmoid(confidence(positions[j], prev_embed)))
-            if reach < stop_below:
-                break
+        if confidence is not None:
+            estimate = torch.sigmoid(confidence(positions[j], prev_embed).float())
+            if stop_below > 0:
+                reach *= float(estimate)
+                if reach < stop_below:
+                    break
+            kept.append(estimate)
         features = None
         if markov is not None:
             features, state = markov.step(prev_embed, positions[j], state)
@@ -80,9 +99,11 @@ def _draft(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConf
         drafts.append(token)
         prev = token.to(positions.device)
     out = torch.stack(drafts) if drafts else torch.zeros(0, dtype=torch.long, device=device)
+    estimates = torch.stack(kept).tolist() if kept else []
     if cfg.greedy:
-        return out, None
-    return out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device)
+        return Drafted(out, None, [], estimates)
+    return Drafted(out, torch.stack(dists) if dists else torch.zeros(0, drafter.cfg.vocab_size, device=device), [],
+                   estimates)
 
 
 def _select(drafter: DFlashDrafter, positions: Tensor, anchor: int, cfg: SpecConfig, generator: torch.Generator,
@@ -141,18 +162,17 @@ def _walk(drafter: DFlashDrafter, positions: Tensor, context_anchor: Tensor, cfg
 
 def draft_block(drafter: DFlashDrafter, anchor: int, mask_block: Tensor, context: list[tuple[Tensor, Tensor]],
                  cfg: SpecConfig, generator: torch.Generator, device: torch.device,
-                 context_anchor: Tensor | None = None) -> tuple[Tensor, Tensor | None, list[bool]]:
-    """(drafts, q, per draft whether the walk (DFlash2's selector, LiLiCorr's correlator) left the
-    top-1: empty for other kinds) of the block `[anchor, MASK, ...]` placed right after the cached
-    context; context_anchor [H] is the context's last normed feature (LiLiCorr reads it)."""
+                 context_anchor: Tensor | None = None) -> Drafted:
+    """The Drafted of the block `[anchor, MASK, ...]` placed right after the cached context;
+    context_anchor [H] is the context's last normed feature (LiLiCorr reads it)."""
     block = torch.cat((torch.tensor([anchor], device=mask_block.device), mask_block))
     states = drafter.forward_block(None, block.unsqueeze(0), context_kv=context)
     positions = drafter.draft_slots(states[0])
     if drafter.lilicorr is not None:
-        return _walk(drafter, positions, context_anchor, cfg, generator, device)
+        return Drafted(*_walk(drafter, positions, context_anchor, cfg, generator, device), [])
     if drafter.candidate_selector is not None:
-        return _select(drafter, positions, anchor, cfg, generator, device)
-    return (*_draft(drafter, positions, anchor, cfg, generator, device), [])
+        return Drafted(*_select(drafter, positions, anchor, cfg, generator, device), [])
+    return _draft(drafter, positions, anchor, cfg, generator, device)
 
 
 def last_feature(drafter: DFlashDrafter, hidden: Tensor) -> Tensor | None:

@@ -24,6 +24,7 @@ from dflash_common.errors import DFlashError
 from dflash_common.files import refuse_links
 from dflash_common.settings_files import load_settings_file
 from dflash_common.vllm_env import find_vllm_python, vllm_environment
+from dflash_train.measuring.acceptance import RequestCounts, acceptance_summary
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.vllm_config import VllmConfig
 
@@ -142,9 +143,22 @@ def spec_summary(run: dict, block_size: int) -> dict:
     }
 
 
-def group_summaries(alone: dict, spec: dict, groups: dict[str, Sequence[int]], block_size: int) -> dict[str, dict]:
-    """Per named group of prompts (a category), vLLM's accepted length (None when it made no draft
-    step there), speedup and whether its output equals the teacher alone, from the runs' groups."""
+def request_counts(spec: dict) -> list[RequestCounts] | None:
+    """Each prompt's draft steps and accepted drafts from the drafter run's per-request metrics;
+    None when this vLLM gave none (before 0.32), so only its pooled counters are known."""
+    per_request = spec.get("per_request")
+    if not per_request or any(r is None for r in per_request):
+        return None
+    return [RequestCounts(int(r["steps"]), int(r["accepted"])) for r in per_request]
+
+
+def group_summaries(alone: dict, spec: dict, groups: dict[str, Sequence[int]], block_size: int,
+                    max_length: float | None = None) -> dict[str, dict]:
+    """Per named group of prompts (a category), vLLM's accepted length (pooled from its counters;
+    None when it made no draft step there), with per-request metrics the three definitions and the
+    histogram (``acceptance``, bins up to max_length; None without them), speedup and whether its
+    output equals the teacher alone, from the runs' groups."""
+    counts = request_counts(spec)
     out = {}
     for (name, indices), a, s in zip(groups.items(), alone.get("groups", []), spec.get("groups", [])):
         drafts = int(s["spec_decode"].get("spec_decode_num_drafts", 0))
@@ -153,7 +167,9 @@ def group_summaries(alone: dict, spec: dict, groups: dict[str, Sequence[int]], b
                      "accepted_length": spec_summary(s, block_size)["accepted_length"] if drafts else None,
                      "speedup": (tokens / s["seconds"]) / (alone_tokens / a["seconds"])
                      if s["seconds"] > 0 and a["seconds"] > 0 and alone_tokens else None,
-                     "matched_teacher": all(spec["outputs"][i] == alone["outputs"][i] for i in indices)}
+                     "matched_teacher": all(spec["outputs"][i] == alone["outputs"][i] for i in indices),
+                     "acceptance": None if counts is None else
+                     acceptance_summary([counts[i] for i in indices], max_length or block_size)}
     return out
 
 
@@ -192,8 +208,13 @@ def vllm_report(teacher: str, drafter_dir: str, block_size: int, prompts: Sequen
         "teacher_outputs": alone["outputs"],
     }
     report["speedup"] = report["tokens_per_second"] / report["teacher_tokens_per_second"]
+    counts = request_counts(spec)
+    max_length = drafter_cfg.num_draft_positions + 1
+    report["acceptance"] = None if counts is None else acceptance_summary(counts, max_length)
+    for row, c in zip(report["per_prompt"], counts or []):
+        row.update(verify_forwards=c.steps, accepted_drafts=c.accepted)
     if groups:
-        report["categories"] = group_summaries(alone, spec, groups, block_size)
+        report["categories"] = group_summaries(alone, spec, groups, block_size, max_length)
     return report
 
 

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from dflash_common.errors import ConfigError
 from dflash_teacher.teacher import LayerTaps, decoder_layers
-from dflash_train.measuring.drafting import draft_block, last_feature, probs_from_logits
+from dflash_train.measuring.drafting import Drafted, draft_block, last_feature, probs_from_logits
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.spec_config import SpecConfig
 from dflash_train.training.model import DFlashDrafter
@@ -93,6 +93,9 @@ class SpecResult:
     selector_changed: list[list[bool]] = field(default_factory=list)
     """DFlash2: per verify forward, per draft, whether the selector chose a candidate other than the
     drafter's own top-1 (the draft's index in draft_tokens; accepted when below accepted_lengths - 1)."""
+    confidences: list[list[float]] = field(default_factory=list)
+    """DSpark with a confidence head: per verify forward, the head's estimate of each verified
+    draft's acceptance (given the drafts before it accepted); empty for other drafters."""
 
 
 def mean_accepted_length(results: Sequence[SpecResult]) -> float:
@@ -397,11 +400,8 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
                             device=drafter_device)
 
     start = time.perf_counter()
-    tokens: list[int] = []
-    accepted_lengths: list[int] = []
-    draft_tokens: list[list[int]] = []
-    selector_changed: list[list[bool]] = []
-    reruns = 0
+    result = SpecResult(tokens=[])
+    tokens = result.tokens
     with torch.inference_mode(), LayerTaps(teacher, drafter.cfg.target_layer_ids) as taps:
         prompt = torch.tensor(list(prompt_ids), device=device)
         logits, cache = _run(teacher, prompt, None, keyword, 1)
@@ -412,18 +412,16 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
         done = extend_until_stop(tokens, [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
 
         while not done:
-            drafts, q, changed = draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device, context_anchor)
+            drafted = draft_block(drafter, anchor, mask_block, context, cfg, generator, logits_device, context_anchor)
+            drafts = drafted.drafts
 
             verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts.to(device)))
             rollback.before_verify()
             logits, cache = _run(teacher, verify_ids, cache, keyword)
             hidden = taps.take()
-            m, anchor = accept_drafts(logits, drafts, q, cfg, generator)
+            m, anchor = accept_drafts(logits, drafts, drafted.q, cfg, generator)
             kept = m + 1
-            accepted_lengths.append(kept)
-            draft_tokens.append(drafts.tolist())
-            if changed:
-                selector_changed.append(changed)
+            _record_round(result, drafted, kept, drafter.confidence_head is not None)
             done = extend_until_stop(tokens, drafts[:m].tolist() + [anchor], cfg.stop_token_ids, cfg.max_new_tokens)
             if done:
                 break  # nothing after this round is needed: skip the rollback and context update
@@ -432,11 +430,22 @@ def speculative_generate(teacher: torch.nn.Module, drafter: DFlashDrafter, promp
                 _, cache = _run(teacher, verify_ids[:kept], cache, keyword, 1)
                 taps.take()  # the verify forward already gave these positions' features
                 rollback.after_rerun()
-                reruns += 1
+                result.rerun_forwards += 1
             new, context_anchor = _context_of(drafter, hidden[:, :kept].to(drafter_device), position)
             context = _append_context(context, new)
             position += kept
 
-    return SpecResult(tokens=tokens, accepted_lengths=accepted_lengths, teacher_forwards=len(accepted_lengths),
-                      seconds=time.perf_counter() - start, rerun_forwards=reruns, draft_tokens=draft_tokens,
-                      selector_changed=selector_changed)
+    result.teacher_forwards, result.seconds = len(result.accepted_lengths), time.perf_counter() - start
+    return result
+
+
+def _record_round(result: SpecResult, drafted: Drafted, kept: int, has_confidence: bool) -> None:
+    """One verify round's numbers added to the result: tokens kept, drafts, the walk's changes,
+    the confidence head's estimates (every round where there is a head, so confidences[i] is
+    accepted_lengths[i]'s even when a threshold left a round without drafts)."""
+    result.accepted_lengths.append(kept)
+    result.draft_tokens.append(drafted.drafts.tolist())
+    if drafted.changed:
+        result.selector_changed.append(drafted.changed)
+    if has_confidence:
+        result.confidences.append(drafted.confidences)

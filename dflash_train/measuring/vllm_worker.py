@@ -44,6 +44,23 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+def _per_request_metrics() -> bool:
+    """Whether this vLLM reports per-request spec-decode metrics (--per-request-spec-decode-metrics)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "per_request_spec_decode_metrics" in getattr(EngineArgs, "__dataclass_fields__", {})
+
+
+def _request_metrics(completion) -> dict | None:
+    """One request's draft steps and accepted drafts, from vLLM's per-request histogram (index j:
+    the steps that accepted j drafts); None where vLLM gave none."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    histogram = [int(n) for n in metrics.histogram]
+    return {"steps": sum(histogram), "accepted": sum(j * n for j, n in enumerate(histogram)), "histogram": histogram}
+
+
 def _run(request: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -56,6 +73,8 @@ def _run(request: dict, run: dict) -> dict:
     if run.get("drafter"):
         engine_args["speculative_config"] = {"method": run.get("method", "dflash"), "model": run["drafter"],
                                              "num_speculative_tokens": run["num_speculative_tokens"]}
+        if _per_request_metrics():  # each request's accepted-draft histogram (vLLM >= 0.32), beside the counters
+            engine_args["per_request_spec_decode_metrics"] = "summary"
     llm = LLM(**engine_args)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
@@ -83,6 +102,7 @@ def _run(request: dict, run: dict) -> dict:
         "drafter": run.get("drafter"),
         "outputs": [list(out.outputs[0].token_ids) for out in outputs],
         "finish_reasons": [out.outputs[0].finish_reason for out in outputs],
+        "per_request": [_request_metrics(out.outputs[0]) for out in outputs] if run.get("drafter") else None,
         "seconds": seconds,
         "spec_decode": counters,
         "groups": group_runs,

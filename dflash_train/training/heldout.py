@@ -12,6 +12,7 @@ from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.drafter_config import DrafterConfig
 from dflash_train.settings.loss_config import LossConfig
 from dflash_train.training.batch_objective import block_states
+from dflash_train.training.calibration import BIN_SUMS, calibration_summary
 from dflash_train.training.data import heldout_batches
 from dflash_train.training.dflash2 import unary_scores
 from dflash_train.training.loss import CONFIDENCE_SUMS, SELECTOR_SUMS, LossOutput, block_loss, tau_from_alpha
@@ -64,10 +65,11 @@ class AcceptanceMeter:
         total, count = count.sum(), count.clamp(min=1)
         alpha, greedy = self.sums["alpha"] / count, self.sums["greedy"] / count
         terms = {name: float(value.sum() / total) for name, value in self.sums.items() if name.startswith("loss_")}
-        # the confidence head's calibration: its mean predicted acceptance per position next to
-        # the mean acceptance it is trained on (alpha or greedy, dspark.confidence_target)
-        calibration = {"calibration": {name: [round(float(x), 5) for x in self.sums[name] / count]
-                                       for name in ("predicted", "measured")}} if "predicted" in self.sums else {}
+        # the confidence head's calibration against the acceptance it is trained on (alpha or
+        # greedy, dspark.confidence_target): per position, and binned by its predicted value
+        calibration = {"calibration": calibration_summary(
+            self.sums["count"].tolist(), self.sums["predicted"].tolist(), self.sums["measured"].tolist(),
+            {name: self.sums[name].tolist() for name in BIN_SUMS})} if "predicted" in self.sums else {}
         # DFlash2: per position, the teacher's top-1 among the top-k, the selector choosing it, the
         # selector leaving the drafter's top-1 (teacher-forced)
         selector = {"selector": {name.removeprefix("selector_"): [round(float(x), 5) for x in self.sums[name] / count]

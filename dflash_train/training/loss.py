@@ -28,12 +28,14 @@ from torch.utils.checkpoint import checkpoint
 from dflash_train.settings.dflash2_config import DFlash2Config
 from dflash_train.settings.lilicorr_config import LiLiCorrConfig
 from dflash_train.settings.loss_config import LossConfig
+from dflash_train.training.calibration import BIN_SUMS, bin_sums
 from dflash_train.training.dflash2 import walk_terms
 from dflash_train.training.objectives import chain_term, chunk_terms, onpolicy_split
 from dflash_train.training.weighting import position_weights
 
-CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured")
-"""The names of LossOutput.confidence_sums, in the order meters keep them."""
+CONFIDENCE_SUMS = ("loss_confidence", "predicted", "measured", *BIN_SUMS)
+"""The names of LossOutput.confidence_sums, in the order meters keep them: the BCE, the predicted
+and the trained-on acceptance, then the same by bin of the predicted value (the calibration's)."""
 
 SELECTOR_SUMS = ("loss_selector", "selector_recall", "selector_hit", "selector_changed")
 """The names of LossOutput.selector_sums (DFlash2), in the order meters keep them: the selector's
@@ -111,7 +113,8 @@ class LossOutput:
 
     confidence_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """With a confidence head, [P] float32 sums of its BCE ("loss_confidence"), its predicted
-    acceptance ("predicted") and the acceptance it is trained on ("measured")."""
+    acceptance ("predicted"), the acceptance it is trained on ("measured") and both by bin of the
+    predicted value (dflash_train.training.calibration.BIN_SUMS)."""
 
     selector_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     """With DFlash2's selector, [P] float32 sums named by SELECTOR_SUMS."""
@@ -245,6 +248,7 @@ def _head_terms(heads: DraftHeads, rows: torch.Tensor, columns: torch.Tensor, nu
         extras.append(heads.confidence_alpha * bce.sum())
         confidence_sums = {name: _sum_per_column(value, columns, num_positions) for name, value in
                            zip(CONFIDENCE_SUMS, (bce, predicted, measured))}
+        confidence_sums.update(bin_sums(predicted, measured, columns, num_positions))
     if heads.walk_alpha is not None:
         # weighted per position as the backbone's loss, as speculators weights its selector term
         extras.append(heads.walk_alpha * (weights * selector[0]).sum())

@@ -142,7 +142,10 @@ def held_out(s: Session, kind: str, autocast: torch.autocast) -> dict:
         release_gathered(s.model)
     if result and s.info.is_main:
         s.metrics.write({"kind": "eval", "step": s.step, **result})
-        s.progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}")
+        calibration = result.get("calibration") or {}
+        confidence = (f", confidence head ECE {calibration['ece']:.3f} (mean abs error {calibration['mean_abs_error']:.3f})"
+                      if calibration.get("ece") is not None else "")
+        s.progress.message(f"held-out {kind} training: tau {result['tau']:.3f}, loss {result['loss']:.4f}{confidence}")
     wait_for_rank0(s.info, "the held-out evaluation")
     return result
 
