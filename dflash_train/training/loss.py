@@ -189,17 +189,15 @@ def block_loss(
     log-probs at t = a+k-1; valid [M, P] bool. Values at invalid positions are never read, so
     they may hold padding. P is block_size - 1, or block_size when the anchor slot predicts.
     `heads` adds DSpark's Markov bias to the logits and its confidence BCE (weighted by
-    confidence_alpha, a mean over valid positions) to the loss. `rows`: valid's flat indices
-    (``valid.reshape(-1).nonzero()``) where the caller found them on the host (the trainer's
-    Batch.valid_rows); found here otherwise, which makes the host wait for the device.
+    confidence_alpha, a mean over valid positions) to the loss. `rows`: valid's flat indices as the
+    trainer found them on the host (Batch.valid_rows); else found here, a host wait.
     """
     heads = heads or DraftHeads()
     _check_inputs(states, lm_head_weight, targets, topk_ids, topk_logprobs, valid, block_size, heads)
     num_blocks, num_positions, _ = states.shape
     valid = valid.bool()
     rows = valid.reshape(-1).nonzero().squeeze(1) if rows is None else rows
-    num_valid = int(rows.numel())  # the shape: known to the host either way
-    if num_valid == 0:
+    if (num_valid := int(rows.numel())) == 0:  # the shape: known to the host either way
         return _empty_output(states, heads, cfg, num_positions)
 
     weights_by_term = cfg.term_weights()
@@ -211,7 +209,6 @@ def block_loss(
     # the chain is its own weighting (a product along the block): the position weights skip it
     weighted = sum(weight * terms[name] for name, weight in weights_by_term.items() if name != "chain")
     unweighted = weights_by_term["chain"] * terms["chain"] if "chain" in weights_by_term else 0.0
-    per_position = weighted + unweighted
 
     weights = position_weights(_on_grid(alpha, rows, grid), valid, cfg, block_size, _on_grid(confidence, rows, grid))
     loss = (weights.reshape(-1).index_select(0, rows) * weighted + unweighted).sum() / num_valid
@@ -225,14 +222,19 @@ def block_loss(
         loss=loss,
         alpha_sum=_sum_per_column(alpha, columns, num_positions),
         greedy_sum=_sum_per_column(greedy, columns, num_positions),
-        # not bincount: on CUDA it reads its input's maximum back to size its output
-        count=torch.zeros(num_positions, dtype=torch.long, device=columns.device).index_add_(0, columns, torch.ones_like(columns)),
-        loss_sum=_sum_per_column(per_position, columns, num_positions),
+        count=_count_per_column(columns, num_positions),
+        loss_sum=_sum_per_column(weighted + unweighted, columns, num_positions),
         term_sums={name: _sum_per_column(terms[name], columns, num_positions) for name in weights_by_term}
         if len(weights_by_term) > 1 else {},
         confidence_sums=confidence_sums,
         selector_sums=selector_sums,
     )
+
+
+def _count_per_column(columns: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """Valid positions per block column. Not bincount: on CUDA it reads its input's maximum back
+    to size its output."""
+    return torch.zeros(num_positions, dtype=torch.long, device=columns.device).index_add_(0, columns, torch.ones_like(columns))
 
 
 def _head_terms(heads: DraftHeads, rows: torch.Tensor, columns: torch.Tensor, num_positions: int, alpha: torch.Tensor,
