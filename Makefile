@@ -73,9 +73,11 @@ test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest
 
 # The option tables of docs/options.md (train, build, regenerate), made from the config fields' docstrings
-# (tests/test_knobs.py fails when one is stale).
+# (tests/test_knobs.py fails when one is stale), and docs/gpu.md's table of the GPU check's parts, made from
+# benchmarks/gpu_check.py's CHECK (tests/test_gpu_check.py fails when it is stale).
 docs: $(STAMP)
 	$(BIN)/python -m cli.docs docs/options.md
+	$(BIN)/python benchmarks/gpu_check.py parts --doc docs/gpu.md
 
 # ruff: pyflakes, pycodestyle and import order, configured in pyproject.toml
 lint: $(STAMP)
@@ -113,7 +115,7 @@ gpu-bundle: $(STAMP)
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any $(GPU_WHEELS)
 	@du -sh .whl
 
-# gpu_check.sh's parts on CPU at tiny sizes (tests/test_gpu_check.py runs this in make test-slow)
+# gpu_check.sh's parts on CPU at tiny sizes, budgets x6 (tests/test_gpu_check.py runs this in make test-slow)
 gpu-check-dry-run: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH GPU_CHECK_DEVICE=cpu PYTHON=$(BIN)/python bash benchmarks/gpu_check.sh
 
