@@ -492,8 +492,8 @@ def training_report(
         f"peak LR {settings.peak_lr}, {settings.warmup_steps} warmup steps, cosine decay to "
         f"{settings.min_lr_ratio} x peak, grad clip {settings.grad_clip}, "
         f"{settings.steps} steps of at most {settings.tokens_per_batch} padded tokens, float32.",
-        f"- Training wall time: {train_seconds:.0f} s with torch.set_num_threads(2) on a "
-        "2-core CPU "
+        f"- Training wall time: {train_seconds:.0f} s with torch.set_num_threads({torch.get_num_threads()}) on a "
+        f"{v.get('cpu', '2-core CPU')} "
         f"(includes the periodic evaluations).",
         "",
         "## Loss",
@@ -658,7 +658,7 @@ def variant_of(args: argparse.Namespace, config) -> dict[str, str] | None:
         "model": f"{model}, hidden {config.hidden_size}",
         "match": "equal to the reference reply up to phrasing (`varied_chat.canonical`)" if args.varied
                  else "equal to the reference reply",
-    }
+    } | ({"cpu": args.cpu_note} if args.cpu_note else {})
 
 
 def data_names(varied: bool) -> tuple[str, str]:
@@ -692,6 +692,9 @@ def parse_args() -> argparse.Namespace:
                         help="every reply drawn among its valid phrasings (varied_chat.py): writes "
                         "data/varied_chat.jsonl and data/varied_heldout_prompts.jsonl")
     parser.add_argument("--teacher", default="teacher", help="the teacher's folder under --out")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 trains faster than 2 where other work shares the two cores)")
+    parser.add_argument("--cpu-note", default=None, help="how TRAINING.md describes the machine")
     args = parser.parse_args()
     if args.chat is not None and args.heldout is None:
         parser.error("--chat needs --heldout (conversations never trained on, for held-out loss)")
@@ -700,7 +703,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(TRAIN_SEED)
     settings = TrainSettings(steps=args.steps)
     if args.chat is not None:
