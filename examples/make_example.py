@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic_chat  # noqa: E402  (lives next to this script)
+import varied_chat  # noqa: E402
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
 
@@ -79,15 +80,16 @@ class Corpus:
     teacher_extra: list[list[dict]]  # extra teacher training rows, never written out
 
 
-def build_corpus() -> Corpus:
+def build_corpus(varied: bool = False) -> Corpus:
+    """The quickstart corpus; `varied`: every reply drawn among its valid phrasings."""
     world = synthetic_chat.make_world()
-    train = synthetic_chat.make_corpus(CORPUS_SEED, N_TRAIN_ROWS, world)
+    train = synthetic_chat.make_corpus(CORPUS_SEED, N_TRAIN_ROWS, world, varied)
     heldout = synthetic_chat.make_heldout(
-        HELDOUT_SEED, N_HELDOUT_ROWS, world, synthetic_chat.user_texts(train)
+        HELDOUT_SEED, N_HELDOUT_ROWS, world, synthetic_chat.user_texts(train), varied
     )
     heldout_texts = {p.messages[-1]["content"] for p in heldout}
     extra = synthetic_chat.make_teacher_extra(
-        TEACHER_EXTRA_SEED, N_TEACHER_EXTRA_ROWS, world, heldout_texts
+        TEACHER_EXTRA_SEED, N_TEACHER_EXTRA_ROWS, world, heldout_texts, varied
     )
     return Corpus(train=train, heldout=heldout, teacher_extra=extra)
 
@@ -181,8 +183,13 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> Row
 # ---------------------------------------------------------------------------------------------
 
 
-def teacher_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    return Qwen3Config(
+ARCHS = ("qwen3", "qwen3_5")
+
+
+def teacher_config(tokenizer: PreTrainedTokenizerFast, arch: str = "qwen3"):
+    """The teacher's shape: a Qwen3, or (qwen3_5) a hybrid Qwen3.5 text model of the same width
+    and depth whose layers are three Gated DeltaNet layers to one attention layer, as in Qwen3.5."""
+    common = dict(
         vocab_size=padded_vocab_size(len(tokenizer)),
         hidden_size=128,
         intermediate_size=384,
@@ -197,6 +204,31 @@ def teacher_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     )
+    if arch == "qwen3":
+        return Qwen3Config(**common)
+    if arch != "qwen3_5":
+        raise ValueError(f"unknown teacher arch {arch!r}; use one of {ARCHS}")
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        **common,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        # mrope_section must sum to the rotary half-dim: 32 * 0.5 / 2 = 8.
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+    )
+
+
+def new_teacher(config):
+    """A freshly initialised teacher of `config` (the quickstart's Qwen3 exactly as it was made)."""
+    if isinstance(config, Qwen3Config):
+        return Qwen3ForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 @dataclass(frozen=True)
@@ -390,13 +422,13 @@ def greedy_replies(
 
 
 def exact_match_by_task(
-    heldout: list[synthetic_chat.HeldoutPrompt], replies: list[str]
+    heldout: list[synthetic_chat.HeldoutPrompt], replies: list[str], canonical=lambda text: text
 ) -> dict[str, tuple[int, int]]:
-    """Per task: (greedy replies equal to the reference, prompts)."""
+    """Per task: (greedy replies equal to the reference once both are `canonical`, prompts)."""
     scores: dict[str, tuple[int, int]] = {}
     for prompt, reply in zip(heldout, replies):
         right, total = scores.get(prompt.task, (0, 0))
-        scores[prompt.task] = (right + (reply == prompt.reference), total + 1)
+        scores[prompt.task] = (right + (canonical(reply) == canonical(prompt.reference)), total + 1)
     return scores
 
 
@@ -418,13 +450,18 @@ def training_report(
     exact_match: float,
     by_task: dict[str, tuple[int, int]],
     samples: list[tuple[list[dict], str, str]],
+    variant: dict[str, str] | None = None,
 ) -> str:
-    """TRAINING.md: how the teacher was made and how good it is."""
+    """TRAINING.md: how the teacher was made and how good it is; `variant` (title, command,
+    chat, model, match) describes a teacher other than the quickstart's."""
+    v = {"title": "Tiny Qwen3 teacher for the quickstart", "command": "python examples/make_example.py",
+         "chat": "chat.jsonl", "model": f"`Qwen3ForCausalLM`, hidden {config.hidden_size}",
+         "match": "equal to the reference reply"} | (variant or {})
     lines = [
-        "# Tiny Qwen3 teacher for the quickstart",
+        f"# {v['title']}",
         "",
-        "Built by `python examples/make_example.py` (run from the repository root; see",
-        "`examples/README.md`). Trained from scratch on `examples/data/chat.jsonl` plus",
+        f"Built by `{v['command']}` (run from the repository root; see",
+        f"`examples/README.md`). Trained from scratch on `examples/data/{v['chat']}` plus",
         f"{N_TEACHER_EXTRA_ROWS:,} more conversations drawn from the same generators with seed",
         f"{TEACHER_EXTRA_SEED} (none of them asks a held-out prompt), each seen about once. Every",
         "token of every conversation rendered with the chat template is a target; one conversation",
@@ -439,7 +476,7 @@ def training_report(
         "",
         f"- Seeds: corpus {CORPUS_SEED}, held-out prompts {HELDOUT_SEED}, fictional world "
         f"{synthetic_chat.WORLD_SEED}, training {TRAIN_SEED}.",
-        f"- Model: `Qwen3ForCausalLM`, hidden {config.hidden_size}, "
+        f"- Model: {v['model']}, "
         f"{config.num_hidden_layers} layers, "
         f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, head_dim "
         f"{config.head_dim}, intermediate {config.intermediate_size}, untied LM head, "
@@ -447,7 +484,7 @@ def training_report(
         f"- Tokenizer: byte-level BPE with single-digit splitting, {n_tokenizer} tokens; the "
         f"embedding has {config.vocab_size} rows ({config.vocab_size - n_tokenizer} spare rows "
         f"past the tokenizer, usable as a drafter's mask token).",
-        f"- Data: chat.jsonl has {N_TRAIN_ROWS:,} conversations, "
+        f"- Data: {v['chat']} has {N_TRAIN_ROWS:,} conversations, "
         f"{token_counts['chat']:,} tokens; the "
         f"teacher's training set has {n_teacher_rows:,} conversations, "
         f"{token_counts['teacher']:,} tokens.",
@@ -455,8 +492,8 @@ def training_report(
         f"peak LR {settings.peak_lr}, {settings.warmup_steps} warmup steps, cosine decay to "
         f"{settings.min_lr_ratio} x peak, grad clip {settings.grad_clip}, "
         f"{settings.steps} steps of at most {settings.tokens_per_batch} padded tokens, float32.",
-        f"- Training wall time: {train_seconds:.0f} s with torch.set_num_threads(2) on a "
-        "2-core CPU "
+        f"- Training wall time: {train_seconds:.0f} s with torch.set_num_threads({torch.get_num_threads()}) on a "
+        f"{v.get('cpu', '2-core CPU')} "
         f"(includes the periodic evaluations).",
         "",
         "## Loss",
@@ -487,7 +524,7 @@ def training_report(
         lines.append(f"| {name} | {losses['all']:.3f} | {losses['assistant']:.3f} |")
     lines += [
         "",
-        f"Greedy replies equal to the reference reply on {exact_match:.0%} of the "
+        f"Greedy replies {v['match']} on {exact_match:.0%} of the "
         f"{N_HELDOUT_ROWS} held-out prompts (one wrong digit or word counts as wrong):",
         "",
         "| task | right / prompts |",
@@ -512,13 +549,15 @@ def training_report(
     return "\n".join(lines)
 
 
-def write_corpus(corpus: Corpus, data_dir: Path) -> None:
+def write_corpus(
+    corpus: Corpus, data_dir: Path, chat: str = "chat.jsonl", heldout: str = "heldout_prompts.jsonl"
+) -> None:
     write_jsonl(
-        data_dir / "chat.jsonl",
+        data_dir / chat,
         [{"id": f"chat-{i:06d}", "messages": m} for i, m in enumerate(corpus.train)],
     )
     write_jsonl(
-        data_dir / "heldout_prompts.jsonl",
+        data_dir / heldout,
         [{"id": f"heldout-{i:04d}", "messages": p.messages} for i, p in enumerate(corpus.heldout)],
     )
 
@@ -603,7 +642,32 @@ def train_on_chats(chat: Path, heldout: Path, teacher_dir: Path, settings: Train
     print(f"saved teacher to {teacher_dir} (training took {train_seconds:.0f} s); final losses {final}")
 
 
-def main() -> None:
+def variant_of(args: argparse.Namespace, config) -> dict[str, str] | None:
+    """TRAINING.md's wording for a teacher other than the quickstart's (None: the quickstart's)."""
+    if not args.varied and args.arch == "qwen3" and args.teacher == "teacher":
+        return None
+    model = f"`{'Qwen3ForCausalLM' if args.arch == 'qwen3' else 'Qwen3_5ForCausalLM'}`"
+    if args.arch == "qwen3_5":
+        model += f" (hybrid: layers {', '.join(t.split('_')[0] for t in config.layer_types)})"
+    corpus = "the varied corpus" if args.varied else "the quickstart corpus"
+    return {
+        "title": f"Tiny {'hybrid Qwen3.5' if args.arch == 'qwen3_5' else 'Qwen3'} teacher for {corpus}",
+        "command": f"python examples/make_example.py{' --varied' if args.varied else ''} --arch {args.arch} "
+                   f"--teacher {args.teacher} --steps {args.steps}",
+        "chat": data_names(args.varied)[0],
+        "model": f"{model}, hidden {config.hidden_size}",
+        "match": "equal to the reference reply up to phrasing (`varied_chat.canonical`)" if args.varied
+                 else "equal to the reference reply",
+    } | ({"cpu": args.cpu_note} if args.cpu_note else {})
+
+
+def data_names(varied: bool) -> tuple[str, str]:
+    """The training and held-out prompt files under data/."""
+    prefix = "varied_" if varied else ""
+    return f"{prefix}chat.jsonl", f"{prefix}heldout_prompts.jsonl"
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -622,19 +686,37 @@ def main() -> None:
         "--heldout", type=Path, default=None,
         help="with --chat: JSONL conversations (prompt and reference answer) for held-out loss",
     )
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3",
+                        help="qwen3, or qwen3_5: a hybrid of Gated DeltaNet and attention layers")
+    parser.add_argument("--varied", action="store_true",
+                        help="every reply drawn among its valid phrasings (varied_chat.py): writes "
+                        "data/varied_chat.jsonl and data/varied_heldout_prompts.jsonl")
+    parser.add_argument("--teacher", default="teacher", help="the teacher's folder under --out")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 trains faster than 2 where other work shares the two cores)")
+    parser.add_argument("--cpu-note", default=None, help="how TRAINING.md describes the machine")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.chat is not None and args.heldout is None:
+        parser.error("--chat needs --heldout (conversations never trained on, for held-out loss)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(TRAIN_SEED)
     settings = TrainSettings(steps=args.steps)
     if args.chat is not None:
-        if args.heldout is None:
-            parser.error("--chat needs --heldout (conversations never trained on, for held-out loss)")
-        train_on_chats(args.chat, args.heldout, args.out / "teacher", settings)
+        train_on_chats(args.chat, args.heldout, args.out / args.teacher, settings)
         return
-    data_dir, teacher_dir = args.out / "data", args.out / "teacher"
+    make_synthetic(args, settings)
 
-    corpus = build_corpus()
-    write_corpus(corpus, data_dir)
+
+def make_synthetic(args: argparse.Namespace, settings: TrainSettings) -> None:
+    """The synthetic corpus under --out/data and a teacher trained on it under --out/--teacher."""
+    data_dir = args.out / "data"
+    corpus = build_corpus(args.varied)
+    write_corpus(corpus, data_dir, *data_names(args.varied))
     print(
         f"wrote {len(corpus.train)} conversations and {len(corpus.heldout)} held-out prompts "
         f"to {data_dir}"
@@ -656,8 +738,8 @@ def main() -> None:
         "heldout": [encode_chat(tokenizer, m) for m in heldout_chats],
     }
 
-    config = teacher_config(tokenizer)
-    model = Qwen3ForCausalLM(config)
+    config = teacher_config(tokenizer, args.arch)
+    model = new_teacher(config)
     n_params = sum(p.numel() for p in model.parameters())
     token_counts = {
         "chat": sum(len(ids) for ids, _ in chat_rows),
@@ -665,21 +747,30 @@ def main() -> None:
     }
     print(
         f"tokenizer {len(tokenizer)} tokens, vocab_size {config.vocab_size}, {n_params:,} params, "
-        f"chat.jsonl {token_counts['chat']:,} tokens, "
+        f"chat {token_counts['chat']:,} tokens, "
         f"teacher data {token_counts['teacher']:,} tokens"
     )
 
     started = time.perf_counter()
     log = train_teacher(model, teacher_rows, eval_sets, pad_id, settings)
     train_seconds = time.perf_counter() - started
+    finish_teacher(args, model, tokenizer, corpus, eval_sets, {
+        "settings": settings, "config": config, "n_tokenizer": len(tokenizer), "n_params": n_params,
+        "token_counts": token_counts, "n_teacher_rows": len(teacher_rows), "log": log,
+        "train_seconds": train_seconds, "variant": variant_of(args, config)})
 
+
+def finish_teacher(args, model, tokenizer, corpus: Corpus, eval_sets, report_args: dict) -> None:
+    """Save the trained teacher in bfloat16 with its tokenizer and TRAINING.md (its losses and greedy
+    replies measured on the saved weights)."""
+    teacher_dir, config, pad_id = args.out / args.teacher, report_args["config"], tokenizer.pad_token_id
     model = model.to(torch.bfloat16)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = None
     final = {name: evaluate(model, rows, pad_id) for name, rows in eval_sets.items()}
     replies = greedy_replies(model, tokenizer, [p.messages for p in corpus.heldout])
-    by_task = exact_match_by_task(corpus.heldout, replies)
+    by_task = exact_match_by_task(corpus.heldout, replies, varied_chat.canonical if args.varied else str)
     exact_match = sum(right for right, _ in by_task.values()) / len(replies)
     print(f"final losses {final}; held-out greedy exact match {exact_match:.0%}")
 
@@ -687,22 +778,10 @@ def main() -> None:
     model.save_pretrained(teacher_dir)
     save_tokenizer(tokenizer, teacher_dir)
     samples = [(p.messages, p.reference, reply) for p, reply in zip(corpus.heldout[:3], replies)]
-    report = training_report(
-        settings=settings,
-        config=config,
-        n_tokenizer=len(tokenizer),
-        n_params=n_params,
-        token_counts=token_counts,
-        n_teacher_rows=len(teacher_rows),
-        log=log,
-        final=final,
-        train_seconds=train_seconds,
-        exact_match=exact_match,
-        by_task=by_task,
-        samples=samples,
-    )
+    report = training_report(final=final, exact_match=exact_match, by_task=by_task, samples=samples,
+                             **report_args)
     (teacher_dir / "TRAINING.md").write_text(report + "\n", encoding="utf-8")
-    print(f"saved teacher to {teacher_dir} (training took {train_seconds:.0f} s)")
+    print(f"saved teacher to {teacher_dir} (training took {report_args['train_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

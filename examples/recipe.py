@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One of the two caches and what its sweep decodes."""
+    """One of the study caches and what its sweep decodes."""
 
     name: str
     data: Path
@@ -48,12 +48,22 @@ class CacheSpec:
     """None: the man-page teacher of the settings."""
 
     design: str = "full"
+    regenerate: bool = False
+    """Stage 0 first: the cache holds the teacher's own greedy answers to `data`'s prompts (every
+    turn, answered in turn), regenerated under OUT/data, instead of `data`'s answers."""
 
 
 QUICKSTART = CacheSpec("quickstart", EXAMPLES / "data" / "chat.jsonl", EXAMPLES / "data" / "heldout_prompts.jsonl",
                        EXAMPLES / "teacher")
 MANPAGES = CacheSpec("manpages", EXAMPLES / "data" / "manpages.jsonl",
                      EXAMPLES / "data" / "manpages_heldout_prompts.jsonl", None)
+# Issue 54's third and fourth caches: teachers that learned a corpus whose replies vary among equally
+# valid phrasings (examples/varied_chat.py), so their answers are confident except at those choices;
+# HYBRID's teacher is a Qwen3.5 text model (Gated DeltaNet and attention layers).
+VARIED = CacheSpec("varied", EXAMPLES / "data" / "varied_chat.jsonl", EXAMPLES / "data" / "varied_heldout_prompts.jsonl",
+                   EXAMPLES / "varied_teacher", regenerate=True)
+HYBRID = replace(VARIED, name="hybrid", teacher=EXAMPLES / "hybrid_teacher")
+CACHES = (QUICKSTART, MANPAGES, VARIED, HYBRID)
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,9 @@ class RecipeSettings:
     manpage_design: str = "one-at-a-time"
     """Design of the man-page sweep (as quickstart_design)."""
 
+    answer_tokens: int = 128
+    """Longest regenerated answer, in tokens (the corpora's longest replies are under 100)."""
+
     top_k: int = 32
     sample_temperature: float = 0.0
     """Also decode the held-out prompts by speculative sampling at this temperature (0: greedy only)."""
@@ -132,6 +145,22 @@ def ensure_manpage_teacher(settings: RecipeSettings) -> Path:
     return teacher
 
 
+def answers(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> Path:
+    """The corpus the spec's cache holds: `data` (its first settings.rows), or with spec.regenerate
+    the teacher's greedy answers to its prompts in float32 (stage 0; resumed or reused when rerun)."""
+    data = subset(spec.data, settings.rows, settings.out / "data" / f"{spec.name}.jsonl")
+    if not spec.regenerate:
+        return data
+    from dflash_regenerate import regenerate
+    from dflash_regenerate.settings.regenerate_config import RegenerateConfig
+    from dflash_teacher.teacher import TeacherConfig
+
+    out = settings.out / "data" / f"{spec.name}_answers.jsonl"
+    regenerate(RegenerateConfig(data=str(data), out=str(out), keep_turns="all", max_new_tokens=settings.answer_tokens,
+                                teacher=TeacherConfig(name_or_path=str(teacher), dtype="float32", device="cpu")))
+    return out
+
+
 def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     """The spec's cache under OUT/caches (resumed or reused when it exists)."""
     from dflash_cache import open_cache
@@ -143,7 +172,7 @@ def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     out = settings.out / "caches" / spec.name
     if (out / "manifest.json").exists() and open_cache(str(out)).complete:
         return str(out)
-    data = subset(spec.data, settings.rows, settings.out / "data" / f"{spec.name}.jsonl")
+    data = answers(spec, teacher, settings)
     # float32: this CPU runs bf16 matmuls several times slower, and the tiny caches stay small
     build_cache(BuildConfig(out=str(out), corpus=CorpusConfig(data=str(data)),
                             teacher=TeacherConfig(name_or_path=str(teacher), dtype="float32", device="cpu",

@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
+import varied_chat
+
 Message = dict[str, str]
 Turn = tuple[str, str]  # (user text, assistant text)
 
@@ -507,8 +509,9 @@ def sample_system(rng: random.Random) -> tuple[list[Message], bool]:
     return [], False
 
 
-def sample_conversation(rng: random.Random, world: list[Entity]) -> list[Message]:
-    """One conversation: optional system prompt, then 1-3 user/assistant turns."""
+def sample_conversation(rng: random.Random, world: list[Entity], varied: bool = False) -> list[Message]:
+    """One conversation: optional system prompt, then 1-3 user/assistant turns; `varied`: each
+    reply drawn among its equally valid phrasings (varied_chat.vary_reply)."""
     messages, brief = sample_system(rng)
     n_turns = rng.choices([1, 2, 3], [0.5, 0.3, 0.2])[0]
     turns: list[Turn] = []
@@ -518,6 +521,9 @@ def sample_conversation(rng: random.Random, world: list[Entity]) -> list[Message
         turns.append(sample_task(rng)(rng, brief, world))
     if len(turns) >= 2 and rng.random() < 0.3:
         turns[-1] = (rng.choice(THANKS), THANKS_REPLY)
+    if varied:
+        # Drawn only when asked, so the default corpus (and the shipped teacher) stay as they were.
+        turns = [(user, varied_chat.vary_reply(rng, reply, brief).text) for user, reply in turns]
     for user, assistant in turns:
         messages.append({"role": "user", "content": user})
         messages.append({"role": "assistant", "content": assistant})
@@ -531,18 +537,20 @@ class HeldoutPrompt:
     task: str  # the generator's name, for per-task scores
 
 
-def sample_prompt(rng: random.Random, world: list[Entity]) -> HeldoutPrompt:
+def sample_prompt(rng: random.Random, world: list[Entity], varied: bool = False) -> HeldoutPrompt:
     """A single-turn prompt (optional system + one user message) and its reference reply."""
     messages, brief = sample_system(rng)
     task = sample_task(rng)
     user, reference = task(rng, brief, world)
+    if varied:
+        reference = varied_chat.vary_reply(rng, reference, brief).text
     messages.append({"role": "user", "content": user})
     return HeldoutPrompt(messages=messages, reference=reference, task=task.__name__)
 
 
-def make_corpus(seed: int, n_rows: int, world: list[Entity]) -> list[list[Message]]:
+def make_corpus(seed: int, n_rows: int, world: list[Entity], varied: bool = False) -> list[list[Message]]:
     rng = random.Random(seed)
-    return [sample_conversation(rng, world) for _ in range(n_rows)]
+    return [sample_conversation(rng, world, varied) for _ in range(n_rows)]
 
 
 def user_texts(conversations: list[list[Message]]) -> set[str]:
@@ -550,20 +558,20 @@ def user_texts(conversations: list[list[Message]]) -> set[str]:
 
 
 def make_teacher_extra(
-    seed: int, n_rows: int, world: list[Entity], excluded_user_texts: set[str]
+    seed: int, n_rows: int, world: list[Entity], excluded_user_texts: set[str], varied: bool = False
 ) -> list[list[Message]]:
     """More conversations from the same generators, none asking an excluded (held-out) prompt."""
     rng = random.Random(seed)
     out: list[list[Message]] = []
     while len(out) < n_rows:
-        conv = sample_conversation(rng, world)
+        conv = sample_conversation(rng, world, varied)
         if not any(m["role"] == "user" and m["content"] in excluded_user_texts for m in conv):
             out.append(conv)
     return out
 
 
 def make_heldout(
-    seed: int, n_rows: int, world: list[Entity], seen_user_texts: set[str]
+    seed: int, n_rows: int, world: list[Entity], seen_user_texts: set[str], varied: bool = False
 ) -> list[HeldoutPrompt]:
     """Single-turn prompts whose user text never appears in the training corpus.
 
@@ -574,7 +582,7 @@ def make_heldout(
     out: list[HeldoutPrompt] = []
     taken = set(seen_user_texts)
     while len(out) < n_rows:
-        prompt = sample_prompt(rng, world)
+        prompt = sample_prompt(rng, world, varied)
         text = prompt.messages[-1]["content"]
         if text in taken:
             continue
