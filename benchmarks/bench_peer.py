@@ -8,6 +8,7 @@ and the same anchors (the default cover anchors: every answer position once an e
 
     dflash            our defaults (soft-label KL, streak weights, AdamW, cosine)
     dflash-ce-dpace   ours with --loss ce --weighting dpace (speculators' objective)
+    dflash-causal     ours with --causal (blocks causal inside, as speculators' default layers)
     speculators       speculators 0.9's DFlash step and its defaults (ce, D-PACE, Muon + AdamW,
                       linear schedule, clip 1.0, sliding layers causal inside the block), driven
                       by benchmarks/peer_speculators.py in the `make serving` environment on
@@ -38,6 +39,7 @@ import recipe  # noqa: E402  (the study caches and the man-page teacher)
 OURS: dict[str, dict] = {
     "dflash": {},
     "dflash-ce-dpace": {"loss": {"kind": "ce", "weighting": "dpace"}},
+    "dflash-causal": {"model": {"causal": True}},
 }
 """Our arms: the settings each sets on top of the base config."""
 
