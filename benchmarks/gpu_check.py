@@ -62,7 +62,8 @@ CHECK = (
          "nothing about speed or numbers"),
     Part("drafter", 90,
          "the production-shape drafter (5 layers at 5,120, 24/4 heads of 256, vocab 248,320) with sliding layers 0 and 2 "
-         "(window 2,048) among full ones trains with compiled flex_attention on 12 packed 8k-token batches: first step "
+         "(window 2,048) among full ones trains with compiled flex_attention on 12 packed 8k-token batches anchored as the "
+         "recipe anchors (`cover`): first step "
          "(compile), steady tokens/s, graphs compiled, peak memory; one batch's loss and attention gradients under "
          "compiled flex equal SDPA's (the sliding and full block masks through compiled create_block_mask, flex's "
          "backward); the trainer's held-out evaluation (`evaluate_heldout`, the fp32 path) on a production-width cache "
