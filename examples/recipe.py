@@ -16,6 +16,10 @@ accepted length) and tau_vs_tokens.png:
                       through examples/manpage_teacher (make_example.py --chat; trained here first
                       when that folder is missing)
 
+recipe.VARIED and recipe.HYBRID (issue 54) are two more caches for the studies: teachers trained on
+examples/data/varied_chat.jsonl answer its prompts themselves (stage 0) before the build; see
+examples/README.md. `recipe.CACHES` lists all four; this study's sweep runs on the first two.
+
 Everything resumes: rerunning the same command skips finished caches and runs. `--tiny` is the
 same pipeline at toy size (2 steps a run, a few rows, a 2-step teacher under OUT), which the
 default test suite runs so that none of it rots.
