@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,19 @@ def build_drafter(s, dev: torch.device, backend: str = "sdpa", cfg=None, seed: i
         head = torch.randn(s.vocab, s.hidden) * 0.02
     torch.manual_seed(seed)
     return DFlashDrafter.build(cfg, embed, head, dev, backend)
+
+
+def timed_step(model: DFlashDrafter, batch, train_cfg, optimizer, dev: torch.device) -> tuple[float, float]:
+    """One optimizer step of one micro-batch, synced: (seconds, loss)."""
+    from dflash_train.training.distributed import DistInfo
+    from dflash_train.training.train_step import micro_step
+
+    t = time.perf_counter()
+    result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast(dev))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(dev)
+    return time.perf_counter() - t, float(result.loss.detach())
 
 
 def mixed_config(s):

@@ -13,13 +13,11 @@ import torch
 from bench_gpu import write_synthetic_cache
 from bench_packed import plan_lengths, sharegpt_lengths
 from bench_trainer import synthetic_sequences
-from gpu_check_common import autocast, build_drafter, device, markdown, on_cpu, peak_memory, sizes, sync
+from gpu_check_common import build_drafter, device, markdown, on_cpu, peak_memory, sizes, sync, timed_step
 
 from dflash_train.settings.noise_config import NoiseConfig
 from dflash_train.settings.train_config import TrainConfig
-from dflash_train.training.distributed import DistInfo
 from dflash_train.training.noise import add_noise_
-from dflash_train.training.train_step import micro_step
 
 
 def part_env(out: Path):
@@ -76,13 +74,9 @@ def part_packed(out: Path):
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         for _ in range(5):
-            t = time.perf_counter()
-            result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast(dev))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync(dev)
-            times.append(time.perf_counter() - t)
-            losses.append(float(result.loss.detach()))
+            seconds, loss = timed_step(model, batch, train_cfg, optimizer, dev)
+            times.append(seconds)
+            losses.append(loss)
         results[layout] = {"first_loss": losses[0], "tokens_per_s": batch.num_tokens / min(times[2:]),
                            "peak": peak_memory(dev), "row_positions": int(batch.input_ids.numel())}
         del model, optimizer, batch

@@ -13,7 +13,7 @@ import torch
 from bench_gpu import write_synthetic_cache
 from bench_packed import plan_lengths, sharegpt_lengths
 from bench_trainer import synthetic_batch, synthetic_sequences
-from gpu_check_common import autocast, build_drafter, device, markdown, mixed_config, on_cpu, peak_memory, sizes, sync
+from gpu_check_common import autocast, build_drafter, device, markdown, mixed_config, on_cpu, peak_memory, sizes, sync, timed_step
 
 from dflash_train.settings.loss_config import LossConfig
 from dflash_train.settings.train_config import TrainConfig
@@ -74,14 +74,10 @@ def train_steps(model, s, dev: torch.device) -> tuple[dict, object]:
     for index, lengths in enumerate(plans):
         batch = synthetic_sequences(lengths, s.vocab, len(s.tapped), s.hidden, s.top_k, s.num_anchors, seed=index,
                                     layout="packed", cover=model.cfg.num_draft_positions).to(dev)
-        t = time.perf_counter()
-        result = micro_step(model, model, batch, train_cfg, DistInfo(), dev, autocast(dev))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(dev)
-        times.append(time.perf_counter() - t)
+        seconds, loss = timed_step(model, batch, train_cfg, optimizer, dev)
+        times.append(seconds)
         tokens.append(batch.num_tokens)
-        losses.append(float(result.loss.detach()))
+        losses.append(loss)
     if not all(v == v and abs(v) < float("inf") for v in losses):
         raise RuntimeError(f"non-finite losses at {budget} tokens: {losses}")
     warm = 3 if len(times) > 3 else 1  # steady: after the compiles of the first shapes

@@ -139,9 +139,7 @@ def save(model, init: Path, out: Path) -> None:
     if set(state) != names:
         raise SystemExit(f"peer: the trained model lacks {sorted(names - set(state))[:3]}")
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "dflash_train.json"):
-        if (init / name).exists():
-            shutil.copy(init / name, out / name)
+    shutil.copy(init / "config.json", out / "config.json")
     save_file(state, str(out / "model.safetensors"))
 
 
