@@ -1,6 +1,6 @@
 """dflash against speculators 0.9's DFlash trainer on the same bytes (issue 54), served by vLLM.
 
-    python benchmarks/bench_peer.py [--out peer] [--caches quickstart,manpages] [--seeds 3] [--steps 400]
+    python benchmarks/bench_peer.py [--out peer] [--caches quickstart,manpages] [--seeds 3] [--steps 400] [--arms dflash,...]
 
 Per cache (examples/recipe.py's caches, built under OUT/caches) and seed, every arm trains the same
 drafter shape (3 layers, block 8) from the cache's bytes for the same steps over the same batches
@@ -256,7 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=PeerSettings.seeds)
     parser.add_argument("--steps", type=int, default=PeerSettings.steps)
     parser.add_argument("--max-prompts", type=int, default=PeerSettings.max_prompts)
+    parser.add_argument("--arms", default=",".join(OURS),
+                        help=f"comma-separated, of our arms {', '.join(OURS)} (default all; {PEER} always runs)")
     args = parser.parse_args(argv)
+    arms = {a.strip() for a in args.arms.split(",") if a.strip()}
+    if arms - set(OURS):
+        raise SystemExit(f"--arms {sorted(arms - set(OURS))[0]!r} is not one of our arms ({', '.join(OURS)})")
     s = PeerSettings(out=args.out, steps=args.steps, seeds=args.seeds, max_prompts=args.max_prompts)
     settings = recipe.RecipeSettings(out=args.out)
     for spec in (recipe.QUICKSTART, recipe.MANPAGES):
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         reports = {}
         for seed in range(s.seeds):
             for arm, extra in OURS.items():
+                if arm not in arms:
+                    continue
                 run = args.out / spec.name / f"seed{seed}" / arm
                 reports[arm, seed] = evaluate(train_ours(base_config(cache, run, seed, s, extra)), teacher,
                                               spec.prompts, s)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     from cli.common import BarProgress
     from dflash_train.settings.measure_config import MeasureConfig
 
-    caches = tuple(c.strip() for c in args.caches.split(","))
+    caches = tuple(c.strip() for c in (args.caches or "quickstart,manpages").split(","))
     results = objectives.run_study(settings, caches, BarProgress(enabled=not args.quiet), "confidence")
     for spec in (recipe.QUICKSTART, recipe.MANPAGES):
         if spec.name not in results:

@@ -84,6 +84,11 @@ ANCHORS: dict[str, dict] = {
 equal training tokens read (the same batches): the seed recipe's 8 random anchors a sequence (the
 reference), 32, and cover (every loss position once an epoch, the default since issue 59)."""
 
+LONG: dict[str, dict] = {**ANCHORS, "random128": {"data.anchors": "random", "data.num_anchors": 128}}
+"""`--study long` (issue 59): the anchors study on ~2,000-token conversations (recipe.QUICKSTART_LONG,
+MANPAGES_LONG), where 8 random blocks of 7 train ~6% of a sequence's ~1,000 loss positions an epoch,
+32 ~22%, 128 (overlapping) about as many block tokens as cover, and cover all of them once."""
+
 LATTICE: dict[str, dict] = {
     **KINDS,
     "dflash2-teacher": {"model.kind": "dflash2", "dflash2.selector_target": "teacher"},
@@ -100,6 +105,10 @@ STUDY = dict(steps=600, seeds=3, num_layers=3, block_size=8, batch_tokens=1000, 
              eval_sequences=48, curve_points=2, max_prompts=20, max_new_tokens=48)
 """The study's sizes (benchmarks/RESULTS.md): the quickstart drafter's shape, >= 600 steps."""
 
+STUDY_SIZES = {"long": dict(batch_tokens=2048, steps=300, caches=("quickstart_long", "manpages_long"))}
+"""A study's own sizes where they differ: `long` reads one ~2,000-token conversation a batch, on the
+long caches unless --caches names others."""
+
 
 STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": ("drafter", DRAFTERS, "dflash", "_drafters"),
            "confidence": ("drafter", {"dspark": DRAFTERS["dspark"],
@@ -108,6 +117,7 @@ STUDIES = {"objectives": ("objective", OBJECTIVES, REFERENCE, ""), "drafters": (
            "kinds": ("drafter", KINDS, "dflash", "_kinds"),
            "field": ("arm", FIELD, "dflash", "_field"),
            "anchors": ("anchors", ANCHORS, "random8", "_anchors"),
+           "long": ("anchors", LONG, "random8", "_anchors"),
            "lattice": ("drafter", LATTICE, "dflash", "_lattice")}
 """Per study: its grid key, its configurations, the reference and the suffix of its sweep folders
 (`confidence`: DSpark alone, its confidence head trained on alpha or on the greedy hit, whose
@@ -149,7 +159,7 @@ def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress
     key, bundles, reference, suffix = STUDIES[study]
     bundles = available(bundles, arms, reference)
     results = {}
-    for spec in (recipe.QUICKSTART, recipe.MANPAGES):
+    for spec in recipe.STUDY_CACHES:
         if spec.name not in caches:
             continue
         teacher = spec.teacher or recipe.ensure_manpage_teacher(settings)
@@ -162,7 +172,9 @@ def run_study(settings: recipe.RecipeSettings, caches: tuple[str, ...], progress
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every study script shares: where, which caches, how long, how many seeds."""
     parser.add_argument("--out", type=Path, default=recipe.ROOT / "objectives")
-    parser.add_argument("--caches", default="quickstart,manpages")
+    parser.add_argument("--caches", default=None,
+                        help="comma-separated, of " + ", ".join(s.name for s in recipe.STUDY_CACHES) +
+                             " (default quickstart,manpages; the long study's: quickstart_long,manpages_long)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--parallel", type=int, default=None)
@@ -172,9 +184,12 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated configurations of the study to run (default all; the reference always)")
 
 
-def study_settings(args: argparse.Namespace) -> recipe.RecipeSettings:
-    """STUDY's sizes (TINY's with --tiny), decoding greedy and at T = 1, with the options' overrides."""
-    settings = replace(recipe.RecipeSettings(out=args.out, manpage_teacher=recipe.EXAMPLES / "manpage_teacher"), **STUDY)
+def study_settings(args: argparse.Namespace, study: str = "objectives") -> recipe.RecipeSettings:
+    """STUDY's sizes and the study's own (TINY's with --tiny), decoding greedy and at T = 1, with the
+    options' overrides."""
+    sizes = {k: v for k, v in STUDY_SIZES.get(study, {}).items() if k != "caches"}
+    settings = replace(recipe.RecipeSettings(out=args.out, manpage_teacher=recipe.EXAMPLES / "manpage_teacher"),
+                       **{**STUDY, **sizes})
     if args.tiny:
         settings = replace(settings, manpage_teacher=args.out / "manpage_teacher", **recipe.TINY)
     overrides = {k: v for k, v in (("steps", args.steps), ("seeds", args.seeds), ("parallel", args.parallel)) if v is not None}
@@ -190,13 +205,15 @@ def main(argv: list[str] | None = None) -> None:
                              "kinds: DFlash, DSpark and DFlash2 (OUT/<cache>_kinds), or field (issue 46): those and "
                              "DFlash with the chain loss, first-error weights, kl at T = 2 and causal blocks "
                              "(OUT/<cache>_field), or anchors (issue 59): 8 and 32 random anchors a sequence against "
-                             "cover (OUT/<cache>_anchors), or lattice (issue 56): DFlash, DSpark, DFlash2 with both "
+                             "cover (OUT/<cache>_anchors), or long (issue 59): 8, 32 and 128 against cover on "
+                             "~2,000-token conversations (OUT/<cache>_long_anchors), or lattice (issue 56): DFlash, DSpark, DFlash2 with both "
                              "selector objectives, LiLiCorr with both and LiLiCorr + conv (OUT/<cache>_lattice)")
     args = parser.parse_args(argv)
     from cli.common import BarProgress
 
     arms = None if args.arms is None else tuple(a.strip() for a in args.arms.split(",") if a.strip())
-    results = run_study(study_settings(args), tuple(c.strip() for c in args.caches.split(",")),
+    caches = args.caches or ",".join(STUDY_SIZES.get(args.study, {}).get("caches", ("quickstart", "manpages")))
+    results = run_study(study_settings(args, args.study), tuple(c.strip() for c in caches.split(",")),
                         BarProgress(enabled=not args.quiet), args.study, arms)
     key = STUDIES[args.study][0]
     for name, result in results.items():

@@ -56,6 +56,10 @@ class CacheSpec:
     """Stage 0 first: the cache holds the teacher's own greedy answers to `data`'s prompts (every
     turn, answered in turn), regenerated under OUT/data, instead of `data`'s answers."""
 
+    join_tokens: int = 0
+    """Consecutive chats of `data` joined into conversations of at most this many tokens, and the
+    held-out prompts given contexts as long (examples/long_chat.py, under OUT/data); 0: as they are."""
+
 
 QUICKSTART = CacheSpec("quickstart", EXAMPLES / "data" / "chat.jsonl", EXAMPLES / "data" / "heldout_prompts.jsonl",
                        EXAMPLES / "teacher")
@@ -68,6 +72,12 @@ VARIED = CacheSpec("varied", EXAMPLES / "data" / "varied_chat.jsonl", EXAMPLES /
                    EXAMPLES / "varied_teacher", regenerate=True)
 HYBRID = replace(VARIED, name="hybrid", teacher=EXAMPLES / "hybrid_teacher")
 CACHES = (QUICKSTART, MANPAGES, VARIED, HYBRID)
+# Issue 59's long sequences: the same corpora and teachers, chats joined into ~2,000-token
+# conversations (the teachers' 2,048 positions), every assistant turn a loss-masked span.
+QUICKSTART_LONG = replace(QUICKSTART, name="quickstart_long", join_tokens=2000)
+MANPAGES_LONG = replace(MANPAGES, name="manpages_long", join_tokens=2000)
+STUDY_CACHES = (QUICKSTART, MANPAGES, QUICKSTART_LONG, MANPAGES_LONG)
+"""The caches the objectives studies choose from (--caches)."""
 
 
 @dataclass(frozen=True)
@@ -150,9 +160,15 @@ def ensure_manpage_teacher(settings: RecipeSettings) -> Path:
 
 
 def answers(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> Path:
-    """The corpus the spec's cache holds: `data` (its first settings.rows), or with spec.regenerate
-    the teacher's greedy answers to its prompts in float32 (stage 0; resumed or reused when rerun)."""
+    """The corpus the spec's cache holds: `data` (its first settings.rows), with spec.join_tokens
+    its chats joined into long conversations, or with spec.regenerate the teacher's greedy answers
+    to its prompts in float32 (stage 0; resumed or reused when rerun)."""
     data = subset(spec.data, settings.rows, settings.out / "data" / f"{spec.name}.jsonl")
+    if spec.join_tokens:
+        import long_chat
+
+        return long_chat.write_long(data, spec.prompts, teacher, heldout_prompts(spec, settings).with_name(
+            f"{spec.data.stem}_{spec.join_tokens}.jsonl"), heldout_prompts(spec, settings), spec.join_tokens)[0]
     if not spec.regenerate:
         return data
     from dflash_regenerate import regenerate
@@ -163,6 +179,14 @@ def answers(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> Path:
     regenerate(RegenerateConfig(data=str(data), out=str(out), keep_turns="all", max_new_tokens=settings.answer_tokens,
                                 teacher=TeacherConfig(name_or_path=str(teacher), dtype="float32", device="cpu")))
     return out
+
+
+def heldout_prompts(spec: CacheSpec, settings: RecipeSettings) -> Path:
+    """The prompts the spec's runs decode: its own, or with join_tokens their long-context
+    versions under OUT/data (written by answers)."""
+    if not spec.join_tokens:
+        return spec.prompts
+    return settings.out / "data" / f"{spec.data.stem}_{spec.join_tokens}_prompts.jsonl"  # the same under a study's name
 
 
 def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
@@ -201,7 +225,8 @@ def sweep(spec: CacheSpec, cache: str, teacher: Path, settings: RecipeSettings, 
                  "heldout_fraction": settings.heldout_fraction},
         "optim": {"lr": settings.lr},
     })
-    measure = MeasureConfig(curve_points=settings.curve_points, teacher=str(teacher), prompts=str(spec.prompts),
+    measure = MeasureConfig(curve_points=settings.curve_points, teacher=str(teacher),
+                            prompts=str(heldout_prompts(spec, settings)),
                             max_prompts=settings.max_prompts, max_new_tokens=settings.max_new_tokens,
                             sample_temperature=settings.sample_temperature)
     custom = grid is not None

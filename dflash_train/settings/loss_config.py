@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from dflash_common.errors import ConfigError
 from dflash_common.values import is_int, is_real
 
-TERMS = ("kl", "ce", "tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl", "chain")
+TERMS = ("kl", "ce", "top1", "tv", "nla", "lk_hybrid", "rkl", "jsd", "onpolicy_kl", "chain")
 """Per-position terms a loss sums (docs/design.md, "The objective"): each is a function of the
 teacher's top-k buckets plus its tail, the drafter's distribution and, for ce, the true token."""
 LOSS_KINDS = (*TERMS, "mix")
@@ -31,7 +31,10 @@ class LossConfig:
     kind: str = field(default="kl", metadata={"name": "loss"})
     """Per-position loss, over the teacher's top-k ids plus one tail bucket (p: teacher, q:
     drafter, alpha = sum min(p, q), the acceptance rate): "kl" = KL(p || q), "ce" = cross-entropy
-    on the true next token, "tv" = 1 - alpha, "nla" = -log(alpha), "lk_hybrid" = l * kl + (1 - l)
+    on the true next token (the cached sequence's), "top1" = cross-entropy on the teacher's top-1
+    token (its greedy choice, what greedy verification accepts; speculators' ce, which takes the
+    target's argmax: the same as ce where the cache holds the teacher's own greedy answers, not
+    where it holds a corpus's), "tv" = 1 - alpha, "nla" = -log(alpha), "lk_hybrid" = l * kl + (1 - l)
     * tv with l = exp(-lk_eta * alpha) detached (the LK losses), "rkl" = KL(q || p), "jsd" =
     Jensen-Shannon, "onpolicy_kl" = kl on the positions the drafter's own greedy block gets
     accepted, rkl decayed by onpolicy_decay after its first rejection (on-policy replay), "chain" =

@@ -104,6 +104,8 @@ def _bucket_terms(names: Sequence[str], teacher_logp: torch.Tensor, log_q: torch
     for name in names:
         if name == "ce":
             out[name] = ce
+        elif name == "top1":  # the cache's top-k is sorted, so bucket 0 is the teacher's greedy token
+            out[name] = -log_q[:, 0]
         elif name == "kl":
             out[name] = kl
         elif name == "tv":
