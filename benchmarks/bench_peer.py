@@ -9,6 +9,10 @@ and the same anchors (the default cover anchors: every answer position once an e
     dflash            our defaults (soft-label KL, streak weights, AdamW, cosine)
     dflash-ce-dpace   ours with --loss ce --weighting dpace (speculators' objective)
     dflash-causal     ours with --causal (blocks causal inside, as speculators' default layers)
+    dflash-top1       ours with --loss top1 (cross-entropy on the teacher's greedy token: speculators'
+                      ce) and our streak weights
+    dflash-kl-top1    ours with --loss-terms '{"kl": 1, "top1": 1}': the teacher's distribution and
+                      its greedy choice
     speculators       speculators 0.9's DFlash step and its defaults (ce, D-PACE, Muon + AdamW,
                       linear schedule, clip 1.0, sliding layers causal inside the block), driven
                       by benchmarks/peer_speculators.py in the `make serving` environment on
@@ -40,6 +44,8 @@ OURS: dict[str, dict] = {
     "dflash": {},
     "dflash-ce-dpace": {"loss": {"kind": "ce", "weighting": "dpace"}},
     "dflash-causal": {"model": {"causal": True}},
+    "dflash-top1": {"loss": {"kind": "top1"}},
+    "dflash-kl-top1": {"loss": {"terms": {"kl": 1.0, "top1": 1.0}}},
 }
 """Our arms: the settings each sets on top of the base config."""
 
