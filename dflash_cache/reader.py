@@ -35,7 +35,7 @@ from dflash_cache.read_ahead import ReadAhead
 from dflash_cache.shard import SequenceRecord, Shard
 from dflash_common.errors import CacheError, ConfigError, quoted
 from dflash_common.settings_files import load_settings_file
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
+from dflash_common.template_kwargs import check_template_kwargs
 
 __all__ = ["Cache", "SequenceRecord", "Shard", "open_cache"]
 
