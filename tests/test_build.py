@@ -23,9 +23,9 @@ from cli.cache import app
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
 from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError, ConfigError
+from dflash_corpus import CorpusConfig
 from dflash_teacher.tapped_layers import default_layer_ids
 from dflash_teacher.teacher import TeacherConfig, padding_fraction, plan_batches
 

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "dflash_common": set(),
     "dflash_teacher": {"dflash_common"},
-    "dflash_cache": {"dflash_teacher", "dflash_common"},
-    "dflash_regenerate": {"dflash_cache", "dflash_teacher", "dflash_common"},
+    "dflash_corpus": {"dflash_common"},
+    "dflash_cache": {"dflash_corpus", "dflash_teacher", "dflash_common"},
+    "dflash_regenerate": {"dflash_corpus", "dflash_teacher", "dflash_common"},
     "dflash_train": {"dflash_cache", "dflash_teacher", "dflash_common"},
-    "cli": {"dflash_train", "dflash_regenerate", "dflash_cache", "dflash_teacher", "dflash_common"},
+    "cli": {"dflash_train", "dflash_regenerate", "dflash_cache", "dflash_corpus", "dflash_teacher", "dflash_common"},
 }
 
 
@@ -69,7 +70,7 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 # (and print --help) without loading torch.
 # A settings folder, and the config modules outside it that its settings may import.
 SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": (),
-            "dflash_teacher/settings": ()}
+            "dflash_teacher/settings": (), "dflash_corpus/settings": ()}
 HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
 
 

@@ -25,20 +25,20 @@ from dflash_cache.build.resume import Resume, complete_rank, open_output
 from dflash_cache.build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
 from dflash_cache.build.shard_queue import ShardQueue, write_committed
 from dflash_cache.build.teacher_pass import BuildStats, TeacherPass
-from dflash_cache.corpus import (
-    CorpusConfig,
-    corpus_fingerprint,
-    iter_rows,
-    list_corpus_files,
-    require_rows,
-    tokenize_row,
-)
+from dflash_cache.build.tokens import tokenize_row
 from dflash_cache.settings.build_config import BuildConfig
 from dflash_cache.writer import write_teacher_files
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.vllm_env import find_vllm_python
+from dflash_corpus import (
+    CorpusConfig,
+    corpus_fingerprint,
+    iter_rows,
+    list_corpus_files,
+    require_rows,
+)
 from dflash_teacher.tapped_layers import resolve_layers
 from dflash_teacher.teacher import (
     Teacher,
