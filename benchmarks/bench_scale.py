@@ -46,9 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_build.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
+from dflash_build.shard_queue import Committed  # noqa: E402
 from dflash_cache import format as fmt  # noqa: E402
-from dflash_cache.build.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
-from dflash_cache.build.shard_queue import Committed  # noqa: E402
 from dflash_cache.format import index as cache_index  # noqa: E402
 from dflash_cache.format.token_tables import ipc_bytes  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402

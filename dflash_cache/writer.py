@@ -1,5 +1,5 @@
 """Writes one finished shard (``write_shard`` of a ``ShardData``) whole and commits it atomically,
-and writes the teacher's frozen pieces once. The build (``dflash_cache.build``) cuts the shards,
+and writes the teacher's frozen pieces once. The build (``dflash_build``) cuts the shards,
 runs the teacher on them and hands each finished one here, on its writer thread.
 
 A shard is written under a temporary name and renamed into place (local file systems), and only

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError, ConfigError
 from dflash_corpus import CorpusConfig
@@ -147,7 +147,7 @@ def test_shards_in_flight_change_nothing_but_the_order_of_work(tmp_path, teacher
     """An engine in another process (vLLM: 2) gets the next shards before the build takes a
     shard's outputs; the shards, their cut and their bytes are those of one shard at a time, and
     they commit in order."""
-    from dflash_cache.build.teacher_pass import TeacherPass
+    from dflash_build.teacher_pass import TeacherPass
     from dflash_teacher.teacher import Teacher
 
     teacher = teacher_dir("qwen3")
@@ -370,8 +370,8 @@ def test_device_map_loading_gives_the_same_cache(tmp_path, teacher_dir):
 def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypatch):
     """A single-process build rewrites manifest.json after each commit only while it is small;
     beyond that, only when the rewrites stay under ~1% of the time. The final write lists all."""
+    from dflash_build import commit
     from dflash_cache import format as fmt
-    from dflash_cache.build import commit
 
     assert commit.manifest_due(999, 0.0, 10.0) and not commit.manifest_due(1000, 99.0, 1.0)
     assert commit.manifest_due(10**5, 100.0, 1.0) and commit.manifest_due(10**5, 0.5, 0.004)
@@ -402,8 +402,8 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     into place between this rank's checks is not mistaken for one (a torchrun start-up race)."""
     from fsspec.implementations.local import LocalFileSystem
 
+    from dflash_build import output
     from dflash_cache import format as fmt
-    from dflash_cache.build import output
 
     header = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
     foreign = tmp_path / "foreign"
@@ -494,7 +494,7 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
     outputs are not the reference teacher's stops with one line."""
     from types import SimpleNamespace
 
-    from dflash_cache.build.cross_check import CrossCheck
+    from dflash_build.cross_check import CrossCheck
     from dflash_common.errors import TeacherError
     from dflash_teacher.teacher import load_teacher
 
@@ -530,7 +530,7 @@ def test_cross_check_fails_a_tap_off_by_one_layer_among_massive_activations(teac
     position fails it, while the same states rounded to bf16 (an engine's honest difference) pass."""
     from types import SimpleNamespace
 
-    from dflash_cache.build.cross_check import CrossCheck, sequence_differences
+    from dflash_build.cross_check import CrossCheck, sequence_differences
     from dflash_common.errors import TeacherError
     from dflash_teacher.teacher import load_teacher
 

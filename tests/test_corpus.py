@@ -1,4 +1,4 @@
-"""Corpus reading (dflash_corpus), a row's tokens and loss mask (dflash_cache.build.tokens) and the shared test helpers."""
+"""Corpus reading (dflash_corpus), a row's tokens and loss mask (dflash_build.tokens) and the shared test helpers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import xxhash
 from helpers import english_like_sentences, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.build.tokens import TokenizedSequence, assistant_char_spans, token_mask_from_spans, tokenize_row
+from dflash_build.tokens import TokenizedSequence, assistant_char_spans, token_mask_from_spans, tokenize_row
 from dflash_common.errors import BadRowError, ConfigError, DFlashError
 from dflash_corpus import (
     CorpusConfig,

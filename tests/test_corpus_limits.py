@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 import dflash_corpus as corpus
 from cli.cache import app
+from dflash_build.tokens import TokenizedSequence, tokenize_row
 from dflash_cache import open_cache
-from dflash_cache.build.tokens import TokenizedSequence, tokenize_row
 from dflash_common.errors import BadRowError
 from dflash_corpus import (
     CorpusConfig,

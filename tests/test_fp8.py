@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.format import fp8
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.verify import scale_problems

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from dflash_cache.build import BuildConfig, build_cache
+from dflash_build import BuildConfig, build_cache
 from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig

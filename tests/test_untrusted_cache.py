@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
 from dflash_cache.format import integrity
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_build.commit import ManifestKeeper
+from dflash_build.shard_queue import Committed
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build.commit import ManifestKeeper
-from dflash_cache.build.shard_queue import Committed
 from dflash_cache.verify import MAX_NAMED, verify_cache
 from dflash_cache.writer import ShardData, StorageConfig, sequences_table, write_shard
 from dflash_common.errors import CacheError

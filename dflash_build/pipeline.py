@@ -18,15 +18,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 
+from dflash_build.cross_check import CrossCheck
+from dflash_build.output import existing_manifest, lock_name, prepare_output
+from dflash_build.resume import Resume, complete_rank, open_output
+from dflash_build.settings.build_config import BuildConfig
+from dflash_build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
+from dflash_build.shard_queue import ShardQueue, write_committed
+from dflash_build.teacher_pass import BuildStats, TeacherPass
+from dflash_build.tokens import tokenize_row
 from dflash_cache import format as fmt
-from dflash_cache.build.cross_check import CrossCheck
-from dflash_cache.build.output import existing_manifest, lock_name, prepare_output
-from dflash_cache.build.resume import Resume, complete_rank, open_output
-from dflash_cache.build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
-from dflash_cache.build.shard_queue import ShardQueue, write_committed
-from dflash_cache.build.teacher_pass import BuildStats, TeacherPass
-from dflash_cache.build.tokens import tokenize_row
-from dflash_cache.settings.build_config import BuildConfig
 from dflash_cache.writer import write_teacher_files
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.files import one_writer

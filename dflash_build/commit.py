@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from dflash_build.cross_check import merge_records
 from dflash_cache import format as fmt
-from dflash_cache.build.cross_check import merge_records
 from dflash_cache.format import index
 from dflash_cache.format.store import CacheStore
 from dflash_common.errors import CacheError

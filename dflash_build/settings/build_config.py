@@ -1,4 +1,4 @@
-"""Everything `dflash-cache build` is given (dflash_cache.build runs it)."""
+"""Everything `dflash-cache build` is given (dflash_build runs it)."""
 
 from __future__ import annotations
 

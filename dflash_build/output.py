@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
+from dflash_build.commit import RANKS_DIR
 from dflash_cache import format as fmt
-from dflash_cache.build.commit import RANKS_DIR
 from dflash_common.errors import CacheError
 from dflash_common.resume_check import first_difference
 

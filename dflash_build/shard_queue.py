@@ -18,9 +18,9 @@ from typing import Callable
 
 import pyarrow as pa
 
+from dflash_build.shard_cut import PendingShard
+from dflash_build.teacher_pass import TeacherPass
 from dflash_cache import format as fmt
-from dflash_cache.build.shard_cut import PendingShard
-from dflash_cache.build.teacher_pass import TeacherPass
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, sequences_table, write_shard
 from dflash_common.errors import CacheError, DiskFullError

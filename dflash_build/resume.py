@@ -12,8 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from dflash_cache import format as fmt
-from dflash_cache.build.commit import (
+from dflash_build.commit import (
     RANKS_DIR,
     ManifestKeeper,
     committed_ids,
@@ -22,7 +21,8 @@ from dflash_cache.build.commit import (
     finalize_cache,
     rank_marker,
 )
-from dflash_cache.build.output import is_manifest_leftover
+from dflash_build.output import is_manifest_leftover
+from dflash_cache import format as fmt
 from dflash_cache.writer import work_folder
 from dflash_common.errors import CacheError, DiskFullError
 from dflash_common.files import is_disk_full
