@@ -46,7 +46,7 @@ class Cache:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.store = CacheStore.open(url, storage_options)
         self.url, self.fs, self.root = url, self.store.fs, self.store.root
-        self.manifest = fmt.read_manifest(self.fs, self.root, url)
+        self.manifest = fmt.read_manifest(self.store)
         self.version: int = int(self.manifest["format_version"])
         self.layout = fmt.layout_for(self.version)
         self.spec = ArraySpec.of(self.manifest)

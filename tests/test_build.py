@@ -118,9 +118,9 @@ def test_bfloat16_storage_is_lossless(tmp_path):
                       lengths=np.array([30, 7], np.int32), truncated=np.zeros(2, bool),
                       input_ids=np.arange(37, dtype=np.int32), loss_mask=np.ones(37, np.uint8), hidden=bits,
                       topk_ids=np.zeros((37, 3), np.int32), topk_logprobs=np.zeros((37, 3), np.float32))
-    fs, root = fmt.url_to_fs(str(tmp_path))
-    record = write_shard(fs, root, shard, StorageConfig(chunk_bytes=256), "bfloat16")
-    fmt.write_manifest(fs, root, fmt.manifest_header([0, 1], 16, "bfloat16", 3), [record], complete=False)
+    store = fmt.CacheStore.open(str(tmp_path))
+    record = write_shard(store, shard, StorageConfig(chunk_bytes=256), "bfloat16")
+    fmt.write_manifest(store, fmt.manifest_header([0, 1], 16, "bfloat16", 3), [record], complete=False)
     cache = open_cache(str(tmp_path))
     read = np.concatenate([np.asarray(cache[i].hidden) for i in ("a", "b")])
     assert read.dtype.name == "bfloat16"
@@ -377,8 +377,7 @@ def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypat
     assert commit.manifest_due(10**5, 100.0, 1.0) and commit.manifest_due(10**5, 0.5, 0.004)
 
     monkeypatch.setattr(commit, "LIVE_MANIFEST_SHARDS", 3)
-    fs, root = fmt.url_to_fs(str(tmp_path))
-    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
+    keeper = commit.ManifestKeeper(fmt.CacheStore.open(str(tmp_path)), {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
 
     def shard(i: int) -> dict:
         return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
@@ -409,9 +408,8 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not a cache")
-    fs, root = fmt.url_to_fs(str(foreign))
     with pytest.raises(CacheError, match="non-empty folder without a dflash manifest"):
-        output.prepare_output(fs, root, str(foreign), header, overwrite=False)
+        output.prepare_output(fmt.CacheStore.open(str(foreign)), header, overwrite=False)
 
     class OtherRankWritesFirst(LocalFileSystem):
         """The real local filesystem; the first look for the manifest misses the rank that is
@@ -430,7 +428,7 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     racing = tmp_path / "racing"
     racing.mkdir()
     fs = OtherRankWritesFirst(skip_instance_cache=True)
-    output.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
+    output.prepare_output(fmt.CacheStore(fs, str(racing), str(racing)), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()
 
 

@@ -370,3 +370,34 @@ def test_the_shadow_check_sees_one(tmp_path):
     (tmp_path / "dflash_train" / "measuring" / "statistics.py").write_text("")
     assert stdlib_name_problems(tmp_path) == [
         "dflash_train/measuring/statistics.py takes the name of the standard module statistics"]
+
+
+# The write side reaches storage through the store, as the read side does: no function outside
+# dflash_cache/format/store.py takes a file system and a root (or a URL) loose; it takes a CacheStore.
+LOOSE_STORAGE = ({"fs", "root"}, {"fs", "url"})
+
+
+def loose_storage_problems(root: Path) -> list[str]:
+    found = []
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.relative_to(root).as_posix() == "dflash_cache/format/store.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names = {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+                    if any(pair <= names for pair in LOOSE_STORAGE):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} takes fs and a root: take a CacheStore")
+    return found
+
+
+def test_no_function_outside_the_store_takes_a_file_system_and_a_root():
+    assert loose_storage_problems(ROOT) == []
+
+
+def test_the_storage_check_sees_a_loose_file_system(tmp_path):
+    (tmp_path / "dflash_build").mkdir()
+    (tmp_path / "dflash_build" / "bad.py").write_text("def write(fs, root, data):\n    pass\n\n\ndef fine(store, data):\n    pass\n")
+    (tmp_path / "dflash_cache" / "format").mkdir(parents=True)
+    (tmp_path / "dflash_cache" / "format" / "store.py").write_text("def regular_file(fs, root, path, url):\n    pass\n")
+    assert loose_storage_problems(tmp_path) == ["dflash_build/bad.py:1 write takes fs and a root: take a CacheStore"]

@@ -52,9 +52,9 @@ def long_shard() -> ShardData:
 
 
 def write_cache(out: Path, shard: ShardData) -> None:
-    fs, root = fmt.url_to_fs(str(out))
-    record = write_shard(fs, root, shard, StorageConfig(), "bfloat16", layer_ids=LAYERS)
-    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), [record], complete=True)
+    store = fmt.CacheStore.open(str(out))
+    record = write_shard(store, shard, StorageConfig(), "bfloat16", layer_ids=LAYERS)
+    fmt.write_manifest(store, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), [record], complete=True)
 
 
 # The child: each path's growth of the kernel's peak resident size (VmHWM, reset through
