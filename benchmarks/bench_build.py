@@ -34,10 +34,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from dflash_build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
+from dflash_corpus import CorpusConfig  # noqa: E402
 from dflash_teacher.settings.vllm_args import VllmArgs  # noqa: E402
 from dflash_teacher.teacher import Teacher, TeacherConfig  # noqa: E402
 from dflash_teacher.vllm_engine import VllmTeacher, load_vllm_teacher  # noqa: E402

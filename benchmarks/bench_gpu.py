@@ -229,7 +229,7 @@ def write_synthetic_cache(s: Sizes, root: Path, seed: int = 0) -> tuple[str, flo
     # gigabytes of normals would take longer than the benchmark)
     pool = rng.standard_normal((4 * s.seq_len, len(s.tapped), s.hidden), dtype=np.float32)
     pool = pool.astype(ml_dtypes.bfloat16).view(np.uint16)
-    fs = fmt.url_to_fs(str(root))[0]
+    store = fmt.CacheStore.open(str(root))
     records, payload = [], 0
     for index, first in enumerate(range(0, num_seqs, per_shard)):
         count = min(per_shard, num_seqs - first)
@@ -246,9 +246,9 @@ def write_synthetic_cache(s: Sizes, root: Path, seed: int = 0) -> tuple[str, flo
             input_ids=rng.integers(0, s.vocab, n, dtype=np.int32), loss_mask=loss_mask, hidden=hidden,
             topk_ids=topk_ids.astype(np.int32),
             topk_logprobs=-np.cumsum(rng.exponential(0.3, (n, s.top_k)), axis=1).astype(np.float32) - 0.1)
-        records.append(write_shard(fs, str(root), shard, storage, "bfloat16"))
+        records.append(write_shard(store, shard, storage, "bfloat16"))
         payload += hidden.nbytes + n * fmt.token_bytes_per_token(s.top_k)
-    fmt.write_manifest(fs, str(root), fmt.manifest_header(s.tapped, s.hidden, "bfloat16", s.top_k), records, complete=True)
+    fmt.write_manifest(store, fmt.manifest_header(s.tapped, s.hidden, "bfloat16", s.top_k), records, complete=True)
     return str(root), payload / 1e9
 
 

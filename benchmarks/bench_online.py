@@ -40,13 +40,13 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from dflash_build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.reader import SequenceRecord  # noqa: E402
 from dflash_cache.settings.storage_config import StorageConfig  # noqa: E402
 from dflash_common.devices import resolve_device  # noqa: E402
+from dflash_corpus import CorpusConfig  # noqa: E402
 from dflash_teacher.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.settings.data_config import DataConfig  # noqa: E402
 from dflash_train.settings.model_config import ModelConfig  # noqa: E402

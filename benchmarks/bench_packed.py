@@ -78,7 +78,8 @@ def corpus_lengths(data: str, tokenizer_dir: str) -> np.ndarray:
     """Token counts of a corpus's sequences as `dflash-cache build` tokenizes them (no teacher run)."""
     from transformers import AutoTokenizer
 
-    from dflash_cache.corpus import CorpusConfig, iter_rows, tokenize_row
+    from dflash_build.tokens import tokenize_row
+    from dflash_corpus import CorpusConfig, iter_rows
 
     cfg = CorpusConfig(data=data)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -46,9 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_build.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
+from dflash_build.shard_queue import Committed  # noqa: E402
 from dflash_cache import format as fmt  # noqa: E402
-from dflash_cache.build.commit import RANKS_DIR, ManifestKeeper, finalize_cache, rank_marker  # noqa: E402
-from dflash_cache.build.shard_queue import Committed  # noqa: E402
 from dflash_cache.format import index as cache_index  # noqa: E402
 from dflash_cache.format.token_tables import ipc_bytes  # noqa: E402
 from dflash_cache.reader import open_cache  # noqa: E402
@@ -312,21 +312,22 @@ def write_cache(root: str, shards: int, version: int, written: int) -> float:
     finalized); returns the seconds it took. The first ``written`` shards of each rank go through
     the real writer (``write_shard``); the rest are replicas of them (``_replicate``); every shard
     is committed through the rank's real ``ManifestKeeper`` (format 2: its index part)."""
-    fs, root = fmt.url_to_fs(root)
+    store = fmt.CacheStore.open(root)
+    root = store.root
     header = fmt.manifest_header(list(range(LAYERS)), HIDDEN, "bfloat16", TOP_K, format_version=version,
                                  content_options={"world_size": WORLD})
     storage = StorageConfig()
     rng = np.random.default_rng(0)
-    fs.makedirs(root, exist_ok=True)
+    store.makedirs(root)
     start = time.perf_counter()
     for rank in range(WORLD):
-        keeper = ManifestKeeper(fs, root, dict(header), [], live=False, rank=rank)
+        keeper = ManifestKeeper(store, dict(header), [], live=False, rank=rank)
         count = shards // WORLD + (rank < shards % WORLD)
         templates = []
         for index in range(count):
             if index < written:
                 shard = synthetic_shard(rank, index, index, rng)
-                record = write_shard(fs, root, shard, storage, "bfloat16", version, list(range(LAYERS)))
+                record = write_shard(store, shard, storage, "bfloat16", version, list(range(LAYERS)))
                 templates.append((record, shard))
                 table = sequences_table(shard)
             else:
@@ -342,9 +343,9 @@ def write_cache(root: str, shards: int, version: int, written: int) -> float:
                 keeper.sequences.append(cache_index.sequence_rows(table, index))
         if version != 1:
             keeper.checkpoint()
-        fs.makedirs(fmt.join(root, RANKS_DIR), exist_ok=True)
-        fmt.write_json_atomic(fs, rank_marker(root, rank), {"rank": rank, "seconds": 0.0, "tokens": count * SEQ_LEN,
-                                                            "padding_fraction": 0.0})
+        store.makedirs(store.path(RANKS_DIR))
+        store.write_json_atomic(rank_marker(root, rank), {"rank": rank, "seconds": 0.0, "tokens": count * SEQ_LEN,
+                                                          "padding_fraction": 0.0})
     return time.perf_counter() - start
 
 

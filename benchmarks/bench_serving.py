@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.corpus import CorpusConfig  # noqa: E402
+from dflash_build import BuildConfig, build_cache  # noqa: E402
+from dflash_corpus import CorpusConfig  # noqa: E402
 from dflash_teacher.chat_template import stop_token_ids  # noqa: E402
 from dflash_teacher.teacher import TeacherConfig, load_teacher  # noqa: E402
 from dflash_train.measuring.decode_report import read_prompts  # noqa: E402

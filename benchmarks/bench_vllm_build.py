@@ -42,12 +42,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bench_build import wide_teacher  # noqa: E402  (same folder)
 
+from dflash_build import BuildConfig, build_cache  # noqa: E402
 from dflash_cache import format as fmt  # noqa: E402
 from dflash_cache import open_cache  # noqa: E402
-from dflash_cache.build import BuildConfig, build_cache  # noqa: E402
-from dflash_cache.corpus import CorpusConfig  # noqa: E402
 from dflash_cache.writer import StorageConfig  # noqa: E402
 from dflash_common.vllm_env import find_vllm_python  # noqa: E402
+from dflash_corpus import CorpusConfig  # noqa: E402
 from dflash_teacher.settings.vllm_args import VllmArgs  # noqa: E402
 from dflash_teacher.teacher import TeacherConfig, load_config  # noqa: E402
 from dflash_teacher.vllm_engine import engine_setup, worker_environment  # noqa: E402

@@ -141,10 +141,10 @@ def touch(a: np.ndarray) -> int:
 
 
 def write_cache(shards, out: Path, sync: bool, compression: str, version: int = fmt.FORMAT_VERSION) -> None:
-    fs, root = fmt.url_to_fs(str(out))
+    store = fmt.CacheStore.open(str(out))
     storage = StorageConfig(compression=compression)
     for shard in shards:
-        write_shard(fs, root, shard, storage, "bfloat16", version=version)  # includes its fsynced commit record
+        write_shard(store, shard, storage, "bfloat16", version=version)  # includes its fsynced commit record
         if sync:  # the writer fsyncs only its record; syncing the data is what a durable commit costs
             fsync_tree(Path(fmt.shard_path(str(out), shard.name, version)))
 
@@ -185,12 +185,12 @@ def write_torch(items, out: Path, sync: bool) -> None:
 
 def write_manifest(shards_dir_root: Path, version: int = fmt.FORMAT_VERSION) -> None:
     """The minimal manifest open_cache needs (build.py writes the full one; not timed)."""
-    fs, root = fmt.url_to_fs(str(shards_dir_root))
+    store = fmt.CacheStore.open(str(shards_dir_root))
     # a commit record sits next to its shard folder: shards/<name>.json (format 1) or
     # shards/r<rank>/<name>.json (format 2)
-    records = [fmt.read_json(fs, str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).rglob("shard-*.json"),
+    records = [store.read_json_unchecked(str(p)) for p in sorted((shards_dir_root / fmt.SHARDS_DIR).rglob("shard-*.json"),
                                                          key=lambda p: p.name)]
-    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K, format_version=version), records,
+    fmt.write_manifest(store, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K, format_version=version), records,
                        complete=True)
 
 
@@ -267,7 +267,8 @@ def patched(obj, name, value):
 
 
 def profile_write(shards, tmp: Path, compression: str) -> None:
-    fs, root = fmt.url_to_fs(str(tmp / f"profile-{compression}"))
+    store = fmt.CacheStore.open(str(tmp / f"profile-{compression}"))
+    fs = store.fs  # its calls are timed below (the store's methods call them)
     storage = StorageConfig(compression=compression)
     timer = PartTimer()
     parts = [
@@ -289,7 +290,7 @@ def profile_write(shards, tmp: Path, compression: str) -> None:
         for shard in shards:
             os.sync()
             t0 = time.perf_counter()
-            write_shard(fs, root, shard, storage, "bfloat16")
+            write_shard(store, shard, storage, "bfloat16")
             total += time.perf_counter() - t0
     payload = sum(len(s.input_ids) for s in shards) * PAYLOAD_BPT
     print(f"\nwrite_shard parts, compression={compression}, {len(shards)} shard(s), "
@@ -305,7 +306,7 @@ def profile_write(shards, tmp: Path, compression: str) -> None:
     os.sync()
     shard = shards[0]
     shard_copy = ShardData(**{**shard.__dict__, "index": 10_000})
-    prof.runcall(write_shard, fs, root, shard_copy, storage, "bfloat16")
+    prof.runcall(write_shard, store, shard_copy, storage, "bfloat16")
     print("\ncProfile of one write_shard (top 8 by own time, caller thread only):")
     pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(8)
 
@@ -313,12 +314,12 @@ def profile_write(shards, tmp: Path, compression: str) -> None:
 def profile_fsync(shard: ShardData, tmp: Path) -> None:
     """What making one shard's data durable would cost: its files fsynced one by one or on 8
     threads, against one fsync of a single raw file of the same bytes."""
-    fs, root = fmt.url_to_fs(str(tmp / "profile-fsync"))
+    store = fmt.CacheStore.open(str(tmp / "profile-fsync"))
     results = []
     for index, threads in ((20_000, 1), (20_001, 8)):
         os.sync()
-        record = write_shard(fs, root, ShardData(**{**shard.__dict__, "index": index}), StorageConfig(), "bfloat16")
-        files = [p for p in Path(fmt.shard_path(root, record["name"], fmt.FORMAT_VERSION)).rglob("*") if p.is_file()]
+        record = write_shard(store, ShardData(**{**shard.__dict__, "index": index}), StorageConfig(), "bfloat16")
+        files = [p for p in Path(fmt.shard_path(store.root, record["name"], fmt.FORMAT_VERSION)).rglob("*") if p.is_file()]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(fsync_path, files))
@@ -414,10 +415,10 @@ def long_write_child(mode: str, folder: Path, tokens: int) -> dict:
     the baseline). The data is made first, outside the measured block."""
     shard = long_shard(tokens)
     out = folder / f"{mode}-{os.getpid()}"
-    fs, root = fmt.url_to_fs(str(out))
+    store = fmt.CacheStore.open(str(out))
     with PeakMemory() as peak:
         if mode == "writer":
-            write_shard(fs, root, shard, StorageConfig(), "bfloat16")
+            write_shard(store, shard, StorageConfig(), "bfloat16")
         else:
             write_raw([shard], out, sync=True)
     result = peak.result(bytes=int(shard.hidden.nbytes))

@@ -64,7 +64,7 @@ def direct_forward(sequences: list[np.ndarray], dev: torch.device, top_k: int) -
 def compare(records, reference: list[dict]) -> dict:
     """The largest per-layer relative norm of the built states and the largest top-1 log-prob
     difference where both name the same top-1 token."""
-    from dflash_cache.build.cross_check import sequence_differences
+    from dflash_build.cross_check import sequence_differences
 
     hidden = logprob = 0.0
     agree = total = 0

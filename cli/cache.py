@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from cli.common import BarProgress, Debug, Quiet, StorageOptions, knob_options, run
-from dflash_cache.settings.build_config import build_knobs
+from dflash_build.settings.build_config import build_knobs
 from dflash_common.errors import ConfigError, shown
 from dflash_common.knobs import make_config, nested_values
 from dflash_common.redact import server_secrets
@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _build_config(knob_values: dict):
     """The BuildConfig of the options given (the fields' defaults for the rest); the rank from torchrun's environment."""
-    from dflash_cache.settings.build_config import BuildConfig
+    from dflash_build.settings.build_config import BuildConfig
     from dflash_common.environment import rank_and_world
 
     rank, world_size = rank_and_world()
@@ -40,7 +40,7 @@ def build(
     progress = BarProgress(enabled=not quiet)
 
     def action():
-        from dflash_cache.build import build_cache, estimate
+        from dflash_build import build_cache, estimate
 
         cfg = _build_config(knob_values)
         if dry_run:
@@ -69,7 +69,7 @@ def finalize(
     """Merge the ranks' shard records into the final manifest (for ranks run as independent jobs)."""
 
     def action():
-        from dflash_cache.build import finalize_cache
+        from dflash_build import finalize_cache
 
         m = finalize_cache(url, json_option(storage_options, "--storage-options"))
         typer.echo(f"finalized {url}: {m['totals']['shards']} shard(s), {m['totals']['sequences']:,} sequences")
@@ -186,7 +186,7 @@ def verify(
             typer.echo(line, err=True)
         deep_report = None
         if deep:
-            from dflash_cache.deep_verify import deep_verify, mismatch_lines
+            from dflash_build.deep_verify import deep_verify, mismatch_lines
 
             deep_report = deep_verify(cache, sample, teacher, progress=BarProgress(enabled=not quiet),
                                       skip=set(report.bad_shards), **({"device": device} if device else {}))

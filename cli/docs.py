@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dflash_cache.settings.build_config import build_knobs
+from dflash_build.settings.build_config import build_knobs
 from dflash_common.knobs import readme_table, with_table
 from dflash_regenerate.settings.regenerate_config import regenerate_knobs
 from dflash_train.options import train_knobs

@@ -35,7 +35,7 @@ from dflash_cache.read_ahead import ReadAhead
 from dflash_cache.shard import SequenceRecord, Shard
 from dflash_common.errors import CacheError, ConfigError, quoted
 from dflash_common.settings_files import load_settings_file
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
+from dflash_common.template_kwargs import check_template_kwargs
 
 __all__ = ["Cache", "SequenceRecord", "Shard", "open_cache"]
 
@@ -46,7 +46,7 @@ class Cache:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.store = CacheStore.open(url, storage_options)
         self.url, self.fs, self.root = url, self.store.fs, self.store.root
-        self.manifest = fmt.read_manifest(self.fs, self.root, url)
+        self.manifest = fmt.read_manifest(self.store)
         self.version: int = int(self.manifest["format_version"])
         self.layout = fmt.layout_for(self.version)
         self.spec = ArraySpec.of(self.manifest)

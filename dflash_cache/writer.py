@@ -1,5 +1,5 @@
 """Writes one finished shard (``write_shard`` of a ``ShardData``) whole and commits it atomically,
-and writes the teacher's frozen pieces once. The build (``dflash_cache.build``) cuts the shards,
+and writes the teacher's frozen pieces once. The build (``dflash_build``) cuts the shards,
 runs the teacher on them and hands each finished one here, on its writer thread.
 
 A shard is written under a temporary name and renamed into place (local file systems), and only
@@ -25,6 +25,7 @@ from dflash_cache import health
 from dflash_cache.format import hidden
 from dflash_cache.format import token_tables as tokens
 from dflash_cache.format.record import commit_record
+from dflash_cache.format.store import CacheStore
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.faults import maybe_fault
 from dflash_common.files import fsync_tree
@@ -75,17 +76,18 @@ def _hidden_shape(shard: ShardData) -> tuple[int, int, int]:
     return shard.hidden.shape if shard.hidden.ndim == 3 else (0, 0, 0)
 
 
-def _move_into_place(fs, work_dir: str, final_dir: str) -> None:
-    """Make the shard's files final: durable and renamed (local), or visible to ``fs`` (stores)."""
-    if fmt.is_local(fs):
+def _move_into_place(store: CacheStore, work_dir: str, final_dir: str) -> None:
+    """Make the shard's files final: durable and renamed (local), or visible to the store's file
+    system (object stores)."""
+    if store.local:
         # Page-cache data is lost on a power cut: the commit record must never outlive the data it
         # commits, so make the data durable before the rename and the record.
         fsync_tree(work_dir)
-        if fs.exists(final_dir):  # left by a crash between rename and record: never committed
-            fs.rm(final_dir, recursive=True)
-        fs.mv(work_dir, final_dir, recursive=True)
+        if store.exists(final_dir):  # left by a crash between rename and record: never committed
+            store.rm(final_dir, recursive=True)
+        store.mv(work_dir, final_dir, recursive=True)
     else:
-        fs.invalidate_cache(final_dir)  # the Zarr objects went through the async twin, unseen by fs
+        store.forget(final_dir)  # the Zarr objects went through the async twin, unseen by the store's fs
 
 
 def work_folder(root: str, rank: int) -> str:
@@ -116,7 +118,7 @@ class _Clock:
             self.last = now
 
 
-def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_dtype: str,
+def write_shard(store: CacheStore, shard: ShardData, storage: StorageConfig, hidden_dtype: str,
                 version: int = fmt.FORMAT_VERSION, layer_ids: list[int] | None = None,
                 seconds: Counter | None = None) -> dict:
     """Write one shard whole and commit it (the layout of format ``version``); returns its commit
@@ -126,49 +128,49 @@ def write_shard(fs, root: str, shard: ShardData, storage: StorageConfig, hidden_
     clock = _Clock(seconds)
     capture = capture_health(shard, hidden_dtype, layer_ids) if shard.hidden.ndim == 3 else None
     clock.lap("health")
-    final_dir = layout.shard_path(root, name)
-    work_dir = layout.work_dir(root, name, shard.rank) if fmt.is_local(fs) else final_dir
-    fs.makedirs(work_dir, exist_ok=True)
+    final_dir = layout.shard_path(store.root, name)
+    work_dir = layout.work_dir(store.root, name, shard.rank) if store.local else final_dir
+    store.makedirs(work_dir)
 
     stored, attributes, exponents = hidden.encode_hidden(shard.hidden, hidden_dtype, storage.hidden_format)
-    hidden_checksum, chunk_tokens = layout.write_hidden(fs, fmt.join(work_dir, fmt.HIDDEN), stored, attributes, storage,
+    hidden_checksum, chunk_tokens = layout.write_hidden(store, fmt.join(work_dir, fmt.HIDDEN), stored, attributes, storage,
                                                         len(layer_ids or ()))
     clock.lap("hidden")
     tokens_bytes = tokens.ipc_bytes(tokens.encode_tokens(shard.input_ids, shard.loss_mask, shard.topk_ids,
                                                          shard.topk_logprobs, exponents))
     sequences_bytes = tokens.ipc_bytes(sequences_table(shard))
-    fs.pipe_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
-    fs.pipe_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
+    store.write_file(fmt.join(work_dir, fmt.TOKENS), tokens_bytes)
+    store.write_file(fmt.join(work_dir, fmt.SEQUENCES), sequences_bytes)
     clock.lap("tables")
-    _move_into_place(fs, work_dir, final_dir)
+    _move_into_place(store, work_dir, final_dir)
 
     checksums = {"hidden": hidden_checksum, fmt.TOKENS: fmt.checksum(tokens_bytes), fmt.SEQUENCES: fmt.checksum(sequences_bytes)}
-    record = commit_record(fs, final_dir, name, shard.rank, shard.index, (shard.row_start, shard.row_end), len(shard.ids),
+    record = commit_record(store, final_dir, name, shard.rank, shard.index, (shard.row_start, shard.row_end), len(shard.ids),
                            int(shard.loss_mask.sum()), _hidden_shape(shard), chunk_tokens, checksums, shard.skipped, capture)
     maybe_fault("after_shard_files")
-    fmt.write_json_atomic(fs, f"{final_dir}.json", record)
+    store.write_json_atomic(f"{final_dir}.json", record)
     maybe_fault("after_commit_record")
     clock.lap("commit")
     return record
 
 
-def write_teacher_files(fs, root: str, model, tokenizer) -> dict:
+def write_teacher_files(store: CacheStore, model, tokenizer) -> dict:
     """Save what stage 2 needs of the teacher, once: embeddings, LM head, config, tokenizer.
     Returns the head's record for the manifest (fmt.teacher_head_record)."""
-    teacher_dir = fmt.join(root, fmt.TEACHER_DIR)
+    teacher_dir = store.path(fmt.TEACHER_DIR)
     head = {
         # clones: safetensors refuses tensors that share memory (teachers with tied embeddings)
         "embed_tokens.weight": model.get_input_embeddings().weight.detach().cpu().clone(),
         "lm_head.weight": model.get_output_embeddings().weight.detach().cpu().clone(),
     }
-    fs.makedirs(teacher_dir, exist_ok=True)
+    store.makedirs(teacher_dir)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         model.config.to_json_file(str(Path(tmp) / "config.json"))
         for path in sorted(Path(tmp).iterdir()):
             if path.is_file():
-                fs.pipe_file(fmt.join(teacher_dir, path.name), path.read_bytes())
+                store.write_file(fmt.join(teacher_dir, path.name), path.read_bytes())
     # The head is written last: its presence marks the teacher folder complete.
     data = safetensors.torch.save(head)
-    fmt.write_bytes_atomic(fs, fmt.join(teacher_dir, fmt.TEACHER_HEAD), data)
+    store.write_bytes_atomic(fmt.join(teacher_dir, fmt.TEACHER_HEAD), data)
     return fmt.teacher_head_record(data)

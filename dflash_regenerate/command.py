@@ -9,16 +9,16 @@ import time
 from collections.abc import Iterable
 from itertools import groupby
 
-from dflash_cache.corpus import (
+from dflash_common.errors import ConfigError
+from dflash_common.files import foreign_entries, holds, one_writer, refuse_links, remove_file, write_file_atomic
+from dflash_common.progress import Progress
+from dflash_corpus import (
     CorpusConfig,
     corpus_fingerprint,
     iter_rows,
     list_corpus_files,
     require_rows,
 )
-from dflash_common.errors import ConfigError
-from dflash_common.files import foreign_entries, holds, one_writer, refuse_links, remove_file, write_file_atomic
-from dflash_common.progress import Progress
 from dflash_regenerate.generation import ServerGenerator, TeacherGenerator, load_generator, load_server_generator, regenerate_rows
 from dflash_regenerate.outputs import (
     LOCK_ENTRY,

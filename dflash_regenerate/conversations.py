@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash_cache.corpus import (
+from dflash_common.errors import BadRowError
+from dflash_corpus import (
     CorpusRow,
     parse_messages,
     row_id,
 )
-from dflash_common.errors import BadRowError
 from dflash_regenerate.part_plan import plan_turns
 
 

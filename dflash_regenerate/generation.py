@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_cache.corpus import CorpusRow
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.redact import display_url
+from dflash_corpus import CorpusRow
 from dflash_regenerate.chat_server import ChatServers, Completion, RequestRefused
 from dflash_regenerate.conversations import Conversation, conversation_or_problem
 from dflash_regenerate.part_plan import sample_seed

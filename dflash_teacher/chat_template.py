@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from dflash_common.errors import TeacherError
+from dflash_common.template_kwargs import check_template_kwargs
 from dflash_teacher.chat_sandbox import render_guarded
 from dflash_teacher.render_budget import Budget, template_text_budget
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 Render = Callable[[list[dict], bool], str]
 """A chat template as a function: (messages, add_generation_prompt) -> text."""
@@ -64,7 +64,7 @@ def template_variables(tokenizer, messages: list[dict], add_generation_prompt: b
     tools or documents): the special tokens, the kwargs, the messages with None-valued keys dropped
     and reasoning aliased, each rebuilt as plain data. The guarded render gets exactly these, so it
     renders what the real render will (kwargs transformers would take as its own parameters are
-    refused before, see dflash_teacher.settings.template_kwargs)."""
+    refused before, see dflash_common.template_kwargs)."""
     from transformers.utils import chat_template_utils as utils
 
     plain = getattr(utils, "_plain_template_data", lambda value: value)

@@ -32,7 +32,7 @@ def head_bytes(vocab: int, hidden: int, dtype_bytes: int) -> int:
 def tokens_per_generate(generate_tokens: int, shard_tokens: int, max_length: int) -> int:
     """The most tokens one generate carries: generate_tokens // shard_tokens whole shards (at
     least one), each ending with the sequence that brings it to shard_tokens, so each may exceed
-    it by up to max_length - 1 tokens (dflash_cache.build.shard_cut)."""
+    it by up to max_length - 1 tokens (dflash_build.shard_cut)."""
     shards = max(1, generate_tokens // shard_tokens)
     return shards * (shard_tokens + max_length - 1)
 

@@ -191,10 +191,10 @@ def heldout_prompts(spec: CacheSpec, settings: RecipeSettings) -> Path:
 
 def build(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> str:
     """The spec's cache under OUT/caches (resumed or reused when it exists)."""
+    from dflash_build import BuildConfig, build_cache
     from dflash_cache import open_cache
-    from dflash_cache.build import BuildConfig, build_cache
-    from dflash_cache.corpus import CorpusConfig
     from dflash_cache.settings.storage_config import StorageConfig
+    from dflash_corpus import CorpusConfig
     from dflash_teacher.teacher import TeacherConfig
 
     out = settings.out / "caches" / spec.name

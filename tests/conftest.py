@@ -67,9 +67,9 @@ def tiny_cache(tmp_path_factory, teacher_dir):
     tests cover). Overrides: `rows` (the corpus rows), `arch`, `dtype`, `layers`, `top_k`,
     `shard_bytes`, `chunk_bytes`, `compression`, `format_version`.
     Tests only read it; a test that damages or extends a cache copies it first."""
-    from dflash_cache.build import BuildConfig, build_cache
-    from dflash_cache.corpus import CorpusConfig
+    from dflash_build import BuildConfig, build_cache
     from dflash_cache.settings.storage_config import StorageConfig
+    from dflash_corpus import CorpusConfig
     from dflash_teacher.teacher import TeacherConfig
 
     built: dict[str, str] = {}

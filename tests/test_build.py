@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError, ConfigError
+from dflash_corpus import CorpusConfig
 from dflash_teacher.tapped_layers import default_layer_ids
 from dflash_teacher.teacher import TeacherConfig, padding_fraction, plan_batches
 
@@ -118,9 +118,9 @@ def test_bfloat16_storage_is_lossless(tmp_path):
                       lengths=np.array([30, 7], np.int32), truncated=np.zeros(2, bool),
                       input_ids=np.arange(37, dtype=np.int32), loss_mask=np.ones(37, np.uint8), hidden=bits,
                       topk_ids=np.zeros((37, 3), np.int32), topk_logprobs=np.zeros((37, 3), np.float32))
-    fs, root = fmt.url_to_fs(str(tmp_path))
-    record = write_shard(fs, root, shard, StorageConfig(chunk_bytes=256), "bfloat16")
-    fmt.write_manifest(fs, root, fmt.manifest_header([0, 1], 16, "bfloat16", 3), [record], complete=False)
+    store = fmt.CacheStore.open(str(tmp_path))
+    record = write_shard(store, shard, StorageConfig(chunk_bytes=256), "bfloat16")
+    fmt.write_manifest(store, fmt.manifest_header([0, 1], 16, "bfloat16", 3), [record], complete=False)
     cache = open_cache(str(tmp_path))
     read = np.concatenate([np.asarray(cache[i].hidden) for i in ("a", "b")])
     assert read.dtype.name == "bfloat16"
@@ -147,7 +147,7 @@ def test_shards_in_flight_change_nothing_but_the_order_of_work(tmp_path, teacher
     """An engine in another process (vLLM: 2) gets the next shards before the build takes a
     shard's outputs; the shards, their cut and their bytes are those of one shard at a time, and
     they commit in order."""
-    from dflash_cache.build.teacher_pass import TeacherPass
+    from dflash_build.teacher_pass import TeacherPass
     from dflash_teacher.teacher import Teacher
 
     teacher = teacher_dir("qwen3")
@@ -370,15 +370,14 @@ def test_device_map_loading_gives_the_same_cache(tmp_path, teacher_dir):
 def test_live_manifest_rewrites_stay_linear_for_large_builds(tmp_path, monkeypatch):
     """A single-process build rewrites manifest.json after each commit only while it is small;
     beyond that, only when the rewrites stay under ~1% of the time. The final write lists all."""
+    from dflash_build import commit
     from dflash_cache import format as fmt
-    from dflash_cache.build import commit
 
     assert commit.manifest_due(999, 0.0, 10.0) and not commit.manifest_due(1000, 99.0, 1.0)
     assert commit.manifest_due(10**5, 100.0, 1.0) and commit.manifest_due(10**5, 0.5, 0.004)
 
     monkeypatch.setattr(commit, "LIVE_MANIFEST_SHARDS", 3)
-    fs, root = fmt.url_to_fs(str(tmp_path))
-    keeper = commit.ManifestKeeper(fs, root, {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
+    keeper = commit.ManifestKeeper(fmt.CacheStore.open(str(tmp_path)), {"format": fmt.FORMAT_NAME, "format_version": 1}, [], live=True)
 
     def shard(i: int) -> dict:
         return {"name": f"shard-r00000-{i:06d}", "sequences": 1, "tokens": 5, "loss_tokens": 4, "bytes": 100}
@@ -402,16 +401,15 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     into place between this rank's checks is not mistaken for one (a torchrun start-up race)."""
     from fsspec.implementations.local import LocalFileSystem
 
+    from dflash_build import output
     from dflash_cache import format as fmt
-    from dflash_cache.build import output
 
     header = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION}
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("not a cache")
-    fs, root = fmt.url_to_fs(str(foreign))
     with pytest.raises(CacheError, match="non-empty folder without a dflash manifest"):
-        output.prepare_output(fs, root, str(foreign), header, overwrite=False)
+        output.prepare_output(fmt.CacheStore.open(str(foreign)), header, overwrite=False)
 
     class OtherRankWritesFirst(LocalFileSystem):
         """The real local filesystem; the first look for the manifest misses the rank that is
@@ -430,7 +428,7 @@ def test_output_folder_checks_refuse_foreign_files_but_not_a_rank_writing_the_ma
     racing = tmp_path / "racing"
     racing.mkdir()
     fs = OtherRankWritesFirst(skip_instance_cache=True)
-    output.prepare_output(fs, str(racing), str(racing), header, overwrite=False)
+    output.prepare_output(fmt.CacheStore(fs, str(racing), str(racing)), header, overwrite=False)
     assert fs.raced and (racing / fmt.MANIFEST).exists()
 
 
@@ -494,7 +492,7 @@ def test_cross_check_records_differences_and_stops_past_the_bound(tmp_path, teac
     outputs are not the reference teacher's stops with one line."""
     from types import SimpleNamespace
 
-    from dflash_cache.build.cross_check import CrossCheck
+    from dflash_build.cross_check import CrossCheck
     from dflash_common.errors import TeacherError
     from dflash_teacher.teacher import load_teacher
 
@@ -530,7 +528,7 @@ def test_cross_check_fails_a_tap_off_by_one_layer_among_massive_activations(teac
     position fails it, while the same states rounded to bf16 (an engine's honest difference) pass."""
     from types import SimpleNamespace
 
-    from dflash_cache.build.cross_check import CrossCheck, sequence_differences
+    from dflash_build.cross_check import CrossCheck, sequence_differences
     from dflash_common.errors import TeacherError
     from dflash_teacher.teacher import load_teacher
 

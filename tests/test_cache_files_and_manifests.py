@@ -261,7 +261,7 @@ def test_the_writer_commits_no_shard_holding_a_huge_value(tmp_path):
                       lengths=np.array([3000], np.int32), truncated=np.zeros(1, bool),
                       input_ids=np.arange(3000, dtype=np.int32) % 50, loss_mask=np.ones(3000, np.uint8), hidden=values,
                       topk_ids=np.zeros((3000, 3), np.int32), topk_logprobs=np.zeros((3000, 3), np.float32))
-    fs, root = fmt.url_to_fs(str(tmp_path / "cache"))
+    store = fmt.CacheStore.open(str(tmp_path / "cache"))
     with pytest.raises(CaptureError, match=r"tapped layer 7 holds a value of \|x\| = 1e\+30 .*the shard was not committed"):
-        write_shard(fs, root, shard, StorageConfig(), "float32", layer_ids=[7, 9])
+        write_shard(store, shard, StorageConfig(), "float32", layer_ids=[7, 9])
     assert not list((tmp_path / "cache").rglob("*.json"))

@@ -259,7 +259,7 @@ def test_every_parameter_transformers_renders_with_is_a_reserved_key():
     from transformers import PreTrainedTokenizerBase
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from dflash_teacher.settings.template_kwargs import RESERVED_TEMPLATE_KWARGS
+    from dflash_common.template_kwargs import RESERVED_TEMPLATE_KWARGS
 
     parameters = {name for func in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
                   for name, p in inspect.signature(func).parameters.items()

@@ -1,4 +1,4 @@
-"""Corpus reading and tokenization (dflash_cache.corpus) and the shared test helpers."""
+"""Corpus reading (dflash_corpus), a row's tokens and loss mask (dflash_build.tokens) and the shared test helpers."""
 
 from __future__ import annotations
 
@@ -15,21 +15,18 @@ import xxhash
 from helpers import english_like_sentences, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.corpus import (
+from dflash_build.tokens import TokenizedSequence, assistant_char_spans, token_mask_from_spans, tokenize_row
+from dflash_common.errors import BadRowError, ConfigError, DFlashError
+from dflash_corpus import (
     CorpusConfig,
     CorpusRow,
-    TokenizedSequence,
-    assistant_char_spans,
     corpus_fingerprint,
     count_rows,
     iter_rows,
     list_corpus_files,
     parse_messages,
     row_id,
-    token_mask_from_spans,
-    tokenize_row,
 )
-from dflash_common.errors import BadRowError, ConfigError, DFlashError
 
 END = "<|im_end|>\n"
 

@@ -24,19 +24,19 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
+import dflash_corpus as corpus
 from cli.cache import app
-from dflash_cache import corpus, open_cache
-from dflash_cache.corpus import (
+from dflash_build.tokens import TokenizedSequence, tokenize_row
+from dflash_cache import open_cache
+from dflash_common.errors import BadRowError
+from dflash_corpus import (
     CorpusConfig,
-    TokenizedSequence,
     count_rows,
     iter_rows,
     limits,
     parse_json_line,
     row_byte_limit,
-    tokenize_row,
 )
-from dflash_common.errors import BadRowError
 
 ROOT = Path(__file__).resolve().parents[1]
 

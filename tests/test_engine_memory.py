@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_cache.build.pipeline import build_shard_tokens
-from dflash_cache.settings.build_config import BuildConfig
-from dflash_cache.settings.corpus_config import CorpusConfig
+from dflash_build.pipeline import build_shard_tokens
+from dflash_build.settings.build_config import BuildConfig
 from dflash_common.errors import ConfigError
+from dflash_corpus.settings.corpus_config import CorpusConfig
 from dflash_teacher.engine_memory import (
     BUILD_RESERVE_BYTES,
     ENGINE_SHARE_CAP,

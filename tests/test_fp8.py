@@ -17,13 +17,13 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.format import fp8
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.verify import scale_problems
 from dflash_common.errors import CacheError, ConfigError
+from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig
 
 LAYERS = (0, 1, 2)

@@ -15,13 +15,13 @@ import pytest
 from helpers import assert_same_content, cache_content, chat_rows, write_jsonl
 from test_build_vllm import ARGS, corpus, dtype_args, teacher_dir  # noqa: F401  (module fixtures)
 
+from dflash_build import BuildConfig, build_cache
+from dflash_build.shard_cut import group_start, shard_tokens, shards_per_generate
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.build.shard_cut import group_start, shard_tokens, shards_per_generate
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import ConfigError
+from dflash_corpus import CorpusConfig
 from dflash_teacher.settings.vllm_args import VllmArgs
 from dflash_teacher.teacher import TeacherConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dflash_cache.build import finalize_cache
+from dflash_build import finalize_cache
 from dflash_cache.format import index
 from dflash_cache.reader import open_cache
 

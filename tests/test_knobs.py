@@ -14,7 +14,7 @@ from cli.cache import _build_config
 from cli.cache import app as cache_app
 from cli.docs import with_tables
 from cli.train import _train_config, app
-from dflash_cache.settings.build_config import BuildConfig, build_knobs
+from dflash_build.settings.build_config import BuildConfig, build_knobs
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import ConfigError
 from dflash_common.field_docs import field_docs

@@ -1,6 +1,8 @@
-"""The import map: cli -> dflash_train / dflash_regenerate -> dflash_cache -> dflash_teacher ->
-dflash_common, one way (stage 0 and stage 2 use the teacher directly too), and no private name (a
-leading underscore) imported from another package."""
+"""The import map, one room per stage, one way: stage 0 (dflash_regenerate) reads the corpus
+(dflash_corpus) and runs the teacher (dflash_teacher); stage 1's build (dflash_build) reads the
+corpus, runs the teacher and writes the cache (dflash_cache, teacher-free); stage 2 (dflash_train)
+reads the cache and runs the teacher for evaluation; everything rests on dflash_common and cli
+sits above all. No private name (a leading underscore) is imported from another package."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "dflash_common": set(),
     "dflash_teacher": {"dflash_common"},
-    "dflash_cache": {"dflash_teacher", "dflash_common"},
-    "dflash_regenerate": {"dflash_cache", "dflash_teacher", "dflash_common"},
+    "dflash_corpus": {"dflash_common"},
+    "dflash_cache": {"dflash_common"},
+    "dflash_regenerate": {"dflash_corpus", "dflash_teacher", "dflash_common"},
+    "dflash_build": {"dflash_cache", "dflash_corpus", "dflash_teacher", "dflash_common"},
     "dflash_train": {"dflash_cache", "dflash_teacher", "dflash_common"},
-    "cli": {"dflash_train", "dflash_regenerate", "dflash_cache", "dflash_teacher", "dflash_common"},
+    "cli": {"dflash_train", "dflash_build", "dflash_regenerate", "dflash_cache", "dflash_corpus", "dflash_teacher",
+            "dflash_common"},
 }
 
 
@@ -52,6 +57,47 @@ def test_imports_go_one_way_and_private_names_stay_home():
     assert problems() == []
 
 
+def test_the_stages_keep_to_their_rooms():
+    # what ALLOWED implies, said outright: the cache holds no teacher, stage 0 no cache, and
+    # the corpus neither
+    assert "dflash_teacher" not in ALLOWED["dflash_cache"]
+    assert "dflash_cache" not in ALLOWED["dflash_regenerate"] and "dflash_build" not in ALLOWED["dflash_regenerate"]
+    assert ALLOWED["dflash_corpus"] == {"dflash_common"}
+    imported = {package: {module.split(".")[0] for path in (ROOT / package).rglob("*.py") for module, _, _ in imports_of(path)}
+                for package in ("dflash_cache", "dflash_corpus", "dflash_regenerate")}
+    assert "dflash_teacher" not in imported["dflash_cache"] | imported["dflash_corpus"]
+    assert not {"dflash_cache", "dflash_build"} & imported["dflash_regenerate"]
+
+
+# Folder names common tools treat as build output or tool state and skip (pytest's default
+# norecursedirs, black's and ruff's default excludes; any name starting with a dot, any *.egg or
+# *.egg-info): a product package or folder named so vanishes from test collection, formatting and
+# the structure tools that follow the same habit (dflash_build was dflash_cache/build).
+SKIPPED_NAMES = {"build", "dist", "_build", "buck-out", "venv", "node_modules", "site-packages", "__pypackages__",
+                 "CVS", "_darcs", "{arch}"}
+
+
+def skipped_name_problems(root: Path) -> list[str]:
+    found = []
+    for package in ALLOWED:
+        for path in sorted([root / package, *(root / package).rglob("*")]):
+            if path.is_dir() and (path.name in SKIPPED_NAMES or path.name.startswith(".")
+                                 or path.name.endswith((".egg", ".egg-info"))):
+                found.append(f"{path.relative_to(root)}: a folder named {path.name!r} is skipped by common tools")
+    return found
+
+
+def test_no_product_folder_takes_a_name_tools_skip():
+    assert skipped_name_problems(ROOT) == []
+    assert not set(ALLOWED) & SKIPPED_NAMES
+
+
+def test_the_skipped_name_check_sees_one(tmp_path):
+    (tmp_path / "dflash_cache" / "build").mkdir(parents=True)
+    (tmp_path / "dflash_cache" / "build" / "pipeline.py").write_text("")
+    assert skipped_name_problems(tmp_path) == ["dflash_cache/build: a folder named 'build' is skipped by common tools"]
+
+
 def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     fake = tmp_path / "dflash_cache"
     fake.mkdir()
@@ -69,7 +115,7 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
 # (and print --help) without loading torch.
 # A settings folder, and the config modules outside it that its settings may import.
 SETTINGS = {"dflash_train/settings": (), "dflash_cache/settings": (), "dflash_regenerate/settings": (),
-            "dflash_teacher/settings": ()}
+            "dflash_teacher/settings": (), "dflash_corpus/settings": (), "dflash_build/settings": ()}
 HEAVY = ("torch", "zarr", "pyarrow", "ml_dtypes")
 
 
@@ -114,7 +160,8 @@ def test_the_settings_check_sees_an_implementation_import(tmp_path, monkeypatch)
 def test_the_command_lines_load_no_heavy_library():
     assert heavy_modules_loaded("cli.train") == []
     assert heavy_modules_loaded("cli.cache") == []
-    assert heavy_modules_loaded("dflash_cache.settings.build_config") == []
+    assert heavy_modules_loaded("dflash_build.settings.build_config") == []
+    assert heavy_modules_loaded("dflash_corpus.settings.corpus_config") == []
     assert heavy_modules_loaded("dflash_teacher.settings.vllm_args") == []
     # the same check sees torch where a module does load it
     assert "torch" in heavy_modules_loaded("dflash_train.training.model")
@@ -305,7 +352,7 @@ def test_the_size_check_sees_a_long_function_and_file(tmp_path):
     assert size_problems(tmp_path) == ["cli/long.py: 501 lines", "cli/long.py:1 f: 61 lines"]
 
 
-# vLLM runs dflash_train/measuring/vllm_worker.py and dflash_cache's vllm_extract scripts with their
+# vLLM runs dflash_train/measuring/vllm_worker.py and dflash_teacher's vllm_extract scripts with their
 # own folder first on sys.path, so a module of ours named like a standard one (statistics.py did)
 # is what vLLM's own `import statistics` finds: no product module may take a standard module's name.
 def stdlib_name_problems(root: Path) -> list[str]:
@@ -323,3 +370,34 @@ def test_the_shadow_check_sees_one(tmp_path):
     (tmp_path / "dflash_train" / "measuring" / "statistics.py").write_text("")
     assert stdlib_name_problems(tmp_path) == [
         "dflash_train/measuring/statistics.py takes the name of the standard module statistics"]
+
+
+# The write side reaches storage through the store, as the read side does: no function outside
+# dflash_cache/format/store.py takes a file system and a root (or a URL) loose; it takes a CacheStore.
+LOOSE_STORAGE = ({"fs", "root"}, {"fs", "url"})
+
+
+def loose_storage_problems(root: Path) -> list[str]:
+    found = []
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.relative_to(root).as_posix() == "dflash_cache/format/store.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names = {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+                    if any(pair <= names for pair in LOOSE_STORAGE):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.name} takes fs and a root: take a CacheStore")
+    return found
+
+
+def test_no_function_outside_the_store_takes_a_file_system_and_a_root():
+    assert loose_storage_problems(ROOT) == []
+
+
+def test_the_storage_check_sees_a_loose_file_system(tmp_path):
+    (tmp_path / "dflash_build").mkdir()
+    (tmp_path / "dflash_build" / "bad.py").write_text("def write(fs, root, data):\n    pass\n\n\ndef fine(store, data):\n    pass\n")
+    (tmp_path / "dflash_cache" / "format").mkdir(parents=True)
+    (tmp_path / "dflash_cache" / "format" / "store.py").write_text("def regular_file(fs, root, path, url):\n    pass\n")
+    assert loose_storage_problems(tmp_path) == ["dflash_build/bad.py:1 write takes fs and a root: take a CacheStore"]

@@ -32,9 +32,9 @@ def heavy_loaded(*args: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("version,hidden_format", [(1, "lossless"), (2, "lossless"), (2, "fp8_e4m3")])
 def test_info_and_verify_load_neither_torch_nor_transformers(tiny_cache, tmp_path, version, hidden_format):
-    from dflash_cache.build import BuildConfig, build_cache
-    from dflash_cache.corpus import CorpusConfig
+    from dflash_build import BuildConfig, build_cache
     from dflash_cache.settings.storage_config import StorageConfig
+    from dflash_corpus import CorpusConfig
     from dflash_teacher.teacher import TeacherConfig
 
     if hidden_format == "lossless":

@@ -52,9 +52,9 @@ def long_shard() -> ShardData:
 
 
 def write_cache(out: Path, shard: ShardData) -> None:
-    fs, root = fmt.url_to_fs(str(out))
-    record = write_shard(fs, root, shard, StorageConfig(), "bfloat16", layer_ids=LAYERS)
-    fmt.write_manifest(fs, root, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), [record], complete=True)
+    store = fmt.CacheStore.open(str(out))
+    record = write_shard(store, shard, StorageConfig(), "bfloat16", layer_ids=LAYERS)
+    fmt.write_manifest(store, fmt.manifest_header(LAYERS, HIDDEN, "bfloat16", TOP_K), [record], complete=True)
 
 
 # The child: each path's growth of the kernel's peak resident size (VmHWM, reset through
@@ -152,7 +152,7 @@ def test_deep_verify_compares_a_long_sequence_in_blocks_within_its_memory_bound(
     """`verify --deep`'s comparison of a long sequence equals the whole-sequence formula, and its
     peak stays a fraction of the sequence (it made float32 copies and temporaries of all of it at
     once: about 8x the bf16 bytes)."""
-    from dflash_cache.deep_verify import hidden_error
+    from dflash_build.deep_verify import hidden_error
 
     rng = np.random.default_rng(1)
     fresh = rng.standard_normal((3000, 3, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -165,7 +165,7 @@ def test_deep_verify_compares_a_long_sequence_in_blocks_within_its_memory_bound(
     child = r"""
 import gc, json
 import ml_dtypes, numpy as np
-from dflash_cache.deep_verify import hidden_error
+from dflash_build.deep_verify import hidden_error
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))

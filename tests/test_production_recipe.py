@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from cli.cache import _build_config
 from cli.cache import app as cache_app
 from cli.train import _train_config
+from dflash_build.settings.build_config import build_knobs
 from dflash_cache import open_cache
-from dflash_cache.settings.build_config import build_knobs
 from dflash_teacher.tapped_layers import default_layer_ids, resolve_layers
 from dflash_train.options import train_knobs
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import write_jsonl
 
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
+from dflash_build import BuildConfig, build_cache
+from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.model_config import ModelConfig

@@ -131,8 +131,8 @@ def _format1_cache(root: Path) -> Path:
     from dflash_cache.settings.storage_config import StorageConfig
     from dflash_cache.writer import ShardData, write_shard
 
-    fs, path = fmt.url_to_fs(str(root))
-    fs.makedirs(path, exist_ok=True)
+    store = fmt.CacheStore.open(str(root))
+    store.makedirs(store.root)
     rng = np.random.default_rng(0)
     records = []
     for index in range(2):
@@ -141,8 +141,8 @@ def _format1_cache(root: Path) -> Path:
                           rows=np.array([index]), lengths=np.array([3], np.int32), truncated=np.zeros(1, bool),
                           input_ids=np.arange(3, dtype=np.int32), loss_mask=np.ones(3, np.uint8), hidden=bits,
                           topk_ids=np.zeros((3, 2), np.int32), topk_logprobs=np.full((3, 2), -1.0, np.float32))
-        records.append(write_shard(fs, path, shard, StorageConfig(), "bfloat16", version=1))
-    fmt.write_manifest(fs, path, fmt.manifest_header([0, 1], 8, "bfloat16", 2, format_version=1), records, complete=True)
+        records.append(write_shard(store, shard, StorageConfig(), "bfloat16", version=1))
+    fmt.write_manifest(store, fmt.manifest_header([0, 1], 8, "bfloat16", 2, format_version=1), records, complete=True)
     return root
 
 

@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_common.environment import rank_and_world
 from dflash_common.errors import ConfigError
+from dflash_corpus import CorpusConfig
 from dflash_regenerate import (
     RegenerateConfig,
     RowSampler,

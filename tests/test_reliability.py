@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_build.deep_verify import deep_sample, topk_mismatches
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.deep_verify import deep_sample, topk_mismatches
 from dflash_cache.format.integrity import size_problems
 from dflash_common.errors import ConfigError
 from dflash_common.faults import parse_faults

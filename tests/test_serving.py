@@ -18,9 +18,9 @@ from helpers import write_jsonl
 from typer.testing import CliRunner
 
 from cli.train import app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
+from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig, load_teacher
 from dflash_train.measuring.decode_report import read_prompts
 from dflash_train.measuring.replay import load_trained_drafter

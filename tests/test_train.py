@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from cli.train import app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
+from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.loss_config import LossConfig

@@ -17,13 +17,13 @@ from typer.testing import CliRunner
 
 from cli.cache import app as cache_app
 from cli.train import app as train_app
+from dflash_build import BuildConfig, build_cache
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build import BuildConfig, build_cache
-from dflash_cache.corpus import CorpusConfig
 from dflash_cache.format import integrity
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import CacheError
+from dflash_corpus import CorpusConfig
 from dflash_teacher.teacher import TeacherConfig
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.training.batch import load_batch

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.cache import app
+from dflash_build.commit import ManifestKeeper
+from dflash_build.shard_queue import Committed
 from dflash_cache import format as fmt
 from dflash_cache import open_cache
-from dflash_cache.build.commit import ManifestKeeper
-from dflash_cache.build.shard_queue import Committed
 from dflash_cache.verify import MAX_NAMED, verify_cache
 from dflash_cache.writer import ShardData, StorageConfig, sequences_table, write_shard
 from dflash_common.errors import CacheError
@@ -31,10 +31,10 @@ LINE_BYTES = 1024
 def _write_cache(root: Path, shards: int, version: int) -> Path:
     """A complete cache of ``shards`` one-sequence shards (identical shapes, so every shard costs
     verify the same work), its teacher head included."""
-    fs, path = fmt.url_to_fs(str(root))
-    fs.makedirs(path, exist_ok=True)
+    store = fmt.CacheStore.open(str(root))
+    store.makedirs(store.root)
     header = fmt.manifest_header(list(range(LAYERS)), HIDDEN, "bfloat16", TOP_K, format_version=version)
-    keeper = ManifestKeeper(fs, path, header, [], live=True)
+    keeper = ManifestKeeper(store, header, [], live=True)
     rng = np.random.default_rng(0)
     for index in range(shards):
         hidden = rng.standard_normal((TOKENS, LAYERS, HIDDEN)).astype(np.float32) + 1.0
@@ -44,11 +44,11 @@ def _write_cache(root: Path, shards: int, version: int) -> Path:
                           hidden=(hidden.view(np.uint32) >> 16).astype(np.uint16),
                           topk_ids=np.tile(np.arange(TOP_K, dtype=np.int32), (TOKENS, 1)),
                           topk_logprobs=np.tile(np.array([-0.5, -1.5], np.float32), (TOKENS, 1)))
-        record = write_shard(fs, path, shard, StorageConfig(), "bfloat16", version, list(range(LAYERS)))
+        record = write_shard(store, shard, StorageConfig(), "bfloat16", version, list(range(LAYERS)))
         keeper.commit(record if version == 1 else Committed(record, sequences_table(shard)))
     head = _teacher_head()
-    fs.makedirs(fmt.join(path, fmt.TEACHER_DIR), exist_ok=True)
-    fs.pipe_file(fmt.join(path, fmt.TEACHER_DIR, fmt.TEACHER_HEAD), head)
+    store.makedirs(store.path(fmt.TEACHER_DIR))
+    store.write_file(store.path(fmt.TEACHER_DIR, fmt.TEACHER_HEAD), head)
     keeper.write(complete=True, fault=False, teacher_head=fmt.teacher_head_record(head))
     return root
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_cache.format import cache_layout as layout
-from dflash_cache.format.store import CacheStore, write_bytes_atomic
+from dflash_cache.format.store import CacheStore
 from dflash_cache.format.token_tables import ipc_bytes
 from dflash_common.errors import CacheError, quoted
 
@@ -178,8 +178,8 @@ def write_tables(store, paths: dict[str, str], shards: pa.Table, sequences: pa.T
         # (and read back) as one batch per shard, ~500 bytes of batch metadata each, and every slice
         # of a column read back walks all the batches (planning over 100k shards: quadratic)
         data = ipc_bytes(table.combine_chunks())
-        store.fs.makedirs(store.path(paths[key].rsplit("/", 1)[0]), exist_ok=True)
-        write_bytes_atomic(store.fs, store.path(paths[key]), data)
+        store.makedirs(store.path(paths[key].rsplit("/", 1)[0]))
+        store.write_bytes_atomic(store.path(paths[key]), data)
         entry[key] = {"path": paths[key], "rows": table.num_rows,
                       **({"bytes": len(data), "checksum": layout.checksum(data)} if complete else {})}
     return {SHARDS: entry[SHARDS], SEQUENCES: entry[SEQUENCES]}
@@ -297,11 +297,11 @@ def read_part(store, rank: int) -> tuple[list[dict], pa.Table]:
     return records, sequences.slice(0, n)
 
 
-def index_records(fs, root: str, records: list[dict]) -> dict:
+def index_records(store: CacheStore, records: list[dict]) -> dict:
     """Write the index of these committed format-2 shards (reading each one's sequences.arrow) and
     return the manifest's ``index`` entry: for caches put together shard by shard outside a build."""
     tables = []
     for position, record in enumerate(records):
-        path = layout.join(root, layout.SHARDS_DIR, layout.rank_folder(layout.rank_of(record["name"])), record["name"], layout.SEQUENCES)
-        tables.append(sequence_rows(pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all(), position))
-    return write_tables(CacheStore(fs, root, root), MERGED, shard_table(records), pa.concat_tables(tables), complete=True)
+        path = store.path(layout.SHARDS_DIR, layout.rank_folder(layout.rank_of(record["name"])), record["name"], layout.SEQUENCES)
+        tables.append(sequence_rows(pa.ipc.open_file(pa.BufferReader(store.read_bytes(path))).read_all(), position))
+    return write_tables(store, MERGED, shard_table(records), pa.concat_tables(tables), complete=True)

@@ -58,13 +58,13 @@ class ShardFiles:
         return zarr.open_array(self.store.zarr_store(join(self.path, HIDDEN), read_only=True), mode="r")
 
 
-def commit_record(fs, final_dir: str, name: str, rank: int, index: int, rows: tuple[int, int], sequences: int,
+def commit_record(store: CacheStore, final_dir: str, name: str, rank: int, index: int, rows: tuple[int, int], sequences: int,
                   loss_tokens: int, hidden_shape: tuple[int, int, int], chunk_tokens: int, checksums: dict,
                   skipped: dict, capture: dict | None = None) -> dict:
     """The commit record of a shard whose files are in place at ``final_dir``: its counts, hidden
     shape, inner-chunk length, checksums and every file's size, as the manifest (format 1) or the
     index (format 2) lists it."""
-    files = {path[len(final_dir) + 1:]: int(info["size"]) for path, info in fs.find(final_dir, detail=True).items()}
+    files = store.file_sizes(final_dir)
     n_tokens, n_layers, hidden_size = hidden_shape
     return {
         "name": name,

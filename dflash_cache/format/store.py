@@ -176,6 +176,57 @@ class CacheStore:
     def zarr_store(self, path: str, read_only: bool):
         return zarr_store(self.fs, path, read_only)
 
+    # The write side (the writer, the build) and the build's own looks at its output folder: the
+    # file system's operations on paths of this cache, so no code outside the store holds an ``fs``.
+    def read_json_unchecked(self, path: str, what: str | None = None) -> Any:
+        """``read_json`` without the regular-file check: a build reading back what it wrote itself."""
+        return read_json(self.fs, path, what)
+
+    def write_bytes_atomic(self, path: str, data: bytes, fault_point: str | None = None) -> None:
+        write_bytes_atomic(self.fs, path, data, fault_point)
+
+    def write_json_atomic(self, path: str, obj: Any, fault_point: str | None = None) -> None:
+        write_json_atomic(self.fs, path, obj, fault_point)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        """One file written whole (a single PUT on object stores; not atomic on local storage)."""
+        self.fs.pipe_file(path, data)
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return self.fs.isfile(path)
+
+    def ls(self, path: str, detail: bool = False) -> list:
+        return self.fs.ls(path, detail=detail)
+
+    def glob(self, pattern: str) -> list[str]:
+        return self.fs.glob(pattern)
+
+    def file_sizes(self, folder: str) -> dict[str, int]:
+        """Every file under ``folder``, by its path below it, with its size."""
+        return {path[len(folder) + 1:]: int(info["size"]) for path, info in self.fs.find(folder, detail=True).items()}
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        self.fs.rm(path, recursive=recursive)
+
+    def mv(self, source: str, target: str, recursive: bool = False) -> None:
+        self.fs.mv(source, target, recursive=recursive)
+
+    def forget(self, path: str) -> None:
+        """Drop the file system's cached listing of ``path`` (objects written through another client)."""
+        self.fs.invalidate_cache(path)
+
 
 def zarr_store(fs, path: str, read_only: bool):
     """The Zarr store of the array at ``path`` on ``fs``."""

@@ -101,14 +101,13 @@ class ChunkFiles:
         return out
 
 
-def write_hidden(fs, path: str, hidden: np.ndarray, attributes: dict, chunk_bytes: int, compression: str) -> tuple[str, int]:
+def write_hidden(store: CacheStore, path: str, hidden: np.ndarray, attributes: dict, chunk_bytes: int,
+                 compression: str) -> tuple[str, int]:
     """Write the hidden states as one Zarr array, a file per chunk; returns their checksum and the chunk length."""
     from concurrent.futures import ThreadPoolExecutor
 
     import zarr
     import zarr.codecs
-
-    from dflash_cache.format.store import zarr_store
 
     n_tokens, n_layers, hidden_size = hidden.shape if hidden.ndim == 3 else (0, 0, 0)
     per_token = max(1, n_layers * hidden_size * hidden.dtype.itemsize)
@@ -116,7 +115,7 @@ def write_hidden(fs, path: str, hidden: np.ndarray, attributes: dict, chunk_byte
     compressors = [zarr.codecs.ZstdCodec(level=1)] if compression == "zstd" else None
     with ThreadPoolExecutor(1) as hashing:  # xxh64 releases the GIL: hash while Zarr writes
         digest = hashing.submit(checksum, hidden)
-        zarr.create_array(zarr_store(fs, path, read_only=False), data=hidden, chunks=(chunk_tokens, n_layers, hidden_size),
+        zarr.create_array(store.zarr_store(path, read_only=False), data=hidden, chunks=(chunk_tokens, n_layers, hidden_size),
                           compressors=compressors, attributes=attributes, config={"write_empty_chunks": True},
                           overwrite=True)
     return digest.result(), chunk_tokens
@@ -213,7 +212,7 @@ class Layout:
     def listing(self, store: CacheStore, manifest: dict) -> ManifestListing:
         return ManifestListing(store, manifest)
 
-    def manifest_body(self, fs, root: str, records: list[dict], extra: dict) -> dict:
+    def manifest_body(self, store: CacheStore, records: list[dict], extra: dict) -> dict:
         """What format 1 adds to the manifest: every commit record."""
         return {"shards": records, **extra}
 
@@ -225,8 +224,9 @@ class Layout:
         """Where a shard is written before it is renamed into place (local storage)."""
         return join(root, SHARDS_DIR, f".tmp-{name}-{uuid.uuid4().hex[:8]}")
 
-    def write_hidden(self, fs, path: str, hidden: np.ndarray, attributes: dict, storage, n_layers: int) -> tuple[str, int]:
-        return write_hidden(fs, path, hidden, attributes, storage.chunk_bytes, storage.compression)
+    def write_hidden(self, store: CacheStore, path: str, hidden: np.ndarray, attributes: dict, storage,
+                     n_layers: int) -> tuple[str, int]:
+        return write_hidden(store, path, hidden, attributes, storage.chunk_bytes, storage.compression)
 
 
 LAYOUT = Layout()

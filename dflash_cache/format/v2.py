@@ -15,7 +15,7 @@ import pyarrow as pa
 from dflash_cache.format import index
 from dflash_cache.format.cache_layout import SEQUENCES, SHARDS_DIR, TOKENS, inside_cache, join, rank_folder, rank_of
 from dflash_cache.format.hidden import ShardedHidden, write_hidden
-from dflash_cache.format.store import CacheStore, reaching, zarr_store
+from dflash_cache.format.store import CacheStore, reaching
 
 
 class IndexListing:
@@ -96,11 +96,11 @@ class Layout:
     def listing(self, store: CacheStore, manifest: dict) -> IndexListing:
         return IndexListing(store, manifest)
 
-    def manifest_body(self, fs, root: str, records: list[dict], extra: dict) -> dict:
+    def manifest_body(self, store: CacheStore, records: list[dict], extra: dict) -> dict:
         """What format 2 adds to the manifest: its ``index`` entry (written here for a cache put
         together by hand, as benchmarks and tests do)."""
         if "index" not in extra and records:
-            return {**extra, "index": index.index_records(fs, root, records)}
+            return {**extra, "index": index.index_records(store, records)}
         return extra
 
     def shard_folders(self, store: CacheStore) -> list[str]:
@@ -118,10 +118,11 @@ class Layout:
     def work_dir(self, root: str, name: str, rank: int) -> str:
         return join(self.work_folder(root, rank), f"{name}-{uuid.uuid4().hex[:8]}")
 
-    def write_hidden(self, fs, path: str, hidden: np.ndarray, attributes: dict, storage, n_layers: int) -> tuple[str, int]:
+    def write_hidden(self, store: CacheStore, path: str, hidden: np.ndarray, attributes: dict, storage,
+                     n_layers: int) -> tuple[str, int]:
         if hidden.ndim != 3:
             hidden = hidden.reshape(0, n_layers, 0)
-        return write_hidden(zarr_store(fs, path, read_only=False), hidden, attributes, storage.chunk_bytes,
+        return write_hidden(store.zarr_store(path, read_only=False), hidden, attributes, storage.chunk_bytes,
                             storage.compression)
 
 

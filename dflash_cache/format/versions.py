@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_cache.format import v1, v2
-from dflash_cache.format.cache_layout import MANIFEST, join
+from dflash_cache.format.cache_layout import MANIFEST
 from dflash_cache.format.manifest import FORMAT_VERSION, check_manifest, totals
-from dflash_cache.format.store import reaching, read_json, regular_file, write_json_atomic
+from dflash_cache.format.store import CacheStore, reaching
 from dflash_common.errors import CacheError
 
 LAYOUTS = {1: v1.LAYOUT, 2: v2.LAYOUT}
@@ -35,26 +35,26 @@ def shard_path(root: str, name: str, version: int) -> str:
     return layout_for(version).shard_path(root, name)
 
 
-def read_manifest(fs, root: str, url: str | None = None) -> dict:
-    """manifest.json of the cache at ``root``, checked: its header, then its version's part."""
-    where = url or root
-    path = regular_file(fs, root, join(root, MANIFEST), where)
+def read_manifest(store: CacheStore) -> dict:
+    """manifest.json of the cache in ``store``, checked: its header, then its version's part."""
+    where = store.url
+    path = store.regular(store.path(MANIFEST))
     with reaching(where):
-        exists = fs.exists(path)
+        exists = store.exists(path)
     if not exists:
         raise CacheError(f"{where}: no manifest.json; not a dflash cache (build one with `dflash-cache build`)")
     with reaching(where):
-        manifest = read_json(fs, path, f"{where}: manifest.json")
+        manifest = store.read_json_unchecked(path, f"{where}: manifest.json")
     layout_for(check_manifest(manifest, where)).check_manifest(manifest, where)
     return manifest
 
 
-def write_manifest(fs, root: str, header: dict, records: list[dict], complete: bool, fault_point: str | None = None,
+def write_manifest(store: CacheStore, header: dict, records: list[dict], complete: bool, fault_point: str | None = None,
                    **extra: Any) -> dict:
     """Write manifest.json over these shard records (atomically: index written last) and return it.
     Format 1 lists the records in it; format 2 gives the totals and (``extra``) its ``index``, and
     the dict returned also holds the records under ``shards`` for the caller (the file does not)."""
     layout = layout_for(header.get("format_version", FORMAT_VERSION))
-    manifest = dict(header, complete=complete, totals=totals(records), **layout.manifest_body(fs, root, records, extra))
-    write_json_atomic(fs, join(root, MANIFEST), manifest, fault_point=fault_point)
+    manifest = dict(header, complete=complete, totals=totals(records), **layout.manifest_body(store, records, extra))
+    store.write_json_atomic(store.path(MANIFEST), manifest, fault_point=fault_point)
     return {**manifest, "shards": records}

@@ -1,3 +1,4 @@
-"""The settings of a cache build, one torch-free module per part: what a build may be given and
-how each value is checked. The implementation modules import these; these import no torch, zarr
-or pyarrow, so the command line reads and checks them without loading those."""
+"""The settings of the cache itself, torch-free: how a cache stores what it holds (storage_config);
+the build's other sections are in dflash_build.settings and dflash_corpus.settings. The
+implementation modules import these; these import no torch, zarr or pyarrow, so the command line
+reads and checks them without loading those."""

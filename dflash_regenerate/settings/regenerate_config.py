@@ -6,13 +6,13 @@ import math
 import os
 from dataclasses import dataclass
 
-from dflash_cache.settings.corpus_config import BAD_ROW_POLICIES
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs
+from dflash_common.template_kwargs import check_template_kwargs
 from dflash_common.values import is_int
+from dflash_corpus.settings.corpus_config import BAD_ROW_POLICIES
 from dflash_regenerate.settings.server_config import ServerConfig
 from dflash_teacher.settings.teacher_config import TeacherConfig
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 KEEP_TURNS = ("first", "all")
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_common.errors import ConfigError
+from dflash_common.template_kwargs import check_template_kwargs
 from dflash_common.values import check_choice, text_problem
 from dflash_teacher.settings.teacher_config import TEACHER_DTYPES
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
 from dflash_train.settings.data_config import DataConfig
 from dflash_train.settings.spec_config import SpecConfig
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
+from dflash_build.commit import RANKS_DIR
 from dflash_cache import format as fmt
-from dflash_cache.build.commit import RANKS_DIR
+from dflash_cache.format.store import CacheStore
 from dflash_common.errors import CacheError
 from dflash_common.resume_check import first_difference
 
@@ -44,10 +45,10 @@ def is_manifest_leftover(path: str) -> bool:
     return path.rstrip("/").rsplit("/", 1)[-1].startswith(f"{fmt.MANIFEST}.tmp-")
 
 
-def _is_index_leftover(fs, path: str) -> bool:
+def _is_index_leftover(store: CacheStore, path: str) -> bool:
     """A format-2 build killed at its first manifest write: its index part was written first."""
-    return path.rstrip("/").rsplit("/", 1)[-1] == fmt.INDEX_DIR and fs.isdir(path) \
-        and _foreign_entry(fs, path, _BUILD_ENTRIES[fmt.INDEX_DIR]) is None
+    return path.rstrip("/").rsplit("/", 1)[-1] == fmt.INDEX_DIR and store.isdir(path) \
+        and _foreign_entry(store, path, _BUILD_ENTRIES[fmt.INDEX_DIR]) is None
 
 
 def _is_lock(path: str) -> bool:
@@ -68,58 +69,59 @@ _BUILD_ENTRIES = {
 }
 
 
-def _foreign_entry(fs, folder: str, ours, prefix: str = "") -> str | None:
+def _foreign_entry(store: CacheStore, folder: str, ours, prefix: str = "") -> str | None:
     """The first entry under ``folder`` a build did not write (its path below the folder), or None.
     Format 2's rank folders under shards/ are looked into: they hold shards and the rank's .tmp."""
-    for entry in fs.ls(folder, detail=True):
+    for entry in store.ls(folder, detail=True):
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         if prefix and name == ".tmp" and entry.get("type") == "directory":
             continue  # the rank's work folder (writer.work_folder): half-written shards
         if not ours(name, entry.get("type")) or (prefix and _RANK_FOLDER.match(name)):
             return prefix + name
         if not prefix and _RANK_FOLDER.match(name) and entry.get("type") == "directory":
-            inner = _foreign_entry(fs, entry["name"], ours, prefix=f"{name}/")
+            inner = _foreign_entry(store, entry["name"], ours, prefix=f"{name}/")
             if inner is not None:
                 return inner
     return None
 
 
-def _delete_cache(fs, root: str, url: str) -> None:
+def _delete_cache(store: CacheStore) -> None:
     """--overwrite on a dflash cache: delete what a build wrote (manifest, shards/, index/, teacher/,
     ranks/); anything else in those folders stops it before a file is deleted."""
     doomed = []
     for sub, ours in _BUILD_ENTRIES.items():
-        folder = fmt.join(root, sub)
-        if not fs.exists(folder):
+        folder = store.path(sub)
+        if not store.exists(folder):
             continue
-        foreign = _foreign_entry(fs, folder, ours)
+        foreign = _foreign_entry(store, folder, ours)
         if foreign is not None:
-            raise CacheError(f"{url}: {sub}/{foreign} is not a file dflash writes; --overwrite deletes only what a "
+            raise CacheError(f"{store.url}: {sub}/{foreign} is not a file dflash writes; --overwrite deletes only what a "
                              "build made, so nothing was deleted: move it out of the cache and rerun")
         doomed.append(folder)
     for folder in doomed:
-        fs.rm(folder, recursive=True)
-    fs.rm(fmt.join(root, fmt.MANIFEST))
+        store.rm(folder, recursive=True)
+    store.rm(store.path(fmt.MANIFEST))
 
 
-def existing_manifest(fs, root: str, url: str) -> dict | None:
+def existing_manifest(store: CacheStore) -> dict | None:
     """The manifest of the cache at --out (None: a new or empty folder); refuses a file, a
     non-empty folder without one, and another tool's manifest. Read-only: checked before the
     build's lock file is made, so a folder that is not ours is never written into."""
-    manifest_path = fmt.join(root, fmt.MANIFEST)
-    if fs.isfile(root):
+    url, root = store.url, store.root
+    manifest_path = store.path(fmt.MANIFEST)
+    if store.isfile(root):
         raise CacheError(f"--out {url} is a file, not a folder; choose a new or empty folder for the cache")
-    if not fs.exists(manifest_path) and fs.exists(root):
-        others = [p for p in fs.ls(root, detail=False) if not is_manifest_leftover(p) and not _is_lock(p)
-                  and not _is_index_leftover(fs, p)]
+    if not store.exists(manifest_path) and store.exists(root):
+        others = [p for p in store.ls(root) if not is_manifest_leftover(p) and not _is_lock(p)
+                  and not _is_index_leftover(store, p)]
         # checked again after the listing: another rank of this build writes the manifest first,
         # and may have done so since the first check (then the listing shows it, or its shards)
-        if others and not fs.exists(manifest_path):
+        if others and not store.exists(manifest_path):
             raise CacheError(f"{url} is a non-empty folder without a dflash manifest; choose an empty or new --out")
-    if not fs.exists(manifest_path):
+    if not store.exists(manifest_path):
         return None
     try:
-        existing = fmt.read_json(fs, manifest_path)
+        existing = store.read_json_unchecked(manifest_path)
     except ValueError:
         existing = None
     if not isinstance(existing, dict) or existing.get("format") != fmt.FORMAT_NAME:
@@ -128,12 +130,13 @@ def existing_manifest(fs, root: str, url: str) -> dict | None:
     return existing
 
 
-def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool, new_version: int = fmt.FORMAT_VERSION) -> int:
+def prepare_output(store: CacheStore, header: dict, overwrite: bool, new_version: int = fmt.FORMAT_VERSION) -> int:
     """Refuse a folder holding another build's cache (unless --overwrite deletes it), and make
     the folder (local storage) or check its bucket exists (object stores). Returns the format
     version this build writes, also set in ``header``: a format-1 cache is resumed as format 1
     (its shards stay as they are), anything new is ``new_version`` (--format-version)."""
-    existing = existing_manifest(fs, root, url)
+    url, root = store.url, store.root
+    existing = existing_manifest(store)
     version = new_version
     if existing is not None:
         if not overwrite:  # an overwrite deletes a damaged manifest like any other
@@ -143,14 +146,14 @@ def prepare_output(fs, root: str, url: str, header: dict, overwrite: bool, new_v
         if problem and not overwrite:
             raise CacheError(f"{url} holds a cache built with other settings: {problem}; rerun with the original settings to resume, or pass --overwrite to replace it")
         if overwrite:
-            _delete_cache(fs, root, url)
+            _delete_cache(store)
         else:
             version = int(existing["format_version"])
     header["format_version"] = version
-    if fmt.is_local(fs):
+    if store.local:
         # only the root: the manifest is the first thing a build writes, so a build killed before
         # it leaves at most a temporary manifest, which the rerun accepts (see is_manifest_leftover)
-        fs.makedirs(root, exist_ok=True)
-    elif not fs.exists(root.split("/", 1)[0]):  # makedirs would silently create a mistyped bucket
+        store.makedirs(root)
+    elif not store.exists(root.split("/", 1)[0]):  # makedirs would silently create a mistyped bucket
         raise CacheError(f"{url}: the bucket {root.split('/', 1)[0]!r} does not exist; create it or fix --out")
     return version

@@ -9,13 +9,13 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from dflash_cache.corpus import limits
-from dflash_cache.corpus.limits import depth_problem, row_byte_limit, size_problem
-from dflash_cache.corpus.listing import list_corpus_files, saved_dataset_files
-from dflash_cache.settings.corpus_config import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
 from dflash_common.errors import ConfigError
 from dflash_common.settings_files import json_depth
 from dflash_common.values import is_int
+from dflash_corpus import limits
+from dflash_corpus.limits import depth_problem, row_byte_limit, size_problem
+from dflash_corpus.listing import list_corpus_files, saved_dataset_files
+from dflash_corpus.settings.corpus_config import JSONL_SUFFIXES, PARQUET_SUFFIXES, CorpusConfig
 
 # Rows are converted from Arrow to Python in slices this long, so one huge record batch never
 # becomes a huge list of dicts.

@@ -8,9 +8,9 @@ from typing import Any
 
 import xxhash
 
-from dflash_cache.corpus.rows import CorpusRow
 from dflash_common.errors import BadRowError
 from dflash_common.values import is_int, text_problem
+from dflash_corpus.rows import CorpusRow
 
 ROLE_ALIASES = {
     "system": "system",

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import xxhash
 
-from dflash_cache.settings.corpus_config import SUPPORTED_SUFFIXES
 from dflash_common.errors import ConfigError, DFlashError
 from dflash_common.settings_files import load_settings_file
+from dflash_corpus.settings.corpus_config import SUPPORTED_SUFFIXES
 
 _MIB = 1 << 20
 _FINGERPRINT_VERSION = b"dflash-corpus-fingerprint-v1"

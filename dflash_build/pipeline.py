@@ -18,27 +18,28 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 
+from dflash_build.cross_check import CrossCheck
+from dflash_build.output import existing_manifest, lock_name, prepare_output
+from dflash_build.resume import Resume, complete_rank, open_output
+from dflash_build.settings.build_config import BuildConfig
+from dflash_build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
+from dflash_build.shard_queue import ShardQueue, write_committed
+from dflash_build.teacher_pass import BuildStats, TeacherPass
+from dflash_build.tokens import tokenize_row
 from dflash_cache import format as fmt
-from dflash_cache.build.cross_check import CrossCheck
-from dflash_cache.build.output import existing_manifest, lock_name, prepare_output
-from dflash_cache.build.resume import Resume, complete_rank, open_output
-from dflash_cache.build.shard_cut import ShardCut, group_start, shard_tokens, shards_per_generate
-from dflash_cache.build.shard_queue import ShardQueue, write_committed
-from dflash_cache.build.teacher_pass import BuildStats, TeacherPass
-from dflash_cache.corpus import (
-    CorpusConfig,
-    corpus_fingerprint,
-    iter_rows,
-    list_corpus_files,
-    require_rows,
-    tokenize_row,
-)
-from dflash_cache.settings.build_config import BuildConfig
+from dflash_cache.format.store import CacheStore
 from dflash_cache.writer import write_teacher_files
 from dflash_common.errors import BadRowError, ConfigError
 from dflash_common.files import one_writer
 from dflash_common.progress import Progress
 from dflash_common.vllm_env import find_vllm_python
+from dflash_corpus import (
+    CorpusConfig,
+    corpus_fingerprint,
+    iter_rows,
+    list_corpus_files,
+    require_rows,
+)
 from dflash_teacher.tapped_layers import resolve_layers
 from dflash_teacher.teacher import (
     Teacher,
@@ -171,31 +172,31 @@ def build_cache(cfg: BuildConfig, progress: Progress | None = None) -> dict:
     progress = progress or Progress()
     files = list_corpus_files(cfg.corpus.data)
     total_rows = require_rows(files, cfg.corpus.data)
-    fs, root = fmt.url_to_fs(cfg.out, cfg.storage_options)
+    store = CacheStore.open(cfg.out, cfg.storage_options)
     # the layer choice and a resume's other generate group are refused from the config alone,
     # before a large teacher (or vLLM's engine) is loaded
     config = load_config(cfg.teacher)
     layers = resolve_layers(cfg.teacher, int(config.num_hidden_layers), exact_count=True)
     if not cfg.overwrite:
         with fmt.reaching(cfg.out):
-            existing = existing_manifest(fs, root, cfg.out)
+            existing = existing_manifest(store)
         if existing is not None:
             fmt.check_resumed_fields(existing, cfg.out)
         refuse_other_group(existing, generate_group(cfg, len(layers), int(config.hidden_size)), cfg.out)
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # refused before the lock file and the teacher
     with ExitStack() as held:
-        if fmt.is_local(fs):
+        if store.local:
             # one build per rank of a folder, for the whole build (before the teacher is loaded, so
             # a second build stops at once); object stores have no lock: one writer is the user's job
-            existing_manifest(fs, root, cfg.out)  # never make a lock file in a folder that is not ours
-            held.enter_context(one_writer(root, "dflash-cache build" + (f" of rank {cfg.rank}" if cfg.world_size > 1 else ""),
+            existing_manifest(store)  # never make a lock file in a folder that is not ours
+            held.enter_context(one_writer(store.root, "dflash-cache build" + (f" of rank {cfg.rank}" if cfg.world_size > 1 else ""),
                                           "wait for it to end (or stop it), or choose another --out", lock_name(cfg.rank)))
         teacher = load_build_teacher(cfg)
         for note in getattr(teacher, "notes", ()):
             progress.message(note)
         try:
-            return _build_with(cfg, progress, files, total_rows, fs, root, teacher)
+            return _build_with(cfg, progress, files, total_rows, store, teacher)
         finally:
             teacher.close()
 
@@ -210,22 +211,22 @@ def load_build_teacher(cfg: BuildConfig) -> Teacher:
     return load_teacher(cfg.teacher)
 
 
-def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, fs, root: str,
+def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_rows: int, store: CacheStore,
                 teacher: Teacher) -> dict:
     with fmt.reaching(cfg.out):
-        existing = None if cfg.overwrite else existing_manifest(fs, root, cfg.out)
+        existing = None if cfg.overwrite else existing_manifest(store)
     header = _header(cfg, teacher, files, (existing or {}).get("teacher"))
     with fmt.reaching(cfg.out):
-        version = prepare_output(fs, root, cfg.out, header, cfg.overwrite, cfg.storage.format_version)
-    resume = open_output(fs, root, cfg.out, header, cfg.rank, live=cfg.world_size == 1,
-                         write_head=lambda: write_teacher_files(fs, root, teacher.model, teacher.tokenizer))
+        version = prepare_output(store, header, cfg.overwrite, cfg.storage.format_version)
+    resume = open_output(store, header, cfg.rank, live=cfg.world_size == 1,
+                         write_head=lambda: write_teacher_files(store, teacher.model, teacher.tokenizer))
     if resume.records:
         progress.message(f"resuming: {len(resume.records)} committed shard(s) kept, continuing at corpus row {resume.start_row}"
                          + (f", {resume.removed} uncommitted shard(s) removed" if resume.removed else ""))
     stats = BuildStats()
     with ExitStack() as held:
         cross_check = _cross_check(cfg, teacher, held)
-        _write_corpus(cfg, files, teacher, resume, stats, progress, fs, root, total_rows, version, cross_check)
+        _write_corpus(cfg, files, teacher, resume, stats, progress, store, total_rows, version, cross_check)
     stats.seconds.update(getattr(teacher, "seconds", {}))  # the engine's parts (vLLM: engine, receive, head)
     last_run = stats.last_run()
     if cross_check is not None and cross_check.checked:
@@ -235,11 +236,11 @@ def _build_with(cfg: BuildConfig, progress: Progress, files: list[str], total_ro
                          f"{cross_check.logprobs:.3g} (log-probs)")
     if not stats.padded and resume.previous_run:  # a rerun of a finished build ran no teacher: keep what the last one did
         last_run = resume.previous_run
-    manifest = complete_rank(fs, root, cfg.out, cfg.storage_options, resume, cfg.rank, last_run)
+    manifest = complete_rank(store, cfg.storage_options, resume, cfg.rank, last_run)
     if manifest is None:
         progress.message(f"rank {cfg.rank} finished its part ({len(resume.keeper.records)} shard(s)); the last rank to "
                          "finish completes the cache")
-        return fmt.read_manifest(fs, root, cfg.out)
+        return fmt.read_manifest(store)
     t = manifest["totals"]
     progress.message(
         f"committed {t['shards']} shard(s): {t['sequences']:,} sequences, {t['tokens']:,} tokens, "
@@ -268,7 +269,7 @@ def _cross_check(cfg: BuildConfig, teacher: Teacher, held: ExitStack) -> CrossCh
 
 
 def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: Resume, stats: BuildStats,
-                  progress: Progress, fs, root: str, total_rows: int, version: int = fmt.FORMAT_VERSION,
+                  progress: Progress, store: CacheStore, total_rows: int, version: int = fmt.FORMAT_VERSION,
                   cross_check: CrossCheck | None = None) -> None:
     """The build's loop, from the resume point to the corpus's end: rows -> sequences -> the cut
     (ShardCut) -> each cut shard to the teacher, then to the writer thread, which writes and commits
@@ -282,11 +283,11 @@ def _write_corpus(cfg: BuildConfig, files: list[str], teacher: Teacher, resume: 
         progress.message(f"the generate group of shards from {first_index} on is computed again from corpus row {start_row}: "
                          f"its {len(resume.records) - first_index} committed shard(s) are sent as context, not rewritten")
     # the rows cut again as context are read again: their ids are not duplicates of themselves
-    seen = {i: row for i, row in resume.seen(fs, root).items() if row < start_row}
+    seen = {i: row for i, row in resume.seen(store).items() if row < start_row}
     cut = ShardCut(cfg.rank, first_index, start_row, shard_tokens(cfg.storage.shard_bytes, per_token_hidden),
                    committed=len(resume.records))
     shards = ShardQueue(TeacherPass(teacher, stats, progress, resume.keeper, cross_check),
-                        partial(write_committed, fs, root, cfg.storage, cfg.teacher.dtype, version, layer_ids, stats.seconds),
+                        partial(write_committed, store, cfg.storage, cfg.teacher.dtype, version, layer_ids, stats.seconds),
                         resume.keeper.commit, group, out=cfg.out, committed=len(resume.records))
     progress.start(max(total_rows - start_row, 0) // cfg.world_size, "sequences", "seq")
     end_row = start_row

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from dflash_build.cross_check import merge_records
 from dflash_cache import format as fmt
-from dflash_cache.build.cross_check import merge_records
 from dflash_cache.format import index
 from dflash_cache.format.store import CacheStore
 from dflash_common.errors import CacheError
@@ -37,43 +37,42 @@ def part_due(shards: int, since_checkpoint: int) -> bool:
     return shards < PART_EVERY_COMMIT or since_checkpoint * PART_GROWTH >= shards
 
 
-def committed_v2(fs, root: str, rank: int) -> tuple[list[dict], list]:
+def committed_v2(store: CacheStore, rank: int) -> tuple[list[dict], list]:
     """A format-2 rank's commit records, in order, and their rows of the sequence table (Arrow
     tables, shard positions local to the rank): its checkpointed part, then the commit records
     after it, found by name (no listing), with their shards' sequences.arrow."""
     import pyarrow as pa
 
-    store = CacheStore(fs, root, root)
     records, part_sequences = index.read_part(store, rank)
     for expected, record in enumerate(records):
         if record["index"] != expected or record["rank"] != rank:
-            raise CacheError(f"{root}: the index part of rank {rank} is out of order at shard {expected}; run "
+            raise CacheError(f"{store.url}: the index part of rank {rank} is out of order at shard {expected}; run "
                              "`dflash-cache verify` and rebuild with --overwrite")
     sequences = [part_sequences] if part_sequences.num_rows else []
     while True:
         name = fmt.shard_name(rank, len(records))
-        path = fmt.shard_path(root, name, 2)
-        if not fs.exists(f"{path}.json"):
+        path = fmt.shard_path(store.root, name, 2)
+        if not store.exists(f"{path}.json"):
             return records, sequences
-        record = fmt.check_shard_paths(fmt.read_json(fs, f"{path}.json"), root,
+        record = fmt.check_shard_paths(store.read_json_unchecked(f"{path}.json"), store.root,
                                        f"{fmt.SHARDS_DIR}/{fmt.rank_folder(rank)}/{name}.json")
-        table = pa.ipc.open_file(pa.BufferReader(fs.cat_file(fmt.join(path, fmt.SEQUENCES)))).read_all()
+        table = pa.ipc.open_file(pa.BufferReader(store.read_bytes(fmt.join(path, fmt.SEQUENCES)))).read_all()
         sequences.append(index.sequence_rows(table, len(records)))
         records.append(record)
 
 
-def committed_records(fs, root: str, rank: int, version: int = 1) -> list[dict]:
+def committed_records(store: CacheStore, rank: int, version: int = 1) -> list[dict]:
     """Commit records of this rank's shards, in order; the source of truth on resume."""
     if version != 1:
-        return committed_v2(fs, root, rank)[0]
-    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
-    if not fs.exists(shards_dir):
+        return committed_v2(store, rank)[0]
+    shards_dir = store.path(fmt.SHARDS_DIR)
+    if not store.exists(shards_dir):
         return []
     prefix = fmt.shard_name(rank, 0)[:-6]
     records = []
-    for path in sorted(fs.glob(fmt.join(shards_dir, f"{prefix}*.json"))):
+    for path in sorted(store.glob(fmt.join(shards_dir, f"{prefix}*.json"))):
         # a record's name becomes a path (resume, finalize): the same check as the reader's
-        records.append(fmt.check_shard_paths(fmt.read_json(fs, path), root, f"{fmt.SHARDS_DIR}/{path.rsplit('/', 1)[-1]}"))
+        records.append(fmt.check_shard_paths(store.read_json_unchecked(path), store.root, f"{fmt.SHARDS_DIR}/{path.rsplit('/', 1)[-1]}"))
     records.sort(key=lambda r: r["index"])
     # The writer commits in order, so committed shards are a prefix 0..n-1.
     for expected, record in enumerate(records):
@@ -82,7 +81,7 @@ def committed_records(fs, root: str, rank: int, version: int = 1) -> list[dict]:
     return records
 
 
-def committed_ids(fs, root: str, records: list[dict], sequences: list | None = None) -> dict[str, int]:
+def committed_ids(store: CacheStore, records: list[dict], sequences: list | None = None) -> dict[str, int]:
     """The corpus row of every sequence id in the shards of ``records`` (format 1: read from their
     sequences.arrow; format 2: from their rows of the sequence table, ``sequences``)."""
     import pyarrow as pa
@@ -94,8 +93,8 @@ def committed_ids(fs, root: str, records: list[dict], sequences: list | None = N
         return seen
     seen: dict[str, int] = {}
     for record in records:
-        path = fmt.join(root, fmt.SHARDS_DIR, record["name"], fmt.SEQUENCES)
-        table = pa.ipc.open_file(pa.BufferReader(fs.cat_file(path))).read_all()
+        path = store.path(fmt.SHARDS_DIR, record["name"], fmt.SEQUENCES)
+        table = pa.ipc.open_file(pa.BufferReader(store.read_bytes(path))).read_all()
         for seq_id, row in zip(table.column("id").to_pylist(), table.column("row").to_pylist()):
             seen[seq_id] = row
     return seen
@@ -119,9 +118,9 @@ class ManifestKeeper:
     manifest with each checkpoint, pointing at the part); complete, a one-process build merges
     its part into the cache's index, as finalize does for several ranks."""
 
-    def __init__(self, fs, root: str, header: dict, records: list[dict], live: bool, sequences: list | None = None,
+    def __init__(self, store: CacheStore, header: dict, records: list[dict], live: bool, sequences: list | None = None,
                  rank: int = 0):
-        self.fs, self.root, self.header, self.live, self.rank = fs, root, header, live, rank
+        self.store, self.header, self.live, self.rank = store, header, live, rank
         self.version = int(header.get("format_version", fmt.FORMAT_VERSION))
         self.records = list(records)
         self.sequences = list(sequences or [])  # format 2: the records' rows of the sequence table
@@ -129,7 +128,7 @@ class ManifestKeeper:
         self.bytes = sum(int(r["bytes"]) for r in self.records)  # kept up to date: read per progress update
         self.lock = threading.Lock()
         self.last_written, self.last_write_s = time.perf_counter(), 0.0
-        if live or not fs.exists(fmt.join(root, fmt.MANIFEST)):
+        if live or not store.exists(store.path(fmt.MANIFEST)):
             self.write(complete=False)
 
     def commit(self, committed) -> None:
@@ -154,9 +153,8 @@ class ManifestKeeper:
         manifest's ``index`` entry for it."""
         import pyarrow as pa
 
-        store = CacheStore(self.fs, self.root, self.root)
         sequences = pa.concat_tables(self.sequences) if self.sequences else index.sequence_schema().empty_table()
-        self.entry = index.write_tables(store, index.part_paths(self.rank), index.shard_table(self.records), sequences,
+        self.entry = index.write_tables(self.store, index.part_paths(self.rank), index.shard_table(self.records), sequences,
                                         complete=False)
         self.checkpointed = len(self.records)
         return self.entry
@@ -168,12 +166,11 @@ class ManifestKeeper:
         if self.version != 1:
             if complete:
                 self.checkpoint()
-                extra = {"index": merge_parts(CacheStore(self.fs, self.root, self.root), [(self.records, self.sequences)]),
-                         **extra}
+                extra = {"index": merge_parts(self.store, [(self.records, self.sequences)]), **extra}
             elif self.live:  # several ranks: only finalize points the manifest at an index
                 entry = self.entry if self.checkpointed == len(self.records) and self.entry else self.checkpoint()
                 extra = {"index": entry, **extra}
-        manifest = fmt.write_manifest(self.fs, self.root, self.header, self.records, complete,
+        manifest = fmt.write_manifest(self.store, self.header, self.records, complete,
                                       fault_point="during_manifest_write" if fault else None, **extra)
         self.last_written = time.perf_counter()
         self.last_write_s = self.last_written - started
@@ -217,26 +214,26 @@ def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
     for ranks launched as independent jobs. Refuses while a rank is unfinished or when two ranks
     wrote the same sequence id.
     """
-    fs, root = fmt.url_to_fs(url, storage_options)
-    manifest = fmt.read_manifest(fs, root, url)
+    store = CacheStore.open(url, storage_options)
+    manifest = fmt.read_manifest(store)
     fmt.check_resumed_fields(manifest, url)
     world = int((manifest.get("content_options") or {}).get("world_size", 1))
-    missing = [r for r in range(world) if not fs.exists(rank_marker(root, r))]
+    missing = [r for r in range(world) if not store.exists(rank_marker(store.root, r))]
     if missing:
         raise CacheError(f"{url}: rank(s) {missing} of {world} have not finished; rerun their build (same command with RANK set) before finalizing")
     version = int(manifest["format_version"])
     if version != 1:
-        parts = [committed_v2(fs, root, rank) for rank in range(world)]
+        parts = [committed_v2(store, rank) for rank in range(world)]
         records = [r for part, _ in parts for r in part]
     else:
-        records = [r for rank in range(world) for r in committed_records(fs, root, rank)]
+        records = [r for rank in range(world) for r in committed_records(store, rank)]
         seen: dict[str, str] = {}
         for record in records:
-            for seq_id in committed_ids(fs, root, [record]):
+            for seq_id in committed_ids(store, [record]):
                 if seq_id in seen:
                     raise CacheError(f"{url}: sequence id {seq_id!r} is in both {seen[seq_id]} and {record['name']}; make corpus ids unique and rebuild")
                 seen[seq_id] = record["name"]
-    runs = [fmt.read_json(fs, rank_marker(root, r)) for r in range(world)]
+    runs = [store.read_json_unchecked(rank_marker(store.root, r)) for r in range(world)]
     last_run = {"seconds": max(r["seconds"] for r in runs), "tokens": sum(r["tokens"] for r in runs),
                 "padding_fraction": max(r["padding_fraction"] for r in runs)}
     checks = [r["cross_check"] for r in runs if r.get("cross_check")]
@@ -249,7 +246,7 @@ def finalize_cache(url: str, storage_options: dict | None = None) -> dict:
     if head:
         header["teacher_head"] = head
     if version != 1:  # one part per rank, merged: the shards' files are not read
-        entry = merge_parts(CacheStore(fs, root, url), parts)
-        return fmt.write_manifest(fs, root, header, records, True, index=entry, last_run=last_run)
-    keeper = ManifestKeeper(fs, root, header, records, live=False)
+        entry = merge_parts(store, parts)
+        return fmt.write_manifest(store, header, records, True, index=entry, last_run=last_run)
+    keeper = ManifestKeeper(store, header, records, live=False)
     return keeper.write(complete=True, last_run=last_run)

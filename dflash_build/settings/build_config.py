@@ -1,14 +1,14 @@
-"""Everything `dflash-cache build` is given (dflash_cache.build runs it)."""
+"""Everything `dflash-cache build` is given (dflash_build runs it)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_cache.settings.corpus_config import CorpusConfig
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_common.errors import ConfigError
 from dflash_common.knobs import Knob, config_knobs
+from dflash_corpus.settings.corpus_config import CorpusConfig
 from dflash_teacher.settings.teacher_config import TeacherConfig
 from dflash_teacher.settings.vllm_args import ENGINES, VllmArgs, parse_vllm_args, vllm_args_text
 

@@ -1,13 +1,13 @@
 """CorpusConfig: where the corpus is and how its rows become sequences, and the file formats read
-(its chat-template variables are checked by dflash_teacher.settings.template_kwargs)."""
+(its chat-template variables are checked by dflash_common.template_kwargs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dflash_common.errors import ConfigError
+from dflash_common.template_kwargs import check_template_kwargs
 from dflash_common.values import is_int
-from dflash_teacher.settings.template_kwargs import check_template_kwargs
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_build.commit import ManifestKeeper
+from dflash_build.cross_check import CrossCheck
+from dflash_build.shard_cut import PendingShard
 from dflash_cache import format as fmt
-from dflash_cache.build.commit import ManifestKeeper
-from dflash_cache.build.cross_check import CrossCheck
-from dflash_cache.build.shard_cut import PendingShard
 from dflash_cache.writer import ShardData
 from dflash_common.progress import Progress
 from dflash_teacher.teacher import Teacher

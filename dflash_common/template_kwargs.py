@@ -1,5 +1,6 @@
 """Which chat-template kwargs dflash passes to a chat template: variables the template reads as data
-(e.g. {"enable_thinking": false}), nothing else. Torch-free, so the configs check them when built
+(e.g. {"enable_thinking": false}), nothing else. Shared by the teacher's render, the corpus and every
+stage's settings, so here at the bottom; torch-free, so the configs check them when built
 and a cache's reader when it reads its manifest.
 
 transformers' `apply_chat_template(messages, **kwargs)` takes some kwargs as its own parameters

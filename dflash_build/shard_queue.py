@@ -18,9 +18,10 @@ from typing import Callable
 
 import pyarrow as pa
 
+from dflash_build.shard_cut import PendingShard
+from dflash_build.teacher_pass import TeacherPass
 from dflash_cache import format as fmt
-from dflash_cache.build.shard_cut import PendingShard
-from dflash_cache.build.teacher_pass import TeacherPass
+from dflash_cache.format.store import CacheStore
 from dflash_cache.settings.storage_config import StorageConfig
 from dflash_cache.writer import ShardData, sequences_table, write_shard
 from dflash_common.errors import CacheError, DiskFullError
@@ -35,11 +36,11 @@ class Committed:
     sequences: pa.Table
 
 
-def write_committed(fs, root: str, storage: StorageConfig, hidden_dtype: str, version: int, layer_ids: list[int],
+def write_committed(store: CacheStore, storage: StorageConfig, hidden_dtype: str, version: int, layer_ids: list[int],
                     seconds: Counter | None, shard: ShardData) -> Committed:
     """Write and commit one finished shard (adding the seconds of its parts to ``seconds``); what
     the manifest keeper is told of it."""
-    return Committed(write_shard(fs, root, shard, storage, hidden_dtype, version, layer_ids, seconds),
+    return Committed(write_shard(store, shard, storage, hidden_dtype, version, layer_ids, seconds),
                      sequences_table(shard))
 
 

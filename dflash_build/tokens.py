@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_cache.corpus.messages import parse_messages, row_id
-from dflash_cache.corpus.rows import CorpusRow
-from dflash_cache.settings.corpus_config import CorpusConfig
 from dflash_common.errors import BadRowError, ConfigError
+from dflash_corpus.messages import parse_messages, row_id
+from dflash_corpus.rows import CorpusRow
+from dflash_corpus.settings.corpus_config import CorpusConfig
 from dflash_teacher.chat_template import Render, end_of_turn_text, error_text, template_fault, tokenizer_render
 
 
