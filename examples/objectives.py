@@ -86,8 +86,9 @@ reference), 32, and cover (every loss position once an epoch, the default since 
 
 LONG: dict[str, dict] = {**ANCHORS, "random128": {"data.anchors": "random", "data.num_anchors": 128}}
 """`--study long` (issue 59): the anchors study on ~2,000-token conversations (recipe.QUICKSTART_LONG,
-MANPAGES_LONG), where 8 random blocks of 7 train ~6% of a sequence's ~1,000 loss positions an epoch,
-32 ~22%, 128 (overlapping) about as many block tokens as cover, and cover all of them once."""
+MANPAGES_LONG), where 8 random blocks of 7 train ~4% of a sequence's ~1,150-1,220 loss positions a
+step, 32 ~17%, 128 ~68% (overlapping, so some twice) and cover every one once (measured:
+benchmarks/RESULTS.md, "Anchors on ~2,000-token sequences")."""
 
 LATTICE: dict[str, dict] = {
     **KINDS,
