@@ -177,7 +177,7 @@ def brute_force_terms(states, lm_head, targets, ids, logprobs, eta=3.0):
     pb, qb = torch.cat([p, p_tail[:, None]], 1), torch.cat([q_top, q_tail[:, None]], 1)
     mb = (pb + qb) / 2
     blend = torch.exp(-eta * alpha.detach())
-    terms = {"kl": kl, "ce": ce, "tv": 1 - alpha, "nla": -alpha.log(), "lk_hybrid": blend * kl + (1 - blend) * (1 - alpha),
+    terms = {"kl": kl, "ce": ce, "top1": -q_top[:, 0].log(), "tv": 1 - alpha, "nla": -alpha.log(), "lk_hybrid": blend * kl + (1 - blend) * (1 - alpha),
              "rkl": (qb * (qb.log() - pb.log())).sum(-1),
              "jsd": 0.5 * (pb * (pb.log() - mb.log())).sum(-1) + 0.5 * (qb * (qb.log() - mb.log())).sum(-1)}
     return terms, alpha, greedy, (-ce).exp().detach()
