@@ -167,8 +167,9 @@ def answers(spec: CacheSpec, teacher: Path, settings: RecipeSettings) -> Path:
     if spec.join_tokens:
         import long_chat
 
-        return long_chat.write_long(data, spec.prompts, teacher, heldout_prompts(spec, settings).with_name(
-            f"{spec.data.stem}_{spec.join_tokens}.jsonl"), heldout_prompts(spec, settings), spec.join_tokens)[0]
+        prompts = heldout_prompts(spec, settings)
+        joined = prompts.with_name(f"{spec.data.stem}_{spec.join_tokens}.jsonl")
+        return long_chat.write_long(data, spec.prompts, teacher, joined, prompts, spec.join_tokens)[0]
     if not spec.regenerate:
         return data
     from dflash_regenerate import regenerate
